@@ -1,0 +1,56 @@
+"""offpolicy_jax: JAX-native off-policy reinforcement learning for language models."""
+
+import setuptools
+
+# Versions below are the ones the test suite was run against; flax NNX, orbax
+# and grain change APIs between releases, so the core stack is pinned.
+INSTALL_REQUIRES = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "grain==0.2.18",
+    "chex==0.1.92",
+    "absl-py==2.5.1",
+    "ml-collections==1.1.0",
+    "numpy>=2.0,<3",
+    "safetensors==0.8.0",
+    "tokenizers==0.23.3",
+    "jinja2>=3.1",
+    "tensorboardX==2.6.5",
+    "matplotlib>=3.9",
+    "tqdm>=4.66",
+]
+
+EXTRAS_REQUIRE = {
+    "tasks": [
+        "reasoning-gym==0.1.25",
+        "math-verify==0.9.0",
+        "pyarrow>=15",
+    ],
+    "test": [
+        "pytest>=8",
+        "pytest-xdist>=3.5",
+        # The CPU wheel of this exact release is what the parity tests use.
+        "torch==2.13.0",
+        "transformers>=4.50",
+        "nbformat>=5.10",
+        "nbclient>=0.10",
+        "ipykernel>=6",
+        "ruff==0.17.6",
+        "reasoning-gym==0.1.25",
+        "math-verify==0.9.0",
+        "pyarrow>=15",
+    ],
+}
+
+setuptools.setup(
+    name="offpolicy_jax",
+    version="0.1.0",
+    description="JAX-native off-policy RL for large language models.",
+    packages=setuptools.find_packages(include=["offpolicy_jax", "offpolicy_jax.*"]),
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
+)
