@@ -1,0 +1,1 @@
+"""Experiment configs: `get_config()` per file; sweeps via `get_sweep()`."""

@@ -1,0 +1,1 @@
+"""Thin absl binaries: train, eval, sweep, plot."""

@@ -1,0 +1,38 @@
+r"""Evaluates a run's checkpoint, or a Hugging Face directory, on a task.
+
+  python -m experiments.eval --config=configs/default.py --workdir=/tmp/opj_default
+  python -m experiments.eval --config=configs/gsm8k_qwen25_1p5b.py \
+      --config.model=/ckpt/Qwen2.5-1.5B-Instruct --config.eval_samples=8
+
+Prints (and with --out writes as JSON) greedy accuracy, mean reward, response
+length and pass@k (k = config.eval_samples) on config.eval_prompts held-out prompts.
+"""
+
+import json
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (omit to evaluate config.model).")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+_OUT = flags.DEFINE_string("out", None, "Optional JSON output path.")
+flags.mark_flag_as_required("config")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  from offpolicy_jax import loop
+
+  logging.set_verbosity(logging.WARNING)
+  result = loop.evaluate_checkpoint(_CONFIG.value, _WORKDIR.value, _STEP.value)
+  text = json.dumps(result, indent=2)
+  print(text)
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      f.write(text + "\n")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,113 @@
+r"""Expands a config's `get_sweep()` into runs: runs them here one by one, or prints commands.
+
+  python -m experiments.sweep --config=configs/lag_study.py --workdir=/tmp/lag_study
+  python -m experiments.sweep --config=configs/lag_study.py --workdir=DIR --print_only
+
+Each run goes to `workdir/<run name>` (resumable like train.py); at the end the
+sweep writes `workdir/summary.md`, `workdir/summary.csv` and `workdir/curves.png`.
+"""
+
+import os
+import shlex
+import sys
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from offpolicy_jax import metrics
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file with get_sweep().")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Parent directory of the runs.")
+_PRINT_ONLY = flags.DEFINE_bool("print_only", False, "Print one train command per run and exit.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def run_name(overrides: dict) -> str:
+  """A directory-safe name from a dict of overrides, e.g. `loss.name=grpo,lag.sync_interval=20`."""
+  if "name" in overrides:
+    return str(overrides["name"])
+  parts = [f"{k.split('.')[-1]}={v}" for k, v in overrides.items()]
+  return ",".join(parts).replace("/", "_") or "base"
+
+
+def apply_overrides(config, overrides: dict):
+  """Returns a copy of `config` with dotted `overrides` set (the key `name` is skipped)."""
+  config = config.copy_and_resolve_references()
+  for key, value in overrides.items():
+    if key == "name":
+      continue
+    node = config
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    if leaf not in node:
+      raise ValueError(f"sweep override {key!r}: no such config field")
+    node[leaf] = value
+  return config
+
+
+def load_sweep(config_path: str) -> list[dict]:
+  """Loads `get_sweep()` from a config file."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("_sweep_config", config_path.split(":")[0])
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_sweep"):
+    raise ValueError(f"{config_path} has no get_sweep()")
+  return list(module.get_sweep())
+
+
+def _cli_overrides() -> list[str]:
+  return [a for a in sys.argv[1:] if a.startswith("--config.")]
+
+
+def run_sweep(config, sweep: list[dict], workdir: str) -> str:
+  """Runs every entry of `sweep` (dotted overrides of `config`) here, one after another.
+
+  Runs sharing compiled shapes reuse one set of compiled functions and one warm
+  start. Writes `summary.md`, `summary.csv` and `curves.png` under `workdir`.
+
+  Returns:
+    The path of `summary.md`.
+  """
+  from offpolicy_jax import loop
+
+  runs = {}
+  for overrides in sweep:
+    name = run_name(overrides)
+    runs[name] = os.path.join(workdir, name)
+    start = time.time()
+    loop.train_and_evaluate(apply_overrides(config, overrides), runs[name])
+    print(f"sweep run {name} done in {time.time() - start:.1f}s", flush=True)
+  metrics.plot_runs(runs, os.path.join(workdir, "curves.png"))
+  return metrics.write_summary_table(runs, workdir)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  config_path = config_flags.get_config_filename(flags.FLAGS["config"])
+  sweep = load_sweep(config_path)
+  if _PRINT_ONLY.value:
+    for overrides in sweep:
+      args = [f"--config.{k}={v}" for k, v in overrides.items() if k != "name"]
+      cmd = [
+        "python",
+        "-m",
+        "experiments.train",
+        f"--config={config_path}",
+        f"--workdir={os.path.join(_WORKDIR.value, run_name(overrides))}",
+        *_cli_overrides(),
+        *args,
+      ]
+      print(shlex.join(cmd))
+    return
+  summary = run_sweep(_CONFIG.value, sweep, _WORKDIR.value)
+  print(open(summary).read())
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,319 @@
+"""Parameter versions, the sync schedule, snapshots and a bounded-staleness sampler.
+
+Version ``k`` means "the parameters after ``k`` optimizer steps". The paper's
+simulated asynchronous system (Yao et al., "Group-relative REINFORCE is secretly
+an off-policy algorithm", arXiv:2509.24203) feeds optimizer step ``t``
+(1-indexed) with a batch sampled at version
+
+  v(t) = 0                          if t <= n
+  v(t) = m * floor((t - n - 1) / m)  otherwise,
+
+with ``m = sync_interval`` and ``n = sync_offset``; the lag is
+``t - 1 - v(t)``. ``m=1, n=0`` is on-policy, ``m=1, n=k`` a constant lag ``k``,
+``n=0, m=20`` a sawtooth 0..19, and ``m`` beyond the run length is offline.
+
+The snapshot store keeps device-resident copies of recent parameter versions
+so the trainer can recompute exact behaviour or proximal log-probs (decoupled
+PPO, Hilton et al., "Batch size-invariance for policy optimization",
+arXiv:2110.00641); :func:`ewma_update` gives the PPO-EWMA alternative.
+"""
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from offpolicy_jax.types import TrainBatch
+
+# ------------------------------------------------------------------ schedule
+
+
+def validate_schedule(sync_interval: int, sync_offset: int) -> None:
+  """Raises ValueError naming the field if the lag schedule is invalid."""
+  if not isinstance(sync_interval, int | np.integer) or sync_interval < 1:
+    raise ValueError(f"sync_interval must be an int >= 1, got {sync_interval!r}")
+  if not isinstance(sync_offset, int | np.integer) or sync_offset < 0:
+    raise ValueError(f"sync_offset must be an int >= 0, got {sync_offset!r}")
+
+
+def behavior_version(step: int, sync_interval: int = 1, sync_offset: int = 0) -> int:
+  """Parameter version that generated the batch of optimizer step ``step``.
+
+  ``v(t) = 0 if t <= n else m * floor((t - n - 1) / m)`` (SCIENCE.md s5).
+
+  Args:
+    step: optimizer step ``t``, 1-indexed.
+    sync_interval: ``m >= 1``, steps between parameter syncs to the sampler.
+    sync_offset: ``n >= 0``, the constant part of the lag.
+
+  Returns:
+    The version ``v(t)``, an int in ``[0, t - 1]``.
+
+  Raises:
+    ValueError: naming the field when ``step < 1`` or the schedule is invalid.
+  """
+  validate_schedule(sync_interval, sync_offset)
+  if not isinstance(step, int | np.integer) or step < 1:
+    raise ValueError(f"step must be an int >= 1 (1-indexed), got {step!r}")
+  if step <= sync_offset:
+    return 0
+  return sync_interval * ((step - sync_offset - 1) // sync_interval)
+
+
+def staleness(step: int, sync_interval: int = 1, sync_offset: int = 0) -> int:
+  """Lag ``t - 1 - v(t)`` of the batch consumed by optimizer step ``step``."""
+  return step - 1 - behavior_version(step, sync_interval, sync_offset)
+
+
+def snapshot_capacity(sync_interval: int, sync_offset: int) -> int:
+  """Snapshots the sync schedule needs at once.
+
+  Before step ``t`` the trainer holds version ``t - 1`` and the sampler needs
+  ``v(t), v(t+1), ...``: the multiples of ``m`` (and 0) in
+  ``[v(t), t - 1]``, at most ``(n + m - 1) // m + 1`` of them.
+  """
+  validate_schedule(sync_interval, sync_offset)
+  return (sync_offset + sync_interval - 1) // sync_interval + 1
+
+
+def is_snapshot_version(version: int, sync_interval: int) -> bool:
+  """Whether the schedule will ever sample at ``version`` (0 or a multiple of m)."""
+  return version % sync_interval == 0
+
+
+# ------------------------------------------------------------------ snapshots
+
+
+class SnapshotState(NamedTuple):
+  """A ring of parameter snapshots, stacked along a leading capacity axis.
+
+  Attributes:
+    params: pytree like the parameters with a leading ``[C]`` axis.
+    versions: int32 [C] version held in each slot, -1 for empty.
+    ptr: int32 [] next slot to overwrite.
+  """
+
+  params: Any
+  versions: jax.Array
+  ptr: jax.Array
+
+
+def snapshot_init(params: Any, capacity: int, version: ArrayLike = 0) -> SnapshotState:
+  """Creates a store holding ``params`` as ``version`` in slot 0.
+
+  Args:
+    params: parameter pytree.
+    capacity: number of versions kept (see :func:`snapshot_capacity`).
+    version: version of ``params``.
+
+  Returns:
+    A :class:`SnapshotState`.
+  """
+  if capacity < 1:
+    raise ValueError(f"capacity must be >= 1, got {capacity}")
+  stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (capacity, *jnp.shape(x))) + 0, params)
+  versions = jnp.full((capacity,), -1, jnp.int32).at[0].set(version)
+  return SnapshotState(stacked, versions, jnp.asarray(1 % capacity, jnp.int32))
+
+
+@jax.jit
+def snapshot_update(state: SnapshotState, params: Any, version: ArrayLike) -> SnapshotState:
+  """Stores ``params`` as ``version``, overwriting the oldest slot.
+
+  Storing a version that is already present overwrites that slot instead.
+  """
+  version = jnp.asarray(version, jnp.int32)
+  present = state.versions == version
+  slot = jnp.where(present.any(), jnp.argmax(present), state.ptr)
+  new_params = jax.tree.map(lambda s, p: s.at[slot].set(p), state.params, params)
+  ptr = jnp.where(present.any(), state.ptr, (state.ptr + 1) % state.versions.shape[0])
+  return SnapshotState(new_params, state.versions.at[slot].set(version), ptr.astype(jnp.int32))
+
+
+@jax.jit
+def snapshot_get(state: SnapshotState, version: ArrayLike) -> tuple[Any, jax.Array]:
+  """Parameters stored for ``version``.
+
+  Args:
+    state: the store.
+    version: int scalar version.
+
+  Returns:
+    ``(params, found)``: the parameters (slot 0's when not found) and a bool
+    scalar telling whether ``version`` is present.
+  """
+  hit = state.versions == jnp.asarray(version, jnp.int32)
+  slot = jnp.argmax(hit)
+  return jax.tree.map(lambda s: s[slot], state.params), hit.any()
+
+
+def ewma_update(avg_params: Any, params: Any, decay: ArrayLike) -> Any:
+  """PPO-EWMA proximal policy: ``avg <- decay * avg + (1 - decay) * params``.
+
+  Hilton et al., "Batch size-invariance for policy optimization",
+  arXiv:2110.00641. Initialise ``avg_params`` with the initial parameters.
+  """
+  return jax.tree.map(lambda a, p: decay * a + (1.0 - decay) * p, avg_params, params)
+
+
+# ------------------------------------------------------------------ staleness bound
+
+
+def row_staleness(versions: ArrayLike, mask: ArrayLike, current_version: ArrayLike) -> jax.Array:
+  """Staleness of each row: ``current_version - min(version over valid tokens)``.
+
+  Args:
+    versions: int32 [B, N] version per token.
+    mask: float32 [B, N] valid tokens.
+    current_version: int scalar trainer version.
+
+  Returns:
+    int32 [B] staleness of the oldest valid token (0 for empty rows).
+  """
+  versions = jnp.asarray(versions)
+  big = jnp.iinfo(jnp.int32).max
+  oldest = jnp.min(jnp.where(jnp.asarray(mask) > 0, versions, big), axis=-1)
+  return jnp.where(oldest == big, 0, jnp.asarray(current_version, jnp.int32) - oldest)
+
+
+def staleness_weights(
+  versions: ArrayLike,
+  mask: ArrayLike,
+  current_version: ArrayLike,
+  max_staleness: int,
+  stale_weight: float = 0.0,
+) -> jax.Array:
+  """Per-row weights: 1 within the staleness bound, ``stale_weight`` beyond it.
+
+  Args:
+    versions: int32 [B, N] version per token.
+    mask: float32 [B, N] valid tokens.
+    current_version: int scalar trainer version.
+    max_staleness: largest allowed staleness.
+    stale_weight: weight of rows older than the bound (0 drops them).
+
+  Returns:
+    float32 [B] weights to multiply into ``TrainBatch.weights``.
+  """
+  stale = row_staleness(versions, mask, current_version) > max_staleness
+  return jnp.where(stale, jnp.float32(stale_weight), jnp.float32(1.0))
+
+
+class AsyncSampler:
+  """Runs a sampler on a background thread, ahead of the trainer.
+
+  The thread repeatedly calls ``sample_fn(params, version)`` with the most
+  recently published parameters and queues the resulting ``TrainBatch``
+  (whose ``versions`` record the producing version per token). The queue
+  bounds how far the sampler runs ahead. :meth:`get` enforces
+  ``max_staleness`` against the trainer's version: with ``mode="drop"`` whole
+  batches whose oldest token is too stale are discarded; with
+  ``mode="weight"`` stale rows keep their place but their
+  ``TrainBatch.weights`` are multiplied by ``stale_weight``. Both are counted
+  in :attr:`stats`.
+
+  Example::
+
+    sampler = AsyncSampler(sample_fn, params, 0, max_staleness=2)
+    for t in range(1, steps + 1):
+      batch = sampler.get(current_version=t - 1)
+      state, metrics = train_step(state, batch, key)
+      sampler.publish(state.params, t)
+    sampler.close()
+  """
+
+  def __init__(
+    self,
+    sample_fn: Callable[[Any, int], TrainBatch],
+    params: Any,
+    version: int,
+    *,
+    max_staleness: int,
+    mode: str = "drop",
+    stale_weight: float = 0.0,
+    queue_size: int = 2,
+  ):
+    if mode not in ("drop", "weight"):
+      raise ValueError(f"mode must be 'drop' or 'weight', got {mode!r}")
+    if max_staleness < 0:
+      raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    if queue_size < 1:
+      raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+    self._sample_fn = sample_fn
+    self._latest = (jax.tree.map(jnp.copy, params), int(version))
+    self._lock = threading.Lock()
+    self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+    self._stop = threading.Event()
+    self._error: BaseException | None = None
+    self.max_staleness = max_staleness
+    self.mode = mode
+    self.stale_weight = stale_weight
+    self.stats = {"produced": 0, "consumed": 0, "dropped_batches": 0, "downweighted_rows": 0}
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+
+  def publish(self, params: Any, version: int) -> None:
+    """Makes ``params`` (at ``version``) the sampler's parameters from now on.
+
+    A device copy is taken, so the trainer may donate its state afterwards.
+    """
+    params = jax.tree.map(jnp.copy, params)
+    with self._lock:
+      self._latest = (params, int(version))
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        with self._lock:
+          params, version = self._latest
+        batch = self._sample_fn(params, version)
+        jax.block_until_ready(batch)
+        self.stats["produced"] += 1
+        while not self._stop.is_set():
+          try:
+            self._queue.put(batch, timeout=0.05)
+            break
+          except queue.Full:
+            continue
+    except BaseException as e:  # surfaced to the trainer by get()
+      self._error = e
+
+  def get(self, current_version: int, timeout: float | None = 60.0) -> TrainBatch:
+    """Next batch within the staleness bound relative to ``current_version``.
+
+    Raises:
+      RuntimeError: if the sampler thread failed.
+      TimeoutError: if no batch arrives within ``timeout`` seconds.
+    """
+    while True:
+      if self._error is not None:
+        raise RuntimeError("AsyncSampler thread failed") from self._error
+      try:
+        batch = self._queue.get(timeout=0.05 if timeout is None else min(timeout, 0.05))
+      except queue.Empty:
+        if timeout is not None:
+          timeout -= 0.05
+          if timeout <= 0:
+            raise TimeoutError("AsyncSampler.get: no batch") from None
+        continue
+      stale = np.asarray(row_staleness(batch.versions, batch.mask, current_version))
+      too_old = stale > self.max_staleness
+      if self.mode == "drop" and too_old.any():
+        self.stats["dropped_batches"] += 1
+        continue
+      if too_old.any():
+        self.stats["downweighted_rows"] += int(too_old.sum())
+        w = np.where(too_old, np.float32(self.stale_weight), np.float32(1.0))
+        batch = batch._replace(weights=batch.weights * jnp.asarray(w))
+      self.stats["consumed"] += 1
+      return batch
+
+  def close(self) -> None:
+    """Stops the thread and waits for it."""
+    self._stop.set()
+    self._thread.join(timeout=30)

@@ -1,0 +1,233 @@
+"""Per-batch searches (M2PO, BAPO, Clip-Cov / KL-Cov) and adaptive coefficients.
+
+The searches are pure jittable functions of one batch (sorts, ``top_k`` and a
+bounded ``lax.while_loop``; no Python loops over data). The coefficient
+controllers are optax-style ``(init, update)`` pairs over NamedTuple states.
+"""
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+
+def m2po_tau(log_ratio: ArrayLike, mask: ArrayLike, budget: float = 0.04) -> jax.Array:
+  """M2PO: the largest ``tau`` whose kept tokens have ``E[(log rho)^2] <= budget``.
+
+  Tokens are kept iff ``|log rho| <= tau``; ``tau`` is the largest threshold
+  such that the second moment of ``log rho`` over the kept valid tokens stays
+  within the budget (the tokens with the largest ``(log rho)^2`` are dropped
+  first), and it equals the largest kept ``|log rho|``. ``tau = inf`` when
+  the whole batch is within budget. Zheng et al., "Prosperity before
+  collapse: how far can off-policy RL reach with stale data on LLMs?" (2025).
+
+  The kept second moment is monotone in the threshold, so the search is an
+  exact bisection over the bit patterns of non-negative float32 thresholds
+  between ``budget`` and ``max (log rho)^2`` (at most ~30 masked reductions,
+  none when the batch is within budget; no sort).
+
+  Args:
+    log_ratio: [B, T] ``log rho``.
+    mask: [B, T] 1 on valid tokens.
+    budget: bound on the second moment.
+
+  Returns:
+    Scalar ``tau >= 0`` (``inf`` when nothing needs masking).
+  """
+  m = jnp.asarray(mask) > 0
+  v = jnp.where(m, jnp.square(jnp.asarray(log_ratio, jnp.float32)), 0.0)
+
+  def within_budget(threshold):
+    # mean_kept(v) <= budget  <=>  sum_kept(v - budget) <= 0: one reduction.
+    return jnp.sum(jnp.where(m & (v <= threshold), v - budget, 0.0)) <= 0.0
+
+  v_max = jnp.max(v)
+  to_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
+  to_float = lambda b: jax.lax.bitcast_convert_type(b, jnp.float32)
+
+  def search(_):
+    # Invariant: within_budget(lo) and not within_budget(hi). Every token with
+    # v <= budget can be kept, so the search starts at the budget itself.
+    def body(bounds):
+      lo, hi = bounds
+      mid = lo + (hi - lo) // 2
+      ok = within_budget(to_float(mid))
+      return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    start = (to_bits(jnp.float32(budget)), to_bits(v_max))
+    lo, _ = jax.lax.while_loop(lambda b: b[1] - b[0] > 1, body, start)
+    tau_sq = jnp.max(jnp.where(m & (v <= to_float(lo)), v, 0.0))
+    # One ulp up so that |log rho| <= tau holds for every kept token despite rounding.
+    return jnp.nextafter(jnp.sqrt(tau_sq), jnp.float32(jnp.inf))
+
+  return jax.lax.cond(within_budget(v_max), lambda _: jnp.float32(jnp.inf), search, None)
+
+
+def bapo_bounds(
+  rho: ArrayLike,
+  advantages: ArrayLike,
+  mask: ArrayLike,
+  *,
+  low: float = 0.6,
+  high: float = 1.2,
+  low_max: float = 0.8,
+  high_max: float = 2.0,
+  step_low: float = 0.05,
+  step_high: float = 0.2,
+  target: float = 0.4,
+) -> tuple[jax.Array, jax.Array]:
+  """BAPO: raise the clip bounds until positive tokens carry enough of the update.
+
+  At step ``k`` the bounds are ``c_lo = min(low + k*step_low, low_max)`` and
+  ``c_hi = min(high + k*step_high, high_max)``; the positive share is
+  ``P / (P + N)`` with ``P = sum_{A>0, rho <= c_hi} A rho`` and
+  ``N = sum_{A<0, rho >= c_lo} |A| rho`` (the tokens that still get a PPO-clip
+  gradient). The search stops at the first ``k`` with share ``>= target`` or
+  when both bounds reach their maxima. Xi et al., "BAPO: stabilizing
+  off-policy RL for LLMs via balanced policy optimization with adaptive
+  clipping" (2025). Reconstruction: the share is measured on
+  gradient-carrying tokens and both bounds move together each step.
+
+  Args:
+    rho: [B, T] token ratios (treated as constants).
+    advantages: [B, T] advantages.
+    mask: [B, T] 1 on valid tokens.
+    low, high: initial absolute bounds.
+    low_max, high_max: largest bounds.
+    step_low, step_high: increments per search step.
+    target: required positive share.
+
+  Returns:
+    ``(c_lo, c_hi)`` float32 scalars.
+  """
+  rho = jax.lax.stop_gradient(jnp.asarray(rho, jnp.float32))
+  a = jnp.asarray(advantages, jnp.float32)
+  m = jnp.asarray(mask, jnp.float32)
+  pos_w = jnp.where(a > 0, a * rho * m, 0.0)
+  neg_w = jnp.where(a < 0, -a * rho * m, 0.0)
+
+  steps = [(low_max - low) / step_low if step_low > 0 else 0.0]
+  steps.append((high_max - high) / step_high if step_high > 0 else 0.0)
+  k = jnp.arange(math.ceil(max(max(steps), 0.0) - 1e-6) + 1, dtype=jnp.float32)
+  lo_k = jnp.minimum(low + k * step_low, max(low, low_max))
+  hi_k = jnp.minimum(high + k * step_high, max(high, high_max))
+  # All candidate bounds at once: [K] shares from one fused pass over the batch.
+  p = jnp.sum(jnp.where(rho[None] <= hi_k[:, None, None], pos_w[None], 0.0), axis=(1, 2))
+  n = jnp.sum(jnp.where(rho[None] >= lo_k[:, None, None], neg_w[None], 0.0), axis=(1, 2))
+  ok = p >= target * jnp.maximum(p + n, 1e-12)
+  first = jnp.where(jnp.any(ok), jnp.argmax(ok), k.shape[0] - 1)
+  return lo_k[first], hi_k[first]
+
+
+def cov_select(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, frac: float) -> jax.Array:
+  """Clip-Cov / KL-Cov token selection by covariance of log-prob and advantage.
+
+  ``cov_t = (l_t - mean l) (A_t - mean A)`` over the valid tokens of the
+  call; selects the ``ceil(frac * n_valid)`` tokens of largest positive
+  covariance. Cui et al., "The entropy mechanism of reinforcement learning
+  for reasoning language models", arXiv 2505.22617. Reconstruction: Clip-Cov
+  samples its tokens at random from a covariance band; here both methods take
+  the top fraction deterministically.
+
+  Args:
+    logp: [B, T] log-probs (treated as constants).
+    advantages: [B, T] advantages.
+    mask: [B, T] 1 on valid tokens.
+    frac: fraction of valid tokens to select.
+
+  Returns:
+    [B, T] float32 selection indicator.
+  """
+  lp = jax.lax.stop_gradient(jnp.asarray(logp, jnp.float32))
+  a = jnp.asarray(advantages, jnp.float32)
+  m = jnp.asarray(mask, jnp.float32)
+  n = jnp.maximum(jnp.sum(m), 1.0)
+  cov = (lp - jnp.sum(lp * m) / n) * (a - jnp.sum(a * m) / n)
+  cov = jnp.where(m > 0, cov, -jnp.inf)
+  k_static = max(1, int(-(-frac * cov.size // 1)))
+  top = jax.lax.top_k(cov.reshape(-1), k_static)[0]
+  k_dyn = jnp.clip(jnp.ceil(frac * jnp.sum(m)).astype(jnp.int32), 0, k_static)
+  threshold = top[jnp.maximum(k_dyn - 1, 0)]
+  selected = (cov >= threshold) & (cov > 0) & (m > 0) & (k_dyn > 0)
+  return selected.astype(jnp.float32)
+
+
+class ControllerState(NamedTuple):
+  """State of an adaptive coefficient: the current ``coef`` and a step count."""
+
+  coef: jax.Array
+  count: jax.Array
+
+
+class Controller(NamedTuple):
+  """An optax-style pair: ``init() -> state``, ``update(state, value) -> state``."""
+
+  init: Callable[[], ControllerState]
+  update: Callable[[ControllerState, ArrayLike], ControllerState]
+
+
+def adaptive_kl_controller(
+  init_coef: float, target: float, horizon: float = 10_000.0
+) -> Controller:
+  """Proportional KL coefficient controller.
+
+  ``e = clip(kl / target - 1, -0.2, 0.2)``; ``coef <- coef * (1 + e / horizon)``
+  per observed step (Ziegler et al., "Fine-tuning language models from human
+  preferences", arXiv 1909.08593, with ``n_steps = 1``).
+
+  Args:
+    init_coef: starting coefficient (>= 0).
+    target: target KL per token (> 0).
+    horizon: time constant in steps (> 0).
+
+  Returns:
+    ``Controller``; ``update(state, kl)`` takes the observed scalar KL.
+  """
+  if init_coef < 0:
+    raise ValueError(f"init_coef={init_coef} must be >= 0")
+  if target <= 0 or horizon <= 0:
+    raise ValueError(f"target={target} and horizon={horizon} must be > 0")
+
+  def init():
+    return ControllerState(jnp.asarray(init_coef, jnp.float32), jnp.zeros((), jnp.int32))
+
+  def update(state, kl_value):
+    err = jnp.clip(jnp.asarray(kl_value, jnp.float32) / target - 1.0, -0.2, 0.2)
+    return ControllerState(state.coef * (1.0 + err / horizon), state.count + 1)
+
+  return Controller(init, update)
+
+
+def adaptive_entropy_controller(
+  init_coef: float, target: float, learning_rate: float = 1e-3, max_coef: float = 1.0
+) -> Controller:
+  """Entropy-bonus coefficient driven towards a target entropy.
+
+  ``log coef <- log coef + lr * (target - H)``, clipped to ``(0, max_coef]``
+  (the temperature update of SAC, Haarnoja et al., arXiv 1812.05905, applied
+  to the entropy bonus of a language policy).
+
+  Args:
+    init_coef: starting coefficient (> 0).
+    target: target mean token entropy (nats).
+    learning_rate: step size on ``log coef``.
+    max_coef: upper bound on the coefficient.
+
+  Returns:
+    ``Controller``; ``update(state, entropy)`` takes the observed entropy.
+  """
+  if init_coef <= 0:
+    raise ValueError(f"init_coef={init_coef} must be > 0")
+
+  def init():
+    return ControllerState(jnp.asarray(init_coef, jnp.float32), jnp.zeros((), jnp.int32))
+
+  def update(state, entropy_value):
+    step = learning_rate * (target - jnp.asarray(entropy_value, jnp.float32))
+    coef = jnp.minimum(jnp.exp(jnp.log(state.coef) + step), max_coef)
+    return ControllerState(coef, state.count + 1)
+
+  return Controller(init, update)

@@ -1,0 +1,226 @@
+"""Named loss presets: every method is a `LossSpec`.
+
+``get_spec(name, **overrides)`` returns a preset with overrides applied;
+``names()`` lists presets in registration order; ``register`` adds one.
+``describe(name)`` gives a one-line summary with the paper.
+
+Paper-only methods are reconstructions from their descriptions: DISPO (the
+default four bounds are illustrative), MinPRO (prefix-minimum ratio inside a
+PPO clip), OAPL (squared regression with the behaviour policy as the lagged
+policy and the advantage as the regression target), OPSM (threshold value),
+Clip-Cov (deterministic top-covariance selection) and BAPO (share measured on
+gradient-carrying tokens).
+"""
+
+from offpolicy_jax.losses.spec import LossSpec
+
+_PPO = dict(shaping="clip", grad="ratio")
+_ONE_SIDE = dict(shaping="mask", mask_kind="one_side")
+_TWO_SIDE = dict(shaping="mask", mask_kind="two_side")
+_RING = dict(shaping="mask", mask_kind="ring")
+_GSPO = dict(_PPO, eps_low=3e-4, eps_high=4e-4, agg="seq_mean_token_mean")
+
+_BUILTIN = (
+  ("reinforce", {}, "-A * logp; no trust region (Williams 1992)."),
+  (
+    "grpo",
+    _PPO,
+    "PPO clip (0.2, 0.2) on token ratios; pair with the 'grpo' advantage "
+    "(Shao et al., DeepSeekMath, arXiv 2402.03300).",
+  ),
+  ("ppo", _PPO, "max(-A rho, -A clip(rho, 0.8, 1.2)) (Schulman et al., arXiv 1707.06347)."),
+  (
+    "dual_clip",
+    dict(_PPO, dual_clip_c=3.0),
+    "PPO clip, loss capped at -c A for A < 0, c = 3 (Ye et al., arXiv 1912.09729).",
+  ),
+  (
+    "rec_oneside_is",
+    dict(_ONE_SIDE, weight="ratio"),
+    "REC one-side mask with IS weight: the PPO-clip gradient (Yao et al., arXiv 2509.24203).",
+  ),
+  (
+    "rec_oneside_nois",
+    _ONE_SIDE,
+    "REC one-side mask, no IS weight; the recommended REC loss (arXiv 2509.24203).",
+  ),
+  (
+    "rec_oneside_nois_wide",
+    dict(_ONE_SIDE, eps_low=0.6, eps_high=2.0),
+    "REC-OneSide-NoIS with the wide band (0.6, 2.0) (arXiv 2509.24203).",
+  ),
+  ("rec_twoside_is", dict(_TWO_SIDE, weight="ratio"), "REC two-side mask, IS weight."),
+  ("rec_twoside_nois", _TWO_SIDE, "REC two-side mask, no IS weight."),
+  (
+    "rec_ring_is",
+    dict(_RING, weight="ratio"),
+    "REC ring mask: band (0.2, 0.2) plus outer rings beyond (0.6, 2.0), IS weight.",
+  ),
+  ("rec_ring_nois", _RING, "REC ring mask, no IS weight."),
+  (
+    "opmd",
+    dict(reg="k2", reg_coef=0.1),
+    "REINFORCE + c (logp - logp_mu)^2, c = 0.1 (Kimi k1.5, arXiv 2501.12599; REC reading).",
+  ),
+  (
+    "asymre",
+    dict(reg="forward_kl", reg_coef=0.1),
+    "REINFORCE - c logp, c = 0.1: baseline lowered by c (Arnal et al., AsymRE).",
+  ),
+  ("red_weight", dict(adv_weight="exp"), "REINFORCE with weight exp(A / temp) (arXiv 2509.24203)."),
+  (
+    "cispo",
+    dict(shaping="truncate", eps_low=1.0, eps_high=0.28),
+    "-sg(clip(rho, 0, 1.28)) A logp: bounded, never zero gradient (MiniMax-M1, arXiv 2506.13585).",
+  ),
+  (
+    "dispo",
+    dict(shaping="truncate", eps_low=1.0, eps_high=0.28, eps_low_neg=0.2, eps_high_neg=1.0),
+    "CISPO with separate weight bounds for A > 0 [0, 1.28] and A < 0 [0.8, 2.0] "
+    "(reconstruction; bounds illustrative).",
+  ),
+  (
+    "gspo",
+    dict(_GSPO, level="seq_geo"),
+    "PPO clip on the geometric-mean sequence ratio, seq-mean (Zheng et al., arXiv 2507.18071).",
+  ),
+  (
+    "gspo_token",
+    dict(_GSPO, level="seq_geo_token"),
+    "GSPO-token: ratio sg(s_i) pi / sg(pi), token advantages allowed (arXiv 2507.18071).",
+  ),
+  (
+    "gmpo",
+    dict(
+      level="seq_geo",
+      shaping="log_clip",
+      grad="ratio",
+      eps_low=0.4,
+      eps_high=0.4,
+      agg="seq_mean_token_mean",
+    ),
+    "Sign-aware clip of log rho to (-0.4, 0.4), then exp(mean) (Zhao et al., GMPO, "
+    "arXiv 2507.20673).",
+  ),
+  (
+    "topr",
+    dict(shaping="topr"),
+    "A >= 0: -A logp; A < 0: -sg(clip(rho, 0, 1)) A logp on token ratios; the paper's "
+    "trajectory ratio is level='seq_prod' (Le Roux et al., TOPR, arXiv 2503.14286).",
+  ),
+  (
+    "sapo",
+    dict(shaping="soft_gate", grad="ratio", tau_pos=1.0, tau_neg=1.05),
+    "Soft gate -A sigmoid(tau (rho - 1)) 4 / tau, tau by sign of A (Qwen, SAPO).",
+  ),
+  (
+    "tis",
+    dict(correction="truncate", is_cap=2.0),
+    "REINFORCE with truncated IS weight min(rho, C), C = 2 (Yao et al., TIS).",
+  ),
+  (
+    "icepop",
+    dict(correction="mask", is_low=0.5, is_high=5.0),
+    "REINFORCE with IS weight rho inside [0.5, 5], zero outside (Ling team, IcePop).",
+  ),
+  (
+    "decoupled_ppo",
+    dict(_PPO, ratio="decoupled", correction="is"),
+    "sg(prox / mu) * PPO-clip(pi / prox); needs proximal_logp (Hilton et al., arXiv 2110.00641).",
+  ),
+  (
+    "m2po",
+    dict(_TWO_SIDE, grad="ratio", adaptive="m2po", m2po_budget=0.04),
+    "Mask tokens with |log rho| > tau, tau the largest keeping E[(log rho)^2] <= 0.04 (M2PO).",
+  ),
+  (
+    "bapo",
+    dict(_PPO, adaptive="bapo", eps_low=0.4, eps_high=0.2),
+    "PPO clip with bounds raised per batch from (0.6, 1.2) to at most (0.8, 2.0) until "
+    "positive tokens carry >= 40% (BAPO; search details reconstructed).",
+  ),
+  (
+    "minpro",
+    dict(_PPO, level="prefix_min"),
+    "PPO clip on the prefix-minimum ratio min_{s<=t} rho_s (MinPRO; reconstruction).",
+  ),
+  (
+    "oapl",
+    dict(level="seq_prod", shaping="regression", grad="ratio", agg="seq_mean_token_mean"),
+    "0.5 (beta log(pi / mu)(y) - A)^2 with A = r - beta log mean exp(r / beta) (use the "
+    "'opmd' advantage) (OAPL; reconstruction).",
+  ),
+  (
+    "opsm",
+    dict(_PPO, seq_filter="opsm", opsm_delta=0.1),
+    "PPO clip; drop sequences with A < 0 and mean(logp_mu - logp) > delta (DeepSeek-V3.2 "
+    "off-policy sequence masking; delta reconstructed).",
+  ),
+  (
+    "clip_cov",
+    dict(grad="ratio", cov="clip", cov_frac=2e-4),
+    "-A rho; detach the top 0.02% tokens by cov(logp, A) (Cui et al., arXiv 2505.22617).",
+  ),
+  (
+    "kl_cov",
+    dict(grad="ratio", cov="kl", cov_frac=2e-3, cov_coef=1.0),
+    "-A rho + |logp - logp_mu| on the top 0.2% tokens by cov(logp, A) (arXiv 2505.22617).",
+  ),
+  (
+    "dapo",
+    dict(_PPO, eps_low=0.2, eps_high=0.28),
+    "PPO clip (0.2, 0.28), global token-mean (Yu et al., arXiv 2503.14476); group filtering "
+    "and the overlong penalty live in the data / reward pipeline.",
+  ),
+)
+
+_REGISTRY: dict[str, LossSpec] = {}
+_DOCS: dict[str, str] = {}
+
+
+def register(name: str, spec: LossSpec, description: str = "", *, overwrite: bool = False) -> None:
+  """Adds a named preset.
+
+  Args:
+    name: preset name (snake case).
+    spec: the `LossSpec`.
+    description: one line for ``describe``.
+    overwrite: allow replacing an existing preset.
+
+  Raises:
+    ValueError: the name exists and ``overwrite`` is False, or spec is not a LossSpec.
+  """
+  if not isinstance(spec, LossSpec):
+    raise ValueError(f"spec for {name!r} must be a LossSpec; got {type(spec).__name__}")
+  if name in _REGISTRY and not overwrite:
+    raise ValueError(f"loss preset {name!r} already registered (pass overwrite=True)")
+  _REGISTRY[name] = spec
+  _DOCS[name] = description
+
+
+for _name, _fields, _doc in _BUILTIN:
+  register(_name, LossSpec(**_fields), _doc)
+
+
+def names() -> list[str]:
+  """Every registered preset name, in registration order."""
+  return list(_REGISTRY)
+
+
+def describe(name: str) -> str:
+  """One-line summary of a preset (formula and paper)."""
+  get_spec(name)
+  return _DOCS[name]
+
+
+def get_spec(name: str, **overrides) -> LossSpec:
+  """The preset ``name`` with ``overrides`` (any `LossSpec` field) applied.
+
+  Raises:
+    ValueError: unknown preset (the message lists the names), unknown
+      override, or an invalid value (e.g. ``eps_low < 0``).
+  """
+  if name not in _REGISTRY:
+    raise ValueError(f"Unknown loss preset {name!r}; known presets: {', '.join(_REGISTRY)}")
+  spec = _REGISTRY[name]
+  return spec.replace(**overrides) if overrides else spec

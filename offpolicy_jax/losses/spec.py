@@ -1,0 +1,218 @@
+"""`LossSpec`: the independent axes of a composable policy loss.
+
+Every policy loss in this package is "REINFORCE with a per-token coefficient
+plus a regulariser" (Yao et al., "Group-relative REINFORCE is secretly an
+off-policy algorithm", arXiv 2509.24203). A spec picks one value on each axis:
+
+1. ``ratio``: which ratio the trust region acts on. ``behavior``
+   (``rho = pi / mu``), ``proximal`` (``pi / prox``) or ``decoupled``
+   (``pi / prox`` for the trust region, ``prox / mu`` as a rollout correction).
+2. ``level``: granularity of the ratio. ``token``; ``seq_prod``
+   (``exp(sum_t log rho_t)``); ``seq_geo`` (``exp(mean_t log rho_t)``, GSPO);
+   ``seq_geo_token`` (value ``s_i``, gradient through each token, GSPO-token);
+   ``prefix_min`` (``min_{s <= t} rho_s``, MinPRO).
+3. ``shaping``: ``none``; ``clip`` (PPO clip, optional dual clip); ``mask``
+   (``mask_kind`` one_side / two_side / ring); ``truncate`` (bounded weight,
+   CISPO / DISPO); ``topr``; ``soft_gate`` (SAPO); ``log_clip`` (GMPO);
+   ``regression`` (OAPL squared regression).
+4. ``grad``: ``logp`` (``-A * sg(w) * logp``) or ``ratio`` (surrogate of a
+   differentiable ratio, ``grad rho = rho * grad logp``).
+5. extra weights: ``weight`` (``one`` / ``ratio``), ``adv_weight`` (``exp``:
+   RED-Weight), ``correction`` (rollout IS: ``is``, ``truncate`` TIS,
+   ``mask`` IcePop) at ``correction_level`` token / seq.
+6. regularisers: ``reg`` (``k2`` / ``forward_kl`` towards mu), KL to a
+   reference (``kl_coef``, ``kl_kind``), entropy bonus (``entropy_coef``);
+   batch-level shapers ``adaptive`` (``m2po``, ``bapo``), ``cov``
+   (``clip`` / ``kl``: Clip-Cov / KL-Cov) and ``seq_filter`` (``opsm``).
+7. ``agg``: ``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum``,
+   ``seq_mean_token_sum_norm``.
+"""
+
+import dataclasses
+
+_CHOICES = {
+  "ratio": ("behavior", "proximal", "decoupled"),
+  "level": ("token", "seq_prod", "seq_geo", "seq_geo_token", "prefix_min"),
+  "shaping": (
+    "none",
+    "clip",
+    "mask",
+    "truncate",
+    "topr",
+    "soft_gate",
+    "log_clip",
+    "regression",
+  ),
+  "mask_kind": ("one_side", "two_side", "ring"),
+  "grad": ("logp", "ratio"),
+  "weight": ("one", "ratio"),
+  "adv_weight": ("none", "exp"),
+  "correction": ("none", "is", "truncate", "mask"),
+  "correction_level": ("token", "seq"),
+  "adaptive": ("none", "m2po", "bapo"),
+  "cov": ("none", "clip", "kl"),
+  "seq_filter": ("none", "opsm"),
+  "reg": ("none", "k2", "forward_kl"),
+  "kl_kind": ("k1", "k2", "k3", "abs"),
+  "agg": (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+  ),
+}
+
+# Fields that must be >= 0 when set.
+_NON_NEGATIVE = (
+  "eps_low",
+  "eps_high",
+  "eps_low_prime",
+  "eps_high_prime",
+  "eps_low_neg",
+  "eps_high_neg",
+  "dual_clip_c",
+  "reg_coef",
+  "kl_coef",
+  "entropy_coef",
+  "is_cap",
+  "is_low",
+  "is_high",
+  "m2po_budget",
+  "bapo_step_low",
+  "bapo_step_high",
+  "bapo_target",
+  "opsm_delta",
+  "cov_frac",
+  "cov_coef",
+)
+_POSITIVE = ("temp", "tau_pos", "tau_neg", "beta")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+  """A composable policy loss; hashable, so it can be a static jit argument.
+
+  Per token (``sg`` = stop-gradient, ``rho`` the chosen ratio):
+  ``loss_t = pg_t(rho, A) + R_t``, with ``pg_t`` from the shaping and gradient
+  path axes, times the extra weights, and ``R_t`` the regularisers. Per-token
+  losses are reduced to ``(sum, count)`` by ``agg``. See the module docstring
+  for the axes; the scalar knobs are:
+
+  Attributes:
+    eps_low, eps_high: ratio band ``[1 - eps_low, 1 + eps_high]`` (for
+      ``log_clip``: the band on ``log rho`` is ``[-eps_low, eps_high]``).
+    eps_low_neg, eps_high_neg: band for tokens with A < 0 (DISPO); ``None``
+      means the same as for A >= 0.
+    eps_low_prime, eps_high_prime: outer ring of the ``ring`` mask.
+    dual_clip_c: dual-clip constant (caps the loss at ``-c * A`` for A < 0);
+      ``None`` disables it.
+    reg_coef: coefficient ``c`` of the ``k2`` / ``forward_kl`` regulariser.
+    kl_coef, kl_kind, kl_straight_through: KL penalty to ``ref_logp`` in the
+      loss, estimator kind, and straight-through gradient (k2 gradient).
+    entropy_coef: entropy bonus coefficient (needs ``entropy=``).
+    temp: RED-Weight temperature: weight ``exp(A / temp)``.
+    tau_pos, tau_neg: SAPO gate temperatures for A > 0 and A < 0.
+    beta: OAPL temperature.
+    is_cap: TIS truncation constant ``C`` (``min(w, C)``).
+    is_low, is_high: IcePop / MIS band ``[is_low, is_high]`` on the rollout
+      correction weight.
+    m2po_budget: M2PO bound on the second moment of ``log rho``.
+    bapo_low_max, bapo_high_max, bapo_step_low, bapo_step_high, bapo_target:
+      BAPO bound search (absolute ratio bounds start at ``1 - eps_low`` and
+      ``1 + eps_high``).
+    opsm_delta: OPSM threshold on the per-sequence mean of ``l_mu - l``.
+    cov_frac, cov_coef: Clip-Cov / KL-Cov selected token fraction and KL-Cov
+      penalty coefficient.
+    max_len: normaliser for ``seq_mean_token_sum_norm``; ``None`` uses T.
+  """
+
+  ratio: str = "behavior"
+  level: str = "token"
+  shaping: str = "none"
+  mask_kind: str = "one_side"
+  grad: str = "logp"
+  weight: str = "one"
+  adv_weight: str = "none"
+  correction: str = "none"
+  correction_level: str = "token"
+  adaptive: str = "none"
+  cov: str = "none"
+  seq_filter: str = "none"
+  reg: str = "none"
+  kl_kind: str = "k3"
+  kl_straight_through: bool = False
+  agg: str = "token_mean"
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  eps_low_neg: float | None = None
+  eps_high_neg: float | None = None
+  eps_low_prime: float = 0.6
+  eps_high_prime: float = 2.0
+  dual_clip_c: float | None = None
+  reg_coef: float = 0.0
+  kl_coef: float = 0.0
+  entropy_coef: float = 0.0
+  temp: float = 1.0
+  tau_pos: float = 1.0
+  tau_neg: float = 1.05
+  beta: float = 1.0
+  is_cap: float = 2.0
+  is_low: float = 0.5
+  is_high: float = 5.0
+  m2po_budget: float = 0.04
+  bapo_low_max: float = 0.8
+  bapo_high_max: float = 2.0
+  bapo_step_low: float = 0.05
+  bapo_step_high: float = 0.2
+  bapo_target: float = 0.4
+  opsm_delta: float = 0.1
+  cov_frac: float = 2e-4
+  cov_coef: float = 1.0
+  max_len: int | None = None
+
+  def __post_init__(self):
+    for field, choices in _CHOICES.items():
+      if getattr(self, field) not in choices:
+        raise ValueError(f"LossSpec.{field}={getattr(self, field)!r}; expected one of {choices}")
+    for field in _NON_NEGATIVE:
+      value = getattr(self, field)
+      if value is not None and value < 0:
+        raise ValueError(f"LossSpec.{field}={value} must be >= 0")
+    for field in _POSITIVE:
+      if getattr(self, field) <= 0:
+        raise ValueError(f"LossSpec.{field}={getattr(self, field)} must be > 0")
+    if self.max_len is not None and self.max_len <= 0:
+      raise ValueError(f"LossSpec.max_len={self.max_len} must be > 0")
+    if self.shaping == "log_clip" and self.level != "seq_geo":
+      raise ValueError("LossSpec.shaping='log_clip' requires level='seq_geo'")
+    if self.shaping in ("clip", "soft_gate", "log_clip", "regression") and self.grad != "ratio":
+      raise ValueError(f"LossSpec.shaping={self.shaping!r} requires grad='ratio'")
+    if self.shaping in ("truncate", "topr") and self.grad != "logp":
+      raise ValueError(f"LossSpec.shaping={self.shaping!r} requires grad='logp'")
+
+  @property
+  def needs_proximal(self) -> bool:
+    """Whether ``policy_loss`` needs ``proximal_logp``."""
+    return self.ratio != "behavior"
+
+  @property
+  def needs_ref(self) -> bool:
+    """Whether ``policy_loss`` needs ``ref_logp``."""
+    return self.kl_coef > 0
+
+  @property
+  def batch_dependent(self) -> bool:
+    """Whether a token's loss depends on other sequences of the same call.
+
+    True for the per-batch searches (M2PO, BAPO) and covariance selection
+    (Clip-Cov, KL-Cov): micro-batch accumulation is then exact only per call.
+    """
+    return self.adaptive != "none" or self.cov != "none"
+
+  def replace(self, **overrides) -> "LossSpec":
+    """Returns a copy with ``overrides``; unknown names raise ValueError."""
+    known = {f.name for f in dataclasses.fields(self)}
+    for name in overrides:
+      if name not in known:
+        raise ValueError(f"Unknown loss override {name!r}; known: {sorted(known)}")
+    return dataclasses.replace(self, **overrides)

@@ -1,0 +1,28 @@
+"""Qwen2 / Qwen3 / Llama decoders in Flax NNX, presets, HF checkpoints and log-probs.
+
+model = models.from_pretrained("/path/to/Qwen2.5-1.5B-Instruct")  # f32 params + compute
+model = models.Decoder(models.get_config("tiny"), rngs=nnx.Rngs(0))
+logits = model(tokens)                                             # [B, T, V] float32
+logp, entropy = models.sequence_logprobs(model, prompt, prompt_mask, tokens, mask)
+models.save_pretrained(model, "/tmp/out")                          # transformers loads it
+"""
+
+from offpolicy_jax.models.config import ModelConfig, get_config, preset_names
+from offpolicy_jax.models.decoder import Decoder, KVCache, default_positions
+from offpolicy_jax.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
+from offpolicy_jax.models.logprobs import logprobs, sequence_logprobs
+
+__all__ = [
+  "Decoder",
+  "KVCache",
+  "ModelConfig",
+  "config_from_hf",
+  "config_to_hf",
+  "default_positions",
+  "from_pretrained",
+  "get_config",
+  "logprobs",
+  "preset_names",
+  "save_pretrained",
+  "sequence_logprobs",
+]

@@ -1,0 +1,287 @@
+"""Flax NNX decoder for the Qwen2 / Qwen3 / Llama 3.x families.
+
+  h_0 = E[tokens]
+  h'  = h + Attn(RMSNorm(h)),   h_{l+1} = h' + W_down (silu(W_gate x) * W_up x),  x = RMSNorm(h')
+  logits = RMSNorm(h_L) W_out   (W_out = E^T when embeddings are tied)
+
+Attention is grouped-query attention with rotary position embeddings (RoFormer,
+arXiv:2104.09864) in the "rotate half" layout used by HF checkpoints, optional
+q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and llama3 frequency scaling.
+
+Every parameter carries logical axis names in its `out_sharding` metadata
+(`vocab`, `embed`, `mlp`, `heads`, `kv_heads`, `head_dim`), so
+`nnx.get_partition_spec(nnx.state(model))` yields logical PartitionSpecs that a
+rules table maps onto a mesh.
+"""
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.typing import ArrayLike
+
+from offpolicy_jax.models.config import ModelConfig
+
+_NEG_INF = -1e30
+
+
+class KVCache(NamedTuple):
+  """Per-layer key/value cache.
+
+  Attributes:
+    k: tuple (one per layer) of [B, S, N_kv, H] keys (compute dtype).
+    v: tuple (one per layer) of [B, S, N_kv, H] values.
+  """
+
+  k: tuple
+  v: tuple
+
+
+def _param(key, shape, names, dtype, init="normal"):
+  if init == "normal":
+    value = 0.02 * jax.random.normal(key, shape, dtype)
+  elif init == "ones":
+    value = jnp.ones(shape, dtype)
+  else:
+    value = jnp.zeros(shape, dtype)
+  return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def rope_inv_freq(config: ModelConfig) -> jax.Array:
+  """Inverse frequencies theta^(-2i/H), i < H/2, with optional llama3/linear scaling.
+
+  Args:
+    config: model config.
+
+  Returns:
+    float32 [H/2] inverse frequencies.
+  """
+  h = config.head_dim
+  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  scaling = config.rope_scaling_dict
+  if scaling is None:
+    return inv_freq
+  kind = scaling.get("rope_type", scaling.get("type", "default"))
+  if kind == "default":
+    return inv_freq
+  if kind == "linear":
+    return inv_freq / scaling["factor"]
+  if kind != "llama3":
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (llama3, linear)")
+  factor = scaling["factor"]
+  low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old_len = scaling["original_max_position_embeddings"]
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def _apply_rope(x_btnh, cos_bth, sin_bth):
+  half = x_btnh.shape[-1] // 2
+  rotated = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
+  cos, sin = (
+    cos_bth[:, :, None, :].astype(x_btnh.dtype),
+    sin_bth[:, :, None, :].astype(x_btnh.dtype),
+  )
+  return x_btnh * cos + rotated * sin
+
+
+class RMSNorm(nnx.Module):
+  """y = x / sqrt(mean(x^2) + eps) * w, computed in float32 (Zhang & Sennrich, arXiv:1910.07467)."""
+
+  def __init__(self, dim: int, eps: float, names: tuple, config: ModelConfig):
+    self.eps = eps
+    self.dtype = jnp.dtype(config.dtype)
+    self.weight = _param(None, (dim,), names, jnp.dtype(config.param_dtype), init="ones")
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (self.weight[...].astype(jnp.float32) * x32.astype(x.dtype)).astype(self.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query self-attention with RoPE and an optional KV cache."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    pd = jnp.dtype(c.param_dtype)
+    d, n, kv, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    self.config = c
+    self.q_proj = _param(rngs.params(), (d, n, h), ("embed", "heads", "head_dim"), pd)
+    self.k_proj = _param(rngs.params(), (d, kv, h), ("embed", "kv_heads", "head_dim"), pd)
+    self.v_proj = _param(rngs.params(), (d, kv, h), ("embed", "kv_heads", "head_dim"), pd)
+    self.o_proj = _param(rngs.params(), (n, h, d), ("heads", "head_dim", "embed"), pd)
+    if c.qkv_bias:
+      self.q_bias = _param(None, (n, h), ("heads", "head_dim"), pd, init="zeros")
+      self.k_bias = _param(None, (kv, h), ("kv_heads", "head_dim"), pd, init="zeros")
+      self.v_bias = _param(None, (kv, h), ("kv_heads", "head_dim"), pd, init="zeros")
+    if c.qk_norm:
+      self.q_norm = RMSNorm(h, c.rms_norm_eps, ("head_dim",), c)
+      self.k_norm = RMSNorm(h, c.rms_norm_eps, ("head_dim",), c)
+
+  def __call__(self, x_btd, cos_bth, sin_bth, allowed_bts, cache_kv=None, cache_index=None):
+    c = self.config
+    dt = jnp.dtype(c.dtype)
+    q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dt))
+    k = jnp.einsum("btd,dnh->btnh", x_btd, self.k_proj[...].astype(dt))
+    v = jnp.einsum("btd,dnh->btnh", x_btd, self.v_proj[...].astype(dt))
+    if c.qkv_bias:
+      q = q + self.q_bias[...].astype(dt)
+      k = k + self.k_bias[...].astype(dt)
+      v = v + self.v_bias[...].astype(dt)
+    if c.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = _apply_rope(q, cos_bth, sin_bth), _apply_rope(k, cos_bth, sin_bth)
+    if cache_kv is not None:
+      k_cache, v_cache = cache_kv
+      start = (0, cache_index, 0, 0)
+      k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
+      v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
+      cache_kv = (k, v)
+    b, t, n, h = q.shape
+    kv = c.num_kv_heads
+    q = q.reshape(b, t, kv, n // kv, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(dt), preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(h)
+    scores = jnp.where(allowed_bts[:, None, None], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dt)).reshape(b, t, n, h)
+    return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt)), cache_kv
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: W_down (silu(x W_gate) * x W_up) (Shazeer, arXiv:2002.05202)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    pd = jnp.dtype(config.param_dtype)
+    d, f = config.hidden_size, config.intermediate_size
+    self.dtype = jnp.dtype(config.dtype)
+    self.gate_proj = _param(rngs.params(), (d, f), ("embed", "mlp"), pd)
+    self.up_proj = _param(rngs.params(), (d, f), ("embed", "mlp"), pd)
+    self.down_proj = _param(rngs.params(), (f, d), ("mlp", "embed"), pd)
+
+  def __call__(self, x_btd):
+    dt = self.dtype
+    gate = x_btd @ self.gate_proj[...].astype(dt)
+    up = x_btd @ self.up_proj[...].astype(dt)
+    return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm block: h + Attn(norm(h)), then h + MLP(norm(h))."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ("embed",), config)
+    self.self_attn = Attention(config, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(
+      config.hidden_size, config.rms_norm_eps, ("embed",), config
+    )
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, h_btd, cos_bth, sin_bth, allowed_bts, cache_kv=None, cache_index=None):
+    attn, cache_kv = self.self_attn(
+      self.input_layernorm(h_btd), cos_bth, sin_bth, allowed_bts, cache_kv, cache_index
+    )
+    h_btd = h_btd + attn
+    h_btd = h_btd + self.mlp(self.post_attention_layernorm(h_btd))
+    return h_btd, cache_kv
+
+
+def default_positions(attention_mask: ArrayLike) -> jax.Array:
+  """positions = cumsum(mask) - 1 clipped at 0, so left padding does not shift positions."""
+  mask = jnp.asarray(attention_mask).astype(jnp.int32)
+  return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+
+
+class Decoder(nnx.Module):
+  """Decoder-only transformer; see the module docstring for the maths.
+
+  Call: `model(tokens[B,T], positions=None, attention_mask=None) -> logits[B,T,V] f32`.
+  With a cache: `model(tokens[B,T], attention_mask=kv_mask[B,S], cache=cache,
+  cache_index=i) -> (logits[B,T,V], cache)`; the T new tokens are written at cache
+  slots i..i+T-1, query t attends to slots j <= i + t with kv_mask[b, j] = 1, and
+  default positions are `cumsum(kv_mask) - 1` at slots i..i+T-1.
+  """
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    c = config
+    self.config = c
+    pd = jnp.dtype(c.param_dtype)
+    self.embed_tokens = _param(rngs.params(), (c.vocab_size, c.hidden_size), ("vocab", "embed"), pd)
+    self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
+    self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, ("embed",), c)
+    if not c.tie_embeddings:
+      self.lm_head = _param(rngs.params(), (c.hidden_size, c.vocab_size), ("embed", "vocab"), pd)
+
+  def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    """Zero KV cache of `max_len` slots for `batch` rows (compute dtype by default)."""
+    c = self.config
+    dtype = jnp.dtype(dtype or c.dtype)
+    shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+    return KVCache(
+      k=tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
+      v=tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
+    )
+
+  def hidden_states(
+    self, tokens, positions=None, attention_mask=None, cache=None, cache_index=None
+  ):
+    """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache (or None)."""
+    c = self.config
+    tokens = jnp.asarray(tokens)
+    b, t = tokens.shape
+    if cache is None:
+      mask = jnp.ones((b, t), bool) if attention_mask is None else jnp.asarray(attention_mask) > 0
+      q_offset, s = 0, t
+    else:
+      if attention_mask is None or cache_index is None:
+        raise ValueError("attention_mask (kv mask [B,S]) and cache_index are required with cache")
+      mask = jnp.asarray(attention_mask) > 0
+      q_offset, s = cache_index, mask.shape[1]
+    if positions is None:
+      positions = default_positions(mask)
+      if cache is not None:
+        positions = jax.lax.dynamic_slice_in_dim(positions, q_offset, t, axis=1)
+    freqs = jnp.asarray(positions, jnp.float32)[..., None] * rope_inv_freq(c)
+    freqs = jnp.concatenate([freqs, freqs], axis=-1)
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    q_idx = q_offset + jnp.arange(t)
+    allowed = (jnp.arange(s)[None, :] <= q_idx[:, None])[None] & mask[:, None, :]
+    h = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(c.dtype)
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      kv = None if cache is None else (cache.k[i], cache.v[i])
+      if c.remat and cache is None:
+        graphdef, state = nnx.split(layer)
+
+        def run(state, h, cos, sin, allowed, graphdef=graphdef):
+          return nnx.merge(graphdef, state)(h, cos, sin, allowed)[0]
+
+        h = jax.checkpoint(run)(state, h, cos, sin, allowed)
+      else:
+        h, kv = layer(h, cos, sin, allowed, kv, cache_index)
+      if kv is not None:
+        new_k.append(kv[0])
+        new_v.append(kv[1])
+    h = self.norm(h)
+    return h, (None if cache is None else KVCache(tuple(new_k), tuple(new_v)))
+
+  def logits_from_hidden(self, h_btd: jax.Array) -> jax.Array:
+    """float32 logits [..., V] from final hidden states [..., D]."""
+    dt = jnp.dtype(self.config.dtype)
+    if self.config.tie_embeddings:
+      w = self.embed_tokens[...].astype(dt)
+      return jnp.einsum("...d,vd->...v", h_btd, w, preferred_element_type=jnp.float32)
+    w = self.lm_head[...].astype(dt)
+    return jnp.einsum("...d,dv->...v", h_btd, w, preferred_element_type=jnp.float32)
+
+  def __call__(self, tokens, positions=None, attention_mask=None, cache=None, cache_index=None):
+    h, new_cache = self.hidden_states(tokens, positions, attention_mask, cache, cache_index)
+    logits = self.logits_from_hidden(h)
+    return logits if cache is None else (logits, new_cache)

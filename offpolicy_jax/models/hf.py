@@ -1,0 +1,313 @@
+"""Hugging Face checkpoint import / export (config.json + safetensors).
+
+Supports `Qwen2ForCausalLM`, `Qwen3ForCausalLM` and `LlamaForCausalLM` with
+single-file or sharded (`model.safetensors.index.json`) checkpoints stored in
+float32, float16 or bfloat16. Tensors are memory-mapped and converted one at a
+time; with a mesh, every device reads only its own slice
+(`jax.make_array_from_callback`), so no host copy of all weights is ever made.
+HF linear weights are [out, in]; ours are [in, out] with heads split out.
+"""
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from offpolicy_jax.models.config import ModelConfig
+from offpolicy_jax.models.decoder import Decoder
+
+_ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+_FAMILY_ARCH = {v: k for k, v in _ARCHS.items()}
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+
+def config_from_hf(hf: Mapping, **overrides) -> ModelConfig:
+  """Builds a `ModelConfig` from a parsed HF config.json.
+
+  Args:
+    hf: the config.json dict.
+    **overrides: ModelConfig fields to replace (e.g. dtype, remat).
+
+  Returns:
+    The config.
+
+  Raises:
+    ValueError: unsupported architecture or feature.
+  """
+  archs = hf.get("architectures") or []
+  arch = archs[0] if archs else None
+  family = _ARCHS.get(arch) if arch else hf.get("model_type")
+  if family not in _FAMILY_ARCH:
+    raise ValueError(
+      f"unsupported architecture {arch or hf.get('model_type')!r}; supported: {sorted(_ARCHS)}"
+    )
+  if hf.get("hidden_act", "silu") != "silu":
+    raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (silu only)")
+  if hf.get("use_sliding_window"):
+    raise ValueError("use_sliding_window=True is not supported")
+  if hf.get("mlp_bias"):
+    raise ValueError("mlp_bias=True is not supported")
+  if family != "qwen2" and hf.get("attention_bias"):
+    raise ValueError(f"attention_bias=True is not supported for {family}")
+  rope = dict(hf.get("rope_parameters") or {})
+  theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
+  rope.pop("rope_theta", None)
+  scaling = hf.get("rope_scaling") or (rope or None)
+  if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+    scaling = None
+  n = hf["num_attention_heads"]
+  fields = dict(
+    vocab_size=hf["vocab_size"],
+    hidden_size=hf["hidden_size"],
+    intermediate_size=hf["intermediate_size"],
+    num_layers=hf["num_hidden_layers"],
+    num_heads=n,
+    num_kv_heads=hf.get("num_key_value_heads") or n,
+    head_dim=hf.get("head_dim") or hf["hidden_size"] // n,
+    rope_theta=float(theta),
+    rope_scaling=scaling,
+    rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    qkv_bias=family == "qwen2",
+    qk_norm=family == "qwen3",
+    max_position_embeddings=hf.get("max_position_embeddings", 4096),
+    family=family,
+  )
+  fields.update(overrides)
+  return ModelConfig(**fields)
+
+
+def config_to_hf(config: ModelConfig, dtype: str) -> dict:
+  """HF config.json dict for `config` (weights stored in `dtype`)."""
+  c = config
+  rope_parameters = {"rope_type": "default", "rope_theta": c.rope_theta}
+  rope_parameters.update(c.rope_scaling_dict or {})
+  hf = {
+    "architectures": [_FAMILY_ARCH[c.family]],
+    "model_type": c.family,
+    "vocab_size": c.vocab_size,
+    "hidden_size": c.hidden_size,
+    "intermediate_size": c.intermediate_size,
+    "num_hidden_layers": c.num_layers,
+    "num_attention_heads": c.num_heads,
+    "num_key_value_heads": c.num_kv_heads,
+    "head_dim": c.head_dim,
+    "hidden_act": "silu",
+    "rms_norm_eps": c.rms_norm_eps,
+    "max_position_embeddings": c.max_position_embeddings,
+    "rope_theta": c.rope_theta,
+    "rope_parameters": rope_parameters,
+    "tie_word_embeddings": c.tie_embeddings,
+    "attention_bias": c.qkv_bias and c.family != "qwen2",
+    "torch_dtype": dtype,
+    "dtype": dtype,
+    "use_cache": True,
+  }
+  if c.rope_scaling is not None:
+    hf["rope_scaling"] = c.rope_scaling_dict
+  if c.family == "llama":
+    hf["mlp_bias"] = False
+  if c.family in ("qwen2", "qwen3"):
+    hf["use_sliding_window"] = False
+  return hf
+
+
+def _tensor_map(c: ModelConfig) -> list[tuple[tuple, str, Callable, Callable]]:
+  """(our path, HF name, hf->ours view, ours->hf) for every parameter."""
+  d, n, kv, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+  same = (lambda x: x, lambda x: x)
+  tr = (lambda x: x.T, lambda x: x.T)
+
+  def heads_in(m):  # HF [m*H, D] -> [D, m, H]
+    return (
+      lambda x: x.reshape(m, h, d).transpose(2, 0, 1),
+      lambda x: x.transpose(1, 2, 0).reshape(m * h, d),
+    )
+
+  def bias(m):
+    return (lambda x: x.reshape(m, h), lambda x: x.reshape(m * h))
+
+  o_proj = (
+    lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
+    lambda x: x.transpose(2, 0, 1).reshape(d, n * h),
+  )
+  rows = [
+    (("embed_tokens",), "model.embed_tokens.weight", *same),
+    (("norm", "weight"), "model.norm.weight", *same),
+  ]
+  if not c.tie_embeddings:
+    rows.append((("lm_head",), "lm_head.weight", *tr))
+  for i in range(c.num_layers):
+    p, a = f"model.layers.{i}.", ("layers", i)
+    rows += [
+      ((*a, "input_layernorm", "weight"), p + "input_layernorm.weight", *same),
+      ((*a, "post_attention_layernorm", "weight"), p + "post_attention_layernorm.weight", *same),
+      ((*a, "self_attn", "q_proj"), p + "self_attn.q_proj.weight", *heads_in(n)),
+      ((*a, "self_attn", "k_proj"), p + "self_attn.k_proj.weight", *heads_in(kv)),
+      ((*a, "self_attn", "v_proj"), p + "self_attn.v_proj.weight", *heads_in(kv)),
+      ((*a, "self_attn", "o_proj"), p + "self_attn.o_proj.weight", *o_proj),
+      ((*a, "mlp", "gate_proj"), p + "mlp.gate_proj.weight", *tr),
+      ((*a, "mlp", "up_proj"), p + "mlp.up_proj.weight", *tr),
+      ((*a, "mlp", "down_proj"), p + "mlp.down_proj.weight", *tr),
+    ]
+    if c.qkv_bias:
+      rows += [
+        ((*a, "self_attn", f"{x}_bias"), p + f"self_attn.{x}_proj.bias", *bias(m))
+        for x, m in (("q", n), ("k", kv), ("v", kv))
+      ]
+    if c.qk_norm:
+      rows += [
+        ((*a, "self_attn", f"{x}_norm", "weight"), p + f"self_attn.{x}_norm.weight", *same)
+        for x in ("q", "k")
+      ]
+  return rows
+
+
+def _read_safetensors_index(file: str) -> dict[str, np.ndarray]:
+  """Memory-maps one .safetensors file; returns lazily read numpy views by name."""
+  with open(file, "rb") as f:
+    header_len = int(np.frombuffer(f.read(8), np.uint64)[0])
+    header = json.loads(f.read(header_len))
+  data = np.memmap(file, np.uint8, mode="r", offset=8 + header_len)
+  out = {}
+  for name, info in header.items():
+    if name == "__metadata__":
+      continue
+    if info["dtype"] not in _ST_DTYPES:
+      raise ValueError(f"tensor {name!r} in {file} has unsupported dtype {info['dtype']}")
+    start, end = info["data_offsets"]
+    out[name] = data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+  return out
+
+
+def _open_checkpoint(path: str) -> dict[str, np.ndarray]:
+  index = os.path.join(path, "model.safetensors.index.json")
+  if os.path.exists(index):
+    with open(index) as f:
+      files = sorted(set(json.load(f)["weight_map"].values()))
+  elif os.path.exists(os.path.join(path, "model.safetensors")):
+    files = ["model.safetensors"]
+  else:
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}")
+  tensors = {}
+  for file in files:
+    tensors.update(_read_safetensors_index(os.path.join(path, file)))
+  return tensors
+
+
+def _logical_to_mesh(names, rules) -> jax.sharding.PartitionSpec:
+  rules = dict(rules or ())
+  return jax.sharding.PartitionSpec(*(rules.get(n) if n else None for n in names))
+
+
+def from_pretrained(
+  path: str,
+  dtype=jnp.float32,
+  *,
+  compute_dtype=None,
+  mesh: jax.sharding.Mesh | None = None,
+  rules: Sequence[tuple[str, str | None]] | Mapping | None = None,
+  **config_overrides,
+) -> Decoder:
+  """Loads an HF checkpoint directory into a `Decoder`.
+
+  Args:
+    path: directory with config.json and model.safetensors (or a sharded index).
+    dtype: parameter dtype (float32 master weights by default).
+    compute_dtype: activation dtype (default: `dtype`); e.g. jnp.bfloat16.
+    mesh: optional mesh; parameters are then created directly in their sharding.
+    rules: logical axis -> mesh axis pairs (e.g. [("embed", "fsdp"), ("mlp", "tensor")]);
+      logical axes not listed are replicated.
+    **config_overrides: ModelConfig fields to replace (e.g. remat=True).
+
+  Returns:
+    The decoder.
+
+  Raises:
+    ValueError: unsupported architecture, missing tensor (named), bad shape.
+  """
+  with open(os.path.join(path, "config.json")) as f:
+    hf = json.load(f)
+  config = config_from_hf(
+    hf,
+    param_dtype=jnp.dtype(dtype).name,
+    dtype=jnp.dtype(compute_dtype or dtype).name,
+    **config_overrides,
+  )
+  abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  specs = nnx.get_partition_spec(state)
+  tensors = _open_checkpoint(path)
+  values: dict = {}
+  for ours, name, to_ours, _ in _tensor_map(config):
+    if name not in tensors:
+      raise ValueError(f"checkpoint {path} is missing tensor {name!r}")
+    var, spec = state, specs
+    for k in ours:
+      var, spec = var[k], spec[k]
+    view = to_ours(tensors[name])
+    if tuple(view.shape) != tuple(var.shape):
+      raise ValueError(
+        f"tensor {name!r} has shape {tensors[name].shape}; expected the equivalent of {var.shape}"
+      )
+    np_dtype = jnp.dtype(dtype)
+    if mesh is None:
+      arr = jnp.asarray(np.asarray(view, np_dtype))
+    else:
+      sharding = jax.sharding.NamedSharding(mesh, _logical_to_mesh(var.out_sharding, rules))
+      arr = jax.make_array_from_callback(
+        tuple(view.shape), sharding, lambda idx, v=view: np.asarray(v[idx], np_dtype)
+      )
+    node = values
+    for k in ours[:-1]:
+      node = node.setdefault(k, {})
+    node[ours[-1]] = arr
+  nnx.replace_by_pure_dict(state, values)
+  return nnx.merge(graphdef, state)
+
+
+def _write_safetensors(file: str, tensors: dict[str, np.ndarray]) -> None:
+  header, offset = {"__metadata__": {"format": "pt"}}, 0
+  for name, x in tensors.items():
+    header[name] = {
+      "dtype": _ST_NAMES[x.dtype],
+      "shape": list(x.shape),
+      "data_offsets": [offset, offset + x.nbytes],
+    }
+    offset += x.nbytes
+  blob = json.dumps(header, separators=(",", ":")).encode()
+  blob += b" " * (-len(blob) % 8)
+  with open(file, "wb") as f:
+    f.write(np.uint64(len(blob)).tobytes())
+    f.write(blob)
+    for x in tensors.values():
+      f.write(np.ascontiguousarray(x).tobytes())
+
+
+def save_pretrained(model: Decoder, path: str, dtype=None) -> None:
+  """Writes config.json + model.safetensors loadable by `transformers`.
+
+  Args:
+    model: the decoder.
+    path: output directory (created).
+    dtype: storage dtype (default: the parameter dtype), e.g. jnp.bfloat16.
+  """
+  config = model.config
+  np_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
+  os.makedirs(path, exist_ok=True)
+  values = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  tensors = {}
+  for ours, name, _, to_hf in _tensor_map(config):
+    x = values
+    for k in ours:
+      x = x[k]
+    tensors[name] = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(x)).astype(np_dtype)))
+  _write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config_to_hf(config, jnp.dtype(np_dtype).name), f, indent=2)

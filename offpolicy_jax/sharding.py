@@ -1,0 +1,273 @@
+"""Device mesh, logical-axis rules and sharding helpers.
+
+Parameters name their axes with logical names (``embed``, ``mlp``, ``heads``,
+``kv_heads``, ``vocab``, ...) through Flax NNX variable metadata. One rules
+table, :data:`LOGICAL_AXIS_RULES`, maps each logical name to mesh axes of a
+``(data, fsdp, tensor)`` mesh, in the style of MaxText and Flax's
+``logical_axis_rules``. Batches are split over ``(data, fsdp)``.
+
+A dimension whose size does not divide by the mesh axes it maps to is left
+replicated, so tiny test models run on any mesh unchanged.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# logical name -> mesh axis, tuple of mesh axes, or None (replicated).
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+  ("batch", BATCH_AXES),
+  ("embed", "fsdp"),
+  ("mlp", "tensor"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("vocab", "tensor"),
+  ("head_dim", None),
+  ("length", None),
+  ("layers", None),
+)
+
+_METADATA_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def make_mesh(
+  data: int = -1,
+  fsdp: int = 1,
+  tensor: int = 1,
+  *,
+  devices: Sequence[Any] | None = None,
+  axis_type: AxisType = AxisType.Auto,
+) -> Mesh:
+  """Builds a ``(data, fsdp, tensor)`` mesh.
+
+  Exactly one axis may be ``-1``; it takes all remaining devices.
+
+  Args:
+    data: size of the data-parallel axis, or -1.
+    fsdp: size of the fully-sharded data-parallel axis (shards ``embed``), or -1.
+    tensor: size of the tensor-parallel axis, or -1.
+    devices: devices to use; default ``jax.devices()``.
+    axis_type: ``AxisType`` given explicitly for all three axes. ``Auto`` lets
+      XLA propagate shardings inside jitted code; jit boundaries carry explicit
+      in/out shardings either way.
+
+  Returns:
+    A ``jax.sharding.Mesh`` with axis names ``("data", "fsdp", "tensor")``.
+
+  Raises:
+    ValueError: naming the field when a size is invalid or does not divide the
+      device count.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  n = len(devices)
+  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  fill = [name for name, s in sizes.items() if s == -1]
+  if len(fill) > 1:
+    raise ValueError(f"mesh: only one axis may be -1, got {fill}")
+  for name, s in sizes.items():
+    if s != -1 and (not isinstance(s, int | np.integer) or s < 1):
+      raise ValueError(f"mesh.{name} must be a positive int or -1, got {s!r}")
+  fixed = int(np.prod([s for s in sizes.values() if s != -1]))
+  if fill:
+    if n % fixed:
+      raise ValueError(
+        f"mesh.{fill[0]}=-1: {n} devices do not divide by the product {fixed} of the "
+        f"other axes (data={data}, fsdp={fsdp}, tensor={tensor})"
+      )
+    sizes[fill[0]] = n // fixed
+  elif fixed != n:
+    raise ValueError(
+      f"mesh: data*fsdp*tensor = {fixed} must equal the number of devices {n} "
+      f"(data={data}, fsdp={fsdp}, tensor={tensor})"
+    )
+  shape = tuple(sizes[a] for a in MESH_AXES)
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(axis_type,) * 3, devices=devices)
+
+
+def axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
+  """Number of devices along one mesh axis or a tuple of axes (1 for None)."""
+  if axes is None:
+    return 1
+  axes = (axes,) if isinstance(axes, str) else axes
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def logical_to_spec(
+  names: Sequence[str | None] | None,
+  shape: Sequence[int] | None = None,
+  mesh: Mesh | None = None,
+  rules: Sequence[tuple[str, Any]] = LOGICAL_AXIS_RULES,
+) -> P:
+  """Maps logical axis names to a ``PartitionSpec`` through the rules table.
+
+  A mesh axis is used at most once per spec (first dimension wins). When
+  ``shape`` and ``mesh`` are given, dimensions that do not divide evenly by
+  their mesh axes are replicated instead.
+
+  Args:
+    names: one logical name (or None) per array dimension; None for a scalar
+      or unannotated array.
+    shape: the array's shape, to check divisibility.
+    mesh: the mesh, to check divisibility and drop size-1 axes.
+    rules: (logical name, mesh axes) pairs.
+
+  Returns:
+    A ``PartitionSpec`` over mesh axis names.
+
+  Raises:
+    ValueError: if a logical name is not in the rules table.
+  """
+  if not names:
+    return P()
+  table = dict(rules)
+  used: set[str] = set()
+  out = []
+  for dim, name in enumerate(names):
+    if name is None:
+      out.append(None)
+      continue
+    if name not in table:
+      raise ValueError(f"logical axis name {name!r} has no rule; known: {sorted(table)}")
+    axes = table[name]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    axes = tuple(a for a in axes if a not in used)
+    if mesh is not None:
+      axes = tuple(a for a in axes if mesh.shape[a] > 1)
+      if shape is not None and axes and shape[dim] % axis_size(mesh, axes):
+        axes = ()
+    used.update(axes)
+    out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return P(*out)
+
+
+def _logical_names(leaf: Any) -> tuple[str | None, ...] | None:
+  if isinstance(leaf, nnx.Variable):
+    meta = leaf.get_metadata()
+    for k in _METADATA_KEYS:
+      names = meta.get(k)
+      if isinstance(names, tuple | list) and all(isinstance(n, str | None) for n in names):
+        return tuple(names)
+  return None
+
+
+def tree_shardings(
+  tree: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]] = LOGICAL_AXIS_RULES
+) -> Any:
+  """``NamedSharding`` for every array of a pytree from its logical axis names.
+
+  Works on NNX parameter states and on optimizer states derived from them
+  (optax keeps the NNX variables and their metadata). Arrays without logical
+  names (step counters, scalars) are replicated.
+
+  Args:
+    tree: pytree whose leaves are arrays, ``jax.ShapeDtypeStruct`` or NNX
+      variables holding them.
+    mesh: the device mesh.
+    rules: (logical name, mesh axes) pairs.
+
+  Returns:
+    A pytree of ``NamedSharding`` with the same leaf structure as ``tree``.
+  """
+
+  def one(leaf):
+    if isinstance(leaf, nnx.Variable):
+      shape = np.shape(leaf.get_value())
+      spec = logical_to_spec(_logical_names(leaf), shape, mesh, rules)
+      if len(spec) > len(shape):
+        spec = P()
+      return leaf.replace(NamedSharding(mesh, spec))
+    return NamedSharding(mesh, P())
+
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_params(state: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]] = LOGICAL_AXIS_RULES):
+  """Places a parameter (or optimizer) state on the mesh by its logical names.
+
+  Args:
+    state: NNX state (e.g. from ``nnx.split(model)``) or any pytree of arrays.
+    mesh: the device mesh.
+    rules: (logical name, mesh axes) pairs.
+
+  Returns:
+    The same pytree with every array placed with its ``NamedSharding``.
+  """
+  return jax.device_put(state, tree_shardings(state, mesh, rules))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
+  """Sharding of one batch-major array: leading axis over ``(data, fsdp)``."""
+  if ndim == 0:
+    return NamedSharding(mesh, P())
+  return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def batch_shardings(batch: Any, mesh: Mesh) -> Any:
+  """Shardings for a batch pytree (e.g. ``TrainBatch``): rows over ``(data, fsdp)``.
+
+  Args:
+    batch: pytree of arrays with a shared leading batch axis.
+    mesh: the device mesh.
+
+  Returns:
+    A pytree of ``NamedSharding`` of the same structure.
+
+  Raises:
+    ValueError: naming the field whose batch size does not divide by
+      ``data * fsdp``.
+  """
+  n = axis_size(mesh, BATCH_AXES)
+  fields = getattr(batch, "_fields", None)
+  leaves = batch._asdict() if fields else {str(i): x for i, x in enumerate(jax.tree.leaves(batch))}
+  for name, x in leaves.items():
+    if x is not None and np.ndim(x) and np.shape(x)[0] % n:
+      raise ValueError(
+        f"batch.{name}: batch size {np.shape(x)[0]} does not divide by data*fsdp = {n}"
+      )
+  return jax.tree.map(lambda x: batch_sharding(mesh, np.ndim(x)), batch)
+
+
+def shard_batch(batch: Any, mesh: Mesh) -> Any:
+  """Places a batch pytree on the mesh, rows split over ``(data, fsdp)``."""
+  return jax.device_put(batch, batch_shardings(batch, mesh))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Fully replicated sharding on ``mesh``."""
+  return NamedSharding(mesh, P())
+
+
+def constrain(
+  x: jax.Array,
+  names: Sequence[str | None],
+  mesh: Mesh | None = None,
+  rules: Sequence[tuple[str, Any]] = LOGICAL_AXIS_RULES,
+) -> jax.Array:
+  """Sharding constraint by logical names, for use inside jitted code.
+
+  A no-op when no mesh is given and none is set with ``jax.set_mesh``.
+
+  Args:
+    x: array to constrain.
+    names: one logical name (or None) per dimension of ``x``.
+    mesh: the mesh; default the ambient mesh.
+    rules: (logical name, mesh axes) pairs.
+
+  Returns:
+    ``x`` with a ``with_sharding_constraint`` applied.
+  """
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+      return x
+  spec = logical_to_spec(names, x.shape, mesh, rules)
+  sharding = NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec
+  return jax.lax.with_sharding_constraint(x, sharding)

@@ -1,0 +1,66 @@
+"""Tasks: a prompt source, a prompt template and a reward.
+
+  task = tasks.get_task("reverse")                            # synthetic, on-device reward
+  task = tasks.get_task("reasoning_gym:basic_arithmetic")     # any reasoning-gym dataset
+  task = tasks.get_task("gsm8k", train_path="train.jsonl", eval_path="test.jsonl")
+
+New tasks: build a `Task` (any grain RandomAccessDataSource of dicts, a prompt
+function and a host reward; optionally an answer and a jittable device reward)
+and `register("my_task", factory)` so configs can name it.
+"""
+
+import functools
+from collections.abc import Callable
+
+from offpolicy_jax.tasks import math_data, rgym, synthetic
+from offpolicy_jax.tasks.base import ListSource, Task
+
+_RG_PREFIX = "reasoning_gym:"
+_REGISTRY: dict[str, Callable[..., Task]] = {
+  **{name: functools.partial(synthetic.make_task, name) for name in synthetic.NAMES},
+  "gsm8k": functools.partial(math_data.make_task, "gsm8k"),
+  "math": functools.partial(math_data.make_task, "math"),
+}
+
+
+def task_names() -> list[str]:
+  """Registered task names (`reasoning_gym:<dataset>` accepts any reasoning-gym dataset)."""
+  return [*_REGISTRY, _RG_PREFIX + "<dataset_name>"]
+
+
+def register(name: str, factory: Callable[..., Task]) -> None:
+  """Makes `get_task(name, **kwargs)` return `factory(**kwargs)`."""
+  if name in _REGISTRY or name.startswith(_RG_PREFIX):
+    raise ValueError(f"task name {name!r} is already taken.")
+  _REGISTRY[name] = factory
+
+
+def get_task(name: str, **kwargs) -> Task:
+  """Builds a task by name; `kwargs` go to the task's factory.
+
+  Args:
+    name: one of `task_names()`.
+    **kwargs: synthetic: seed, num_eval, partial_credit, max_digits, min_len,
+      max_len; reasoning_gym: seed, train_size, eval_size, instruction, dataset
+      config fields; gsm8k/math: train_path, eval_path, format_coef, instruction.
+
+  Returns:
+    The Task.
+
+  Raises:
+    ValueError: unknown task name or bad kwargs (missing or malformed data files
+      included, naming the file and row).
+  """
+  if name.startswith(_RG_PREFIX):
+    factory = functools.partial(rgym.make_task, name[len(_RG_PREFIX) :])
+  elif name in _REGISTRY:
+    factory = _REGISTRY[name]
+  else:
+    raise ValueError(f"unknown task {name!r}; expected one of {task_names()}.")
+  try:
+    return factory(**kwargs)
+  except TypeError as e:  # unexpected keyword
+    raise ValueError(f"task {name!r}: {e}") from e
+
+
+__all__ = ["ListSource", "Task", "get_task", "register", "task_names"]

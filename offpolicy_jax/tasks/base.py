@@ -1,0 +1,61 @@
+"""The `Task` record and a small in-memory data source."""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+Example = dict[str, Any]
+
+
+class ListSource:
+  """A grain `RandomAccessDataSource` over an in-memory list of example dicts."""
+
+  def __init__(self, examples: Sequence[Example]):
+    self._examples = list(examples)
+
+  def __len__(self) -> int:
+    return len(self._examples)
+
+  def __getitem__(self, index: int) -> Example:
+    return self._examples[int(index)]
+
+  def __repr__(self) -> str:
+    return f"ListSource(len={len(self)})"
+
+
+@dataclass(frozen=True)
+class Task:
+  """A task: prompt sources, a prompt template and a reward.
+
+  Attributes:
+    name: the name `get_task` was called with.
+    train_source: grain RandomAccessDataSource (`__len__`, `__getitem__` -> dict).
+    eval_source: held-out RandomAccessDataSource, disjoint from training where
+      the task can guarantee it (synthetic tasks).
+    prompt: `prompt(example) -> str`, the user message / raw prompt text.
+    reward: host reward `reward(example, response_text) -> float`. Run it
+      through `rewards.score_batch` to get timeouts and failure counting.
+    use_chat_template: True for text tasks (wrap `prompt` as a user message with
+      the tokenizer's chat template), False for raw synthetic prompts (the data
+      pipeline prepends BOS instead).
+    answer: `answer(example) -> str` whose tokens (+ EOS) `device_reward`
+      compares against, or None.
+    max_answer_len: characters/tokens of the longest answer (EOS excluded);
+      `data.prompt_iterator` pads `answer_tokens` to `max_answer_len + 1`.
+    device_reward: optional jittable
+      `device_reward(answer_tokens[B, A], tokens[B, N], mask[B, N]) -> [B] f32`;
+      `answer_tokens` rows are the answer ids then EOS, padded with -1, repeated
+      K times per group to align with the group-major response rows.
+  """
+
+  name: str
+  train_source: Any
+  eval_source: Any
+  prompt: Callable[[Example], str]
+  reward: Callable[[Example, str], float]
+  use_chat_template: bool = False
+  answer: Callable[[Example], str] | None = None
+  max_answer_len: int = 0
+  device_reward: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] | None = None

@@ -1,0 +1,290 @@
+"""Tests for the binaries and configs: SIGKILL + resume, sweep, eval, config files."""
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import ml_collections
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from test_loop import small_config, strip_timing  # noqa: E402
+
+from experiments import sweep  # noqa: E402
+from offpolicy_jax import loop, metrics  # noqa: E402
+
+# The command-line twin of test_loop.small_config(total_steps=40, checkpoint_every=4, ...):
+# no warm start and no evaluation, so the subprocesses compile only the RL step.
+SMALL_FLAGS = {
+  "task": "reverse",
+  "total_steps": 40,
+  "prompts_per_step": 2,
+  "group_size": 4,
+  "max_new_tokens": 6,
+  "max_prompt_len": 12,
+  "replay.capacity_batches": 1,
+  "sft.enabled": False,
+  "eval_prompts": 0,
+  "eval_every": 0,
+  "checkpoint_every": 4,
+  "progress": False,
+  "tensorboard": False,
+}
+
+
+def _train_cmd(workdir):
+  flags = [f"--config.{k}={v}" for k, v in SMALL_FLAGS.items()]
+  return [
+    sys.executable,
+    "-m",
+    "experiments.train",
+    "--config=configs/default.py",
+    f"--workdir={workdir}",
+    *flags,
+  ]
+
+
+def _last_step(workdir):
+  train, _ = metrics.split_rows(metrics.read_metrics(workdir))
+  return train[-1]["step"] if train else 0
+
+
+def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
+  workdir = str(tmp_path / "killed")
+  # A compilation cache shared by the two subprocesses makes the restart cheaper.
+  env = {
+    **os.environ,
+    "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  }
+  proc = subprocess.Popen(
+    _train_cmd(workdir), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+  )
+  deadline = time.time() + 240
+  while _last_step(workdir) < 14:
+    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    assert time.time() < deadline, "training subprocess made no progress"
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  killed_at = _last_step(workdir)
+  assert 14 <= killed_at < 40
+
+  # While the restarted subprocess compiles, compute the uninterrupted reference here.
+  resumed = subprocess.Popen(
+    _train_cmd(workdir), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+  )
+  cfg = small_config(
+    **{
+      "total_steps": 40,
+      "checkpoint_every": 4,
+      "async_checkpoint": True,
+      "sft.enabled": False,
+      "eval_prompts": 0,
+    }
+  )
+  reference = loop.train_and_evaluate(cfg, str(tmp_path / "reference"))
+  out, _ = resumed.communicate(timeout=240)
+  assert resumed.returncode == 0, out.decode()[-3000:]
+  assert "resumed from step" in out.decode()
+
+  got_train, got_eval = metrics.split_rows(metrics.read_metrics(workdir))
+  want_train, want_eval = metrics.split_rows(reference)
+  assert [r["step"] for r in got_train] == list(range(1, 41))  # no duplicates, no gaps
+  assert strip_timing(got_train) == strip_timing(want_train)
+  assert got_eval == want_eval
+
+
+def test_sweep_runs_and_writes_summary(tmp_path):
+  base = small_config(total_steps=3, checkpoint_every=0, eval_prompts=4)
+  runs = [
+    {"name": "onpolicy", "lag.sync_interval": 1},
+    {"name": "offline", "lag.sync_interval": 1000},
+  ]
+  summary = sweep.run_sweep(base, runs, str(tmp_path))
+  text = open(summary).read()
+  assert "| onpolicy | 3 |" in text and "| offline | 3 |" in text
+  assert "eval/accuracy" in text
+  assert os.path.getsize(tmp_path / "curves.png") > 1000
+  assert os.path.exists(tmp_path / "summary.csv")
+  staleness = metrics.summarize_run(str(tmp_path / "offline"))["staleness_mean"]
+  assert staleness == pytest.approx((0 + 1 + 2) / 3)
+
+
+def test_sweep_print_only_lists_lag_study_commands():
+  out = (
+    subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "experiments.sweep",
+        "--config=configs/lag_study.py",
+        "--workdir=/tmp/unused",
+        "--print_only",
+      ],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=120,
+      check=True,
+    )
+    .stdout.strip()
+    .splitlines()
+  )
+  assert len(out) == 12
+  assert all("-m experiments.train" in line for line in out)
+  assert sum("--config.lag.sync_offset=10" in line for line in out) == 3
+
+
+def test_evaluate_checkpoint(tmp_path):
+  cfg = small_config(total_steps=2)
+  rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  final_eval = [r for r in rows if "eval/accuracy" in r][-1]
+  result = loop.evaluate_checkpoint(cfg, str(tmp_path))
+  assert result["step"] == 2
+  assert result["eval/accuracy"] == final_eval["eval/accuracy"]
+  assert "eval/pass@2" in result
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "configs", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize("name", ["default", "gsm8k_qwen25_1p5b", "math_qwen25", "lag_study"])
+def test_configs_are_locked_and_complete(name):
+  cfg = _load(name).get_config()
+  assert isinstance(cfg, ml_collections.ConfigDict)
+  with pytest.raises(AttributeError):
+    cfg.no_such_field = 1
+  for field in (
+    "seed",
+    "total_steps",
+    "loss.name",
+    "advantage.name",
+    "lag.sync_interval",
+    "lag.sync_offset",
+    "lag.mode",
+    "lag.max_staleness",
+    "group_size",
+    "prompts_per_step",
+    "checkpoint_every",
+    "model",
+    "task",
+    "eval_every",
+    "sft.enabled",
+    "optimizer.learning_rate",
+    "mesh.data",
+  ):
+    node = cfg
+    for part in field.split("."):
+      node = node[part]
+
+
+def test_paper_gsm8k_setting():
+  cfg = _load("gsm8k_qwen25_1p5b").get_config()
+  assert (cfg.group_size, cfg.prompts_per_step, cfg.max_new_tokens) == (8, 96, 1024)
+  assert cfg.optimizer.learning_rate == 1e-6 and cfg.lag.sync_interval == 20
+  assert cfg.task == "gsm8k" and "Qwen2.5-1.5B-Instruct" in cfg.model
+
+
+def test_lag_study_sweep_covers_presets_and_lags():
+  module = _load("lag_study")
+  runs = module.get_sweep()
+  lags = {(r["lag.sync_interval"], r["lag.sync_offset"]) for r in runs}
+  assert lags == {(1, 0), (20, 0), (1, 10), (1_000_000, 0)}
+  assert {r["loss.name"] for r in runs} == set(module.PRESETS)
+  base = module.get_config()
+  for r in runs:  # every override names a real field
+    sweep.apply_overrides(base, r)
+
+
+QWEN_TEMPLATE = (
+  "{%- for message in messages %}"
+  "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+  "{%- endfor %}"
+  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _tiny_hf_dir(path):
+  """A tiny Qwen2-format checkpoint + BPE tokenizer with a chat template."""
+  import json
+
+  from flax import nnx
+  from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+  from tokenizers import models as tok_models
+
+  from offpolicy_jax import models
+
+  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+  tok = Tokenizer(tok_models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+  )
+  tok.train_from_iterator(["What is 12 + 7? <think>add</think><answer>19</answer>"] * 5, trainer)
+  os.makedirs(path)
+  tok.save(os.path.join(path, "tokenizer.json"))
+  config = {
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+    "chat_template": QWEN_TEMPLATE,
+    "added_tokens_decoder": {
+      str(tok.token_to_id(s)): {"content": s, "special": True} for s in specials
+    },
+  }
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f)
+  mcfg = models.get_config("tiny", vocab_size=tok.get_vocab_size())
+  models.save_pretrained(models.Decoder(mcfg, rngs=nnx.Rngs(0)), path)
+
+
+def test_paper_gsm8k_config_runs_at_toy_scale(tmp_path):
+  """The GSM8K config end to end: local HF dir, chat template, host math-verify rewards."""
+  import json
+
+  hf = str(tmp_path / "hf")
+  _tiny_hf_dir(hf)
+  data = tmp_path / "gsm8k.jsonl"
+  rows = [{"question": f"What is {a} + 7?", "answer": f"... #### {a + 7}"} for a in range(8)]
+  data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+  cfg = _load("gsm8k_qwen25_1p5b").get_config()
+  overrides = {
+    "model": hf,
+    "tokenizer": hf,
+    "task_kwargs.train_path": str(data),
+    "task_kwargs.eval_path": str(data),
+    "total_steps": 2,
+    "prompts_per_step": 4,
+    "group_size": 2,
+    "max_new_tokens": 8,
+    "max_prompt_len": 256,
+    "optimizer.micro_batches": 2,
+    "eval_prompts": 4,
+    "eval_every": 0,
+    "checkpoint_every": 0,
+    "progress": False,
+    "tensorboard": False,
+  }
+  cfg = sweep.apply_overrides(cfg, overrides)
+  out = loop.train_and_evaluate(cfg, str(tmp_path / "run"))
+  train, evals = metrics.split_rows(out)
+  assert [r["step"] for r in train] == [1, 2]
+  assert all(r["reward_failures"] == 0 for r in train)
+  # Untrained: wrong answers without the think/answer format score -0.1.
+  assert all(r["reward_mean"] == pytest.approx(-0.1) for r in train)
+  assert train[-1]["staleness_max"] == 1  # sync_interval 20: step 2 used version 0
+  assert "eval/accuracy" in evals[-1]
+  # experiments.eval on the HF directory itself (no workdir): step 0, same metrics keys.
+  direct = loop.evaluate_checkpoint(cfg)
+  assert direct["step"] == 0 and direct["eval/accuracy"] == 0.0

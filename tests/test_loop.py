@@ -1,0 +1,307 @@
+"""Tests for offpolicy_jax.loop: end-to-end runs, lag schedule, recompilation, failures."""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import default  # noqa: E402
+from offpolicy_jax import loop, metrics, tasks  # noqa: E402
+
+REQUIRED = (
+  "step",
+  "reward_mean",
+  "loss",
+  "staleness_mean",
+  "staleness_max",
+  "clip_frac",
+  "entropy",
+  "tokens_per_s",
+  "reward_std",
+  "accuracy",
+  "response_len",
+  "kl_k1",
+  "kl_k3",
+  "ratio_mean",
+  "ratio_max",
+  "ratio_min",
+  "ess",
+  "grad_norm",
+  "skipped",
+  "reward_failures",
+)
+# Wall-clock metrics differ between runs; everything else must match exactly.
+TIMING = ("tokens_per_s", "step_time_s")
+
+
+def small_config(**overrides):
+  """A tiny run: 2 prompts x 4 responses, 6-token responses, a 3-step warm start."""
+  c = default.base_config()
+  c.task = "reverse"
+  c.total_steps = 6
+  c.prompts_per_step = 2
+  c.group_size = 4
+  c.max_new_tokens = 6
+  c.max_prompt_len = 12
+  c.replay.capacity_batches = 1
+  c.sft.steps = 3
+  c.sft.batch_size = 8
+  c.eval_every = 0
+  c.eval_prompts = 4
+  c.eval_samples = 2
+  c.checkpoint_every = 3
+  c.async_checkpoint = False
+  c.progress = False
+  c.tensorboard = False
+  for key, value in overrides.items():
+    node = c
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  c.lock()
+  return c
+
+
+def strip_timing(rows):
+  return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def reference_version(t, m, n):
+  """v(t) of arXiv:2509.24203, written out independently of lag.behavior_version."""
+  if t <= n:
+    return 0
+  return m * ((t - n - 1) // m)
+
+
+def test_short_run_writes_required_keys(tmp_path):
+  workdir = str(tmp_path)
+  loop.train_and_evaluate(small_config(total_steps=3), workdir)
+  train, evals = metrics.split_rows(metrics.read_metrics(workdir))
+  assert [r["step"] for r in train] == [1, 2, 3]
+  for row in train:
+    missing = [k for k in REQUIRED if k not in row]
+    assert not missing, missing
+    assert 0.0 <= row["reward_mean"] <= 1.0
+    assert row["tokens_per_s"] > 0
+  # Starting accuracy after the warm start (step 0) and a final evaluation.
+  assert [r["step"] for r in evals] == [0, 3]
+  assert {"eval/accuracy", "eval/pass@2", "eval/reward_mean"} <= set(evals[-1])
+  assert os.path.exists(os.path.join(workdir, metrics.CONFIG_FILE))
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
+
+
+@pytest.mark.parametrize("m,n", [(1, 0), (1, 3), (4, 0), (3, 2), (1000, 0)])
+def test_recorded_staleness_follows_the_schedule(tmp_path, m, n):
+  cfg = small_config(
+    **{
+      "total_steps": 9,
+      "lag.sync_interval": m,
+      "lag.sync_offset": n,
+      "eval_prompts": 0,
+      "checkpoint_every": 0,
+      "sft.enabled": False,
+    }
+  )
+  rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  assert [r["step"] for r in rows] == list(range(1, 10))
+  for row in rows:
+    t = row["step"]
+    lag = t - 1 - reference_version(t, m, n)
+    assert row["behavior_version"] == reference_version(t, m, n)
+    assert row["staleness_mean"] == lag and row["staleness_max"] == lag, (t, row)
+  if m == 1 and n == 0:
+    # On-policy: the recorded behaviour log-probs are the trainer's (rho == 1).
+    assert all(abs(r["ratio_mean"] - 1.0) < 1e-5 for r in rows)
+
+
+def test_no_recompilation_after_warmup(tmp_path):
+  compiles = []
+
+  def listener(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(event)
+
+  counts = {}
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    cfg = small_config(
+      **{
+        "total_steps": 25,
+        "lag.sync_interval": 4,
+        "eval_prompts": 0,
+        "checkpoint_every": 5,
+        "sft.enabled": False,
+      }
+    )
+    loop.train_and_evaluate(
+      cfg, str(tmp_path), on_step=lambda t, _: counts.update({t: len(compiles)})
+    )
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  # Steps 1-5 cover every code path once (first snapshot at step 4, first checkpoint at 5).
+  assert counts[25] == counts[5], {t: c - counts[5] for t, c in counts.items() if t > 5}
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+  lag = {"lag.sync_interval": 3, "lag.sync_offset": 1}
+  full = loop.train_and_evaluate(small_config(total_steps=8, **lag), str(tmp_path / "full"))
+  part = str(tmp_path / "part")
+  loop.train_and_evaluate(small_config(total_steps=5, **lag), part)  # stops after step 5
+  loop.train_and_evaluate(small_config(total_steps=8, **lag), part)  # resumes from step 5
+  got_train, got_eval = metrics.split_rows(metrics.read_metrics(part))
+  want_train, want_eval = metrics.split_rows(full)
+  assert strip_timing(got_train) == strip_timing(want_train)
+  assert got_eval[0] == want_eval[0] and got_eval[-1] == want_eval[-1]
+
+
+@pytest.mark.parametrize(
+  "overrides,field",
+  [
+    ({"loss.name": "no_such_loss"}, "loss.name"),
+    ({"loss.eps_low": -0.1}, "loss.eps_low"),
+    ({"group_size": 1}, "group_size"),
+    ({"lag.sync_interval": 0}, "lag.sync_interval"),
+    ({"lag.mode": "sometimes"}, "lag.mode"),
+    ({"advantage.name": "nope"}, "advantage.name"),
+    ({"model": "no-such-preset"}, "model"),
+    ({"task": "no_such_task"}, "task"),
+    ({"optimizer.micro_batches": 3}, "optimizer.micro_batches"),
+  ],
+)
+def test_bad_config_fails_naming_the_field(tmp_path, overrides, field):
+  with pytest.raises(ValueError, match=f"config.{field}"):
+    loop.train_and_evaluate(small_config(**overrides), str(tmp_path))
+  assert not os.path.exists(tmp_path / metrics.METRICS_FILE)
+
+
+def test_missing_data_file_fails_naming_the_field(tmp_path):
+  cfg = default.base_config()
+  cfg.task = "gsm8k"
+  cfg.task_kwargs = {"train_path": str(tmp_path / "missing.jsonl")}
+  with pytest.raises(ValueError, match="config.task_kwargs.train_path.*missing.jsonl"):
+    loop.validate_config(cfg)
+
+
+def test_malformed_data_row_fails_naming_file_and_row(tmp_path):
+  path = tmp_path / "train.jsonl"
+  rows = [{"question": "1+1?", "answer": "#### 2"}, "not json at all"]
+  path.write_text("\n".join(json.dumps(r) if isinstance(r, dict) else r for r in rows) + "\n")
+  cfg = default.base_config()
+  cfg.task = "gsm8k"
+  cfg.task_kwargs = {"train_path": str(path)}
+  with pytest.raises(ValueError, match="train.jsonl: row 2"):
+    loop.train_and_evaluate(cfg, str(tmp_path / "run"))
+
+
+def test_failing_reward_is_scored_zero_counted_and_run_goes_on(tmp_path, monkeypatch):
+  real_get_task = tasks.get_task
+  calls = {"n": 0}
+
+  def flaky_reward(example, text):
+    calls["n"] += 1
+    if calls["n"] % 3 == 0:
+      raise RuntimeError("verifier crashed")
+    if calls["n"] % 3 == 1:
+      time.sleep(2.0)  # hangs past the timeout
+    return 1.0
+
+  def get_task(name, **kw):
+    task = real_get_task(name, **kw)
+    return dataclasses.replace(task, reward=flaky_reward, device_reward=None)
+
+  monkeypatch.setattr(tasks, "get_task", get_task)
+  loop._ENV_CACHE.clear()
+  try:
+    cfg = small_config(
+      **{
+        "total_steps": 2,
+        "eval_prompts": 0,
+        "sft.enabled": False,
+        "reward_timeout": 0.2,
+        "max_new_tokens": 5,
+      }
+    )
+    rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  finally:
+    loop._ENV_CACHE.clear()
+  assert [r["step"] for r in rows] == [1, 2]
+  for row in rows:
+    # 8 responses per step: calls 1, 4, 7 hang and 3, 6 raise (counted per step).
+    assert row["reward_failures"] > 0
+    assert row["reward_mean"] == pytest.approx(1.0 - row["reward_failures"] / 8)
+
+
+def test_async_mode_runs_with_bounded_staleness(tmp_path):
+  cfg = small_config(
+    **{
+      "total_steps": 8,
+      "lag.mode": "async",
+      "lag.max_staleness": 2,
+      "eval_prompts": 0,
+      "sft.enabled": False,
+    }
+  )
+  rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  assert [r["step"] for r in rows] == list(range(1, 9))
+  for row in rows:
+    assert 0 <= row["staleness_max"] <= 2
+    assert row["staleness_mean"] == row["step"] - 1 - row["behavior_version"]
+
+
+def test_sharded_mesh_matches_single_device(tmp_path):
+  # Partial-credit rewards give a learning signal without a warm start.
+  common = {
+    "total_steps": 3,
+    "eval_prompts": 0,
+    "sft.enabled": False,
+    "task_kwargs.partial_credit": True,
+  }
+  one = loop.train_and_evaluate(small_config(**common), str(tmp_path / "one"))
+  mesh = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+  eight = loop.train_and_evaluate(small_config(**common, **mesh), str(tmp_path / "eight"))
+  assert jax.device_count() == 8
+  assert any(r["grad_norm"] > 0 for r in one)
+  for a, b in zip(one, eight, strict=True):
+    for k in ("reward_mean", "loss", "grad_norm", "entropy", "kl_k3"):
+      assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+
+
+def test_nan_reward_skips_the_update_and_the_run_goes_on(tmp_path, monkeypatch):
+  cfg = small_config(
+    **{
+      "total_steps": 4,
+      "eval_prompts": 0,
+      "sft.enabled": False,
+      "task_kwargs.partial_credit": True,
+    }
+  )
+  env = loop.get_environment(cfg)
+  real, calls = env._device_reward, []
+
+  def poisoned(answers, tokens, mask):
+    calls.append(1)
+    r = real(answers, tokens, mask)
+    return r.at[0].set(float("nan")) if len(calls) == 2 else r
+
+  monkeypatch.setattr(env, "_device_reward", poisoned)
+  rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  assert [r["skipped"] for r in rows] == [0, 1, 0, 0]
+  assert rows[-1]["num_skipped"] == 1
+  assert all(r["grad_norm"] == r["grad_norm"] for r in (rows[0], rows[2], rows[3]))  # finite
+
+
+def test_sft_targets_are_answer_then_eos_right_padded():
+  from offpolicy_jax import sft, tokenizers
+
+  tok = tokenizers.CharTokenizer()
+  tokens, mask = sft.encode_targets(tok, ["12", "4321"], max_len=4)
+  want = [[*tok.encode("12"), tok.eos_id, tok.pad_id], tok.encode("4321")]  # truncated: no EOS
+  assert tokens.tolist() == want
+  assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]

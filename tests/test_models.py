@@ -1,0 +1,278 @@
+"""Tests for offpolicy_jax.models: HF parity, checkpoint io, padding, chunked log-probs."""
+
+import json
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from offpolicy_jax import models
+from offpolicy_jax.models import hf as hf_io
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+_COMMON = dict(
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=48,
+  num_hidden_layers=2,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  max_position_embeddings=256,
+)
+_LLAMA3_SCALING = {
+  "rope_type": "llama3",
+  "factor": 8.0,
+  "low_freq_factor": 1.0,
+  "high_freq_factor": 4.0,
+  "original_max_position_embeddings": 16,
+}
+
+
+def _hf_config(family):
+  if family == "qwen2":
+    return transformers.Qwen2Config(**_COMMON, tie_word_embeddings=True)
+  if family == "qwen3":
+    return transformers.Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=False)
+  # Positions up to 40 > original_max_position_embeddings: the llama3 scaling matters.
+  return transformers.LlamaConfig(
+    **_COMMON, rope_scaling=_LLAMA3_SCALING, rope_theta=500000.0, tie_word_embeddings=False
+  )
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+  """family -> (torch model, checkpoint dir) of tiny random HF models."""
+  out = {}
+  for family in ("qwen2", "qwen3", "llama"):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_hf_config(family)).eval()
+    with torch.no_grad():
+      for p in model.parameters():  # Non-trivial norms and biases.
+        p.add_(0.1 * torch.randn_like(p))
+    path = str(tmp_path_factory.mktemp(family))
+    model.save_pretrained(path, safe_serialization=True)
+    out[family] = (model, path)
+  return out
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return np.random.RandomState(0).randint(0, 64, (2, 40)).astype(np.int32)
+
+
+def _torch_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_from_pretrained_matches_transformers(hf_models, tokens, family):
+  hf_model, path = hf_models[family]
+  model = models.from_pretrained(path)
+  assert model.config.family == family
+  assert (model.config.rope_scaling is not None) == (family == "llama")
+  logits = model(jnp.asarray(tokens))
+  assert logits.dtype == jnp.float32
+  np.testing.assert_allclose(logits, _torch_logits(hf_model, tokens), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_save_pretrained_round_trip(hf_models, tokens, tmp_path, family):
+  hf_model, path = hf_models[family]
+  models.save_pretrained(models.from_pretrained(path), str(tmp_path))
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+  np.testing.assert_allclose(
+    _torch_logits(reloaded, tokens), _torch_logits(hf_model, tokens), atol=1e-6, rtol=0
+  )
+
+
+def test_sharded_checkpoint_into_mesh(hf_models, tokens, tmp_path):
+  hf_model, path = hf_models["qwen3"]
+  hf_model.save_pretrained(str(tmp_path), safe_serialization=True, max_shard_size="20KB")
+  assert os.path.exists(tmp_path / "model.safetensors.index.json")
+  assert len(list(tmp_path.glob("*.safetensors"))) > 1
+  model = models.from_pretrained(str(tmp_path))
+  np.testing.assert_allclose(
+    model(jnp.asarray(tokens)), _torch_logits(hf_model, tokens), atol=1e-4, rtol=0
+  )
+  mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rules = [("embed", "fsdp"), ("mlp", "tensor"), ("vocab", "tensor")]
+  sharded = models.from_pretrained(str(tmp_path), mesh=mesh, rules=rules)
+  gate = sharded.layers[0].mlp.gate_proj[...]
+  assert gate.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+  assert gate.addressable_shards[0].data.shape == (16, 12)
+  chex.assert_trees_all_close(
+    nnx.to_pure_dict(nnx.state(sharded)), nnx.to_pure_dict(nnx.state(model)), atol=0, rtol=0
+  )
+  with jax.set_mesh(mesh):
+    logits = jax.jit(lambda m, t: m(t))(sharded, jnp.asarray(tokens))
+  np.testing.assert_allclose(logits, _torch_logits(hf_model, tokens), atol=1e-4, rtol=0)
+
+
+def test_bfloat16_checkpoint_loads(hf_models, tokens, tmp_path):
+  hf_model, path = hf_models["llama"]
+  model = models.from_pretrained(path)
+  models.save_pretrained(model, str(tmp_path), dtype=jnp.bfloat16)
+  loaded = models.from_pretrained(str(tmp_path), compute_dtype=jnp.bfloat16)
+  assert loaded.embed_tokens[...].dtype == jnp.float32
+  logits = loaded(jnp.asarray(tokens))
+  assert logits.dtype == jnp.float32
+  np.testing.assert_allclose(logits, _torch_logits(hf_model, tokens), atol=0.1)
+
+
+def test_missing_tensor_is_named(hf_models, tmp_path):
+  _, path = hf_models["qwen2"]
+  tensors = hf_io._open_checkpoint(path)
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  hf_io._write_safetensors(str(tmp_path / "model.safetensors"), tensors)
+  with open(os.path.join(path, "config.json")) as f:
+    (tmp_path / "config.json").write_text(f.read())
+  with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+    models.from_pretrained(str(tmp_path))
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+  (tmp_path / "config.json").write_text(
+    json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+  )
+  with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+    models.from_pretrained(str(tmp_path))
+
+
+def test_presets_have_published_sizes():
+  published = {
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen3-0.6b": 596_049_920,
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.1-8b": 8_030_261_248,
+  }
+  for name, count in published.items():
+    assert models.get_config(name).num_params() == count, name
+  assert 80_000 < models.get_config("tiny").num_params() < 120_000
+  assert 20e6 < models.get_config("small").num_params() < 30e6
+  with pytest.raises(ValueError, match="preset_name"):
+    models.get_config("gpt5")
+  with pytest.raises(ValueError, match="not_a_field"):
+    models.get_config("tiny", not_a_field=1)
+
+
+def _numpy_init(config, scale=8.0, seed=0):
+  """(graphdef, params) with numpy-random weights (no compilation); scale peaks the logits."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: models.Decoder(config, rngs=nnx.Rngs(0))))
+  rng = np.random.RandomState(seed)
+
+  def draw(x):
+    if x.ndim == 1:  # Norm weights near 1.
+      return jnp.asarray(1 + 0.1 * rng.randn(*x.shape), jnp.float32)
+    return jnp.asarray(0.02 * scale * rng.randn(*x.shape), jnp.float32)
+
+  return graphdef, jax.tree.map(draw, state)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  return nnx.merge(*_numpy_init(models.get_config("tiny")))
+
+
+@pytest.fixture(scope="module")
+def forward():
+  """Jitted full forward shared by the tests (all calls use [2, 12] inputs)."""
+  return jax.jit(lambda model, tokens, mask: model(tokens, attention_mask=mask))
+
+
+def test_logical_axis_names(tiny):
+  specs = nnx.get_partition_spec(nnx.state(tiny))
+  p = jax.sharding.PartitionSpec
+  assert specs["embed_tokens"].get_value() == p("vocab", "embed")
+  attn = specs["layers"][0]["self_attn"]
+  assert attn["q_proj"].get_value() == p("embed", "heads", "head_dim")
+  assert attn["k_proj"].get_value() == p("embed", "kv_heads", "head_dim")
+  assert specs["layers"][0]["mlp"]["down_proj"].get_value() == p("mlp", "embed")
+
+
+def test_left_padding_is_exact(tiny, forward):
+  rng = np.random.RandomState(1)
+  r1, r2, tail = rng.randint(1, 64, 12), rng.randint(1, 64, 7), rng.randint(1, 64, 5)
+  # Row 1 of `padded` is r2 behind 5 pads (token 0 and token 9: pad ids must not matter).
+  padded = np.stack([r1, np.concatenate([[0, 9, 0, 9, 0], r2])]).astype(np.int32)
+  padded_mask = np.array([[1] * 12, [0] * 5 + [1] * 7], np.int32)
+  # Causality: positions < 7 of r2 + tail see exactly r2 alone.
+  plain = np.stack([np.concatenate([r2, tail]), r1]).astype(np.int32)
+  got = forward(tiny, padded, padded_mask)
+  ref = forward(tiny, plain, np.ones((2, 12), np.int32))
+  np.testing.assert_allclose(got[1, 5:], ref[0, :7], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(got[0], ref[1], atol=1e-5, rtol=0)
+
+
+def _np_logp_entropy(logits, targets, temperature):
+  z = np.asarray(logits, np.float64) / temperature
+  z = z - z.max(-1, keepdims=True)
+  logp_all = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  logp = np.take_along_axis(logp_all, targets[..., None], -1)[..., 0]
+  return logp, -(np.exp(logp_all) * logp_all).sum(-1)
+
+
+def test_sequence_logprobs_matches_numpy(tiny, forward):
+  rng = np.random.RandomState(2)
+  prompt = rng.randint(1, 64, (2, 5)).astype(np.int32)
+  prompt_mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], np.float32)
+  resp = rng.randint(1, 64, (2, 7)).astype(np.int32)
+  resp_mask = np.array([[1] * 7, [1] * 4 + [0] * 3], np.float32)
+  fn = jax.jit(lambda m, *a: models.sequence_logprobs(m, *a, temperature=0.7, chunk_size=3))
+  logp, entropy = fn(tiny, prompt, prompt_mask, resp, resp_mask)
+  full = forward(
+    tiny,
+    np.concatenate([prompt, resp], 1),
+    np.concatenate([prompt_mask, np.ones_like(resp_mask)], 1),
+  )
+  ref_logp, ref_ent = _np_logp_entropy(full[:, 4:-1], resp, 0.7)
+  np.testing.assert_allclose(logp, ref_logp * resp_mask, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(entropy, ref_ent * resp_mask, atol=1e-5, rtol=1e-5)
+  assert float(jnp.abs(logp).sum()) > 1.0
+
+
+def test_logprobs_matches_numpy(tiny, forward):
+  rng = np.random.RandomState(3)
+  toks = rng.randint(1, 64, (2, 12)).astype(np.int32)
+  targets = rng.randint(1, 64, (2, 12)).astype(np.int32)
+  mask = np.array([[0] * 3 + [1] * 9, [1] * 12], np.float32)
+  logp, entropy = jax.jit(lambda m, *a: models.logprobs(m, *a, chunk_size=5))(
+    tiny, toks, targets, mask
+  )
+  ref_logp, ref_ent = _np_logp_entropy(forward(tiny, toks, mask), targets, 1.0)
+  np.testing.assert_allclose(logp, ref_logp * mask, atol=1e-5, rtol=0)
+  np.testing.assert_allclose(entropy, ref_ent * mask, atol=1e-5, rtol=0)
+
+
+def _one_layer(tiny, remat):
+  """(graphdef, params) of a 1-layer tiny model holding the first layer of `tiny`."""
+  config = models.get_config("tiny", num_layers=1, remat=remat)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: models.Decoder(config, rngs=nnx.Rngs(0))))
+  pure = nnx.to_pure_dict(nnx.state(tiny))
+  pure["layers"] = {0: pure["layers"][0]}
+  nnx.replace_by_pure_dict(state, pure)
+  return graphdef, state
+
+
+def test_remat_does_not_change_gradients(tiny):
+  graphdef, params = _one_layer(tiny, remat=False)
+  remat_graphdef, _ = _one_layer(tiny, remat=True)
+  toks = np.arange(1, 13, dtype=np.int32).reshape(2, 6)
+
+  def loss(params, graphdef):
+    logp, _ = models.logprobs(
+      nnx.merge(graphdef, params), toks, np.roll(toks, -1, 1), np.ones((2, 6))
+    )
+    return -logp.sum()
+
+  grad = jax.jit(jax.grad(loss), static_argnums=1)
+  g, g_remat = grad(params, graphdef), grad(params, remat_graphdef)
+  chex.assert_trees_all_close(g_remat, g, atol=1e-5)
+  assert float(jnp.abs(g["layers"][0]["mlp"]["up_proj"][...]).sum()) > 0

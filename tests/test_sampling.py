@@ -1,0 +1,212 @@
+"""Tests for offpolicy_jax.sampling: exact behaviour log-probs, greedy, padding, EOS, compiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from offpolicy_jax import models, sampling
+
+N = 8  # max_new_tokens
+K = 3  # group_size
+
+
+def _numpy_init(config, scale=8.0, seed=0):
+  """(graphdef, params) with numpy-random weights (no compilation); scale peaks the logits."""
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: models.Decoder(config, rngs=nnx.Rngs(0))))
+  rng = np.random.RandomState(seed)
+
+  def draw(x):
+    if x.ndim == 1:  # Norm weights near 1.
+      return jnp.asarray(1 + 0.1 * rng.randn(*x.shape), jnp.float32)
+    return jnp.asarray(0.02 * scale * rng.randn(*x.shape), jnp.float32)
+
+  return graphdef, jax.tree.map(draw, state)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  """(graphdef, params) of the tiny preset with peaked logits."""
+  return _numpy_init(models.get_config("tiny"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  """Left-padded prompts [2, 6] with lengths (3, 6)."""
+  tokens = np.array([[0, 0, 0, 5, 6, 7], [11, 12, 13, 14, 15, 16]], np.int32)
+  return tokens, np.array([3, 6], np.int32)
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny):
+  """Jitted teacher-forced sequence_logprobs and full-forward logits."""
+  graphdef, _ = tiny
+
+  @jax.jit
+  def fn(params, prompt_tokens, prompt_mask, tokens, mask, temperature):
+    model = nnx.merge(graphdef, params)
+    logp, _ = models.sequence_logprobs(
+      model, prompt_tokens, prompt_mask, tokens, mask, temperature=temperature
+    )
+    full = jnp.concatenate([prompt_tokens, tokens], axis=1)
+    full_mask = jnp.concatenate([prompt_mask, jnp.ones_like(mask)], axis=1)
+    return logp, model(full, attention_mask=full_mask)
+
+  return fn
+
+
+@pytest.fixture(scope="module")
+def group_sampler(tiny):
+  return sampling.make_sampler(
+    tiny[0], max_new_tokens=N, group_size=K, temperature=0.7, top_p=1.0, top_k=0, eos_id=None
+  )
+
+
+@pytest.fixture(scope="module")
+def greedy_sampler(tiny):
+  return sampling.make_sampler(
+    tiny[0], max_new_tokens=N, group_size=K, temperature=0.0, top_p=1.0, top_k=0, eos_id=None
+  )
+
+
+def _prompt_mask(prompt_tokens, lengths):
+  p = prompt_tokens.shape[1]
+  return (np.arange(p)[None] >= p - lengths[:, None]).astype(np.float32)
+
+
+def test_behaviour_logprobs_equal_teacher_forced(tiny, prompts, teacher, group_sampler):
+  params = tiny[1]
+  tokens, lengths = prompts
+  out = group_sampler(params, tokens, lengths, jax.random.key(0))
+  assert out.tokens.shape == out.logprobs.shape == out.mask.shape == (2 * K, N)
+  rep_tokens, rep_lengths = np.repeat(tokens, K, 0), np.repeat(lengths, K, 0)  # Group-major.
+  logp, _ = teacher(
+    params, rep_tokens, _prompt_mask(rep_tokens, rep_lengths), out.tokens, out.mask, 0.7
+  )
+  np.testing.assert_allclose(out.logprobs, logp, atol=1e-5, rtol=0)
+  assert np.all(np.asarray(out.logprobs) < 0)
+  # The K samples of a prompt differ (not one sample repeated).
+  assert len({tuple(r) for r in np.asarray(out.tokens[:K])}) > 1
+
+
+def test_group_sampler_compiles_once(tiny, prompts, group_sampler):
+  params = tiny[1]
+  tokens, lengths = prompts
+  group_sampler(params, tokens, lengths, jax.random.key(1))
+  other = jax.tree.map(lambda x: 1.01 * x, params)
+  group_sampler(other, tokens[::-1], lengths[::-1], jax.random.key(2))
+  assert group_sampler._cache_size() == 1
+
+
+def test_left_padding_does_not_change_samples(tiny, prompts, group_sampler):
+  params = tiny[1]
+  tokens, lengths = prompts
+  wider = np.concatenate([np.full((2, 3), 9, np.int32), tokens], axis=1)  # Pad id irrelevant.
+  a = group_sampler(params, tokens, lengths, jax.random.key(5))
+  b = group_sampler(params, wider, lengths, jax.random.key(5))
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_greedy_equals_stepwise_argmax(tiny, prompts, teacher, greedy_sampler):
+  params = tiny[1]
+  tokens, lengths = prompts
+  out = greedy_sampler(params, tokens, lengths, jax.random.key(0))
+  rep_tokens, rep_lengths = np.repeat(tokens, K, 0), np.repeat(lengths, K, 0)
+  logp, logits = teacher(
+    params, rep_tokens, _prompt_mask(rep_tokens, rep_lengths), out.tokens, out.mask, 1.0
+  )
+  p = tokens.shape[1]
+  # Logits at position p-1+t predict response token t from the prompt and tokens < t.
+  np.testing.assert_array_equal(np.argmax(logits[:, p - 1 : -1], -1), out.tokens)
+  # Greedy records the untempered model log-probs.
+  np.testing.assert_allclose(out.logprobs, logp, atol=1e-5, rtol=0)
+
+
+def _expected_end(free, eos, stop):
+  """Index of the token that ends a greedy response (EOS or the end of `stop`)."""
+  for i, tok in enumerate(free):
+    if tok == eos:
+      return i, "eos"
+    if i >= len(stop) - 1 and list(free[i - len(stop) + 1 : i + 1]) == stop:
+      return i, "stop"
+  return len(free) - 1, "length"
+
+
+def test_eos_and_stop_sequences_end_and_mask(tiny, prompts, greedy_sampler):
+  graphdef, params = tiny
+  tokens, lengths = prompts
+  free = np.asarray(greedy_sampler(params, tokens, lengths, jax.random.key(0)).tokens)[::K]
+  eos, stop = int(free[0, 2]), [int(t) for t in free[1, 3:5]]
+  model = nnx.merge(graphdef, params)
+  outs = [
+    sampling.generate(
+      model,
+      tokens,
+      lengths,
+      key=jax.random.key(i),
+      max_new_tokens=N,
+      temperature=0.0,
+      eos_id=[eos],
+      stop_sequences=[stop],
+    )
+    for i in range(2)
+  ]
+  reasons = set()
+  for out in outs:
+    for row in range(2):
+      end, reason = _expected_end(list(free[row]), eos, stop)
+      reasons.add(reason)
+      valid = np.arange(N) <= end
+      np.testing.assert_array_equal(out.tokens[row], np.where(valid, free[row], 0))
+      np.testing.assert_array_equal(out.mask[row], valid)
+      np.testing.assert_array_equal(out.logprobs[row] != 0, valid)
+      assert int(out.lengths[row]) == end + 1
+  assert reasons == {"eos", "stop"}
+  # generate() compiled its sampler once for both calls.
+  fn = sampling._cached_sampler(
+    graphdef,
+    max_new_tokens=N,
+    group_size=1,
+    temperature=0.0,
+    top_p=1.0,
+    top_k=0,
+    eos_id=(eos,),
+    stop_sequences=(tuple(stop),),
+  )
+  assert fn._cache_size() == 1
+
+
+def _truncated_logp_ref(logits, temperature, top_k, top_p):
+  """Numpy reference of log mu: temperature, top-k, top-p, renormalise."""
+  z = np.asarray(logits, np.float64) / temperature
+  keep = z >= np.sort(z)[-top_k]
+  z = np.where(keep, z, -np.inf)
+  order = np.argsort(-z)
+  probs = np.exp(z[order] - z[order][0])
+  probs /= probs.sum()
+  kept = np.zeros_like(keep)
+  kept[order[(np.cumsum(probs) - probs) < top_p]] = True
+  z = np.where(kept, z, -np.inf)
+  return z - np.log(np.sum(np.exp(z[kept] - z[kept].max()))) - z[kept].max()
+
+
+def test_top_k_top_p_logprobs_are_renormalised(tiny, prompts, teacher):
+  graphdef, params = tiny
+  tokens, lengths = prompts
+  fn = sampling.make_sampler(
+    graphdef, max_new_tokens=N, group_size=K, temperature=1.3, top_p=0.8, top_k=10, eos_id=None
+  )
+  out = fn(params, tokens, lengths, jax.random.key(7))
+  rep_tokens, rep_lengths = np.repeat(tokens, K, 0), np.repeat(lengths, K, 0)
+  _, logits = teacher(
+    params, rep_tokens, _prompt_mask(rep_tokens, rep_lengths), out.tokens, out.mask, 1.0
+  )
+  p = tokens.shape[1]
+  for b in range(2 * K):
+    for t in range(N):
+      ref = _truncated_logp_ref(logits[b, p - 1 + t], 1.3, 10, 0.8)
+      tok = int(out.tokens[b, t])
+      assert np.isfinite(ref[tok]), "sampled a truncated token"
+      np.testing.assert_allclose(out.logprobs[b, t], ref[tok], atol=1e-5)
