@@ -26,7 +26,7 @@ reach ``max_reuse`` are retired. When fewer eligible groups than
 """
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -292,7 +292,7 @@ def shardings(state: ReplayState, mesh: Mesh) -> ReplayState:
     spec = P(BATCH_AXES, *([None] * (x.ndim - 1))) if split else P()
     return NamedSharding(mesh, spec)
 
-  rep = NamedSharding(mesh, P())
+  rep: Any = NamedSharding(mesh, P())  # a pytree of shardings mirrors the state
   return ReplayState(
     data=jax.tree.map(data_sharding, state.data),
     version=rep,

@@ -92,7 +92,7 @@ def make_mesh(
   return jax.make_mesh(shape, MESH_AXES, axis_types=(axis_type,) * 3, devices=devices)
 
 
-def axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
+def axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: str | tuple[str, ...] | None) -> int:
   """Number of devices along one mesh axis or a tuple of axes (1 for None)."""
   if axes is None:
     return 1
@@ -103,7 +103,7 @@ def axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
 def logical_to_spec(
   names: Sequence[str | None] | None,
   shape: Sequence[int] | None = None,
-  mesh: Mesh | None = None,
+  mesh: Mesh | jax.sharding.AbstractMesh | None = None,
   rules: Sequence[tuple[str, Any]] = LOGICAL_AXIS_RULES,
 ) -> P:
   """Maps logical axis names to a ``PartitionSpec`` through the rules table.
@@ -129,7 +129,7 @@ def logical_to_spec(
     return P()
   table = dict(rules)
   used: set[str] = set()
-  out = []
+  out: list = []
   for dim, name in enumerate(names):
     if name is None:
       out.append(None)
@@ -264,10 +264,11 @@ def constrain(
   Returns:
     ``x`` with a ``with_sharding_constraint`` applied.
   """
-  if mesh is None:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
+  target: Mesh | jax.sharding.AbstractMesh | None = mesh
+  if target is None:
+    target = jax.sharding.get_abstract_mesh()
+    if target is None or target.empty:
       return x
-  spec = logical_to_spec(names, x.shape, mesh, rules)
-  sharding = NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec
+  spec = logical_to_spec(names, x.shape, target, rules)
+  sharding = NamedSharding(target, spec) if isinstance(target, Mesh) else spec
   return jax.lax.with_sharding_constraint(x, sharding)

@@ -146,7 +146,7 @@ def init_train_state(
 
 def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
   """``NamedSharding`` tree of a ``TrainState`` (params/opt state by logical names)."""
-  rep = sharding.replicated(mesh)
+  rep: Any = sharding.replicated(mesh)  # a pytree of shardings mirrors the state
   return TrainState(
     params=sharding.tree_shardings(state.params, mesh),
     opt_state=sharding.tree_shardings(state.opt_state, mesh),

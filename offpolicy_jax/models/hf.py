@@ -8,14 +8,17 @@ time; with a mesh, every device reads only its own slice
 HF linear weights are [out, in]; ours are [in, out] with heads split out.
 """
 
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import safetensors.numpy
 from flax import nnx
 
 from offpolicy_jax.models.config import ModelConfig
@@ -24,7 +27,6 @@ from offpolicy_jax.models.decoder import Decoder
 _ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 _FAMILY_ARCH = {v: k for k, v in _ARCHS.items()}
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
 def config_from_hf(hf: Mapping, **overrides) -> ModelConfig:
@@ -118,7 +120,10 @@ def config_to_hf(config: ModelConfig, dtype: str) -> dict:
   return hf
 
 
-def _tensor_map(c: ModelConfig) -> list[tuple[tuple, str, Callable, Callable]]:
+_Row = tuple[tuple[str | int, ...], str, Callable, Callable]
+
+
+def _tensor_map(c: ModelConfig) -> list[_Row]:
   """(our path, HF name, hf->ours view, ours->hf) for every parameter."""
   d, n, kv, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
   same = (lambda x: x, lambda x: x)
@@ -137,7 +142,7 @@ def _tensor_map(c: ModelConfig) -> list[tuple[tuple, str, Callable, Callable]]:
     lambda x: x.reshape(d, n, h).transpose(1, 2, 0),
     lambda x: x.transpose(2, 0, 1).reshape(d, n * h),
   )
-  rows = [
+  rows: list[_Row] = [
     (("embed_tokens",), "model.embed_tokens.weight", *same),
     (("norm", "weight"), "model.norm.weight", *same),
   ]
@@ -170,7 +175,13 @@ def _tensor_map(c: ModelConfig) -> list[tuple[tuple, str, Callable, Callable]]:
 
 
 def _read_safetensors_index(file: str) -> dict[str, np.ndarray]:
-  """Memory-maps one .safetensors file; returns lazily read numpy views by name."""
+  """Memory-maps one .safetensors file; returns lazily read numpy views by name.
+
+  Not `safetensors.safe_open`: its slices index the stored HF layout, while our
+  parameters are transposed / head-split views of it. A memmap view composes
+  with those reshapes, so each device reads only its slice of the *converted*
+  tensor and no tensor is ever fully copied to host memory.
+  """
   with open(file, "rb") as f:
     header_len = int(np.frombuffer(f.read(8), np.uint64)[0])
     header = json.loads(f.read(header_len))
@@ -199,6 +210,10 @@ def _open_checkpoint(path: str) -> dict[str, np.ndarray]:
   for file in files:
     tensors.update(_read_safetensors_index(os.path.join(path, file)))
   return tensors
+
+
+def _read_slice(view: np.ndarray, dtype, index) -> np.ndarray:
+  return np.asarray(view[index], dtype)
 
 
 def _logical_to_mesh(names, rules) -> jax.sharding.PartitionSpec:
@@ -262,7 +277,7 @@ def from_pretrained(
     else:
       sharding = jax.sharding.NamedSharding(mesh, _logical_to_mesh(var.out_sharding, rules))
       arr = jax.make_array_from_callback(
-        tuple(view.shape), sharding, lambda idx, v=view: np.asarray(v[idx], np_dtype)
+        tuple(view.shape), sharding, functools.partial(_read_slice, view, np_dtype)
       )
     node = values
     for k in ours[:-1]:
@@ -270,24 +285,6 @@ def from_pretrained(
     node[ours[-1]] = arr
   nnx.replace_by_pure_dict(state, values)
   return nnx.merge(graphdef, state)
-
-
-def _write_safetensors(file: str, tensors: dict[str, np.ndarray]) -> None:
-  header, offset = {"__metadata__": {"format": "pt"}}, 0
-  for name, x in tensors.items():
-    header[name] = {
-      "dtype": _ST_NAMES[x.dtype],
-      "shape": list(x.shape),
-      "data_offsets": [offset, offset + x.nbytes],
-    }
-    offset += x.nbytes
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)
-  with open(file, "wb") as f:
-    f.write(np.uint64(len(blob)).tobytes())
-    f.write(blob)
-    for x in tensors.values():
-      f.write(np.ascontiguousarray(x).tobytes())
 
 
 def save_pretrained(model: Decoder, path: str, dtype=None) -> None:
@@ -304,10 +301,12 @@ def save_pretrained(model: Decoder, path: str, dtype=None) -> None:
   values = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   tensors = {}
   for ours, name, _, to_hf in _tensor_map(config):
-    x = values
+    x: Any = values
     for k in ours:
       x = x[k]
     tensors[name] = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(x)).astype(np_dtype)))
-  _write_safetensors(os.path.join(path, "model.safetensors"), tensors)
+  safetensors.numpy.save_file(
+    tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"}
+  )
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(config_to_hf(config, jnp.dtype(np_dtype).name), f, indent=2)

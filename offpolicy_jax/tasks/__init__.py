@@ -51,6 +51,7 @@ def get_task(name: str, **kwargs) -> Task:
     ValueError: unknown task name or bad kwargs (missing or malformed data files
       included, naming the file and row).
   """
+  factory: Callable[..., Task]
   if name.startswith(_RG_PREFIX):
     factory = functools.partial(rgym.make_task, name[len(_RG_PREFIX) :])
   elif name in _REGISTRY:
