@@ -5,3 +5,34 @@ import os
 # Must happen before jax is imported anywhere in the test session.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+def _numpy_init(config, scale=8.0, seed=0):
+  """(graphdef, params) of a Decoder with numpy-random weights: no compilation needed.
+
+  `scale` peaks the logits so sampling tests see non-uniform distributions.
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from offpolicy_jax import models
+
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: models.Decoder(config, rngs=nnx.Rngs(0))))
+  rng = np.random.RandomState(seed)
+
+  def draw(x):
+    if x.ndim == 1:  # Norm weights near 1.
+      return jnp.asarray(1 + 0.1 * rng.randn(*x.shape), jnp.float32)
+    return jnp.asarray(0.02 * scale * rng.randn(*x.shape), jnp.float32)
+
+  return graphdef, jax.tree.map(draw, state)
+
+
+@pytest.fixture(scope="session")
+def numpy_init():
+  """The `_numpy_init(config, scale=8.0, seed=0)` factory, shared by model and sampler tests."""
+  return _numpy_init

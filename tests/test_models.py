@@ -166,22 +166,9 @@ def test_presets_have_published_sizes():
     models.get_config("tiny", not_a_field=1)
 
 
-def _numpy_init(config, scale=8.0, seed=0):
-  """(graphdef, params) with numpy-random weights (no compilation); scale peaks the logits."""
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: models.Decoder(config, rngs=nnx.Rngs(0))))
-  rng = np.random.RandomState(seed)
-
-  def draw(x):
-    if x.ndim == 1:  # Norm weights near 1.
-      return jnp.asarray(1 + 0.1 * rng.randn(*x.shape), jnp.float32)
-    return jnp.asarray(0.02 * scale * rng.randn(*x.shape), jnp.float32)
-
-  return graphdef, jax.tree.map(draw, state)
-
-
 @pytest.fixture(scope="module")
-def tiny():
-  return nnx.merge(*_numpy_init(models.get_config("tiny")))
+def tiny(numpy_init):
+  return nnx.merge(*numpy_init(models.get_config("tiny")))
 
 
 @pytest.fixture(scope="module")
