@@ -21,7 +21,7 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # Base seed; every PRNG key of the run is derived from (seed, step).
   c.seed = 0
-  # Number of optimizer steps (one batch of prompts is sampled per step).
+  # Number of loop steps (one batch of prompts is sampled and trained on per step).
   c.total_steps = 1000
   # Model: a preset name (models.preset_names()) or a local Hugging Face directory.
   c.model = "tiny"
@@ -83,16 +83,35 @@ def base_config() -> ml_collections.ConfigDict:
   c.lag = ml_collections.ConfigDict()
   # "sync": the exact schedule v(t) (offpolicy_jax.lag); "async": a sampler thread runs ahead.
   c.lag.mode = "sync"
-  # m: parameters reach the sampler every m optimizer steps (1 = on-policy).
+  # m: parameters reach the sampler every m loop steps (batches), i.e. every
+  # m * train.num_minibatches * train.num_epochs optimizer steps (1 = on-policy).
   c.lag.sync_interval = 4
   # n: the first n steps use version 0; afterwards a constant extra lag of n.
   c.lag.sync_offset = 0
-  # Async mode: samples more than this many versions old are dropped (0 = no bound).
+  # Async mode: batches more than this many loop steps old are dropped (0 = no bound).
   c.lag.max_staleness = 0
 
   c.replay = ml_collections.ConfigDict()
-  # Buffer capacity in batches of G*K responses.
+  # Buffer capacity in batches of G groups of K responses (the capacity is G * this groups).
   c.replay.capacity_batches = 2
+  # Which groups a step trains on: fifo (oldest first; with max_reuse=1 each group
+  # once, the paper's one-pass setting), uniform, staleness (prefers fresh groups)
+  # or reward (prefers high mean reward); see offpolicy_jax.replay.
+  c.replay.policy = "fifo"
+  # Times a group may be trained on before it is retired (0 = unlimited).
+  c.replay.max_reuse = 1
+  # Softness of the staleness / reward policies: P(group) ~ exp(score / temperature).
+  c.replay.temperature = 1.0
+
+  c.train = ml_collections.ConfigDict()
+  # Optimizer steps per epoch over each sampled batch (divides G*K). The parameter
+  # version counts optimizer steps: with U = num_minibatches * num_epochs a loop
+  # step advances it by U, and lag.sync_interval still counts loop steps (batches).
+  c.train.num_minibatches = 1
+  # Passes over each sampled batch (reshuffled each epoch).
+  c.train.num_epochs = 1
+  # Rows per gradient-accumulation micro-batch (0 = use optimizer.micro_batches).
+  c.train.micro_batch_size = 0
 
   c.optimizer = ml_collections.ConfigDict()
   # Peak learning rate (AdamW).
@@ -107,7 +126,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.weight_decay = 0.0
   # Global gradient-norm clip (0 = off).
   c.optimizer.grad_clip = 1.0
-  # Gradient accumulation micro-batches per optimizer step (divides G*K).
+  # Gradient-accumulation micro-batches per optimizer step (divides the minibatch).
   c.optimizer.micro_batches = 1
 
   c.mesh = ml_collections.ConfigDict()

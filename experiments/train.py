@@ -2,14 +2,50 @@ r"""Trains with off-policy RL; resumes from the latest checkpoint in --workdir.
 
   python -m experiments.train --config=configs/default.py --workdir=/tmp/opj \
       [--config.lag.sync_interval=1 --config.loss.name=grpo ...]
+
+Multi-host (TPU pods, GPU clusters): run the same command on every host with
+--multihost, which calls `jax.distributed.initialize()` before anything else
+touches JAX (on TPU and SLURM the coordinator is discovered automatically;
+elsewhere pass --coordinator_address, --num_processes and --process_id, or set
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID). Each process
+then reads its own shard of the prompts and the loop assembles global batches.
 """
+
+import os
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
+_MULTIHOST = flags.DEFINE_bool(
+  "multihost", False, "Call jax.distributed.initialize() (one process per host)."
+)
+_COORDINATOR = flags.DEFINE_string(
+  "coordinator_address", None, "host:port of process 0 (implies --multihost)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+_COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
+
+
+def _distributed_kwargs() -> dict | None:
+  """`jax.distributed.initialize` arguments, or None for a single-process run."""
+  address = _COORDINATOR.value or os.environ.get(_COORDINATOR_ENV)
+  if not (_MULTIHOST.value or address):
+    return None
+  kw = {
+    "coordinator_address": address,
+    "num_processes": _NUM_PROCESSES.value,
+    "process_id": _PROCESS_ID.value,
+  }
+  if kw["num_processes"] is None and "JAX_NUM_PROCESSES" in os.environ:
+    kw["num_processes"] = int(os.environ["JAX_NUM_PROCESSES"])
+  if kw["process_id"] is None and "JAX_PROCESS_ID" in os.environ:
+    kw["process_id"] = int(os.environ["JAX_PROCESS_ID"])
+  return {k: v for k, v in kw.items() if v is not None}
 
 
 def main(argv):
@@ -17,9 +53,19 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   import jax
 
+  distributed = _distributed_kwargs()
+  if distributed is not None:
+    jax.distributed.initialize(**distributed)
+
   from offpolicy_jax import loop, metrics
 
-  logging.info("JAX %s, devices: %s", jax.__version__, jax.devices())
+  logging.info(
+    "JAX %s, process %d of %d, devices: %s",
+    jax.__version__,
+    jax.process_index(),
+    jax.process_count(),
+    jax.devices(),
+  )
   # Library progress goes to stdout; keep orbax's INFO chatter out of the way.
   logging.set_verbosity(logging.WARNING)
   loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)

@@ -334,6 +334,7 @@ RUN_FIELDS = (
   "seed",
   "total_steps",
   "lag",
+  "replay",
   "sft",
   "eval_every",
   "eval_prompts",

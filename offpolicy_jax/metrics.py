@@ -113,6 +113,8 @@ class MetricsWriter:
     wandb_project: a W&B project name; W&B is used only when this is set and
       the `wandb` package is installed.
     progress: show a tqdm progress bar with the ETA and the current reward.
+    primary: False on every process but the first of a multi-host run: rows
+      are formatted and returned but nothing is written, shown or logged.
   """
 
   def __init__(
@@ -125,10 +127,15 @@ class MetricsWriter:
     tensorboard: bool = True,
     wandb_project: str | None = None,
     progress: bool = True,
+    primary: bool = True,
   ):
-    os.makedirs(workdir, exist_ok=True)
     self.workdir = workdir
     self.path = os.path.join(workdir, METRICS_FILE)
+    self.primary = primary
+    self._file = self._tb = self._wandb = self._bar = None
+    if not primary:
+      return
+    os.makedirs(workdir, exist_ok=True)
     start_step = resume_step or 0
     if os.path.exists(self.path):
       truncate_metrics(self.path, -1 if resume_step is None else resume_step)
@@ -176,6 +183,8 @@ class MetricsWriter:
     """
     row = {"step": int(step)}
     row.update({k: to_python(v) for k, v in scalars.items()})
+    if self._file is None:
+      return row
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
     if self._tb is not None:
@@ -198,12 +207,13 @@ class MetricsWriter:
     """Prints a message without breaking the progress bar."""
     if self._bar is not None:
       self._bar.write(message)
-    else:
+    elif self.primary:
       print(message, flush=True)
 
   def close(self) -> None:
     """Flushes and closes every sink."""
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
     if self._tb is not None:
       self._tb.close()
     if self._wandb is not None:

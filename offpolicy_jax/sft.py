@@ -10,6 +10,7 @@ The step is one jitted pure function over `(params, opt_state)`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -139,3 +140,57 @@ def run(
     if log_fn is not None:
       log_fn(i + 1, losses[-1])
   return params, losses
+
+
+_WARM_START_CACHE: dict[str, Any] = {}
+
+
+def warm_start(env: Any, params: Any, sft_config: Any, seed: int, log_fn: Callable = print) -> Any:
+  """Supervised phase of a run on its task's reference answers (see `run`).
+
+  Results are cached per (model, task, shapes, mesh, seed, settings), so the
+  runs of a sweep or notebook that share a warm start (whatever their loss,
+  optimizer or lag) compute it once.
+
+  Args:
+    env: the run's `environment.Environment` (task, tokenizer, graphdef, config).
+    params: initial parameters (those of `env.init_params(seed)`).
+    sft_config: `config.sft` (steps, batch_size, learning_rate).
+    seed: seed of the supervised prompt stream.
+    log_fn: receives progress lines.
+
+  Returns:
+    The warm-started parameters (a copy the caller may donate).
+  """
+  c = env.config
+  if env.task.answer is None:
+    raise ValueError(f"config.sft.enabled: task {c.task!r} has no reference answers")
+  fields = ("model", "model_dtype", "tokenizer", "task", "max_prompt_len", "max_new_tokens")
+  cache_key = json.dumps(
+    [
+      {f: c[f] for f in fields},
+      c.task_kwargs.to_dict(),
+      c.mesh.to_dict(),
+      seed,
+      sft_config.to_dict(),
+    ],
+    sort_keys=True,
+    default=str,
+  )
+  if cache_key not in _WARM_START_CACHE:
+    # Its own prompt stream (seed + 1): the RL iterator still starts from the beginning.
+    it = env.prompt_iterator(seed + 1, "train", batch_size=sft_config.batch_size)
+    batches = reference_batches(env.task, env.tokenizer, it, c.max_new_tokens)
+    every = max(1, sft_config.steps // 5)
+    trained, _ = run(
+      env.graphdef,
+      params,
+      batches,
+      steps=sft_config.steps,
+      learning_rate=sft_config.learning_rate,
+      log_fn=lambda i, loss: log_fn(f"sft step {i}: loss {loss:.4f}") if i % every == 0 else None,
+    )
+    if len(_WARM_START_CACHE) >= 2:
+      _WARM_START_CACHE.pop(next(iter(_WARM_START_CACHE)))
+    _WARM_START_CACHE[cache_key] = trained
+  return jax.tree.map(jnp.copy, _WARM_START_CACHE[cache_key])

@@ -115,7 +115,9 @@ def _validate_lag(c) -> None:
 
 def _validate_replay(c) -> None:
   r = c.replay
-  _need(r.capacity_batches >= 1, "replay.capacity_batches", f"must be >= 1, got {r.capacity_batches}")
+  _need(
+    r.capacity_batches >= 1, "replay.capacity_batches", f"must be >= 1, got {r.capacity_batches}"
+  )
   _need(
     r.policy in replay.POLICIES,
     "replay.policy",

@@ -288,3 +288,38 @@ def test_paper_gsm8k_config_runs_at_toy_scale(tmp_path):
   # experiments.eval on the HF directory itself (no workdir): step 0, same metrics keys.
   direct = loop.evaluate_checkpoint(cfg)
   assert direct["step"] == 0 and direct["eval/accuracy"] == 0.0
+
+
+@pytest.mark.parametrize(
+  "args,env,want",
+  [
+    ([], {}, None),
+    (["--multihost"], {}, {}),
+    (
+      ["--coordinator_address=10.0.0.1:1234", "--num_processes=4", "--process_id=2"],
+      {},
+      {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 2},
+    ),
+    (
+      [],
+      {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"},
+      {"coordinator_address": "h:1", "num_processes": 2, "process_id": 1},
+    ),
+  ],
+)
+def test_train_initializes_jax_distributed_only_when_asked(args, env, want):
+  code = (
+    "import sys; from experiments import train; "
+    "train.flags.FLAGS(sys.argv); print(repr(train._distributed_kwargs()))"
+  )
+  argv = ["--config=configs/default.py", "--workdir=unused", *args]
+  clean = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  out = subprocess.run(
+    [sys.executable, "-c", code, *argv],
+    cwd=REPO,
+    env={**clean, **env},
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  assert out.stdout.strip() == repr(want)

@@ -7,6 +7,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -173,6 +174,11 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     ({"model": "no-such-preset"}, "model"),
     ({"task": "no_such_task"}, "task"),
     ({"optimizer.micro_batches": 3}, "optimizer.micro_batches"),
+    ({"train.num_minibatches": 3}, "train.num_minibatches"),
+    ({"train.num_epochs": 0}, "train.num_epochs"),
+    ({"train.micro_batch_size": 3}, "train.micro_batch_size"),
+    ({"replay.policy": "lifo"}, "replay.policy"),
+    ({"replay.max_reuse": -1}, "replay.max_reuse"),
   ],
 )
 def test_bad_config_fails_naming_the_field(tmp_path, overrides, field):
@@ -305,3 +311,94 @@ def test_sft_targets_are_answer_then_eos_right_padded():
   want = [[*tok.encode("12"), tok.eos_id, tok.pad_id], tok.encode("4321")]  # truncated: no EOS
   assert tokens.tolist() == want
   assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+def test_several_optimizer_steps_per_batch_keep_versions_consistent(tmp_path):
+  # U = 2 optimizer steps per batch (2 minibatches of 4 rows, micro-batches of 2 rows).
+  m, u = 2, 2
+  cfg = small_config(
+    **{
+      "total_steps": 5,
+      "lag.sync_interval": m,
+      "train.num_minibatches": u,
+      "train.micro_batch_size": 2,
+      "eval_prompts": 0,
+      "checkpoint_every": 0,
+      "sft.enabled": False,
+      "task_kwargs.partial_credit": True,
+    }
+  )
+  rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  assert [r["step"] for r in rows] == list(range(1, 6))
+  for row in rows:
+    t = row["step"]
+    v = reference_version(t, m, 0)
+    # Versions count optimizer steps: the trainer holds (t - 1) * U before step t.
+    assert row["version"] == t * u
+    assert row["behavior_version"] == v * u
+    assert row["staleness_mean"] == row["staleness_max"] == (t - 1 - v) * u, (t, row)
+    assert row["replay_selected"] == cfg.prompts_per_step
+  assert any(r["grad_norm"] > 0 for r in rows)
+
+
+def test_replay_policy_with_reuse_runs(tmp_path):
+  cfg = small_config(
+    **{
+      "total_steps": 4,
+      "lag.sync_interval": 1,
+      "replay.policy": "staleness",
+      "replay.max_reuse": 2,
+      "replay.capacity_batches": 2,
+      "eval_prompts": 0,
+      "checkpoint_every": 0,
+      "sft.enabled": False,
+    }
+  )
+  rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  # On-policy sampling, so a group drawn at step t was sampled at step t or t - 1.
+  assert all(r["staleness_max"] <= 1 and r["replay_selected"] == 2 for r in rows)
+  assert any(r["staleness_max"] == 1 for r in rows)  # a reused (older) group was drawn
+
+
+def test_global_prompts_on_one_process_equal_the_local_batch():
+  from jax.sharding import AxisType, PartitionSpec
+
+  from offpolicy_jax import environment
+
+  mesh = jax.make_mesh((4, 2, 1), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+  rng = np.random.default_rng(0)
+  local = {
+    "prompt_tokens": rng.integers(0, 30, (8, 5)).astype(np.int32),
+    "prompt_lengths": rng.integers(1, 5, (8,)).astype(np.int32),
+    "answer_tokens": rng.integers(-1, 30, (8, 3)).astype(np.int32),
+    "index": np.arange(8, dtype=np.int64),
+    "valid": np.ones(8, bool),
+  }
+  out = environment.assemble_global(mesh, local)
+  for k in ("prompt_tokens", "prompt_lengths", "answer_tokens"):
+    assert isinstance(out[k], jax.Array)
+    np.testing.assert_array_equal(np.asarray(out[k]), local[k])
+    assert out[k].sharding.spec[0] == ("data", "fsdp")
+    assert len(out[k].addressable_shards) == 8
+  assert out["index"] is local["index"] and out["valid"] is local["valid"]
+  # Not divisible by data*fsdp on one process: replicated, same values.
+  odd = environment.assemble_global(mesh, {k: v[:3] for k, v in local.items()})
+  assert odd["prompt_tokens"].sharding.spec == PartitionSpec()
+  np.testing.assert_array_equal(np.asarray(odd["prompt_tokens"]), local["prompt_tokens"][:3])
+
+
+def test_each_process_reads_its_own_prompt_shard(monkeypatch):
+  env = loop.get_environment(small_config(**{"prompts_per_step": 4}))
+  whole = next(env.prompt_iterator(0, "train"))
+  assert whole["prompt_tokens"].shape[0] == 4
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  for shard in (0, 1):
+    monkeypatch.setattr(jax, "process_index", lambda shard=shard: shard)
+    it = env.prompt_iterator(0, "train")
+    for _ in range(3):
+      batch = next(it)
+      assert batch["prompt_tokens"].shape[0] == 2  # prompts_per_step / process_count
+      assert (batch["index"] % 2 == shard).all()
+  # Evaluation reads the whole split on every process.
+  assert next(env.prompt_iterator(0, "eval", batch_size=4))["index"].tolist() == [0, 1, 2, 3]

@@ -27,6 +27,16 @@ def test_rows_are_flushed_per_write(tmp_path):
   w.close()
 
 
+def test_non_primary_process_writes_nothing(tmp_path):
+  workdir = str(tmp_path / "run")
+  w = metrics.MetricsWriter(workdir, tensorboard=True, progress=True, total_steps=3, primary=False)
+  row = w.write(2, {"reward_mean": jnp.float32(0.25)})
+  w.log_text("not shown")
+  w.close()
+  assert row == {"step": 2, "reward_mean": 0.25}
+  assert not os.path.exists(workdir)
+
+
 def test_values_become_python_scalars(tmp_path):
   _write_steps(str(tmp_path), [3])
   (row,) = metrics.read_metrics(str(tmp_path))
