@@ -14,6 +14,9 @@ Submodules, one topic each:
   sharding      mesh construction and logical axis rules
   train_step    the pure sharded train step
   loop          train_and_evaluate(config, workdir)
+  environment   what a run builds once: mesh, model, tokenizer, task, compiled functions
+  validation    start-up config checks that name the bad field
+  evaluation    greedy accuracy and pass@k on held-out prompts
   sft           supervised warm start
   checkpointing orbax save/restore of the whole run state
   metrics       JSONL / TensorBoard writers, progress bar, plots
@@ -23,6 +26,8 @@ from offpolicy_jax import (
   advantages,
   checkpointing,
   data,
+  environment,
+  evaluation,
   lag,
   loop,
   losses,
@@ -37,6 +42,7 @@ from offpolicy_jax import (
   tokenizers,
   train_step,
   types,
+  validation,
 )
 
 __version__ = "0.1.0"
@@ -45,6 +51,8 @@ __all__ = [
   "advantages",
   "checkpointing",
   "data",
+  "environment",
+  "evaluation",
   "lag",
   "loop",
   "losses",
@@ -59,4 +67,5 @@ __all__ = [
   "tokenizers",
   "train_step",
   "types",
+  "validation",
 ]

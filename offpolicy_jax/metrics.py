@@ -44,7 +44,7 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
   """
   if os.path.isdir(path):
     path = os.path.join(path, METRICS_FILE)
-  rows = []
+  rows: list[dict] = []
   if not os.path.exists(path):
     return rows
   with open(path) as f:
@@ -61,7 +61,8 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
 
 def split_rows(rows: Iterable[Mapping[str, Any]]) -> tuple[list[dict], list[dict]]:
   """Splits rows into (train rows, eval rows); eval rows hold any `eval/` key."""
-  train, evals = [], []
+  train: list[dict] = []
+  evals: list[dict] = []
   for row in rows:
     (evals if any(k.startswith("eval/") for k in row) else train).append(dict(row))
   return train, evals
@@ -272,7 +273,7 @@ def plot_runs(runs: Mapping[str, str], out_path: str, *, smooth: int = 5) -> str
           continue
         if smooth > 1 and not key.startswith("eval/") and len(values) >= smooth:
           kernel = np.ones(smooth) / smooth
-          values = np.convolve(values, kernel, mode="valid")
+          values = list(np.convolve(values, kernel, mode="valid"))
           steps = steps[smooth - 1 :]
         marker = "o" if key.startswith("eval/") else None
         ax.plot(steps, values, label=label, color=colors[label], marker=marker)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.typing import ArrayLike
 
 from offpolicy_jax import models
 
@@ -33,10 +34,11 @@ class SFTBatch(NamedTuple):
     mask: float32 [B, N] 1 on target tokens.
   """
 
-  prompt_tokens: jax.Array
-  prompt_mask: jax.Array
-  tokens: jax.Array
-  mask: jax.Array
+  # Host numpy arrays when built, device arrays inside the jitted step.
+  prompt_tokens: ArrayLike
+  prompt_mask: ArrayLike
+  tokens: ArrayLike
+  mask: ArrayLike
 
 
 def encode_targets(tokenizer: Any, texts: Sequence[str], max_len: int) -> tuple[np.ndarray, ...]:
