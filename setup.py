@@ -39,6 +39,7 @@ EXTRAS_REQUIRE = {
         "nbclient>=0.10",
         "ipykernel>=6",
         "ruff==0.17.6",
+        "mypy==2.4.1",
         "reasoning-gym==0.1.25",
         "math-verify==0.9.0",
         "pyarrow>=15",

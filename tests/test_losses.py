@@ -114,7 +114,7 @@ def _token_ref(name, d, a, lp, m, mu=None, prox=None):
   sig = lambda x: 1.0 / (1.0 + np.exp(-x))
   if name == "reinforce":
     return -a * lp, -a + 0 * lp
-  if name in ("grpo", "ppo", "opsm"):
+  if name in ("grpo", "ppo", "opsm", "st_ppo"):  # st_ppo: single-token turns only
     return _ppo(r, a, 0.8, 1.2)
   if name == "dual_clip":
     return _ppo(r, a, 0.8, 1.2, dual=3.0)
@@ -159,6 +159,15 @@ def _token_ref(name, d, a, lp, m, mu=None, prox=None):
   if name == "minpro":
     prefix = np.minimum.accumulate(np.where(m > 0, d, np.inf), axis=-1)
     return _ppo(np.exp(np.where(m > 0, prefix, 0.0)), a, 0.8, 1.2)
+  if name == "gbpo":
+    target, scale = np.where(a > 0, 1.2, 0.8), np.where(a < 0, 0.2, 0.2)
+    return np.abs(a) * (r - target) ** 2 / (2 * scale), np.abs(a) * (r - target) * r / scale
+  if name == "mhpo":
+    th = np.tanh(d / 0.5)
+    up, down = np.maximum(d, 0.0) / np.log(1.2), np.maximum(-d, 0.0) / -np.log(0.8)
+    val = -a * np.exp(0.5 * th) + 0.1 * (up**2 + down**2)
+    coef = -a * np.exp(0.5 * th) * (1 - th**2) + 0.2 * (up / np.log(1.2) - down / -np.log(0.8))
+    return val, coef
   if name == "clip_cov":
     sel = _cov_selected(lp, a, m, 2e-4)
     return -a * r, np.where(sel, 0.0, -a * r)
@@ -189,6 +198,19 @@ def _seq_ref(name, d, a_seq, m):
 SEQ_PRESETS = ("gspo", "gspo_token", "gmpo", "oapl")
 
 
+def _turn_ref(d, a_bt, m, turns, lo=0.8, hi=1.2):
+  """ST-PPO: PPO clip of every turn's geometric-mean ratio, token-mean (loss, grad)."""
+  n = m.sum()
+  total, grad = 0.0, np.zeros_like(d)
+  for i in range(d.shape[0]):
+    for u in np.unique(turns[i][m[i] > 0]):
+      sel = (turns[i] == u) & (m[i] > 0)
+      val, coef = _ppo(np.exp(d[i, sel].mean()), a_bt[i, sel].mean(), lo, hi)
+      total += val * sel.sum()
+      grad[i, sel] = coef / n  # d (n_turn * val) / d l_t = coef for each of its tokens
+  return total / n, grad
+
+
 def reference(name, logp=LOGP, mu=MU, adv=ADV, m=MASK, prox=PROX):
   """Full-batch (loss, d loss / d logp) in float64, independent of the library."""
   d = np.where(m > 0, logp - mu, 0.0)
@@ -197,6 +219,8 @@ def reference(name, logp=LOGP, mu=MU, adv=ADV, m=MASK, prox=PROX):
   a = np.broadcast_to(adv[:, None], d.shape)
   n_b = m.sum(-1)
   seqs = n_b > 0
+  if name == "st_ppo":
+    return _turn_ref(d, a, m, np.zeros(d.shape, int))
   if name in SEQ_PRESETS:
     val, grad = _seq_ref(name, d, adv, m)
     return val[seqs].mean(), grad / seqs.sum()
@@ -315,7 +339,7 @@ def test_presets_cover_design_contract():
     "reinforce grpo ppo dual_clip rec_oneside_is rec_oneside_nois rec_twoside_is "
     "rec_twoside_nois rec_ring_is rec_ring_nois opmd asymre red_weight cispo dispo gspo "
     "gspo_token gmpo topr sapo tis icepop decoupled_ppo m2po bapo minpro oapl opsm clip_cov "
-    "kl_cov dapo rec_oneside_nois_wide"
+    "kl_cov dapo rec_oneside_nois_wide gbpo mhpo st_ppo"
   ).split()
   assert set(required) <= set(losses.names())
   for name in losses.names():
@@ -369,6 +393,89 @@ def test_micro_batch_accumulation_equals_full_batch(name):
   # d loss_sum_i / d logp = count_i * d loss_i / d logp; the global loss divides once.
   acc_grad = part_grads[:, :3, :6] * np.asarray(parts.loss_count)[:, None, None] / total_count
   np.testing.assert_allclose(acc_grad.reshape(grad.shape), grad, rtol=1e-5, atol=1e-8)
+
+
+# Turns of the golden rows for ST-PPO (values at padding positions must be
+# ignored): every sign of A meets turn ratios below, inside and above (0.8, 1.2).
+TURNS = np.array(
+  [
+    [0, 0, 0, 1, 1, 2],
+    [0, 1, 1, 1, 2, 2],
+    [0, 0, 1, 1, 1, 0],
+    [0, 1, 1, 0, 0, 0],
+    [0, 0, 1, 1, 2, 2],
+    [0, 0, 0, 1, 1, 1],
+    [0, 1, 2, 2, 0, 0],
+    [0, 0, 0, 5, 5, 5],
+    [3, 3, 3, 3, 3, 3],
+  ],
+  np.int32,
+)
+# Token advantages that vary inside a turn (ST-PPO uses the turn mean).
+ADV_BT = (A_BT + 0.1 * np.arange(6)[None]).astype(np.float32)
+
+
+@functools.cache
+def _turn_results():
+  """ST-PPO with TURNS: base, padded to [11, 9] and three 3-row micro-batches (jit)."""
+
+  def f(inputs):
+    kw = dict(inputs)
+    logp = kw.pop("logp")
+
+    def loss_fn(lp):
+      out = losses.policy_loss("st_ppo", logp=lp, **kw)
+      return out.loss, out
+
+    (_, out), grad = jax.value_and_grad(loss_fn, has_aux=True)(logp)
+    return out, grad
+
+  base = dict(INPUTS, advantages=ADV_BT, turn_ids=TURNS)
+  padded = []
+  for rows in (np.arange(9),) + tuple(np.arange(3 * i, 3 * i + 3) for i in range(3)):
+    batch = _pad_to(INPUTS, rows)
+    batch["advantages"][: len(rows), :6] = ADV_BT[rows]
+    turns = np.full((11, 9), 4, np.int32)  # garbage turn id on padding
+    turns[: len(rows), :6] = TURNS[rows]
+    padded.append(dict(batch, turn_ids=turns))
+  stacked = {k: np.stack([b[k] for b in padded]) for k in padded[0]}
+  return jax.jit(f)(base), jax.jit(jax.vmap(f))(stacked), f(base)
+
+
+def test_st_ppo_turn_level_ratio_against_reference():
+  d = np.where(MASK > 0, D, 0.0)
+  want_loss, want_grad = _turn_ref(d, ADV_BT.astype(np.float64), MASK, TURNS)
+  (out, grad), (out_s, grad_s), (out_e, grad_e) = _turn_results()
+  np.testing.assert_allclose(out.loss, want_loss, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(grad, want_grad, rtol=2e-5, atol=1e-6)
+  assert 0 < float(out.metrics["clip_frac"]) < 1
+  # jit == no jit; padding rows / columns with garbage turn ids change nothing.
+  np.testing.assert_allclose(out_e.loss, out.loss, rtol=1e-6)
+  np.testing.assert_allclose(grad_e, grad, rtol=1e-5, atol=1e-8)
+  np.testing.assert_allclose(out_s.loss[0], out.loss, rtol=1e-6)
+  np.testing.assert_allclose(grad_s[0, :9, :6], grad, rtol=1e-5, atol=1e-8)
+  assert np.all(grad_s[0, 9:] == 0) and np.all(grad_s[0, :, 6:] == 0)
+  # Micro-batches of whole rows accumulate to the full-batch loss and gradient.
+  parts, counts = out_s.loss_sum[1:], np.asarray(out_s.loss_count[1:])
+  np.testing.assert_allclose(np.sum(parts) / counts.sum(), out.loss, rtol=1e-6)
+  acc = grad_s[1:, :3, :6] * counts[:, None, None] / counts.sum()
+  np.testing.assert_allclose(acc.reshape(grad.shape), grad, rtol=1e-5, atol=1e-8)
+  # One turn per sequence is the default, and differs from the multi-turn loss.
+  one_turn = losses.policy_loss("st_ppo", **dict(INPUTS, turn_ids=np.zeros_like(TURNS)))
+  default = losses.policy_loss("st_ppo", **INPUTS)
+  np.testing.assert_allclose(one_turn.loss, default.loss, rtol=1e-6)
+  assert abs(float(default.loss) - float(out.loss)) > 1e-3
+
+
+def test_turn_ids_validation():
+  with pytest.raises(ValueError, match="turn_ids"):
+    losses.policy_loss("st_ppo", **dict(INPUTS, turn_ids=TURNS[:, :3]))
+  with pytest.raises(ValueError, match="turn_ids"):
+    losses.policy_loss("st_ppo", **dict(INPUTS, turn_ids=TURNS.astype(np.float32)))
+  with pytest.raises(ValueError, match="hazard_shape"):
+    losses.get_spec("mhpo", hazard_shape=0.5)
+  with pytest.raises(ValueError, match="eps_low"):
+    losses.get_spec("gbpo", eps_low=0.0)
 
 
 def test_aggregation_counts():
@@ -517,7 +624,7 @@ def test_controllers():
   up = ctrl.update(state, 0.05)
   down = ctrl.update(state, 0.0)
   np.testing.assert_allclose([up.coef, down.coef], [0.1 * 1.02, 0.1 * 0.98], rtol=1e-6)
-  assert int(up.count) == 1
+  assert int(up.num_updates) == 1
   ent = losses.adaptive_entropy_controller(0.01, target=1.0, learning_rate=0.5)
   s = jax.jit(ent.update)(ent.init(), 0.2)
   np.testing.assert_allclose(s.coef, 0.01 * np.exp(0.4), rtol=1e-6)

@@ -53,6 +53,23 @@ def _seq_sum(x_bt, valid):
   return jnp.sum(jnp.where(valid, x_bt, 0.0), axis=-1, keepdims=True)
 
 
+def _turn_mean(x_bt, valid, turn_ids):
+  """Mean of ``x`` over the valid tokens of each token's turn, [B, T].
+
+  Tokens of a row with equal ``turn_ids`` (ints in [0, T)) form a turn;
+  ``turn_ids=None`` makes each sequence one turn.
+  """
+  x_bt = jnp.where(valid, x_bt, 0.0)
+  if turn_ids is None:
+    n_b = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1)
+    return jnp.sum(x_bt, axis=-1, keepdims=True) / n_b + 0 * x_bt
+  b, t = x_bt.shape
+  seg = (jnp.arange(b)[:, None] * t + jnp.clip(turn_ids, 0, t - 1)).reshape(-1)
+  total = jax.ops.segment_sum(x_bt.reshape(-1), seg, num_segments=b * t)
+  count = jax.ops.segment_sum(valid.reshape(-1).astype(x_bt.dtype), seg, num_segments=b * t)
+  return (total / jnp.maximum(count, 1.0))[seg].reshape(b, t)
+
+
 def _bounds(spec, a, logr, rho_sg, m):
   """Ratio band ``(lo, hi)`` [B, T], its logs, and per-call adaptive statistics."""
   lo = jnp.full_like(a, 1.0 - spec.eps_low)
@@ -85,7 +102,7 @@ def _bounds(spec, a, logr, rho_sg, m):
   return lo, hi, log_bounds, stats
 
 
-def _log_ratio(spec, d, a, valid, n_b):
+def _log_ratio(spec, d, a, valid, n_b, turn_ids):
   """Level axis: the log of the ratio each token sees, and GMPO's clip flags."""
   clipped = jnp.zeros_like(valid)
   if spec.level == "token":
@@ -98,11 +115,27 @@ def _log_ratio(spec, d, a, valid, n_b):
       bound = jnp.where(a > 0, spec.eps_high, -spec.eps_low)
       d = jnp.where(clipped, bound, d)
     return _seq_sum(d, valid) / n_b + 0 * d, clipped & valid
+  if spec.level == "turn_geo":
+    return _turn_mean(d, valid, turn_ids), clipped
   if spec.level == "seq_geo_token":
     return sg(_seq_sum(d, valid) / n_b) + d - sg(d), clipped
   # prefix_min: running minimum of the token log-ratio, gradient through l_t.
-  prefix = jax.lax.associative_scan(jnp.minimum, jnp.where(valid, sg(d), jnp.inf), axis=-1)
-  return jnp.where(valid, prefix, 0.0) + d - sg(d), clipped
+  return jnp.where(valid, _prefix_min(jnp.where(valid, sg(d), jnp.inf)), 0.0) + d - sg(d), clipped
+
+
+def _prefix_min(x_bt):
+  """``min_{s <= t} x_bs`` along T: one sequential pass over time on [B] rows.
+
+  On CPU a plain scan over T is ~3x faster than ``associative_scan`` /
+  ``lax.cummin`` (strided slices or a quadratic reduce-window).
+  """
+
+  def step(running_b, x_b):
+    running_b = jnp.minimum(running_b, x_b)
+    return running_b, running_b
+
+  _, prefix_tb = jax.lax.scan(step, jnp.full(x_bt.shape[:-1], jnp.inf, x_bt.dtype), x_bt.T)
+  return prefix_tb.T
 
 
 def _shape(spec, a, logp, logr, rho, lo, hi, log_bounds):
@@ -131,6 +164,14 @@ def _shape(spec, a, logp, logr, rho, lo, hi, log_bounds):
     return -a * rho, none
   if spec.shaping == "regression":
     return 0.5 * jnp.square(spec.beta * logr - a), none
+  if spec.shaping == "bounded_target":
+    target = jnp.where(pos, 1.0 + spec.eps_high, jnp.where(neg, 1.0 - spec.eps_low, 1.0))
+    scale = jnp.where(neg, spec.eps_low, spec.eps_high)
+    past = (pos & (rho_sg > target)) | (neg & (rho_sg < target))
+    return jnp.abs(a) * jnp.square(rho - target) / (2.0 * scale), past
+  if spec.shaping == "log_bound":
+    c = spec.log_bound
+    return -a * jnp.exp(c * jnp.tanh(logr / c)), none
   keep, clipped = jnp.ones_like(rho_sg), none
   if spec.shaping == "mask":
     inner = (logr_sg >= log_lo) & (logr_sg <= log_hi)
@@ -185,6 +226,7 @@ def per_token_terms(
   proximal_logp: jax.Array | None = None,
   ref_logp: jax.Array | None = None,
   entropy: jax.Array | None = None,
+  turn_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
   """Per-token loss of a spec before aggregation.
 
@@ -193,6 +235,8 @@ def per_token_terms(
     logp, behavior_logp, mask: float32 [B, T].
     advantages: float32 [B, T].
     proximal_logp, ref_logp, entropy: float32 [B, T] or None.
+    turn_ids: int [B, T] turn index of each token (``level='turn_geo'``), or
+      None for one turn per sequence.
 
   Returns:
     ``(loss_bt, clipped_bt, stats)``: per-token loss [B, T] (0 on padding),
@@ -203,13 +247,17 @@ def per_token_terms(
   zero = jnp.zeros_like(logp)
   logp = jnp.where(valid, logp, 0.0)
   behavior_logp = jnp.where(valid, behavior_logp, 0.0)
-  anchor = behavior_logp if spec.ratio == "behavior" else jnp.where(valid, proximal_logp, 0.0)
+  anchor = behavior_logp
+  if spec.ratio != "behavior":
+    anchor = jnp.where(valid, _required(proximal_logp, "proximal_logp"), 0.0)
   n_b = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
   a = jnp.where(valid, advantages, 0.0)
   if spec.level in ("seq_prod", "seq_geo", "seq_geo_token"):
     a = _seq_sum(a, valid) / n_b + 0 * a
+  elif spec.level == "turn_geo":
+    a = _turn_mean(a, valid, turn_ids)
   d = jnp.where(valid, logp - anchor, 0.0)
-  logr, clipped = _log_ratio(spec, d, a, valid, n_b)
+  logr, clipped = _log_ratio(spec, d, a, valid, n_b, turn_ids)
   rho = jnp.exp(logr)
   lo, hi, log_bounds, stats = _bounds(spec, a, logr, sg(rho), mask)
   pg, shaped = _shape(spec, a, logp, logr, rho, lo, hi, log_bounds)
@@ -238,24 +286,32 @@ def per_token_terms(
     reg = spec.reg_coef * jnp.square(logp - behavior_logp)
   elif spec.reg == "forward_kl":
     reg = -spec.reg_coef * logp
+  elif spec.reg == "hazard":
+    # Weibull cumulative hazard of the up / down shift of the token log-ratio,
+    # each in units of its own band edge.
+    up = jnp.maximum(d, 0.0) / math.log(1.0 + spec.eps_high)
+    down = jnp.maximum(-d, 0.0) / -math.log(1.0 - spec.eps_low)
+    reg = spec.reg_coef * (up**spec.hazard_shape + down**spec.hazard_shape)
   else:
     reg = zero
   if spec.reg != "none":
     total = total + reg
     stats["reg"] = _masked_mean(reg, mask)
   if spec.kl_coef > 0:
-    ref = jnp.where(valid, ref_logp, 0.0)
+    ref = jnp.where(valid, _required(ref_logp, "ref_logp"), 0.0)
     kl_bt = kl_lib.kl(logp, ref, spec.kl_kind, straight_through=spec.kl_straight_through)
     total = total + spec.kl_coef * kl_bt
     stats["kl_ref"] = _masked_mean(sg(kl_bt), mask)
   if spec.entropy_coef > 0:
-    ent = jnp.where(valid, entropy, 0.0)
+    ent = jnp.where(valid, _required(entropy, "entropy"), 0.0)
     total = total - spec.entropy_coef * ent
     stats["entropy"] = _masked_mean(sg(ent), mask)
   return jnp.where(valid, total, 0.0), clipped & valid, stats
 
 
-def _check_inputs(spec, logp, behavior_logp, advantages, mask, proximal_logp, ref_logp, entropy):
+def _check_inputs(
+  spec, logp, behavior_logp, advantages, mask, proximal_logp, ref_logp, entropy, turn_ids
+):
   if logp.ndim != 2:
     raise ValueError(f"logp must be [B, T]; got shape {logp.shape}")
   for name, x in (("behavior_logp", behavior_logp), ("mask", mask)):
@@ -273,6 +329,11 @@ def _check_inputs(spec, logp, behavior_logp, advantages, mask, proximal_logp, re
       raise ValueError(f"{name} is required by this loss spec (got None)")
     if needed and x.shape != logp.shape:
       raise ValueError(f"{name} shape {x.shape} != logp shape {logp.shape}")
+  if turn_ids is not None:
+    if turn_ids.shape != logp.shape:
+      raise ValueError(f"turn_ids shape {turn_ids.shape} != logp shape {logp.shape}")
+    if not jnp.issubdtype(turn_ids.dtype, jnp.integer):
+      raise ValueError(f"turn_ids must be integers; got {turn_ids.dtype}")
 
 
 def _metrics(logp, behavior_logp, anchor, a, mask, clipped, stats):
@@ -304,6 +365,16 @@ def _metrics(logp, behavior_logp, anchor, a, mask, clipped, stats):
   return metrics
 
 
+def _optional_f32(x: ArrayLike | None) -> jax.Array | None:
+  return None if x is None else jnp.asarray(x, jnp.float32)
+
+
+def _required(x: jax.Array | None, name: str) -> jax.Array:
+  if x is None:
+    raise ValueError(f"this loss needs `{name}`; got None")
+  return x
+
+
 def policy_loss(
   name_or_spec: str | LossSpec,
   *,
@@ -314,6 +385,7 @@ def policy_loss(
   proximal_logp: ArrayLike | None = None,
   ref_logp: ArrayLike | None = None,
   entropy: ArrayLike | None = None,
+  turn_ids: ArrayLike | None = None,
   **overrides,
 ) -> LossOutput:
   """Policy loss of a named preset or a `LossSpec`, reduced to (sum, count).
@@ -333,6 +405,9 @@ def policy_loss(
     ref_logp: float32 [B, T], required when ``spec.needs_ref``.
     entropy: float32 [B, T] per-token entropy, required when
       ``entropy_coef > 0``.
+    turn_ids: optional int [B, T] turn index of each token, values in
+      [0, T); tokens of a row with equal ids form one turn. Read only by
+      ``level='turn_geo'`` (ST-PPO); None means one turn per sequence.
     **overrides: `LossSpec` fields, e.g. ``eps_low=0.1``; unknown names raise.
 
   Returns:
@@ -349,11 +424,14 @@ def policy_loss(
     spec = name_or_spec.replace(**overrides) if overrides else name_or_spec
   else:
     spec = get_spec(name_or_spec, **overrides)
-  as_f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
-  logp, behavior_logp, mask = as_f32(logp), as_f32(behavior_logp), as_f32(mask)
-  advantages, proximal_logp = as_f32(advantages), as_f32(proximal_logp)
-  ref_logp, entropy = as_f32(ref_logp), as_f32(entropy)
-  _check_inputs(spec, logp, behavior_logp, advantages, mask, proximal_logp, ref_logp, entropy)
+  logp, behavior_logp = jnp.asarray(logp, jnp.float32), jnp.asarray(behavior_logp, jnp.float32)
+  advantages, mask = jnp.asarray(advantages, jnp.float32), jnp.asarray(mask, jnp.float32)
+  proximal_logp, ref_logp = _optional_f32(proximal_logp), _optional_f32(ref_logp)
+  entropy = _optional_f32(entropy)
+  turn_ids = None if turn_ids is None else jnp.asarray(turn_ids)
+  _check_inputs(
+    spec, logp, behavior_logp, advantages, mask, proximal_logp, ref_logp, entropy, turn_ids
+  )
   if advantages.ndim == 1:
     advantages = jnp.broadcast_to(advantages[:, None], logp.shape)
   loss_bt, clipped, stats = per_token_terms(
@@ -365,11 +443,14 @@ def policy_loss(
     proximal_logp=proximal_logp,
     ref_logp=ref_logp,
     entropy=entropy,
+    turn_ids=turn_ids,
   )
   loss_sum, loss_count = aggregate(loss_bt, mask, spec.agg, max_len=spec.max_len)
   loss = safe_divide(loss_sum, loss_count)
   valid = mask > 0
-  anchor = None if spec.ratio == "behavior" else jnp.where(valid, proximal_logp, 0.0)
+  anchor = None
+  if spec.ratio != "behavior":
+    anchor = jnp.where(valid, _required(proximal_logp, "proximal_logp"), 0.0)
   metrics = _metrics(
     logp,
     jnp.where(valid, behavior_logp, 0.0),

@@ -10,6 +10,30 @@ PPO clip), OAPL (squared regression with the behaviour policy as the lagged
 policy and the advantage as the regression target), OPSM (threshold value),
 Clip-Cov (deterministic top-covariance selection) and BAPO (share measured on
 gradient-carrying tokens).
+
+Three presets are reconstructed from their papers' descriptions only (no
+reference code was available; paper level only):
+
+- ``gbpo`` (Group-relative Bounded Policy Optimization, "Bounded Ratio
+  Reinforcement Learning", arXiv 2604.18578): the analytic optimum of the
+  bounded-ratio problem sets the ratio to ``1 + eps`` where the advantage is
+  positive and ``1 - eps`` where it is negative; BPO minimises an
+  advantage-weighted divergence to it. Assumed: the divergence is the squared
+  ratio error ``|A| (rho - rho*)^2 / (2 eps)`` per token (the ``1 / eps``
+  makes the on-policy gradient equal REINFORCE's ``-A``), token ratios,
+  token-mean aggregation, eps = (0.2, 0.2).
+- ``mhpo`` (Modulated Hazard-aware Policy Optimization, arXiv 2603.16929): a
+  log-fidelity modulator maps the ratio to a bounded differentiable domain
+  and a decoupled hazard penalty regulates up and down shifts separately.
+  Assumed: modulator ``exp(c tanh(log rho / c))`` with c = 0.5 in the
+  surrogate ``-A * ratio``; hazard = Weibull cumulative hazard
+  ``(x / lambda)^k`` of ``max(log rho, 0)`` and ``max(-log rho, 0)`` with
+  scales ``log(1 + eps_high)`` and ``-log(1 - eps_low)``, k = 2, weight 0.1.
+- ``st_ppo`` (turn-level importance ratios for multi-turn agents): PPO clip
+  on ``exp(mean of log rho over the tokens of a turn)`` with the turn-mean
+  advantage. Assumed: eps = (0.2, 0.2), token-mean aggregation, no further
+  clipping-bias correction; turns come from ``policy_loss(turn_ids=...)`` and
+  default to one turn per sequence.
 """
 
 from offpolicy_jax.losses.spec import LossSpec
@@ -20,7 +44,7 @@ _TWO_SIDE = dict(shaping="mask", mask_kind="two_side")
 _RING = dict(shaping="mask", mask_kind="ring")
 _GSPO = dict(_PPO, eps_low=3e-4, eps_high=4e-4, agg="seq_mean_token_mean")
 
-_BUILTIN = (
+_BUILTIN: tuple[tuple[str, dict, str], ...] = (
   ("reinforce", {}, "-A * logp; no trust region (Williams 1992)."),
   (
     "grpo",
@@ -171,6 +195,25 @@ _BUILTIN = (
     dict(_PPO, eps_low=0.2, eps_high=0.28),
     "PPO clip (0.2, 0.28), global token-mean (Yu et al., arXiv 2503.14476); group filtering "
     "and the overlong penalty live in the data / reward pipeline.",
+  ),
+  (
+    "gbpo",
+    dict(shaping="bounded_target", grad="ratio"),
+    "|A| (rho - rho*)^2 / (2 eps), rho* = 1 + eps_high if A > 0 else 1 - eps_low: regress "
+    "the ratio onto the bounded-ratio optimum (GBPO, Bounded Ratio RL, arXiv 2604.18578; "
+    "paper-level reconstruction).",
+  ),
+  (
+    "mhpo",
+    dict(shaping="log_bound", grad="ratio", log_bound=0.5, reg="hazard", reg_coef=0.1),
+    "-A exp(c tanh(log rho / c)), c = 0.5, plus 0.1 x Weibull (k = 2) hazard of the up / down "
+    "log-ratio shift (MHPO, arXiv 2603.16929; paper-level reconstruction).",
+  ),
+  (
+    "st_ppo",
+    dict(_PPO, level="turn_geo"),
+    "PPO clip (0.2, 0.2) on the per-turn geometric-mean ratio with the turn-mean advantage, "
+    "token-mean (ST-PPO turn-level ratios; pass turn_ids; paper-level reconstruction).",
   ),
 )
 

@@ -10,17 +10,20 @@ off-policy algorithm", arXiv 2509.24203). A spec picks one value on each axis:
 2. ``level``: granularity of the ratio. ``token``; ``seq_prod``
    (``exp(sum_t log rho_t)``); ``seq_geo`` (``exp(mean_t log rho_t)``, GSPO);
    ``seq_geo_token`` (value ``s_i``, gradient through each token, GSPO-token);
-   ``prefix_min`` (``min_{s <= t} rho_s``, MinPRO).
+   ``prefix_min`` (``min_{s <= t} rho_s``, MinPRO); ``turn_geo``
+   (geometric mean over the tokens of one turn, ST-PPO; ``turn_ids``).
 3. ``shaping``: ``none``; ``clip`` (PPO clip, optional dual clip); ``mask``
    (``mask_kind`` one_side / two_side / ring); ``truncate`` (bounded weight,
    CISPO / DISPO); ``topr``; ``soft_gate`` (SAPO); ``log_clip`` (GMPO);
-   ``regression`` (OAPL squared regression).
+   ``regression`` (OAPL squared regression); ``bounded_target`` (GBPO);
+   ``log_bound`` (MHPO's bounded log-ratio).
 4. ``grad``: ``logp`` (``-A * sg(w) * logp``) or ``ratio`` (surrogate of a
    differentiable ratio, ``grad rho = rho * grad logp``).
 5. extra weights: ``weight`` (``one`` / ``ratio``), ``adv_weight`` (``exp``:
    RED-Weight), ``correction`` (rollout IS: ``is``, ``truncate`` TIS,
    ``mask`` IcePop) at ``correction_level`` token / seq.
-6. regularisers: ``reg`` (``k2`` / ``forward_kl`` towards mu), KL to a
+6. regularisers: ``reg`` (``k2`` / ``forward_kl`` towards mu, ``hazard``:
+   MHPO's cumulative-hazard penalty on the token log-ratio), KL to a
    reference (``kl_coef``, ``kl_kind``), entropy bonus (``entropy_coef``);
    batch-level shapers ``adaptive`` (``m2po``, ``bapo``), ``cov``
    (``clip`` / ``kl``: Clip-Cov / KL-Cov) and ``seq_filter`` (``opsm``).
@@ -32,7 +35,7 @@ import dataclasses
 
 _CHOICES = {
   "ratio": ("behavior", "proximal", "decoupled"),
-  "level": ("token", "seq_prod", "seq_geo", "seq_geo_token", "prefix_min"),
+  "level": ("token", "seq_prod", "seq_geo", "seq_geo_token", "prefix_min", "turn_geo"),
   "shaping": (
     "none",
     "clip",
@@ -42,6 +45,8 @@ _CHOICES = {
     "soft_gate",
     "log_clip",
     "regression",
+    "bounded_target",
+    "log_bound",
   ),
   "mask_kind": ("one_side", "two_side", "ring"),
   "grad": ("logp", "ratio"),
@@ -52,7 +57,7 @@ _CHOICES = {
   "adaptive": ("none", "m2po", "bapo"),
   "cov": ("none", "clip", "kl"),
   "seq_filter": ("none", "opsm"),
-  "reg": ("none", "k2", "forward_kl"),
+  "reg": ("none", "k2", "forward_kl", "hazard"),
   "kl_kind": ("k1", "k2", "k3", "abs"),
   "agg": (
     "token_mean",
@@ -85,7 +90,7 @@ _NON_NEGATIVE = (
   "cov_frac",
   "cov_coef",
 )
-_POSITIVE = ("temp", "tau_pos", "tau_neg", "beta")
+_POSITIVE = ("temp", "tau_pos", "tau_neg", "beta", "log_bound")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +111,11 @@ class LossSpec:
     eps_low_prime, eps_high_prime: outer ring of the ``ring`` mask.
     dual_clip_c: dual-clip constant (caps the loss at ``-c * A`` for A < 0);
       ``None`` disables it.
-    reg_coef: coefficient ``c`` of the ``k2`` / ``forward_kl`` regulariser.
+    reg_coef: coefficient ``c`` of the ``k2`` / ``forward_kl`` / ``hazard``
+      regulariser.
+    log_bound: MHPO bound ``c``: the ratio seen is ``exp(c tanh(log rho / c))``.
+    hazard_shape: Weibull shape ``k >= 1`` of the ``hazard`` penalty
+      ``c ((d+ / log(1 + eps_high))^k + (d- / -log(1 - eps_low))^k)``.
     kl_coef, kl_kind, kl_straight_through: KL penalty to ``ref_logp`` in the
       loss, estimator kind, and straight-through gradient (k2 gradient).
     entropy_coef: entropy bonus coefficient (needs ``entropy=``).
@@ -150,6 +159,8 @@ class LossSpec:
   eps_high_prime: float = 2.0
   dual_clip_c: float | None = None
   reg_coef: float = 0.0
+  log_bound: float = 0.5
+  hazard_shape: float = 2.0
   kl_coef: float = 0.0
   entropy_coef: float = 0.0
   temp: float = 1.0
@@ -185,10 +196,18 @@ class LossSpec:
       raise ValueError(f"LossSpec.max_len={self.max_len} must be > 0")
     if self.shaping == "log_clip" and self.level != "seq_geo":
       raise ValueError("LossSpec.shaping='log_clip' requires level='seq_geo'")
-    if self.shaping in ("clip", "soft_gate", "log_clip", "regression") and self.grad != "ratio":
+    ratio_shapings = ("clip", "soft_gate", "log_clip", "regression", "bounded_target", "log_bound")
+    if self.shaping in ratio_shapings and self.grad != "ratio":
       raise ValueError(f"LossSpec.shaping={self.shaping!r} requires grad='ratio'")
     if self.shaping in ("truncate", "topr") and self.grad != "logp":
       raise ValueError(f"LossSpec.shaping={self.shaping!r} requires grad='logp'")
+    if self.shaping == "bounded_target" and min(self.eps_low, self.eps_high) <= 0:
+      raise ValueError("LossSpec.eps_low and eps_high must be > 0 for shaping='bounded_target'")
+    if self.reg == "hazard":
+      if not 0 < self.eps_low < 1 or self.eps_high <= 0:
+        raise ValueError("LossSpec.eps_low must be in (0, 1) and eps_high > 0 for reg='hazard'")
+      if self.hazard_shape < 1:
+        raise ValueError(f"LossSpec.hazard_shape={self.hazard_shape} must be >= 1")
 
   @property
   def needs_proximal(self) -> bool:
