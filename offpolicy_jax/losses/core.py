@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from offpolicy_jax.losses import adaptive
+from offpolicy_jax.losses import adaptive, levels
 from offpolicy_jax.losses import kl as kl_lib
 from offpolicy_jax.losses.aggregation import aggregate, safe_divide
 from offpolicy_jax.losses.presets import get_spec
@@ -47,27 +47,6 @@ class LossOutput(NamedTuple):
 
 def _masked_mean(x, w):
   return safe_divide(jnp.sum(jnp.where(w > 0, x * w, 0.0)), jnp.sum(w))
-
-
-def _seq_sum(x_bt, valid):
-  return jnp.sum(jnp.where(valid, x_bt, 0.0), axis=-1, keepdims=True)
-
-
-def _turn_mean(x_bt, valid, turn_ids):
-  """Mean of ``x`` over the valid tokens of each token's turn, [B, T].
-
-  Tokens of a row with equal ``turn_ids`` (ints in [0, T)) form a turn;
-  ``turn_ids=None`` makes each sequence one turn.
-  """
-  x_bt = jnp.where(valid, x_bt, 0.0)
-  if turn_ids is None:
-    n_b = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1)
-    return jnp.sum(x_bt, axis=-1, keepdims=True) / n_b + 0 * x_bt
-  b, t = x_bt.shape
-  seg = (jnp.arange(b)[:, None] * t + jnp.clip(turn_ids, 0, t - 1)).reshape(-1)
-  total = jax.ops.segment_sum(x_bt.reshape(-1), seg, num_segments=b * t)
-  count = jax.ops.segment_sum(valid.reshape(-1).astype(x_bt.dtype), seg, num_segments=b * t)
-  return (total / jnp.maximum(count, 1.0))[seg].reshape(b, t)
 
 
 def _bounds(spec, a, logr, rho_sg, m):
@@ -100,42 +79,6 @@ def _bounds(spec, a, logr, rho_sg, m):
     stats["bapo_low"], stats["bapo_high"] = c_lo, c_hi
   log_bounds = (jnp.log(jnp.maximum(lo, 0.0)), jnp.log(hi))
   return lo, hi, log_bounds, stats
-
-
-def _log_ratio(spec, d, a, valid, n_b, turn_ids):
-  """Level axis: the log of the ratio each token sees, and GMPO's clip flags."""
-  clipped = jnp.zeros_like(valid)
-  if spec.level == "token":
-    return d, clipped
-  if spec.level == "seq_prod":
-    return _seq_sum(d, valid) + 0 * d, clipped
-  if spec.level == "seq_geo":
-    if spec.shaping == "log_clip":
-      clipped = ((a > 0) & (d > spec.eps_high)) | ((a < 0) & (d < -spec.eps_low))
-      bound = jnp.where(a > 0, spec.eps_high, -spec.eps_low)
-      d = jnp.where(clipped, bound, d)
-    return _seq_sum(d, valid) / n_b + 0 * d, clipped & valid
-  if spec.level == "turn_geo":
-    return _turn_mean(d, valid, turn_ids), clipped
-  if spec.level == "seq_geo_token":
-    return sg(_seq_sum(d, valid) / n_b) + d - sg(d), clipped
-  # prefix_min: running minimum of the token log-ratio, gradient through l_t.
-  return jnp.where(valid, _prefix_min(jnp.where(valid, sg(d), jnp.inf)), 0.0) + d - sg(d), clipped
-
-
-def _prefix_min(x_bt):
-  """``min_{s <= t} x_bs`` along T: one sequential pass over time on [B] rows.
-
-  On CPU a plain scan over T is ~3x faster than ``associative_scan`` /
-  ``lax.cummin`` (strided slices or a quadratic reduce-window).
-  """
-
-  def step(running_b, x_b):
-    running_b = jnp.minimum(running_b, x_b)
-    return running_b, running_b
-
-  _, prefix_tb = jax.lax.scan(step, jnp.full(x_bt.shape[:-1], jnp.inf, x_bt.dtype), x_bt.T)
-  return prefix_tb.T
 
 
 def _shape(spec, a, logp, logr, rho, lo, hi, log_bounds):
@@ -206,7 +149,7 @@ def _correction(spec, logp, behavior_logp, proximal_logp, valid):
   top = sg(logp) if spec.ratio == "behavior" else proximal_logp
   c_log = jnp.where(valid, top - behavior_logp, 0.0)
   if spec.correction_level == "seq":
-    c_log = _seq_sum(c_log, valid) + 0 * c_log
+    c_log = levels.seq_sum(c_log, valid) + 0 * c_log
   c_raw = jnp.exp(c_log)
   if spec.correction == "is":
     return c_raw, jnp.zeros(logp.shape, bool)
@@ -253,11 +196,11 @@ def per_token_terms(
   n_b = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
   a = jnp.where(valid, advantages, 0.0)
   if spec.level in ("seq_prod", "seq_geo", "seq_geo_token"):
-    a = _seq_sum(a, valid) / n_b + 0 * a
+    a = levels.seq_sum(a, valid) / n_b + 0 * a
   elif spec.level == "turn_geo":
-    a = _turn_mean(a, valid, turn_ids)
+    a = levels.turn_mean(a, valid, turn_ids)
   d = jnp.where(valid, logp - anchor, 0.0)
-  logr, clipped = _log_ratio(spec, d, a, valid, n_b, turn_ids)
+  logr, clipped = levels.log_ratio(spec, d, a, valid, n_b, turn_ids)
   rho = jnp.exp(logr)
   lo, hi, log_bounds, stats = _bounds(spec, a, logr, sg(rho), mask)
   pg, shaped = _shape(spec, a, logp, logr, rho, lo, hi, log_bounds)
@@ -267,7 +210,7 @@ def per_token_terms(
   if spec.adv_weight == "exp":
     extra = extra * jnp.exp(a / spec.temp)
   if spec.seq_filter == "opsm":
-    seq_kl = _seq_sum(behavior_logp - sg(logp), valid) / n_b
+    seq_kl = levels.seq_sum(behavior_logp - sg(logp), valid) / n_b
     drop = (a < 0) & (seq_kl > spec.opsm_delta)
     extra = extra * (~drop)
     clipped = clipped | drop
