@@ -59,6 +59,14 @@ def load_sweep(config_path: str) -> list[dict]:
   return list(module.get_sweep())
 
 
+def _check_unique_names(sweep: list[dict]) -> None:
+  """Two runs with one name would share a workdir: the second would resume the first."""
+  names = [run_name(o) for o in sweep]
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if repeated:
+    raise ValueError(f"sweep runs share names {repeated}; give each a distinct 'name'")
+
+
 def _cli_overrides() -> list[str]:
   return [a for a in sys.argv[1:] if a.startswith("--config.")]
 
@@ -74,6 +82,7 @@ def run_sweep(config, sweep: list[dict], workdir: str) -> str:
   """
   from offpolicy_jax import loop
 
+  _check_unique_names(sweep)
   runs = {}
   for overrides in sweep:
     name = run_name(overrides)
@@ -92,6 +101,7 @@ def main(argv):
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   sweep = load_sweep(config_path)
   if _PRINT_ONLY.value:
+    _check_unique_names(sweep)
     for overrides in sweep:
       args = [f"--config.{k}={v}" for k, v in overrides.items() if k != "name"]
       cmd = [

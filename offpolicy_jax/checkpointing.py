@@ -153,6 +153,5 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   def close(self) -> None:
-    """Waits for pending saves and releases the manager."""
-    self._manager.wait_until_finished()
+    """Waits for pending saves and releases the manager (orbax's close waits)."""
     self._manager.close()

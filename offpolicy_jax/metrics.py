@@ -10,6 +10,7 @@ them and the file never holds duplicates or gaps.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -147,10 +148,10 @@ class MetricsWriter:
     if tensorboard:
       from tensorboardX import SummaryWriter
 
-      # purge_step hides events a killed run wrote past the checkpoint.
-      self._tb = SummaryWriter(
-        os.path.join(workdir, "tb"), purge_step=start_step + 1 if start_step else None
-      )
+      # purge_step hides events a killed run wrote past the checkpoint (all of
+      # them on a fresh start, matching the emptied metrics.jsonl).
+      purge = 0 if resume_step is None else start_step + 1
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=purge)
     self._wandb = None
     if wandb_project:
       try:
@@ -325,9 +326,10 @@ def write_summary_table(runs: Mapping[str, str], out_dir: str) -> str:
 
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, "summary.csv"), "w") as f:
-    f.write(",".join(["run", *cols]) + "\n")
+    writer = csv.writer(f, lineterminator="\n")
+    writer.writerow(["run", *cols])
     for label, r in rows.items():
-      f.write(",".join([label, *(fmt(r.get(c, "")) for c in cols)]) + "\n")
+      writer.writerow([label, *(fmt(r.get(c, "")) for c in cols)])
   md_path = os.path.join(out_dir, "summary.md")
   with open(md_path, "w") as f:
     f.write("| run | " + " | ".join(cols) + " |\n")

@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 from jax.typing import ArrayLike
 
-from offpolicy_jax import models
+from offpolicy_jax import data, models
 
 
 class SFTBatch(NamedTuple):
@@ -83,7 +83,7 @@ def reference_batches(
   if task.answer is None:
     raise ValueError(f"task {task.name!r} has no reference answers for supervised warm start")
   for batch in prompts:
-    texts = [task.answer(task.train_source[int(i)]) for i in batch["index"]]
+    texts = [task.answer(ex) for ex in data.examples(task, "train", batch["index"])]
     tokens, mask = encode_targets(tokenizer, texts, max_len)
     p = batch["prompt_tokens"].shape[1]
     prompt_mask = (np.arange(p)[None] >= p - batch["prompt_lengths"][:, None]).astype(np.float32)

@@ -8,6 +8,12 @@ import jax
 
 Example = dict[str, Any]
 
+# Appended to text-task prompts: the think/answer format the format reward checks.
+INSTRUCTION = (
+  "\n\nThink step by step inside <think> </think>, then give only the final answer "
+  "inside <answer> </answer>."
+)
+
 
 class ListSource:
   """A grain `RandomAccessDataSource` over an in-memory list of example dicts."""

@@ -15,12 +15,7 @@ import os
 from typing import Any
 
 from offpolicy_jax import rewards
-from offpolicy_jax.tasks.base import Example, ListSource, Task
-
-INSTRUCTION = (
-  "\n\nThink step by step inside <think> </think>, then give only the final answer "
-  "inside <answer> </answer>."
-)
+from offpolicy_jax.tasks.base import INSTRUCTION, Example, ListSource, Task
 
 
 def _read_rows(path: str) -> list[tuple[int, Any]]:

@@ -1,12 +1,7 @@
 """Any reasoning-gym dataset as a task, scored with the dataset's own verifier."""
 
 from offpolicy_jax import rewards
-from offpolicy_jax.tasks.base import Example, ListSource, Task
-
-INSTRUCTION = (
-  "\n\nThink step by step inside <think> </think>, then give only the final answer "
-  "inside <answer> </answer>."
-)
+from offpolicy_jax.tasks.base import INSTRUCTION, Example, ListSource, Task
 
 
 def make_task(
