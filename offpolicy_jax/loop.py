@@ -224,10 +224,10 @@ class _AsyncProducer:
     self._data = data_iter
     self._produced = version
     self._failures = 0
-    bound = run.config.lag.max_staleness or 2**30
-    self.sampler = lag.AsyncSampler(
-      self._sample, jax.tree.map(jnp.copy, params), version, max_staleness=bound
-    )
+    # Batches record versions in optimizer steps (loop step * U): so does the bound.
+    bound = run.config.lag.max_staleness * run.updates or 2**30
+    # AsyncSampler copies the parameters it is given (the train state is donated).
+    self.sampler = lag.AsyncSampler(self._sample, params, version, max_staleness=bound)
 
   def _sample(self, params, version: int) -> TrainBatch:
     self._produced += 1
@@ -237,12 +237,12 @@ class _AsyncProducer:
 
   def step(self, state, step: int) -> tuple[dict, dict]:
     start = time.perf_counter()
-    batch = self.sampler.get(current_version=step - 1, timeout=600.0)
+    fallback = (step - 1) * self._run.updates
+    batch = self.sampler.get(current_version=fallback, timeout=600.0)
     versions, mask = jax.device_get((batch.versions, batch.mask))
     state, row = self._run.consume(state, step, batch)
-    # Publish a copy: the train state is donated by the next step.
-    self.sampler.publish(jax.tree.map(jnp.copy, self._run.env.params_of(state["train"])), step)
-    fallback = (step - 1) * self._run.updates
+    # publish() copies: the train state is donated by the next step.
+    self.sampler.publish(self._run.env.params_of(state["train"]), step)
     row["behavior_version"] = int(versions[mask > 0].min()) if mask.any() else fallback
     row["reward_failures"], self._failures = self._failures, 0
     row["async_dropped_batches"] = self.sampler.stats["dropped_batches"]
