@@ -46,7 +46,7 @@ class LossOutput(NamedTuple):
 
 
 def _masked_mean(x, w):
-  return safe_divide(jnp.sum(jnp.where(w > 0, x * w, 0.0)), jnp.sum(w))
+  return safe_divide(*aggregate(jnp.where(w > 0, x, 0.0), w, "token_mean"))
 
 
 def _bounds(spec, a, logr, rho_sg, m):
@@ -301,8 +301,9 @@ def _metrics(logp, behavior_logp, anchor, a, mask, clipped, stats):
     "ratio_min": jnp.where(n > 0, jnp.exp(jnp.min(jnp.where(valid, log_rho, jnp.inf))), 1.0),
     "ratio_max": jnp.where(n > 0, jnp.exp(jnp.max(jnp.where(valid, log_rho, -jnp.inf))), 1.0),
     "ess": safe_divide(jnp.square(total(w)), n * total(w * w)),
-    "kl_k1": safe_divide(-total(d_mu), n),
-    "kl_k3": safe_divide(total(jnp.expm1(d_mu) - d_mu), n),
+    # KL(mu || pi) estimated from samples of mu: d = l_mu - l.
+    "kl_k1": _masked_mean(kl_lib.kl(behavior_logp, sg(logp), "k1"), mask),
+    "kl_k3": _masked_mean(kl_lib.kl(behavior_logp, sg(logp), "k3"), mask),
   }
   metrics.update(stats)
   return metrics

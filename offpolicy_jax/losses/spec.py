@@ -112,7 +112,8 @@ class LossSpec:
     dual_clip_c: dual-clip constant (caps the loss at ``-c * A`` for A < 0);
       ``None`` disables it.
     reg_coef: coefficient ``c`` of the ``k2`` / ``forward_kl`` / ``hazard``
-      regulariser.
+      regulariser. The ``k2`` regulariser is ``c (l - l_mu)^2`` as in the REC
+      paper's OPMD reading (no 1/2, unlike the ``k2`` KL estimator ``d^2 / 2``).
     log_bound: MHPO bound ``c``: the ratio seen is ``exp(c tanh(log rho / c))``.
     hazard_shape: Weibull shape ``k >= 1`` of the ``hazard`` penalty
       ``c ((d+ / log(1 + eps_high))^k + (d- / -log(1 - eps_low))^k)``.
