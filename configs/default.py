@@ -47,8 +47,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.group_size = 8
   # G: prompts per optimizer step (batch = G * K responses).
   c.prompts_per_step = 8
-  # Seconds a host reward function may take before it is scored 0.
+  # Seconds one host reward call may take in its verifier worker before it is
+  # scored 0 (counted in reward_timeouts) and its worker is killed and replaced.
   c.reward_timeout = 5.0
+  # Seconds the host rewards of one batch may take in all (0: 2 * reward_timeout).
+  c.reward_batch_timeout = 0.0
+  # Sandboxed verifier worker processes for host rewards (0: one per CPU).
+  c.reward_workers = 0
+  # Address-space limit of each verifier worker, in MiB.
+  c.reward_memory_mb = 2048
+  # "strict": refuse to run verifiers where Landlock/seccomp are unavailable;
+  # "warn": run them with what the platform offers and log what is missing.
+  c.reward_sandbox = "strict"
 
   c.loss = ml_collections.ConfigDict()
   # Loss preset name (losses.names()).

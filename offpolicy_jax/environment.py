@@ -46,6 +46,14 @@ from offpolicy_jax import (
 )
 from offpolicy_jax.types import TrainBatch
 
+# Host reward statistics of a batch (every metrics row carries them; zero for device rewards).
+REWARD_STATS = ("reward_failures", "reward_timeouts", "reward_worker_restarts", "reward_time_s")
+_NO_REWARD_STATS = {
+  "reward_failures": 0,
+  "reward_timeouts": 0,
+  "reward_worker_restarts": 0,
+  "reward_time_s": 0.0,
+}
 # Streams of per-step randomness: key(seed, t, stream).
 SAMPLE, ADV, REPLAY, TRAIN, EVAL, INIT = range(6)
 # Prompt fields that become global device arrays (the rest stay host-side).
@@ -170,6 +178,12 @@ class Environment:
     self._device_reward = (
       None if self.task.device_reward is None else jax.jit(self.task.device_reward)
     )
+    self.verifier_pool = None
+    if self._device_reward is None:
+      self.verifier_pool = rewards.get_pool(
+        c.reward_workers or None, c.reward_memory_mb, c.reward_sandbox
+      )
+      self.verifier_pool.check(self.task.reward, c.task)  # fails here if it cannot reach a worker
     self.eval_batches: dict[int, list[dict]] = {}
 
   def _make_tokenizer(self):
@@ -265,19 +279,31 @@ class Environment:
     return self.sampler(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
 
   def score(self, prompts: dict, rollout, *, split: str = "train", group_size: int | None = None):
-    """Rewards [B] (device) and the number of failed host rewards."""
-    k = group_size or self.config.group_size
+    """Rewards [B] (device) and the host reward statistics (`REWARD_STATS` keys)."""
+    c = self.config
+    k = group_size or c.group_size
     if self._device_reward is not None:
       answers = jnp.repeat(jnp.asarray(prompts["answer_tokens"]), k, axis=0)
-      return self._device_reward(answers, rollout.tokens, rollout.mask), 0
+      return self._device_reward(answers, rollout.tokens, rollout.mask), dict(_NO_REWARD_STATS)
     examples = data.examples(self.task, split, prompts["index"])
     examples = [ex for ex in examples for _ in range(k)]
     tokens, lengths = _host_tokens(rollout)
     texts = [self.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
-    result = rewards.score_batch(
-      self.task.reward, examples, texts, timeout_s=self.config.reward_timeout
+    res = rewards.score_batch(
+      self.task.reward,
+      examples,
+      texts,
+      timeout_s=c.reward_timeout,
+      pool=self.verifier_pool,
+      batch_timeout_s=c.reward_batch_timeout or None,
     )
-    return jnp.asarray(result.scores), int(result.failed.sum())
+    stats = {
+      "reward_failures": int(res.failed.sum()),
+      "reward_timeouts": int(res.timed_out.sum()) if res.timed_out is not None else 0,
+      "reward_worker_restarts": res.restarts,
+      "reward_time_s": res.seconds,
+    }
+    return jnp.asarray(res.scores), stats
 
   def _make_batch_impl(self, prompt_tokens, prompt_lengths, rollout, rewards, version, key):
     c = self.config

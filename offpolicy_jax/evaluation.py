@@ -68,13 +68,13 @@ def evaluate(env, params, key: jax.Array, num_prompts: int, k: int) -> dict[str,
   for i, prompts in enumerate(eval_prompts(env, num_prompts)):
     valid = np.asarray(prompts["valid"], np.float32)
     out = env.greedy(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
-    r, failed = env.score(prompts, out, split="eval", group_size=1)
+    r, stats = env.score(prompts, out, split="eval", group_size=1)
     r, lengths = np.asarray(r), np.asarray(out.lengths)
     sums["n"] += valid.sum()
     sums["correct"] += ((r > 0.5) * valid).sum()
     sums["reward"] += (r * valid).sum()
     sums["length"] += (lengths * valid).sum()
-    fails += failed
+    fails += stats["reward_failures"]
     if k >= 2:
       solved, sample_correct = _pass_at_k(env, params, prompts, jax.random.fold_in(key, i), k)
       sums["pass"] += solved

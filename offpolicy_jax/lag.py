@@ -28,8 +28,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from offpolicy_jax.types import TrainBatch
-
 # ------------------------------------------------------------------ schedule
 
 
@@ -229,7 +227,7 @@ class AsyncSampler:
 
   def __init__(
     self,
-    sample_fn: Callable[[Any, int], TrainBatch],
+    sample_fn: Callable[[Any, int], Any],
     params: Any,
     version: int,
     *,
@@ -271,20 +269,25 @@ class AsyncSampler:
       while not self._stop.is_set():
         with self._lock:
           params, version = self._latest
-        batch = self._sample_fn(params, version)
+        out = self._sample_fn(params, version)
+        batch, info = out if isinstance(out, tuple) and not hasattr(out, "_fields") else (out, None)
         jax.block_until_ready(batch)
         self.stats["produced"] += 1
         while not self._stop.is_set():
           try:
-            self._queue.put(batch, timeout=0.05)
+            self._queue.put((batch, info), timeout=0.05)
             break
           except queue.Full:
             continue
     except BaseException as e:  # surfaced to the trainer by get()
       self._error = e
 
-  def get(self, current_version: int, timeout: float | None = 60.0) -> TrainBatch:
+  def get(self, current_version: int, timeout: float | None = 60.0, with_info: bool = False):
     """Next batch within the staleness bound relative to ``current_version``.
+
+    With ``with_info``, returns ``(batch, info)`` where ``info`` is what
+    ``sample_fn`` returned beside that batch (``sample_fn`` may return
+    ``(batch, info)``), or None.
 
     Raises:
       RuntimeError: if the sampler thread failed.
@@ -294,7 +297,7 @@ class AsyncSampler:
       if self._error is not None:
         raise RuntimeError("AsyncSampler thread failed") from self._error
       try:
-        batch = self._queue.get(timeout=0.05 if timeout is None else min(timeout, 0.05))
+        batch, info = self._queue.get(timeout=0.05 if timeout is None else min(timeout, 0.05))
       except queue.Empty:
         if timeout is not None:
           timeout -= 0.05
@@ -311,7 +314,7 @@ class AsyncSampler:
         w = np.where(too_old, np.float32(self.stale_weight), np.float32(1.0))
         batch = batch._replace(weights=batch.weights * jnp.asarray(w))
       self.stats["consumed"] += 1
-      return batch
+      return (batch, info) if with_info else batch
 
   def close(self) -> None:
     """Stops the thread and waits for it."""

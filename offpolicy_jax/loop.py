@@ -117,7 +117,7 @@ class _Run:
       raise RuntimeError(f"lag: snapshot of version {v} missing at step {step}")
     return found_params, v
 
-  def produce(self, params, step: int, version: int, prompts: dict) -> tuple[TrainBatch, int]:
+  def produce(self, params, step: int, version: int, prompts: dict) -> tuple[TrainBatch, dict]:
     """Samples, scores and packs the batch of `step` with `params` (after loop step `version`).
 
     Args:
@@ -128,14 +128,14 @@ class _Run:
       prompts: this process's prompt batch (assembled into the global batch here).
 
     Returns:
-      The packed `TrainBatch` and the number of failed host rewards.
+      The packed `TrainBatch` and its host reward statistics (`environment.REWARD_STATS`).
     """
     env, seed = self.env, self.config.seed
     prompts = env.global_prompts(prompts)
     rollout = env.sample(params, prompts, step_key(seed, step, environment.SAMPLE))
-    rewards, failures = env.score(prompts, rollout)
+    rewards, reward_stats = env.score(prompts, rollout)
     key = step_key(seed, step, environment.ADV)
-    return env.make_batch(prompts, rollout, rewards, version * self.updates, key), failures
+    return env.make_batch(prompts, rollout, rewards, version * self.updates, key), reward_stats
 
   def _draw(self, replay_state, step: int):
     """Draws the step's G groups from the buffer with the `config.replay` policy."""
@@ -177,10 +177,10 @@ class _Run:
     """One synchronous step: sample with v(step)'s parameters, then train."""
     start = time.perf_counter()
     params, version = self.behaviour_params(state, step)
-    batch, failures = self.produce(params, step, version, prompts)
+    batch, reward_stats = self.produce(params, step, version, prompts)
     state, row = self.consume(state, step, batch)
     row["behavior_version"] = version * self.updates
-    row["reward_failures"] = failures
+    row.update(reward_stats)
     _add_timing(row, start)
     return state, row
 
@@ -223,28 +223,27 @@ class _AsyncProducer:
     self._run = run
     self._data = data_iter
     self._produced = version
-    self._failures = 0
     # Batches record versions in optimizer steps (loop step * U): so does the bound.
     bound = run.config.lag.max_staleness * run.updates or 2**30
     # AsyncSampler copies the parameters it is given (the train state is donated).
     self.sampler = lag.AsyncSampler(self._sample, params, version, max_staleness=bound)
 
-  def _sample(self, params, version: int) -> TrainBatch:
+  def _sample(self, params, version: int) -> tuple[TrainBatch, dict]:
     self._produced += 1
-    batch, failures = self._run.produce(params, self._produced, version, next(self._data))
-    self._failures += failures
-    return batch
+    return self._run.produce(params, self._produced, version, next(self._data))
 
   def step(self, state, step: int) -> tuple[dict, dict]:
     start = time.perf_counter()
     fallback = (step - 1) * self._run.updates
-    batch = self.sampler.get(current_version=fallback, timeout=600.0)
+    # The reward statistics travel with their batch: they are charged to the
+    # step that trains on it.
+    batch, reward_stats = self.sampler.get(current_version=fallback, timeout=600.0, with_info=True)
     versions, mask = jax.device_get((batch.versions, batch.mask))
     state, row = self._run.consume(state, step, batch)
     # publish() copies: the train state is donated by the next step.
     self.sampler.publish(self._run.env.params_of(state["train"]), step)
     row["behavior_version"] = int(versions[mask > 0].min()) if mask.any() else fallback
-    row["reward_failures"], self._failures = self._failures, 0
+    row.update(reward_stats)
     row["async_dropped_batches"] = self.sampler.stats["dropped_batches"]
     _add_timing(row, start)
     return state, row

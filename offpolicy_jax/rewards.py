@@ -1,18 +1,26 @@
-"""Host-side reward execution: timeouts, error counting, answer/format parsing.
+"""Host rewards: scoring in sandboxed verifier workers, answer and format parsing.
 
-Text rewards run arbitrary verifier code (math-verify, reasoning-gym) on model
-output. A verifier that raises or hangs must never kill a run: it scores 0 and
-is counted. Model output is only ever parsed (regexes, sympy parsing inside
-math-verify), never evaluated.
+Text rewards run third-party verifier code (math-verify, reasoning-gym, unit
+tests of the code task) on model output. None of it runs in the trainer
+process: `score_batch` sends every call to a pool of sandboxed, killable
+worker processes (`verifiers.VerifierPool`, confined by `sandbox.apply`). A
+call that raises, returns a score that is not finite in float32, crashes its
+worker or runs past its timeout scores 0 and is counted; its worker is
+replaced, and nothing keeps running once `score_batch` returns.
+
+  result = rewards.score_batch(task.reward, examples, texts, timeout_s=10.0)
+  result.scores, result.failed, result.timed_out
+
+Tasks made by `tasks.get_task` carry a `SandboxedReward`: calling it directly
+(`task.reward(example, text)`) also scores in a worker.
 """
 
 import re
-import threading
-import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
+from offpolicy_jax import verifiers
+from offpolicy_jax.verifiers import RebuildReward, RewardResult, VerifierPool, get_pool
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
@@ -29,62 +37,36 @@ def follows_format(text: str) -> bool:
   return _FORMAT_RE.match(text) is not None
 
 
-def score_with_timeout(
-  fn: Callable[[Any, str], float], example: Any, text: str, timeout_s: float = 10.0
-) -> tuple[float, bool]:
-  """Runs `fn(example, text)` in a daemon thread with a timeout.
-
-  A reward that raises, returns a non-finite value, or does not finish within
-  `timeout_s` seconds scores 0 and is reported as failed. A hung call is left
-  running in its daemon thread (Python threads cannot be killed) and never
-  blocks interpreter exit.
-
-  Args:
-    fn: host reward `fn(example, response_text) -> float`.
-    example: the task example (dict).
-    text: decoded model response.
-    timeout_s: wall-clock limit in seconds.
-
-  Returns:
-    `(score, failed)`.
-  """
-  return _run_many(fn, [example], [text], timeout_s)[0]
+class RewardError(RuntimeError):
+  """A direct call of a `SandboxedReward` failed (raised, timed out or crashed)."""
 
 
-def _run_many(fn, examples, texts, timeout_s) -> list[tuple[float, bool]]:
-  results: list[Any] = [None] * len(examples)
-
-  def work(i):
-    try:
-      results[i] = float(fn(examples[i], texts[i]))
-    except Exception:  # noqa: BLE001  any verifier failure scores 0
-      results[i] = None
-
-  threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(examples))]
-  deadline = time.monotonic() + timeout_s
-  for t in threads:
-    t.start()
-  out = []
-  for i, t in enumerate(threads):
-    t.join(max(0.0, deadline - time.monotonic()))
-    score = None if t.is_alive() else results[i]
-    if score is None or not np.isfinite(score):
-      out.append((0.0, True))
-    else:
-      out.append((score, False))
-  return out
-
-
-class RewardResult(NamedTuple):
-  """Scores of a batch of responses.
+class SandboxedReward:
+  """A host reward that runs in a sandboxed verifier worker when called.
 
   Attributes:
-    scores: float32 [B] rewards (0 where the reward failed).
-    failed: bool [B] True where the reward raised or timed out.
+    fn: the verifier `fn(example, text) -> float` (never called in this process).
+    ref: what is sent to the worker: `fn` itself when it pickles, else a
+      `verifiers.RebuildReward` that rebuilds the task there.
+    name: the task name, for errors.
   """
 
-  scores: np.ndarray
-  failed: np.ndarray
+  def __init__(self, fn: Callable[[Any, str], float], ref: Any = None, name: str = ""):
+    self.fn, self.ref, self.name = fn, fn if ref is None else ref, name
+
+  def __call__(self, example: Any, text: str, timeout_s: float = 10.0) -> float:
+    """Scores one response in the default pool (`get_pool()`).
+
+    Raises:
+      RewardError: the verifier raised, timed out or crashed its worker.
+    """
+    res = score_batch(self, [example], [text], timeout_s=timeout_s)
+    if res.failed[0]:
+      raise RewardError(f"{self.name or 'reward'}: {res.errors[0] if res.errors else 'failed'}")
+    return float(res.scores[0])
+
+  def __repr__(self) -> str:
+    return f"SandboxedReward({self.name or self.fn!r})"
 
 
 def score_batch(
@@ -92,55 +74,49 @@ def score_batch(
   examples: Sequence[Any],
   texts: Sequence[str],
   timeout_s: float = 10.0,
-  max_threads: int = 16,
+  *,
+  pool: VerifierPool | None = None,
+  batch_timeout_s: float | None = None,
 ) -> RewardResult:
-  """Scores `B` responses with `score_with_timeout` semantics, `max_threads` at a time.
+  """Scores B responses in sandboxed verifier workers.
 
   Args:
-    fn: host reward `fn(example, response_text) -> float`.
+    fn: host reward `fn(example, response_text) -> float`: a `SandboxedReward`
+      (`task.reward`), or a module-level function (or `functools.partial` of
+      one) of an importable module.
     examples: B examples (repeat each prompt's example K times for groups).
     texts: B decoded responses.
-    timeout_s: wall-clock limit in seconds for each chunk of `max_threads` calls.
-    max_threads: concurrent verifier threads.
+    timeout_s: wall-clock limit of one call; past it the call scores 0, counts
+      as a timeout and its worker is killed and replaced.
+    pool: the worker pool (default: `get_pool()`, one worker per CPU).
+    batch_timeout_s: wall-clock limit of the whole batch (default `2 * timeout_s`).
 
   Returns:
-    RewardResult with scores [B] and failed [B]; `failed.sum()` is the count to log.
+    RewardResult: `scores` float32 [B] (0 where failed), `failed` bool [B],
+    `timed_out` bool [B], `seconds`, worker `restarts`, first `errors`.
   """
-  if len(examples) != len(texts):
-    raise ValueError(f"examples ({len(examples)}) and texts ({len(texts)}) differ in length.")
-  out: list[tuple[float, bool]] = []
-  for s in range(0, len(texts), max_threads):
-    out += _run_many(fn, examples[s : s + max_threads], texts[s : s + max_threads], timeout_s)
-  scores = np.array([o[0] for o in out], np.float32).reshape(len(out))
-  failed = np.array([o[1] for o in out], bool).reshape(len(out))
-  return RewardResult(scores, failed)
+  pool = pool or get_pool()
+  return pool.score(fn, examples, texts, timeout_s, batch_timeout_s)
 
 
-def score_groups(
-  fn: Callable[[Any, str], float],
-  tokenizer,
-  examples: Sequence[Any],
-  tokens: np.ndarray,
-  timeout_s: float = 10.0,
-  max_threads: int = 16,
-) -> RewardResult:
-  """Decodes group-major responses and scores them against their prompts' examples.
+def score_with_timeout(
+  fn: Callable[[Any, str], float], example: Any, text: str, timeout_s: float = 10.0
+) -> tuple[float, bool]:
+  """`(score, failed)` of one response, with `score_batch` semantics."""
+  res = score_batch(fn, [example], [text], timeout_s)
+  return float(res.scores[0]), bool(res.failed[0])
 
-  Args:
-    fn: host reward `fn(example, response_text) -> float` (e.g. `task.reward`).
-    tokenizer: anything with `decode(ids) -> str` (stops at EOS, skips padding).
-    examples: G examples, one per prompt (e.g. `data.examples(task, split, batch["index"])`).
-    tokens: [B, N] response tokens with B = G * K, row `g * K + k` answering prompt g.
-    timeout_s: wall-clock limit per chunk of `max_threads` calls.
-    max_threads: concurrent verifier threads.
 
-  Returns:
-    RewardResult with scores [B] and failed [B].
-  """
-  tokens = np.asarray(tokens)
-  g = len(examples)
-  if g == 0 or tokens.ndim != 2 or tokens.shape[0] % g:
-    raise ValueError(f"tokens {tokens.shape} must be [G*K, N] with G={g} examples.")
-  k = tokens.shape[0] // g
-  texts = [tokenizer.decode(row) for row in tokens]
-  return score_batch(fn, [ex for ex in examples for _ in range(k)], texts, timeout_s, max_threads)
+__all__ = [
+  "RebuildReward",
+  "RewardError",
+  "RewardResult",
+  "SandboxedReward",
+  "VerifierPool",
+  "extract_answer",
+  "follows_format",
+  "get_pool",
+  "score_batch",
+  "score_with_timeout",
+  "verifiers",
+]

@@ -7,6 +7,7 @@ milliseconds with `ValueError("config.<field>: ...")`.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -53,6 +54,20 @@ def _need(ok: bool, field: str, msg: str) -> None:
     raise ValueError(f"config.{field}: {msg}")
 
 
+def _validate_rewards(c) -> None:
+  for field in ("reward_timeout", "reward_batch_timeout"):
+    v = c[field]
+    ok = math.isfinite(v) and (v > 0 or (field == "reward_batch_timeout" and v == 0))
+    _need(ok, field, f"must be a finite number of seconds > 0, got {v}")
+  _need(c.reward_workers >= 0, "reward_workers", f"must be >= 0, got {c.reward_workers}")
+  _need(c.reward_memory_mb >= 256, "reward_memory_mb", f"must be >= 256, got {c.reward_memory_mb}")
+  _need(
+    c.reward_sandbox in ("strict", "warn"),
+    "reward_sandbox",
+    f"must be 'strict' or 'warn', got {c.reward_sandbox!r}",
+  )
+
+
 def validate_config(config) -> None:
   """Checks a config before anything is built.
 
@@ -68,7 +83,7 @@ def validate_config(config) -> None:
   _need(c.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {c.max_new_tokens}")
   _need(c.max_prompt_len >= 1, "max_prompt_len", f"must be >= 1, got {c.max_prompt_len}")
   _need(c.temperature > 0, "temperature", f"must be > 0 for RL sampling, got {c.temperature}")
-  _need(c.reward_timeout > 0, "reward_timeout", f"must be > 0, got {c.reward_timeout}")
+  _validate_rewards(c)
   _need(0 <= c.seed < 2**31, "seed", f"must be in [0, 2**31), got {c.seed}")
   _validate_loss(c)
   _validate_lag(c)

@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import time
+import zlib
 
 import jax
 import numpy as np
@@ -36,6 +37,9 @@ REQUIRED = (
   "grad_norm",
   "skipped",
   "reward_failures",
+  "reward_timeouts",
+  "reward_worker_restarts",
+  "reward_time_s",
 )
 # Wall-clock metrics differ between runs; everything else must match exactly.
 TIMING = ("tokens_per_s", "step_time_s")
@@ -206,42 +210,55 @@ def test_malformed_data_row_fails_naming_file_and_row(tmp_path):
     loop.train_and_evaluate(cfg, str(tmp_path / "run"))
 
 
-def test_failing_reward_is_scored_zero_counted_and_run_goes_on(tmp_path, monkeypatch):
-  real_get_task = tasks.get_task
-  calls = {"n": 0}
+def _flaky_reward(example, text):
+  """A host reward (run in verifier workers) that hangs, raises or overflows float32."""
+  kind = zlib.crc32(text.encode()) % 4
+  if kind == 0:
+    raise RuntimeError("verifier crashed")
+  if kind == 1:
+    time.sleep(30.0)  # hangs past the timeout: its worker is killed
+  if kind == 2:
+    return 1e300  # finite in float64, inf in float32: a failure
+  return 1.0
 
-  def flaky_reward(example, text):
-    calls["n"] += 1
-    if calls["n"] % 3 == 0:
-      raise RuntimeError("verifier crashed")
-    if calls["n"] % 3 == 1:
-      time.sleep(2.0)  # hangs past the timeout
-    return 1.0
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_failing_reward_is_scored_zero_counted_and_run_goes_on(tmp_path, monkeypatch, mode):
+  real_get_task = tasks.get_task
 
   def get_task(name, **kw):
     task = real_get_task(name, **kw)
-    return dataclasses.replace(task, reward=flaky_reward, device_reward=None)
+    return dataclasses.replace(task, reward=_flaky_reward, device_reward=None)
 
   monkeypatch.setattr(tasks, "get_task", get_task)
   loop._ENV_CACHE.clear()
   try:
     cfg = small_config(
       **{
-        "total_steps": 2,
+        "total_steps": 3,
         "eval_prompts": 0,
         "sft.enabled": False,
-        "reward_timeout": 0.2,
+        "reward_timeout": 0.3,
         "max_new_tokens": 5,
+        "lag.mode": mode,
+        "lag.max_staleness": 8,
       }
     )
+    start = time.monotonic()
     rows = loop.train_and_evaluate(cfg, str(tmp_path))
+    elapsed = time.monotonic() - start
   finally:
     loop._ENV_CACHE.clear()
-  assert [r["step"] for r in rows] == [1, 2]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  assert elapsed < 60  # hung verifiers were killed, not waited for
   for row in rows:
-    # 8 responses per step: calls 1, 4, 7 hang and 3, 6 raise (counted per step).
-    assert row["reward_failures"] > 0
+    # 8 responses per step; every failure scores 0 and every success 1, so the
+    # failures counted in a row are exactly those of the batch it trained on.
     assert row["reward_mean"] == pytest.approx(1.0 - row["reward_failures"] / 8)
+    assert row["reward_timeouts"] <= row["reward_failures"]
+    assert row["reward_worker_restarts"] >= row["reward_timeouts"] > 0 or not row["reward_timeouts"]
+    assert row["reward_time_s"] > 0
+  assert sum(r["reward_failures"] for r in rows) > sum(r["reward_timeouts"] for r in rows) > 0
 
 
 def test_async_mode_runs_with_bounded_staleness(tmp_path):

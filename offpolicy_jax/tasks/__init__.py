@@ -9,9 +9,12 @@ function and a host reward; optionally an answer and a jittable device reward)
 and `register("my_task", factory)` so configs can name it.
 """
 
+import dataclasses
 import functools
+import pickle
 from collections.abc import Callable
 
+from offpolicy_jax import rewards
 from offpolicy_jax.tasks import math_data, rgym, synthetic
 from offpolicy_jax.tasks.base import ListSource, Task
 
@@ -45,7 +48,8 @@ def get_task(name: str, **kwargs) -> Task:
       config fields; gsm8k/math: train_path, eval_path, format_coef, instruction.
 
   Returns:
-    The Task.
+    The Task; its `reward` is a `rewards.SandboxedReward` (scored in sandboxed
+    verifier workers, also when called directly).
 
   Raises:
     ValueError: unknown task name or bad kwargs (missing or malformed data files
@@ -59,9 +63,27 @@ def get_task(name: str, **kwargs) -> Task:
   else:
     raise ValueError(f"unknown task {name!r}; expected one of {task_names()}.")
   try:
-    return factory(**kwargs)
+    task = factory(**kwargs)
   except TypeError as e:  # unexpected keyword
     raise ValueError(f"task {name!r}: {e}") from e
+  return _sandboxed(task, name, factory, kwargs)
+
+
+def _sandboxed(task: Task, name: str, factory: Callable[..., Task], kwargs: dict) -> Task:
+  """`task` with its reward wrapped to run in verifier workers.
+
+  A reward that pickles is sent as is; a closure is rebuilt in the worker from
+  the (importable) factory and kwargs; `verifiers.VerifierPool.check` reports
+  one that can be neither, naming the task.
+  """
+  if isinstance(task.reward, rewards.SandboxedReward):
+    return task
+  try:
+    pickle.dumps(task.reward)
+    ref = None
+  except (pickle.PicklingError, TypeError, AttributeError):
+    ref = rewards.RebuildReward(factory, kwargs, name)
+  return dataclasses.replace(task, reward=rewards.SandboxedReward(task.reward, ref, name))
 
 
 __all__ = ["ListSource", "Task", "get_task", "register", "task_names"]

@@ -5,12 +5,13 @@ Reward (DeepSeek-R1-style rule reward): `accuracy + format`, where accuracy is
 content of the last `<answer>...</answer>` block (or the whole response), and
 format is `+format_coef` (default 0.1) if the response is exactly
 `<think>...</think><answer>...</answer>` and `-format_coef` otherwise. So the
-reward lies in {-0.1, 0.1, 0.9, 1.1}. The model output is parsed, never
-evaluated.
+reward lies in {-0.1, 0.1, 0.9, 1.1}. The reward runs in a sandboxed verifier
+worker's main thread, where math-verify's own signal-based timeouts work; the
+worker's hard kill is the backstop.
 """
 
+import functools
 import json
-import logging
 import os
 from typing import Any
 
@@ -89,30 +90,18 @@ def load_examples(path: str, kind: str) -> list[Example]:
   return out
 
 
-class _NoTimeoutWarning(logging.Filter):
-  def filter(self, record):
-    return "Timeout is disabled" not in record.getMessage()
-
-
-def _quiet_math_verify():
-  for name in ("math_verify.parser", "math_verify.grader"):
-    logger = logging.getLogger(name)
-    if not any(isinstance(f, _NoTimeoutWarning) for f in logger.filters):
-      logger.addFilter(_NoTimeoutWarning())
-
-
-def math_reward(example: Example, text: str, format_coef: float = 0.1) -> float:
+def math_reward(example: Example, text: str, format_coef: float = 0.1, timeout_s: int = 5) -> float:
   """`1{verify(gold, answer)} + (format_coef if format ok else -format_coef)`.
 
-  math-verify's own signal-based timeouts are disabled (they only work on the
-  main thread); run this through `rewards.score_batch` for the timeout.
+  math-verify's parsing and verification each stop after `timeout_s` seconds
+  (its SIGALRM timeouts, which need the main thread: run this through
+  `rewards.score_batch`, whose workers call rewards on their main thread).
   """
   import math_verify
 
-  _quiet_math_verify()
-  gold = math_verify.parse(f"\\boxed{{{example['gold']}}}", parsing_timeout=None)
-  pred = math_verify.parse(rewards.extract_answer(text), parsing_timeout=None)
-  correct = bool(pred) and math_verify.verify(gold, pred, timeout_seconds=None)
+  gold = math_verify.parse(f"\\boxed{{{example['gold']}}}", parsing_timeout=timeout_s)
+  pred = math_verify.parse(rewards.extract_answer(text), parsing_timeout=timeout_s)
+  correct = bool(pred) and math_verify.verify(gold, pred, timeout_seconds=timeout_s)
   fmt = format_coef if rewards.follows_format(text) else -format_coef
   return float(correct) + fmt
 
@@ -147,6 +136,6 @@ def make_task(
     train_source=ListSource(train),
     eval_source=ListSource(evals),
     prompt=lambda ex: ex["question"] + instruction,
-    reward=lambda ex, text: math_reward(ex, text, format_coef),
+    reward=functools.partial(math_reward, format_coef=format_coef),
     use_chat_template=True,
   )

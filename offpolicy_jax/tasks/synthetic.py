@@ -18,6 +18,7 @@ Rewards: exact match of the response (up to EOS) with the answer, 1.0 / 0.0;
 characters plus the EOS position.
 """
 
+import functools
 import zlib
 from collections.abc import Callable
 
@@ -187,7 +188,7 @@ def make_task(
     train_source=ProceduralSource(gen, seed),
     eval_source=_eval_source(gen, seed, num_eval),
     prompt=lambda ex: ex["prompt"],
-    reward=lambda ex, text: host_reward(ex, text, partial_credit),
+    reward=functools.partial(host_reward, partial_credit=partial_credit),
     use_chat_template=False,
     answer=lambda ex: ex["answer"],
     max_answer_len=max_answer_len,

@@ -1,0 +1,238 @@
+"""Confinement of a verifier worker process: resource limits, Landlock, seccomp.
+
+`apply(limits)` turns the calling process into a sandbox for code that may act
+on model output (third-party verifiers, the code task's programs). It is
+called once, at the start of each verifier worker (`verifiers.VerifierPool`),
+after the worker's imports and before it receives any model output.
+
+What is applied (Linux; every item is checked and reported by `apply`):
+
+- rlimits: address space `memory_mb`; file size 0; no core files; 256 open files.
+- capabilities: all dropped (a worker of a root trainer loses root's powers).
+- no_new_privs: set (required by Landlock and seccomp).
+- Landlock fs: the whole file system read-only; only `/dev/null` writable.
+- Landlock net (ABI >= 4): no TCP bind or connect.
+- Landlock scope (ABI >= 6): no signals to, or abstract sockets of, processes
+  outside the sandbox.
+- seccomp: no new processes or exec (threads are allowed), no sockets but
+  AF_UNIX, no signals to other processes, no ptrace, mount, namespaces, kernel
+  modules, BPF, io_uring, chmod/chown, setuid.
+
+CPU time is limited per call by `set_cpu_limit` (SIGXCPU kills the worker),
+and the pool's wall-clock timeout kills a worker whatever it runs.
+
+`strict=True` (the default) fails closed: if Landlock or seccomp cannot be
+applied (an old kernel, macOS, a missing libseccomp), `apply` raises
+`SandboxError` and the worker never scores anything. `strict=False` applies
+what the platform offers (at least the rlimits) and returns the list of what
+is missing, which the pool logs as a warning.
+"""
+
+import ctypes
+import errno
+import os
+import resource
+import signal
+import socket
+import struct
+import sys
+from typing import NamedTuple
+
+
+class SandboxError(RuntimeError):
+  """The sandbox could not be applied (and `strict` asked to fail closed)."""
+
+
+class Limits(NamedTuple):
+  """Resource limits of one verifier worker.
+
+  Attributes:
+    memory_mb: address-space limit (RLIMIT_AS) in MiB; allocations beyond it
+      raise MemoryError inside the worker.
+    open_files: RLIMIT_NOFILE.
+  """
+
+  memory_mb: int = 2048
+  open_files: int = 256
+
+
+# Landlock (include/uapi/linux/landlock.h). The syscall numbers are the same on
+# every architecture (they were added after the syscall tables were unified).
+_LL_CREATE_RULESET, _LL_ADD_RULE, _LL_RESTRICT_SELF = 444, 445, 446
+_LL_CREATE_RULESET_VERSION = 1
+_LL_RULE_PATH_BENEATH = 1
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1, 2, 4, 8
+_FS_IOCTL_DEV = 1 << 15
+# Rights handled (denied unless allowed by a rule) per Landlock ABI version.
+_FS_HANDLED = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 5: (1 << 16) - 1}
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1, 2
+_SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1, 2
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+
+# Syscalls a verifier never needs and that could reach beyond the worker.
+_DENIED_SYSCALLS = (
+  "fork", "vfork", "execve", "execveat", "ptrace", "process_vm_readv", "process_vm_writev",
+  "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "bpf", "perf_event_open",
+  "keyctl", "add_key", "request_key", "init_module", "finit_module", "delete_module",
+  "kexec_load", "kexec_file_load", "reboot", "swapon", "swapoff", "io_uring_setup",
+  "io_uring_enter", "io_uring_register", "userfaultfd", "open_by_handle_at",
+  "name_to_handle_at", "acct", "quotactl", "syslog", "settimeofday", "clock_settime",
+  "sethostname", "setdomainname", "tkill", "pidfd_open", "pidfd_send_signal", "pidfd_getfd",
+  "process_madvise", "kcmp", "chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown",
+  "lchown", "fchownat", "utime", "utimes", "utimensat", "futimesat", "setxattr", "lsetxattr",
+  "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setuid", "setgid", "setreuid",
+  "setregid", "setresuid", "setresgid", "setgroups", "setfsuid", "setfsgid", "capset",
+)  # fmt: skip
+_CLONE_THREAD = 0x00010000
+
+
+def _libc() -> ctypes.CDLL:
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.syscall.restype = ctypes.c_long
+  return libc
+
+
+def _check(ret: int, what: str) -> int:
+  if ret < 0:
+    e = ctypes.get_errno()
+    raise OSError(e, f"{what}: {os.strerror(e)}")
+  return ret
+
+
+def landlock_abi() -> int:
+  """The kernel's Landlock ABI version (0 when Landlock is unavailable)."""
+  if not sys.platform.startswith("linux"):
+    return 0
+  ret = _libc().syscall(_LL_CREATE_RULESET, None, ctypes.c_size_t(0), _LL_CREATE_RULESET_VERSION)
+  return max(int(ret), 0)
+
+
+def _apply_rlimits(limits: Limits) -> None:
+  mem = limits.memory_mb * 2**20
+  resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+  resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+  resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+  resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
+  if os.getuid() != 0:  # root is exempt from RLIMIT_NPROC; seccomp covers it
+    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+  # A write past RLIMIT_FSIZE raises OSError(EFBIG) instead of killing the worker.
+  signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def set_cpu_limit(seconds: float) -> None:
+  """Lets the calling process use `seconds` more CPU time, then SIGXCPU kills it."""
+  used = resource.getrusage(resource.RUSAGE_SELF)
+  total = used.ru_utime + used.ru_stime + max(seconds, 1.0)
+  _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+  soft = int(total) + 1
+  if hard != resource.RLIM_INFINITY:
+    soft = min(soft, hard)
+  resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+def _drop_capabilities(libc: ctypes.CDLL) -> None:
+  """capset(2) with empty effective/permitted/inheritable sets, ambient cleared."""
+  header = struct.pack("=Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+  data = bytes(24)  # two zeroed __user_cap_data_struct
+  _check(libc.capset(header, data), "capset")
+  libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+
+
+def _apply_landlock(libc: ctypes.CDLL, abi: int) -> list[str]:
+  """Read-only file system, no TCP, scoped signals (as far as `abi` allows).
+
+  Written against the three Landlock syscalls with ctypes: the kernel ABI is
+  small and stable, and the Python binding on PyPI is a development pre-release.
+  """
+  fs = _FS_HANDLED[max(v for v in _FS_HANDLED if v <= abi)]
+  attr, missing = struct.pack("=Q", fs), []
+  if abi >= 4:
+    attr += struct.pack("=Q", _NET_BIND_TCP | _NET_CONNECT_TCP)
+  else:
+    missing.append("landlock-net (ABI < 4; seccomp still blocks sockets)")
+  if abi >= 6:
+    attr += struct.pack("=Q", _SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL)
+  else:
+    missing.append("landlock-scope (ABI < 6; seccomp still blocks signals)")
+  buf = ctypes.create_string_buffer(attr, len(attr))
+  ruleset = _check(
+    libc.syscall(_LL_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)), 0), "landlock_create_ruleset"
+  )
+  try:
+    read = _FS_READ_FILE | _FS_READ_DIR | _FS_EXECUTE | (_FS_IOCTL_DEV if abi >= 5 else 0)
+    for path, allowed in (("/", read), ("/dev/null", _FS_READ_FILE | _FS_WRITE_FILE)):
+      fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+      try:
+        rule = ctypes.create_string_buffer(struct.pack("=Qi", allowed, fd), 12)
+        _check(libc.syscall(_LL_ADD_RULE, ruleset, _LL_RULE_PATH_BENEATH, rule, 0), path)
+      finally:
+        os.close(fd)
+    _check(libc.syscall(_LL_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+  finally:
+    os.close(ruleset)
+  return missing
+
+
+def _apply_seccomp() -> None:
+  """A deny-list filter: process creation, non-UNIX sockets, signals to others, kernel admin."""
+  import pyseccomp as sc  # ctypes binding to libseccomp, which writes the BPF per architecture
+
+  f = sc.SyscallFilter(sc.ALLOW)
+  for name in _DENIED_SYSCALLS:
+    try:
+      f.add_rule(sc.ERRNO(errno.EPERM), name)
+    except (ValueError, RuntimeError, OSError):  # not a syscall on this architecture
+      pass
+  f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # glibc falls back to clone, checked below
+  f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
+  f.add_rule(sc.ERRNO(errno.EPERM), "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
+  pid = os.getpid()
+  f.add_rule(sc.ERRNO(errno.EPERM), "kill", sc.Arg(0, sc.NE, pid))
+  f.add_rule(sc.ERRNO(errno.EPERM), "tgkill", sc.Arg(0, sc.NE, pid))
+  f.load()
+
+
+def apply(limits: Limits | None = None, strict: bool = True) -> list[str]:
+  """Confines the calling process for good (see the module docstring).
+
+  Args:
+    limits: resource limits.
+    strict: raise `SandboxError` unless Landlock and seccomp are both applied.
+
+  Returns:
+    The layers that could not be applied (empty when fully sandboxed).
+
+  Raises:
+    SandboxError: `strict` and a layer is unavailable or failed.
+  """
+  _apply_rlimits(limits or Limits())
+  missing: list[str] = []
+  if not sys.platform.startswith("linux"):
+    missing += ["capabilities", "landlock", "seccomp (not Linux: resource limits only)"]
+  else:
+    libc = _libc()
+    try:
+      _drop_capabilities(libc)
+    except OSError as e:
+      missing.append(f"capabilities ({e})")
+    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    abi = landlock_abi()
+    if abi < 1:
+      missing.append("landlock (not supported by this kernel)")
+    else:
+      try:
+        missing += _apply_landlock(libc, abi)
+      except OSError as e:
+        missing.append(f"landlock ({e})")
+    try:
+      _apply_seccomp()
+    except (ImportError, OSError, RuntimeError, ValueError) as e:
+      missing.append(f"seccomp ({type(e).__name__}: {e})")
+  essential = [m for m in missing if m.split(" ")[0] in ("landlock", "seccomp")]
+  if strict and essential:
+    raise SandboxError(
+      "verifier sandbox unavailable: " + "; ".join(essential) + ". Verifiers are not run "
+      "unconfined; set config.reward_sandbox='warn' to run them with what this platform offers."
+    )
+  return missing
