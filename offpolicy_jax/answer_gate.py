@@ -5,15 +5,19 @@ answer (see `tasks.rgym.EVALUATING_DATASETS`). Before such a verifier sees an
 answer, the answer must parse (`ast.parse(..., mode="eval")`) into a tree made
 only of:
 
-- literals: numbers (at most 100 digits), strings and bytes (at most 10,000
-  characters), `True`/`False`/`None`;
+- literals: numbers (at most 100 digits), `True`/`False`/`None`, and, for
+  `literal` gates only, strings and bytes (at most 10,000 characters; sympy
+  functions would sympify, i.e. evaluate, a string argument);
 - containers: tuples, lists, sets and dicts of allowed nodes;
 - names that are not dunders (`x`, `C`, `ABCD`; a bare name cannot run code);
-- arithmetic, comparison and boolean operators, with `**` exponents limited to
-  numeric constants of magnitude <= 64 or names (`2**2**2**2**2**2` is refused);
+- arithmetic, comparison and boolean operators, with bounds on what could
+  blow up: a `**` exponent is a number of magnitude <= 64 (`x**(3/2)` is fine)
+  or, for `expression` gates, a symbolic expression; a number raised to a
+  number stays below 1e300 (`2**2**2**2**2**2` and `(9**64)**64` are refused);
+  a sequence is repeated at most 10,000 times;
 - calls, only for `expression` gates, only of a bare name from `MATH_FUNCTIONS`
-  with allowed arguments (`sin(x)`, `sqrt(2)`; never `__import__(...)`, never an
-  attribute).
+  with allowed positional arguments (`sin(x)`, `sqrt(2)`; never
+  `__import__(...)`, never an attribute).
 
 The accepted tree is re-serialised with `ast.unparse`, and that text is what
 the verifier evaluates: nothing outside the grammar can reach `eval`. Anything
@@ -24,16 +28,20 @@ SyntaxError (this keeps exact-match answers like `"1 2\\n3 4"` scoring).
 """
 
 import ast
+import math
 
 # Functions an `expression` answer may call (sympy names used by the datasets' answers).
+# No factorial/gamma: `factorial(factorial(20))` would hang whoever evaluates it.
 MATH_FUNCTIONS = frozenset(
   "sin cos tan cot sec csc asin acos atan acot sinh cosh tanh asinh acosh atanh exp log ln "
-  "sqrt cbrt Abs abs factorial binomial floor ceiling sign erf gamma Rational Integer".split()
+  "sqrt cbrt Abs abs floor ceiling sign erf Rational Integral".split()
 )
 _MAX_CHARS = 10_000
 _MAX_NODES = 2_000
 _MAX_DIGITS = 100
 _MAX_EXPONENT = 64
+_MAX_LOG10 = 300.0
+_MAX_REPEAT = 10_000
 _OPERATOR_NODES = (
   ast.operator, ast.unaryop, ast.boolop, ast.cmpop, ast.expr_context, ast.Expression
 )  # fmt: skip
@@ -48,48 +56,97 @@ class _Refused(ValueError):
   pass
 
 
-def _check_constant(node: ast.Constant) -> None:
+def _check_constant(node: ast.Constant, strings: bool) -> None:
   v = node.value
   if isinstance(v, bool) or v is None:
     return
   if isinstance(v, int) and len(str(abs(v))) > _MAX_DIGITS:
     raise _Refused("integer literal too long")
-  if isinstance(v, complex) or (isinstance(v, (str, bytes)) and len(v) > _MAX_CHARS):
-    raise _Refused("literal not allowed")
-  if not isinstance(v, (int, float, str, bytes)):
+  if isinstance(v, (str, bytes)) and strings and len(v) <= _MAX_CHARS:
+    return
+  if not isinstance(v, (int, float)):
     raise _Refused(f"constant {type(v).__name__} not allowed")
 
 
-def _check_pow(node: ast.BinOp) -> None:
-  e = node.right
-  if isinstance(e, ast.UnaryOp) and isinstance(e.op, (ast.USub, ast.UAdd)):
-    e = e.operand
-  if isinstance(e, ast.Name):
-    return
-  if (
-    isinstance(e, ast.Constant)
-    and isinstance(e.value, (int, float))
-    and not isinstance(e.value, bool)
-  ):
-    if abs(e.value) <= _MAX_EXPONENT:
+def _log10(node: ast.AST) -> float | None:
+  """log10 of |value| of a purely numeric subtree (no names, no calls), else None."""
+  if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+    v = abs(node.value)
+    return math.log10(v) if v else -math.inf
+  if isinstance(node, ast.UnaryOp):
+    return _log10(node.operand)
+  if not isinstance(node, ast.BinOp):
+    return None
+  a, b = _log10(node.left), _log10(node.right)
+  if a is None or b is None:
+    return None
+  if isinstance(node.op, (ast.Add, ast.Sub)):
+    return max(a, b) + 0.302  # log10(2): |x +- y| <= 2 max(|x|, |y|)
+  if isinstance(node.op, ast.Mult):
+    return a + b
+  if isinstance(node.op, ast.Pow):
+    return a * _value(node.right)
+  return a  # /, //, %: no larger than the dividend for |divisor| >= 1 (else refused below)
+
+
+def _value(node: ast.AST) -> float:
+  """|value| bound of a small numeric exponent (already checked to be <= 64 in magnitude)."""
+  lg = _log10(node)
+  return 0.0 if lg is None or lg == -math.inf else 10.0**lg
+
+
+def _check_pow(node: ast.BinOp, symbolic_exponents: bool) -> None:
+  e = _log10(node.right)
+  if e is None:
+    if symbolic_exponents:
       return
-  raise _Refused("exponent must be a name or a number of magnitude <= 64")
+    raise _Refused("exponent must be a number")
+  if e > math.log10(_MAX_EXPONENT):
+    raise _Refused(f"exponent magnitude above {_MAX_EXPONENT}")
+  lg = _log10(node)
+  if lg is not None and lg > _MAX_LOG10:
+    raise _Refused("number too large")
 
 
-def _check(tree: ast.AST, calls: frozenset[str]) -> None:
+def _check_repeat(node: ast.BinOp) -> None:
+  for seq, count in ((node.left, node.right), (node.right, node.left)):
+    if isinstance(seq, (ast.List, ast.Tuple, ast.Constant)) and not isinstance(
+      getattr(seq, "value", None), (int, float)
+    ):
+      lg = _log10(count)
+      if lg is None or lg > math.log10(_MAX_REPEAT):
+        raise _Refused("sequence repeated too often")
+
+
+def _check_divisor(node: ast.BinOp) -> None:
+  lg = _log10(node.right)
+  if lg is not None and lg < 0 and (_log10(node.left) or 0) - lg > _MAX_LOG10:
+    raise _Refused("number too large")
+
+
+def _check(tree: ast.AST, kind: str) -> None:
   nodes = list(ast.walk(tree))
   if len(nodes) > _MAX_NODES:
     raise _Refused("expression too large")
+  expression = kind == "expression"
   for node in nodes:
     if isinstance(node, ast.Constant):
-      _check_constant(node)
+      _check_constant(node, strings=not expression)
     elif isinstance(node, ast.Name):
       if node.id.startswith("__") or not isinstance(node.ctx, ast.Load):
         raise _Refused(f"name {node.id!r} not allowed")
-    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
-      _check_pow(node)
+    elif isinstance(node, ast.BinOp):
+      if isinstance(node.op, ast.Pow):
+        _check_pow(node, symbolic_exponents=expression)
+      elif isinstance(node.op, ast.Mult):
+        _check_repeat(node)
+      elif isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)):
+        _check_divisor(node)
+      if (lg := _log10(node)) is not None and lg > _MAX_LOG10:
+        raise _Refused("number too large")
     elif isinstance(node, ast.Call):
-      if not (isinstance(node.func, ast.Name) and node.func.id in calls) or node.keywords:
+      ok = expression and isinstance(node.func, ast.Name) and node.func.id in MATH_FUNCTIONS
+      if not ok or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
         raise _Refused("call not allowed")
     elif not isinstance(node, (*_VALUE_NODES, *_OPERATOR_NODES)):
       raise _Refused(f"{type(node).__name__} not allowed")
@@ -118,7 +175,7 @@ def gate(answer: str, kind: str) -> str | None:
     # parse_expr rewrites tokens before its eval, so expression gates refuse.
     return answer if kind == "literal" and "\x00" not in answer else None
   try:
-    _check(tree, MATH_FUNCTIONS if kind == "expression" else frozenset())
+    _check(tree, kind)
     return ast.unparse(tree)
-  except (_Refused, RecursionError):
+  except (_Refused, RecursionError, OverflowError, ValueError):
     return None

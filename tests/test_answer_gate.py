@@ -15,6 +15,10 @@ ACCEPTED = [
   ("expression", "(8 - 3) * (2 + 2) + 4", "(8 - 3) * (2 + 2) + 4"),
   ("expression", "sqrt(2)/2", "sqrt(2) / 2"),
   ("expression", "x**-2", "x ** (-2)"),
+  ("expression", "-4*(-2*x - 8)**(3/2)/3 + C", "-4 * (-2 * x - 8) ** (3 / 2) / 3 + C"),
+  ("expression", "3*Integral(x**3*cos(3*x), x) + C", "3 * Integral(x ** 3 * cos(3 * x), x) + C"),
+  ("expression", "2**(n + 1)", "2 ** (n + 1)"),  # symbolic exponents stay symbolic in sympy
+  ("literal", "[1, 2] * 3", "[1, 2] * 3"),
 ]
 # Not Python at all: eval would raise SyntaxError before running anything.
 PASSED_THROUGH = ["1 2 3\n4 5 6", "_ Q _\nQ _ _", "the answer is 4"]
@@ -39,6 +43,16 @@ REFUSED = [
   ("expression", "1 2 3"),
   ("expression", "(x := 1)"),
   ("expression", "[1, 2][0]"),
+  # sympy functions sympify (evaluate) string arguments; parse_expr returns a bare string as is.
+  ("expression", "sin(\"__import__('os').system('touch pwned')\")"),
+  ("expression", "\"__import__('os').system('touch pwned')\""),
+  # Work bombs for whoever evaluates the answer.
+  ("expression", "(((((9**64)**64)**64)**64)**64)**64"),
+  ("expression", "factorial(factorial(20))"),
+  ("expression", "1e308 * 10"),
+  ("literal", "[1] * 10**9"),
+  ("literal", "'a' * n"),
+  ("literal", "2**x"),  # in Python eval a name may be any global of the verifier's module
 ]
 
 

@@ -1,6 +1,7 @@
 """Tests for offpolicy_jax.tasks.code (only trusted or harmless programs are run)."""
 
 import json
+import os
 import pickle
 import re
 
@@ -255,3 +256,50 @@ def test_bad_arguments(tmp_path):
   (tmp_path / "broken.jsonl").write_text(json.dumps(MBPP[0]) + "\n{not json\n")
   with pytest.raises(ValueError, match="broken.jsonl: row 2: invalid JSON"):
     code.make_task("mbpp", train_path=str(tmp_path / "broken.jsonl"))
+
+
+# ------------------------------------------------------- hostile programs, sandboxed
+
+_GOOD = "def f(a,b):return a+b"
+_HOSTILE = {
+  "loop": "def f(a,b):\n  while True:\n    pass",
+  "fork": "import os\nos.fork()\n" + _GOOD,
+  "subprocess": "import subprocess\nsubprocess.run(['touch', {path!r}])\n" + _GOOD,
+  "memory": "x = bytearray(100 * 2**30)\n" + _GOOD,
+  "write": "open({path!r}, 'w').write('x')\n" + _GOOD,
+  "remove": "import os\nos.remove({keep!r})\n" + _GOOD,
+  "socket": "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n" + _GOOD,
+  "signal": "import os, signal\nos.kill({pid}, signal.SIGCONT)\n" + _GOOD,
+  "exit": "import os\nos._exit(0)",
+}
+
+
+def test_hostile_programs_score_zero_in_the_sandbox_and_the_run_goes_on(tmp_path):
+  import socket
+
+  from offpolicy_jax import rewards, tasks
+
+  task = tasks.get_task("code")
+  ex = {"prompt": "", "answer": _GOOD, "entry_point": "f", "io": [[[1, 2], 3], [[4, 4], 8]]}
+  keep = tmp_path / "keep"
+  keep.write_text("data")
+  server = socket.create_server(("127.0.0.1", 0))
+  server.settimeout(0.5)
+  fields = {
+    "path": str(tmp_path / "pwned"),
+    "keep": str(keep),
+    "port": server.getsockname()[1],
+    "pid": os.getpid(),
+  }
+  texts = [p.format(**fields) for p in _HOSTILE.values()] + [_GOOD]
+  res = rewards.score_batch(task.reward, [ex] * len(texts), texts, timeout_s=3.0)
+  scores = dict(zip([*_HOSTILE, "good"], res.scores.tolist(), strict=True))
+  assert scores == {**dict.fromkeys(_HOSTILE, 0.0), "good": 1.0}
+  assert res.timed_out[list(_HOSTILE).index("loop")]
+  assert sorted(os.listdir(tmp_path)) == ["keep"] and keep.read_text() == "data"
+  with pytest.raises(TimeoutError):
+    server.accept()
+  server.close()
+  again = rewards.score_batch(task.reward, [ex], [_GOOD], timeout_s=3.0)
+  assert again.scores.tolist() == [1.0] and not again.failed.any()
+  assert task.reward(ex, _GOOD) == 1.0  # a direct call runs in a worker too

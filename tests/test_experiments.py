@@ -8,6 +8,7 @@ import sys
 import time
 
 import ml_collections
+import numpy as np
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -159,7 +160,9 @@ def _load(name):
   return module
 
 
-@pytest.mark.parametrize("name", ["default", "gsm8k_qwen25_1p5b", "math_qwen25", "lag_study"])
+@pytest.mark.parametrize(
+  "name", ["default", "gsm8k_qwen25_1p5b", "math_qwen25", "lag_study", "code"]
+)
 def test_configs_are_locked_and_complete(name):
   cfg = _load(name).get_config()
   assert isinstance(cfg, ml_collections.ConfigDict)
@@ -323,3 +326,19 @@ def test_train_initializes_jax_distributed_only_when_asked(args, env, want):
     check=True,
   )
   assert out.stdout.strip() == repr(want)
+
+
+def test_code_config_learns_with_sandboxed_program_rewards(tmp_path):
+  """The code task: programs scored in verifier workers; the reward rises over 100 steps."""
+  cfg = _load("code").get_config()
+  cfg.total_steps = 100
+  cfg.eval_prompts = 0
+  cfg.checkpoint_every = 0
+  cfg.progress = False
+  cfg.tensorboard = False
+  train, _ = metrics.split_rows(loop.train_and_evaluate(cfg, str(tmp_path)))
+  assert [r["step"] for r in train] == list(range(1, 101))
+  first = np.mean([r["reward_mean"] for r in train[:25]])
+  last = np.mean([r["reward_mean"] for r in train[-25:]])
+  assert last > first + 0.03, (first, last)
+  assert all(r["reward_time_s"] > 0 and r["reward_failures"] == 0 for r in train)

@@ -261,6 +261,22 @@ def test_failing_reward_is_scored_zero_counted_and_run_goes_on(tmp_path, monkeyp
   assert sum(r["reward_failures"] for r in rows) > sum(r["reward_timeouts"] for r in rows) > 0
 
 
+def test_reward_that_cannot_reach_a_worker_fails_at_start_up_naming_the_task(tmp_path):
+  def notebook_reward(example, text):  # a closure: it cannot be pickled
+    return float(text == example["answer"])
+
+  tasks.register(
+    "test_notebook_task",
+    lambda: dataclasses.replace(
+      tasks.get_task("reverse"), reward=notebook_reward, device_reward=None
+    ),
+  )
+  cfg = small_config(**{"task": "test_notebook_task", "sft.enabled": False})
+  with pytest.raises(ValueError, match="'test_notebook_task'.*cannot run in a sandboxed"):
+    loop.train_and_evaluate(cfg, str(tmp_path))
+  assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
 def test_async_mode_runs_with_bounded_staleness(tmp_path):
   cfg = small_config(
     **{

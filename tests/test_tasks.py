@@ -1,6 +1,9 @@
 """Tests for offpolicy_jax.tasks and offpolicy_jax.rewards."""
 
 import json
+import os
+import threading
+import time
 
 import jax
 import numpy as np
@@ -169,6 +172,41 @@ def test_gsm8k_jsonl_and_reward(tmp_path):
   assert r(ex, "no idea") == pytest.approx(-0.1)
   ex2 = task.train_source[1]
   assert r(ex2, "<think>x</think><answer>1234</answer>") == pytest.approx(1.1)
+
+
+def _rss(pid: int) -> int:
+  try:
+    with open(f"/proc/{pid}/status") as f:
+      return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+  except (FileNotFoundError, StopIteration):
+    return 0
+
+
+def test_pathological_math_answer_scores_zero_within_the_timeout(tmp_path):
+  task = tasks.get_task("gsm8k", train_path=_jsonl(tmp_path / "g.jsonl", GSM))
+  ex = task.train_source[0]
+  texts = ["<answer>(2**2**2**2**2**2)</answer>", "<think>a</think><answer>18</answer>"]
+  pool = rewards.get_pool()
+  rewards.score_batch(task.reward, [ex], texts[1:], timeout_s=3.0)  # warm the workers
+  # The trainer's own RSS depends on what ran before in this process: bound its
+  # growth, and the workers' total (each is capped at reward_memory_mb of address space).
+  base, peak, done = _rss(os.getpid()), [0, 0], threading.Event()
+
+  def watch():
+    while not done.is_set():
+      peak[0] = max(peak[0], _rss(os.getpid()) - base)
+      peak[1] = max(peak[1], sum(_rss(p) for p in pool.pids()))
+      time.sleep(0.02)
+
+  watcher = threading.Thread(target=watch)
+  watcher.start()
+  start = time.monotonic()
+  res = rewards.score_batch(task.reward, [ex] * 2, texts, timeout_s=3.0)
+  elapsed = time.monotonic() - start
+  done.set()
+  watcher.join()
+  assert res.scores.tolist() == pytest.approx([0.0, 1.1]) and res.failed.tolist() == [True, False]
+  assert elapsed < 3.0 + 2.0 and peak[0] < 2**29 and peak[1] < 3 * 2**30
 
 
 def test_math_parquet_and_reward(tmp_path):

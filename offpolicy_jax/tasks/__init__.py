@@ -15,7 +15,7 @@ import pickle
 from collections.abc import Callable
 
 from offpolicy_jax import rewards
-from offpolicy_jax.tasks import math_data, rgym, synthetic
+from offpolicy_jax.tasks import code, math_data, rgym, synthetic
 from offpolicy_jax.tasks.base import ListSource, Task
 
 _RG_PREFIX = "reasoning_gym:"
@@ -23,6 +23,7 @@ _REGISTRY: dict[str, Callable[..., Task]] = {
   **{name: functools.partial(synthetic.make_task, name) for name in synthetic.NAMES},
   "gsm8k": functools.partial(math_data.make_task, "gsm8k"),
   "math": functools.partial(math_data.make_task, "math"),
+  **{name: functools.partial(code.make_task, name) for name in code.KINDS},
 }
 
 
@@ -45,7 +46,9 @@ def get_task(name: str, **kwargs) -> Task:
     name: one of `task_names()`.
     **kwargs: synthetic: seed, num_eval, partial_credit, max_digits, min_len,
       max_len; reasoning_gym: seed, train_size, eval_size, instruction, dataset
-      config fields; gsm8k/math: train_path, eval_path, format_coef, instruction.
+      config fields; gsm8k/math: train_path, eval_path, format_coef, instruction; code: seed,
+      num_eval, partial_credit, num_shown, num_hidden, max_value; mbpp/humaneval:
+      train_path, eval_path, partial_credit, instruction.
 
   Returns:
     The Task; its `reward` is a `rewards.SandboxedReward` (scored in sandboxed

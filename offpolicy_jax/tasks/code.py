@@ -45,10 +45,13 @@ Examples (plain picklable dicts). "code": `{"prompt", "answer", "entry_point",
 (the reference in a fenced block), "prefix", "setup", "tests": [str, ...],
 "entry_points": [str, ...], "classes": [str, ...]}`.
 
-No sandboxing happens here: the program runs in the calling process, where it
-could also patch shared modules, so these checks stop a policy's accidental
-hacks, not a determined attacker. Call the reward only inside an isolated
-worker (resource limits, hard timeouts, preferably a fresh process per call).
+The program runs wherever the reward is called: `tasks.get_task` wraps it so
+that it runs only in sandboxed verifier workers (`rewards.score_batch`, and
+direct `task.reward(...)` calls too), never in the trainer. Inside its worker a
+program could still patch the worker's modules, so these checks stop a
+policy's accidental hacks, not a determined attacker; such a program can at
+worst forge the scores of calls in its own worker (the trainer reads replies
+as JSON data), never act on the host.
 """
 
 import ast
@@ -71,6 +74,7 @@ from offpolicy_jax.tasks.math_data import _read_rows
 
 CODE_INSTRUCTION = "\n\nWrite the complete solution in a single ```python fenced code block."
 
+KINDS = ("code", "mbpp", "humaneval")
 _PROGRAM = "def f(a,b):return {}"
 # The hidden functions of "code": the answer's expression and an independent twin.
 _TEMPLATES: tuple[tuple[str, Callable[[int, int], int]], ...] = (
