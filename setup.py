@@ -21,6 +21,8 @@ INSTALL_REQUIRES = [
     "tensorboardX==2.6.5",
     "matplotlib>=3.9",
     "tqdm>=4.66",
+    # The workdir lock (an OS-level lock, released when its holder dies).
+    "filelock==4.2.11",
     # seccomp filters of the verifier sandbox (ctypes binding to the system's libseccomp).
     "pyseccomp==0.1.2; sys_platform == 'linux'",
 ]

@@ -37,6 +37,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.max_prompt_len = 16
   # Responses are sampled up to this many tokens (static shape).
   c.max_new_tokens = 8
+  c.data = ml_collections.ConfigDict()
+  # Prompts longer than max_prompt_len: False fails at start-up naming the row
+  # (validation.validate_data); True keeps their last max_prompt_len tokens (the
+  # question and the generation prompt) and counts them in the prompts_truncated metric.
+  c.data.truncate_prompts = False
   # Sampling temperature of the behaviour policy.
   c.temperature = 1.0
   # Nucleus sampling threshold (1.0 = off).
@@ -161,7 +166,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_every = 200
   # Held-out prompts per evaluation.
   c.eval_prompts = 64
-  # Samples per eval prompt for pass@k (k = this).
+  # Samples per eval prompt for pass@k (k = this; 1 = greedy accuracy only, no pass@k).
   c.eval_samples = 4
   # Save a checkpoint every this many steps (0 = only at the end).
   c.checkpoint_every = 100

@@ -5,12 +5,18 @@ r"""Expands a config's `get_sweep()` into runs: runs them here one by one, or pr
 
 Each run goes to `workdir/<run name>` (resumable like train.py); at the end the
 sweep writes `workdir/summary.md`, `workdir/summary.csv` and `workdir/curves.png`.
+A run that fails is recorded (`status` failed and its `error` in the summary)
+and the sweep goes on; the process then exits with status 1, naming the
+failed runs.
 """
 
+import csv
 import os
 import shlex
 import sys
 import time
+import traceback
+from collections.abc import Mapping
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -51,7 +57,10 @@ def load_sweep(config_path: str) -> list[dict]:
   """Loads `get_sweep()` from a config file."""
   import importlib.util
 
-  spec = importlib.util.spec_from_file_location("_sweep_config", config_path.split(":")[0])
+  path = config_path.split(":")[0]
+  spec = importlib.util.spec_from_file_location("_sweep_config", path)
+  if spec is None or spec.loader is None:
+    raise ValueError(f"cannot load the sweep config {path}")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   if not hasattr(module, "get_sweep"):
@@ -71,27 +80,109 @@ def _cli_overrides() -> list[str]:
   return [a for a in sys.argv[1:] if a.startswith("--config.")]
 
 
+class SweepError(RuntimeError):
+  """Some runs of a sweep failed; every other run ran and the summary was written.
+
+  Attributes:
+    summary: path of `summary.md`.
+    failed: run name -> error message (one line), in sweep order.
+  """
+
+  def __init__(self, summary: str, failed: Mapping[str, str], num_runs: int):
+    self.summary = summary
+    self.failed = dict(failed)
+    names = ", ".join(self.failed)
+    super().__init__(f"{len(self.failed)} of {num_runs} sweep runs failed: {names} (see {summary})")
+
+
+def _error_line(e: BaseException) -> str:
+  """`Type: message` on one line (newlines and runs of spaces collapsed)."""
+  return " ".join(f"{type(e).__name__}: {e}".split())
+
+
 def run_sweep(config, sweep: list[dict], workdir: str) -> str:
   """Runs every entry of `sweep` (dotted overrides of `config`) here, one after another.
 
   Runs sharing compiled shapes reuse one set of compiled functions and one warm
-  start. Writes `summary.md`, `summary.csv` and `curves.png` under `workdir`.
+  start. A run that raises is recorded and the sweep goes on with the next
+  one. Writes `summary.md` and `summary.csv` (every run, with a `status`
+  column, `ok` or `failed`, and the failed runs' `error`) and `curves.png`
+  under `workdir`.
 
   Returns:
     The path of `summary.md`.
+
+  Raises:
+    ValueError: before any run, for repeated run names or an override that
+      names no config field.
+    SweepError: after every run and the summary, if any run failed.
   """
   from offpolicy_jax import loop
 
   _check_unique_names(sweep)
-  runs = {}
-  for overrides in sweep:
-    name = run_name(overrides)
+  configs = {run_name(o): apply_overrides(config, o) for o in sweep}
+  runs: dict[str, str] = {}
+  failed: dict[str, str] = {}
+  for name, run_config in configs.items():
     runs[name] = os.path.join(workdir, name)
     start = time.time()
-    loop.train_and_evaluate(apply_overrides(config, overrides), runs[name])
+    try:
+      loop.train_and_evaluate(run_config, runs[name])
+    except Exception as e:
+      traceback.print_exc()
+      failed[name] = _error_line(e)
+      print(f"sweep run {name} FAILED after {time.time() - start:.1f}s: {failed[name]}", flush=True)
+      continue
     print(f"sweep run {name} done in {time.time() - start:.1f}s", flush=True)
+  summary = metrics.write_summary_table(runs, workdir)
+  _add_status_columns(workdir, list(runs), failed)
   metrics.plot_runs(runs, os.path.join(workdir, "curves.png"))
-  return metrics.write_summary_table(runs, workdir)
+  if failed:
+    raise SweepError(summary, failed, len(runs))
+  return summary
+
+
+# Longest error message shown in summary.md (summary.csv keeps it whole).
+_MD_ERROR_CHARS = 300
+
+
+def _add_status_columns(workdir: str, names: list[str], failed: Mapping[str, str]) -> None:
+  """Appends `status` and `error` columns to the summary `metrics.write_summary_table` wrote."""
+  status = {n: ("failed" if n in failed else "ok", failed.get(n, "")) for n in names}
+  csv_path = os.path.join(workdir, "summary.csv")
+  with open(csv_path, newline="") as f:
+    header, *rows = list(csv.reader(f))
+  with open(csv_path, "w") as f:
+    writer = csv.writer(f, lineterminator="\n")
+    writer.writerow([*header, "status", "error"])
+    writer.writerows([*row, *status.get(row[0], ("", ""))] for row in rows)
+
+  def md_cell(text: str) -> str:
+    if len(text) > _MD_ERROR_CHARS:
+      text = text[: _MD_ERROR_CHARS - 3] + "..."
+    return text.replace("|", "\\|")
+
+  md_path = os.path.join(workdir, "summary.md")
+  with open(md_path) as f:
+    lines = f.read().splitlines()
+  table = len(lines) == len(names) + 2 and all(
+    line.startswith(f"| {n} |") for line, n in zip(lines[2:], names, strict=True)
+  )
+  if table:
+    lines[0] += " status | error |"
+    lines[1] += "---|---|"
+    for i, n in enumerate(names, start=2):
+      lines[i] += f" {status[n][0]} | {md_cell(status[n][1])} |"
+  else:  # Not the one-row-per-run table this expects: a table of its own.
+    lines += ["", "| run | status | error |", "|---|---|---|"]
+    lines += [f"| {n} | {status[n][0]} | {md_cell(status[n][1])} |" for n in names]
+  with open(md_path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+
+
+def _print_file(path: str) -> None:
+  with open(path) as f:
+    print(f.read())
 
 
 def main(argv):
@@ -115,8 +206,15 @@ def main(argv):
       ]
       print(shlex.join(cmd))
     return
-  summary = run_sweep(_CONFIG.value, sweep, _WORKDIR.value)
-  print(open(summary).read())
+  try:
+    summary = run_sweep(_CONFIG.value, sweep, _WORKDIR.value)
+  except SweepError as e:
+    _print_file(e.summary)
+    print(e, file=sys.stderr, flush=True)
+    for name, error in e.failed.items():
+      print(f"  {name}: {error}", file=sys.stderr)
+    return 1
+  _print_file(summary)
 
 
 if __name__ == "__main__":

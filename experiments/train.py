@@ -1,5 +1,9 @@
 r"""Trains with off-policy RL; resumes from the latest checkpoint in --workdir.
 
+A second run in the same --workdir refuses to start while the first holds it;
+a resume whose config changes the run's meaning is refused unless
+--allow_config_change is given.
+
   python -m experiments.train --config=configs/default.py --workdir=/tmp/opj \
       [--config.lag.sync_interval=1 --config.loss.name=grpo ...]
 
@@ -26,6 +30,13 @@ _COORDINATOR = flags.DEFINE_string(
 )
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_bool(
+  "allow_config_change",
+  False,
+  "Resume even if fields that change the run's meaning (loss, lag, model, task, shapes, seed, "
+  "optimizer, ...) differ from the workdir's config.json; the change is recorded in "
+  "config_history.jsonl.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 _COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
@@ -68,7 +79,9 @@ def main(argv):
   )
   # Library progress goes to stdout; keep orbax's INFO chatter out of the way.
   logging.set_verbosity(logging.WARNING)
-  loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  loop.train_and_evaluate(
+    _CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value
+  )
   summary = metrics.summarize_run(_WORKDIR.value)
   fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
   print(" ".join(f"{k}={fmt(v)}" for k, v in summary.items()))

@@ -16,10 +16,15 @@ Batch fields (G = batch_size, P = max_prompt_len, A = answer length):
   answer_tokens  int32 [G, A]  answer ids then EOS, padded with -1 (device rewards)
   index          int64 [G]     index into the split's source
   valid          bool  [G]     False on filler rows of a final partial batch
+  truncated      bool  [G]     prompt was cut to its last P tokens (`truncate=True`);
+                               False on filler rows
+
+`scan_prompts` tokenizes a split the same way, once, for the start-up checks of
+`validation.validate_data` (prompt lengths, token ids, answer lengths).
 """
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import grain
 import numpy as np
@@ -69,7 +74,13 @@ class _Encode(grain.transforms.Map):
     index = int(index)
     ex = self._source[index]
     ids = encode_prompt(self._task, self._tok, ex)
-    if len(ids) > self._p:
+    if not ids:
+      raise ValueError(
+        f"{self._split} example {index} of task {self._task.name!r}: the prompt has 0 tokens "
+        "(the sampler and the trainer need at least one prompt token)."
+      )
+    truncated = len(ids) > self._p
+    if truncated:
       if not self._truncate:
         raise ValueError(
           f"{self._split} example {index} of task {self._task.name!r}: prompt has {len(ids)} "
@@ -77,8 +88,7 @@ class _Encode(grain.transforms.Map):
         )
       ids = ids[-self._p :]  # keep the end: the generation prompt must survive
     prompt = np.full((self._p,), self._tok.pad_id, np.int32)
-    if ids:
-      prompt[-len(ids) :] = ids
+    prompt[-len(ids) :] = ids
     answer = np.full((self._a,), _ANSWER_PAD, np.int32)
     if self._task.answer is not None:
       ans = [*self._tok.encode(self._task.answer(ex)), self._tok.eos_id]
@@ -94,6 +104,7 @@ class _Encode(grain.transforms.Map):
       "answer_tokens": answer,
       "index": np.int64(index),
       "valid": np.bool_(True),
+      "truncated": np.bool_(truncated),
     }
 
 
@@ -104,6 +115,7 @@ def _stack_and_pad(batch_size: int):
     if missing:  # final partial batch of a finite split: repeat row 0, mark invalid
       out = {k: np.concatenate([v, np.repeat(v[:1], missing, 0)]) for k, v in out.items()}
       out["valid"][-missing:] = False
+      out["truncated"][-missing:] = False
     return out
 
   return batch_fn
@@ -139,7 +151,9 @@ def prompt_iterator(
     num_epochs: passes over the split; None = forever. Default: None for
       train, 1 for eval.
     shuffle: default True for train, False for eval.
-    truncate: cut over-long prompts from the left instead of raising.
+    truncate: keep the last `max_prompt_len` tokens of over-long prompts (the
+      question and the generation prompt) instead of raising; such rows have
+      `truncated=True`.
     answer_len: A; default `task.max_answer_len + 1` (room for EOS).
     read_threads: grain prefetch threads (0 = read synchronously).
 
@@ -177,3 +191,70 @@ def prompt_iterator(
   ds = ds.batch(batch_size, drop_remainder=False, batch_fn=_stack_and_pad(batch_size))
   options = grain.ReadOptions(num_threads=read_threads, prefetch_buffer_size=2 * read_threads)
   return iter(ds.to_iter_dataset(options))
+
+
+class PromptStats(NamedTuple):
+  """Token statistics of one split's prompts, as `prompt_iterator` encodes them.
+
+  JSON-friendly (plain ints and dicts), so a scan can be cached on disk.
+
+  Attributes:
+    split: "train" or "eval".
+    size: examples in the split (`len(source)`).
+    scanned: examples tokenized: the first `scanned` of the split.
+    counts: prompt length in tokens -> number of scanned prompts of that length.
+    first_row: prompt length in tokens -> first example index of that length.
+    max_id: (largest token id of any scanned prompt or answer, first example
+      index with it); (-1, -1) when nothing was scanned.
+    answer_len: (most answer tokens, EOS included, first example index with
+      that many); (0, -1) for tasks without answers.
+  """
+
+  split: str
+  size: int
+  scanned: int
+  counts: dict[int, int]
+  first_row: dict[int, int]
+  max_id: tuple[int, int]
+  answer_len: tuple[int, int]
+
+
+def scan_prompts(
+  task: Task, tokenizer: Tokenizer, split: str, limit: int | None = None
+) -> PromptStats:
+  """Tokenizes the first `limit` examples of a split (all when None) like `prompt_iterator`.
+
+  Args:
+    task: the Task.
+    tokenizer: the tokenizer the run encodes prompts with.
+    split: "train" or "eval".
+    limit: examples to scan from the start of the split; None for all.
+
+  Returns:
+    The split's PromptStats.
+
+  Raises:
+    ValueError: naming the split and example index when an example cannot be
+      rendered or tokenized (a missing field, a character outside the vocabulary).
+  """
+  source = _source(task, split)
+  size = len(source)
+  n = size if limit is None else min(size, limit)
+  counts: dict[int, int] = {}
+  first_row: dict[int, int] = {}
+  max_id, answer_len = (-1, -1), (0, -1)
+  for i in range(n):
+    try:
+      ex = source[i]
+      ids = encode_prompt(task, tokenizer, ex)
+      ans = [] if task.answer is None else [*tokenizer.encode(task.answer(ex)), tokenizer.eos_id]
+    except Exception as e:  # re-raised naming the row: any failure here would recur mid-run
+      raise ValueError(f"{split} example {i} of task {task.name!r}: {e!r}") from e
+    counts[len(ids)] = counts.get(len(ids), 0) + 1
+    first_row.setdefault(len(ids), i)
+    top = max(max(ids, default=-1), max(ans, default=-1))
+    if top > max_id[0]:
+      max_id = (top, i)
+    if len(ans) > answer_len[0]:
+      answer_len = (len(ans), i)
+  return PromptStats(split, size, n, counts, first_row, max_id, answer_len)

@@ -266,6 +266,7 @@ class Environment:
       max_prompt_len=c.max_prompt_len,
       seed=seed,
       split=split,
+      truncate=c.data.truncate_prompts,
       **shard,
     )
 

@@ -46,6 +46,7 @@ in `evaluation.py` and the start-up checks in `validation.py`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -56,6 +57,7 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import checkpointing, environment, lag, metrics, replay
+from offpolicy_jax import workdir as workdir_lib
 from offpolicy_jax.environment import (  # noqa: F401  (re-exported)
   _ENV_CACHE,
   Environment,
@@ -67,6 +69,7 @@ from offpolicy_jax.validation import (  # noqa: F401  (re-exported)
   advantage_name,
   loss_overrides,
   validate_config,
+  validate_data,
 )
 
 
@@ -134,6 +137,7 @@ class _Run:
     prompts = env.global_prompts(prompts)
     rollout = env.sample(params, prompts, step_key(seed, step, environment.SAMPLE))
     rewards, reward_stats = env.score(prompts, rollout)
+    reward_stats["prompts_truncated"] = int((prompts["truncated"] & prompts["valid"]).sum())
     key = step_key(seed, step, environment.ADV)
     return env.make_batch(prompts, rollout, rewards, version * self.updates, key), reward_stats
 
@@ -264,10 +268,10 @@ def _meta(step: int, config, data_iter, start_accuracy) -> dict[str, Any]:
 def _restore_or_init(run: _Run, ckpt, data_iter, workdir: str):
   """The run state, the step it is at and the starting accuracy (latest checkpoint or fresh)."""
   env, config = run.env, run.config
-  start_step = ckpt.latest_step() or 0
-  if start_step:
+  if ckpt.latest_step():
+    # The newest intact step: corrupt ones are reported and moved aside.
     template = run.fresh_state(env.init_params(config.seed))
-    state, meta = ckpt.restore(template, start_step)
+    state, meta, start_step = ckpt.restore_latest(template)
     data_iter.set_state(meta["data_state"])
     print(f"resumed from step {start_step} in {workdir}", flush=True)
     return state, start_step, meta.get("start_accuracy")
@@ -297,30 +301,54 @@ def train_and_evaluate(
   workdir: str,
   *,
   on_step: Callable[[int, dict[str, Any]], None] | None = None,
+  allow_config_change: bool = False,
 ) -> list[dict[str, Any]]:
   """Trains with off-policy RL per `config`, writing metrics and checkpoints to `workdir`.
 
-  Resumes from the latest checkpoint in `workdir` if there is one.
+  Resumes from the latest checkpoint in `workdir` if there is one, after
+  checking that `config` means the same run as the workdir's `config.json`.
+  The workdir is locked for the duration (`workdir.lock`).
 
   Args:
     config: an experiment ConfigDict (see configs/default.py for every field).
     workdir: run directory: metrics.jsonl, config.json, tb/, checkpoints/.
     on_step: optional callback `(step, row)` called right after each loop
       step's row is written, before any evaluation or checkpoint of that step.
+    allow_config_change: resume even if fields that change the run's meaning
+      differ from the record (the change goes to `config_history.jsonl`).
 
   Returns:
     The metric rows written by this call (train and eval rows).
+
+  Raises:
+    workdir.WorkdirLocked: another run holds `workdir`.
+    workdir.ConfigChanged: a resume with a changed config, not allowed.
   """
   validate_config(config)
   os.makedirs(workdir, exist_ok=True)
-  run = _Run(get_environment(config), config)
+  primary = jax.process_index() == 0
+  with workdir_lib.lock(workdir) if primary else contextlib.nullcontext():
+    return _train_and_evaluate(config, workdir, on_step, allow_config_change)
+
+
+def _train_and_evaluate(config, workdir: str, on_step, allow_config_change: bool) -> list[dict]:
   ckpt = checkpointing.Checkpointer(
     os.path.join(workdir, "checkpoints"),
     max_to_keep=config.keep_checkpoints,
     async_save=config.async_checkpoint,
   )
-  data_iter = _LockedIterator(run.env.prompt_iterator(config.seed, "train"))
-  state, start_step, start_accuracy = _restore_or_init(run, ckpt, data_iter, workdir)
+  try:
+    latest = ckpt.latest_step()
+    if latest and jax.process_index() == 0:
+      workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
+    run = _Run(get_environment(config), config)
+    # Every prompt checked once (cached under the workdir), before anything compiles.
+    validate_data(config, run.env.task, run.env.tokenizer, cache_dir=workdir)
+    data_iter = _LockedIterator(run.env.prompt_iterator(config.seed, "train"))
+    state, start_step, start_accuracy = _restore_or_init(run, ckpt, data_iter, workdir)
+  except BaseException:
+    ckpt.close()
+    raise
   writer = _make_writer(config, workdir, start_step)
   rows: list[dict[str, Any]] = []
   try:
@@ -371,6 +399,8 @@ def _run_steps(run: _Run, state, start_step: int, start_accuracy, loop_io, on_st
       if (config.eval_every and step % config.eval_every == 0) or last:
         _evaluate(run, state, step, writer, rows)
       if (config.checkpoint_every and step % config.checkpoint_every == 0) or last:
+        # Rows up to this step reach the disk before the checkpoint that covers them.
+        writer.sync()
         ckpt.save(step, state, _meta(step, config, data_iter, start_accuracy))
   finally:
     if producer is not None:
@@ -391,6 +421,7 @@ def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = N
   """
   validate_config(config)
   env = get_environment(config)
+  validate_data(config, env.task, env.tokenizer)
   params = env.init_params(config.seed)
   step_done = 0
   if workdir is not None:

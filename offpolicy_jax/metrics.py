@@ -1,11 +1,21 @@
 """Run metrics: an append-only JSONL log, TensorBoard, optional W&B, a progress bar.
 
 One JSON object per optimizer step goes to `workdir/metrics.jsonl` (evaluation
-rows carry `eval/` keys and the step they were taken at). Every row is flushed
-as soon as it is written, so a run killed at any moment loses at most the row
-being written. On resume the writer first drops every row whose step is beyond
-the restored checkpoint (and a torn last line), so the resumed run rewrites
-them and the file never holds duplicates or gaps.
+rows carry `eval/` keys and the step they were taken at). The file is written
+so that no event loses rows that could be kept:
+
+- every row is flushed as soon as it is written, and `MetricsWriter.sync`
+  (called at each checkpoint) fsyncs the file, so a kill loses at most the row
+  being written and a power cut at most the rows after the last checkpoint;
+- readers skip an unreadable line (torn by a kill, or corrupted) with a
+  warning naming the file and line, and keep every valid row around it;
+- on resume the writer drops only the rows whose step is after the restored
+  checkpoint (the resumed run rewrites them, so there are no duplicates or
+  gaps); unreadable lines go to `metrics.jsonl.bad`, never destroyed;
+- a file deleted or replaced while the run goes on is noticed before the next
+  write, re-created with a warning, and written on;
+- a fresh start never deletes an earlier run's files: `metrics.jsonl`, `tb/`
+  and `config.json` are moved to `workdir/previous/<timestamp>/`.
 """
 
 from __future__ import annotations
@@ -14,13 +24,20 @@ import csv
 import json
 import math
 import os
+import time
+import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
+TB_DIR = "tb"
+# Where a fresh start moves an earlier run's files: workdir/previous/<timestamp>/.
+PREVIOUS_DIR = "previous"
+# Suffix of the file that keeps the lines a resume dropped as unreadable.
+BAD_SUFFIX = ".bad"
 
 
 def to_python(value: Any) -> Any:
@@ -34,8 +51,57 @@ def to_python(value: Any) -> Any:
   return arr.tolist()
 
 
+class _Scan(NamedTuple):
+  """A metrics file read line by line: its valid rows and its unreadable lines."""
+
+  rows: list[dict[str, Any]]
+  # (1-based line number, the raw line without its newline).
+  bad: list[tuple[int, bytes]]
+
+
+def _parse_row(raw: bytes) -> dict[str, Any] | None:
+  """A row is a JSON object with an integer `step`; None for anything else."""
+  try:
+    row = json.loads(raw.decode("utf-8"))
+  except (UnicodeDecodeError, json.JSONDecodeError):
+    return None
+  if not isinstance(row, dict):
+    return None
+  step = row.get("step")
+  return row if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _scan(path: str) -> _Scan:
+  """Reads every line of `path` (missing file: empty), sorting valid rows from bad lines."""
+  scan = _Scan([], [])
+  if not os.path.exists(path):
+    return scan
+  with open(path, "rb") as f:
+    for lineno, line in enumerate(f, start=1):
+      raw = line.rstrip(b"\r\n")
+      if not raw.strip():
+        continue
+      row = _parse_row(raw)
+      if row is None:
+        scan.bad.append((lineno, raw))
+      else:
+        scan.rows.append(row)
+  return scan
+
+
+def _describe_lines(bad: list[tuple[int, bytes]]) -> str:
+  numbers = ", ".join(str(lineno) for lineno, _ in bad[:5])
+  if len(bad) > 5:
+    numbers += f" and {len(bad) - 5} more"
+  return f"{len(bad)} unreadable line(s) (line {numbers})"
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
-  """Reads a metrics file (or the one inside a workdir), skipping a torn last line.
+  """Reads a metrics file (or the one inside a workdir), skipping unreadable lines.
+
+  A line that is not a JSON object with an integer `step` (torn by a kill,
+  corrupted on disk) is skipped with one warning naming the file and the line
+  numbers; every valid row, before or after it, is kept.
 
   Args:
     path: a `metrics.jsonl` file or a directory holding one.
@@ -45,19 +111,10 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
   """
   if os.path.isdir(path):
     path = os.path.join(path, METRICS_FILE)
-  rows: list[dict] = []
-  if not os.path.exists(path):
-    return rows
-  with open(path) as f:
-    for line in f:
-      line = line.strip()
-      if not line:
-        continue
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        break  # A line torn by a kill; everything after it is untrusted.
-  return rows
+  scan = _scan(path)
+  if scan.bad:
+    warnings.warn(f"{path}: skipped {_describe_lines(scan.bad)}", stacklevel=2)
+  return scan.rows
 
 
 def split_rows(rows: Iterable[Mapping[str, Any]]) -> tuple[list[dict], list[dict]]:
@@ -69,8 +126,27 @@ def split_rows(rows: Iterable[Mapping[str, Any]]) -> tuple[list[dict], list[dict
   return train, evals
 
 
+def _fsync_dir(path: str) -> None:
+  """Makes the entries of directory `path` (a created or renamed file) durable."""
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    return  # Platforms that cannot open a directory (Windows) need no such sync.
+  try:
+    os.fsync(fd)
+  except OSError:
+    pass
+  finally:
+    os.close(fd)
+
+
 def truncate_metrics(path: str, last_step: int) -> int:
-  """Keeps only complete rows with `step <= last_step`, rewriting the file atomically.
+  """Keeps the valid rows with `step <= last_step`, rewriting the file atomically.
+
+  Rows of later steps are dropped (a resumed run rewrites them). Valid rows of
+  earlier steps are kept wherever they are in the file, also after an
+  unreadable line; unreadable lines are appended to `path + ".bad"` (fsynced
+  before the file is replaced) with one warning, so no byte is destroyed.
 
   Args:
     path: the metrics file.
@@ -79,14 +155,25 @@ def truncate_metrics(path: str, last_step: int) -> int:
   Returns:
     The number of rows kept.
   """
-  rows = [r for r in read_metrics(path) if int(r.get("step", 0)) <= last_step]
+  scan = _scan(path)
+  rows = [r for r in scan.rows if r["step"] <= last_step]
+  if scan.bad:
+    with open(path + BAD_SUFFIX, "ab") as f:
+      f.writelines(raw + b"\n" for _, raw in scan.bad)
+      f.flush()
+      os.fsync(f.fileno())
+    warnings.warn(
+      f"{path}: dropped {_describe_lines(scan.bad)}; they are kept in {path}{BAD_SUFFIX}",
+      stacklevel=2,
+    )
   tmp = path + ".tmp"
-  with open(tmp, "w") as f:
+  with open(tmp, "w", encoding="utf-8") as f:
     for row in rows:
       f.write(json.dumps(row) + "\n")
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)
+  _fsync_dir(os.path.dirname(os.path.abspath(path)))
   return len(rows)
 
 
@@ -101,14 +188,70 @@ def save_config(workdir: str, config: Any) -> str:
   return path
 
 
+def _timestamp() -> str:
+  return time.strftime("%Y%m%d-%H%M%S")
+
+
+def _move_previous_run(workdir: str) -> str | None:
+  """Moves an earlier run's files out of the way of a fresh start, deleting nothing.
+
+  `metrics.jsonl` (and its `.bad` companion), `tb/` and `config.json` go to
+  `workdir/previous/<YYYYmmdd-HHMMSS>/` (a `-1`, `-2`... suffix keeps two moves
+  in the same second apart).
+
+  Args:
+    workdir: the run directory.
+
+  Returns:
+    The directory the files went to, or None if there was nothing to move.
+  """
+  names = [METRICS_FILE, METRICS_FILE + BAD_SUFFIX, TB_DIR, CONFIG_FILE]
+  present = [n for n in names if os.path.lexists(os.path.join(workdir, n))]
+  if not present:
+    return None
+  base = os.path.join(workdir, PREVIOUS_DIR, _timestamp())
+  dest, n = base, 0
+  os.makedirs(os.path.dirname(base), exist_ok=True)
+  while True:
+    try:
+      os.mkdir(dest)  # Atomic: a concurrent fresh start cannot claim the same directory.
+      break
+    except FileExistsError:
+      n += 1
+      dest = f"{base}-{n}"
+  for name in present:
+    os.rename(os.path.join(workdir, name), os.path.join(dest, name))
+  _fsync_dir(workdir)
+  return dest
+
+
+def _open_for_append(path: str) -> IO[str]:
+  """Opens `path` for appending (creating it and its directory), starting on a new line."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  f = open(path, "a", encoding="utf-8")
+  with open(path, "rb") as r:
+    r.seek(0, os.SEEK_END)
+    if r.tell() > 0:
+      r.seek(-1, os.SEEK_END)
+      if r.read(1) != b"\n":
+        f.write("\n")  # A torn last line must not swallow the next row.
+  return f
+
+
 class MetricsWriter:
   """Writes metric rows to JSONL (+ TensorBoard, + W&B) and drives a progress bar.
+
+  Before each write the writer checks that `metrics.jsonl` is still the file
+  it opened; a deleted or replaced file is re-opened (re-created) with a
+  warning and the run goes on writing to it. Call `sync` after each
+  checkpoint to make the rows written so far durable.
 
   Args:
     workdir: run directory; created if missing.
     resume_step: the step of the checkpoint the run resumes from: rows of
-      later steps already in the file are dropped. None for a fresh run: any
-      existing file is emptied.
+      later steps already in the file are dropped. None for a fresh run: an
+      earlier run's `metrics.jsonl`, `tb/` and `config.json` are moved to
+      `workdir/previous/<timestamp>/`, never deleted.
     total_steps: total optimizer steps, for the progress bar's ETA.
     config: optional config, saved as `config.json` and passed to W&B.
     tensorboard: write TensorBoard event files under `workdir/tb`.
@@ -134,44 +277,49 @@ class MetricsWriter:
     self.workdir = workdir
     self.path = os.path.join(workdir, METRICS_FILE)
     self.primary = primary
-    self._file = self._tb = self._wandb = self._bar = None
+    self._file: IO[str] | None = None
+    self._dir_synced = False
+    self._tb = self._wandb = self._bar = None
     if not primary:
       return
     os.makedirs(workdir, exist_ok=True)
-    start_step = resume_step or 0
-    if os.path.exists(self.path):
-      truncate_metrics(self.path, -1 if resume_step is None else resume_step)
+    moved_to = None
+    if resume_step is None:
+      moved_to = _move_previous_run(workdir)
+    elif os.path.exists(self.path):
+      truncate_metrics(self.path, resume_step)
     if config is not None:
       save_config(workdir, config)
-    self._file = open(self.path, "a")
-    self._tb = None
+    self._file = _open_for_append(self.path)
     if tensorboard:
       from tensorboardX import SummaryWriter
 
-      # purge_step hides events a killed run wrote past the checkpoint (all of
-      # them on a fresh start, matching the emptied metrics.jsonl).
-      purge = 0 if resume_step is None else start_step + 1
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=purge)
-    self._wandb = None
+      # On resume, purge_step hides events a killed run wrote past the checkpoint.
+      purge = None if resume_step is None else resume_step + 1
+      self._tb = SummaryWriter(os.path.join(workdir, TB_DIR), purge_step=purge)
     if wandb_project:
-      try:
-        import wandb
-      except ImportError:
-        wandb = None
-      if wandb is not None:
-        cfg = config.to_dict() if hasattr(config, "to_dict") else config
-        self._wandb = wandb.init(
-          project=wandb_project,
-          dir=workdir,
-          config=cfg,
-          id=os.path.basename(os.path.abspath(workdir)),
-          resume="allow",
-        )
-    self._bar = None
+      self._wandb = _init_wandb(wandb_project, workdir, config)
     if progress and total_steps:
       from tqdm.auto import tqdm
 
-      self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+      start = resume_step or 0
+      self._bar = tqdm(total=total_steps, initial=start, unit="step", dynamic_ncols=True)
+    if moved_to is not None:
+      self.log_text(f"fresh start: moved the earlier run's files in {workdir} to {moved_to}")
+
+  def _reopen_if_gone(self, step: int) -> None:
+    """Re-creates `metrics.jsonl` if it was deleted or replaced since it was opened."""
+    assert self._file is not None
+    try:
+      if os.path.samestat(os.stat(self.path), os.fstat(self._file.fileno())):
+        return
+      what = "replaced by another file; appending to the new file"
+    except FileNotFoundError:
+      what = "deleted; re-creating it (its earlier rows are lost)"
+    warnings.warn(f"{self.path} was {what} from step {step} on", stacklevel=3)
+    self._file.close()
+    self._file = _open_for_append(self.path)
+    self._dir_synced = False
 
   def write(self, step: int, scalars: Mapping[str, Any]) -> dict[str, Any]:
     """Appends one row `{"step": step, **scalars}` and flushes it.
@@ -187,6 +335,7 @@ class MetricsWriter:
     row.update({k: to_python(v) for k, v in scalars.items()})
     if self._file is None:
       return row
+    self._reopen_if_gone(row["step"])
     self._file.write(json.dumps(row) + "\n")
     self._file.flush()
     if self._tb is not None:
@@ -196,6 +345,21 @@ class MetricsWriter:
     if self._wandb is not None:
       self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=int(step))
     return row
+
+  def sync(self) -> None:
+    """Makes every row written so far durable: fsyncs `metrics.jsonl`, flushes TensorBoard.
+
+    The loop calls it at each checkpoint, so the rows up to a saved step
+    survive a power cut along with the checkpoint.
+    """
+    if self._file is not None:
+      self._file.flush()
+      os.fsync(self._file.fileno())
+      if not self._dir_synced:  # A newly created file's directory entry.
+        _fsync_dir(self.workdir)
+        self._dir_synced = True
+    if self._tb is not None:
+      self._tb.flush()
 
   def progress(self, step: int, **postfix: Any) -> None:
     """Moves the progress bar to `step` and shows `postfix` (e.g. reward=0.4)."""
@@ -213,21 +377,41 @@ class MetricsWriter:
       print(message, flush=True)
 
   def close(self) -> None:
-    """Flushes and closes every sink."""
-    if self._file is not None:
-      self._file.close()
-    if self._tb is not None:
-      self._tb.close()
-    if self._wandb is not None:
-      self._wandb.finish()
-    if self._bar is not None:
-      self._bar.close()
+    """Syncs and closes every sink; closing twice is harmless."""
+    try:
+      self.sync()
+    finally:
+      if self._file is not None:
+        self._file.close()
+      if self._tb is not None:
+        self._tb.close()
+      if self._wandb is not None:
+        self._wandb.finish()
+      if self._bar is not None:
+        self._bar.close()
+      self._file = self._tb = self._wandb = self._bar = None
 
   def __enter__(self) -> MetricsWriter:
     return self
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _init_wandb(project: str, workdir: str, config: Any) -> Any:
+  """A W&B run named after the workdir, or None if `wandb` is not installed."""
+  try:
+    import wandb
+  except ImportError:
+    return None
+  cfg = config.to_dict() if hasattr(config, "to_dict") else config
+  return wandb.init(
+    project=project,
+    dir=workdir,
+    config=cfg,
+    id=os.path.basename(os.path.abspath(workdir)),
+    resume="allow",
+  )
 
 
 # Curves plot.py draws: (title, candidate keys; the first present in a run is used).

@@ -5,7 +5,11 @@
 RL from a random tiny model on a synthetic task rarely sees a reward; a short
 supervised phase on the task's reference answers (ending in EOS) gives a policy
 with non-trivial success, as a pretrained instruct model would on a real task.
-The step is one jitted pure function over `(params, opt_state)`.
+The step is one jitted pure function over `(params, opt_state)`, guarded like
+the RL train step: a step whose loss, gradient norm, new parameters or new
+optimizer state is non-finite keeps the old ones and counts as skipped. A warm
+start that skipped every step, or ends with non-finite parameters, raises
+instead of handing RL a broken policy.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import optax
 from flax import nnx
 from jax.typing import ArrayLike
 
-from offpolicy_jax import data, models
+from offpolicy_jax import data, models, train_step
 
 
 class SFTBatch(NamedTuple):
@@ -90,8 +94,27 @@ def reference_batches(
     yield SFTBatch(batch["prompt_tokens"], prompt_mask, tokens, mask)
 
 
+class SFTResult(NamedTuple):
+  """The outcome of `run`.
+
+  Attributes:
+    params: the trained parameters (a skipped step leaves them as they were).
+    losses: the loss of every step, skipped ones included.
+    skipped_steps: 1-based indices of the steps skipped for non-finite values.
+  """
+
+  params: Any
+  losses: list[float]
+  skipped_steps: list[int]
+
+
 def make_sft_step(graphdef: Any, optimizer: optax.GradientTransformation) -> Callable:
-  """Builds the jitted step `(params, opt_state, batch) -> (params, opt_state, loss)`."""
+  """Builds the jitted step `(params, opt_state, batch) -> (params, opt_state, loss, skipped)`.
+
+  When the loss, the gradient norm, the new parameters or the new optimizer
+  state is non-finite, the step keeps `params` and `opt_state` and `skipped`
+  (int32 []) is 1; otherwise it is 0.
+  """
 
   def loss_fn(params, batch: SFTBatch):
     model = nnx.merge(graphdef, params)
@@ -103,8 +126,14 @@ def make_sft_step(graphdef: Any, optimizer: optax.GradientTransformation) -> Cal
   @jax.jit
   def step(params, opt_state, batch: SFTBatch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    ok = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+    ok &= train_step.all_finite((new_params, new_opt_state))
+    keep = lambda new, old: jnp.where(ok, new, old)
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    return params, opt_state, loss, (~ok).astype(jnp.int32)
 
   return step
 
@@ -117,8 +146,11 @@ def run(
   steps: int,
   learning_rate: float,
   log_fn: Callable[[int, float], None] | None = None,
-) -> tuple[Any, list[float]]:
+) -> SFTResult:
   """Runs `steps` supervised AdamW steps (global-norm clip 1) from `params`.
+
+  Steps with non-finite values are skipped (see `make_sft_step`); `run` does
+  not raise for them: `warm_start` decides what a run can start from.
 
   Args:
     graphdef: the model's graph definition (`nnx.split(model)[0]`).
@@ -129,19 +161,44 @@ def run(
     log_fn: optional callback `(step, loss)`.
 
   Returns:
-    (trained params, list of per-step losses).
+    An `SFTResult`: trained params, per-step losses, skipped steps.
   """
   schedule = optax.cosine_decay_schedule(learning_rate, max(steps, 1), alpha=0.1)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
   opt_state = optimizer.init(params)
   step_fn = make_sft_step(graphdef, optimizer)
-  losses = []
+  losses: list[float] = []
+  skipped: list[int] = []
   for i in range(steps):
-    params, opt_state, loss = step_fn(params, opt_state, next(batches))
+    params, opt_state, loss, skip = step_fn(params, opt_state, next(batches))
+    loss, skip = jax.device_get((loss, skip))
     losses.append(float(loss))
+    if skip:
+      skipped.append(i + 1)
     if log_fn is not None:
       log_fn(i + 1, losses[-1])
-  return params, losses
+  return SFTResult(params, losses, skipped)
+
+
+def _check_warm_start(result: SFTResult, sft_config: Any, log_fn: Callable) -> None:
+  """Raises unless `result` is a warm start RL can start from; logs skipped steps."""
+  steps, skipped = len(result.losses), result.skipped_steps
+  lr = sft_config.learning_rate
+  if not bool(train_step.all_finite(result.params)):
+    raise FloatingPointError(
+      f"config.sft: the parameters are non-finite after supervised step {steps} "
+      f"({len(skipped)} of {steps} steps skipped; config.sft.learning_rate={lr}); "
+      "refusing to start RL from a broken warm start"
+    )
+  if steps and len(skipped) == steps:
+    raise FloatingPointError(
+      f"config.sft: every supervised step (1 to {steps}) was skipped: the loss, gradient, "
+      f"update or optimizer state was non-finite (last loss {result.losses[-1]}, "
+      f"config.sft.learning_rate={lr}); refusing to start RL from a failed warm start"
+    )
+  if skipped:
+    shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+    log_fn(f"sft: skipped {len(skipped)} of {steps} steps with non-finite values (step {shown})")
 
 
 _WARM_START_CACHE: dict[str, Any] = {}
@@ -163,6 +220,10 @@ def warm_start(env: Any, params: Any, sft_config: Any, seed: int, log_fn: Callab
 
   Returns:
     The warm-started parameters (a copy the caller may donate).
+
+  Raises:
+    FloatingPointError: naming `config.sft` when every supervised step was
+      skipped for non-finite values or the final parameters are non-finite.
   """
   c = env.config
   if env.task.answer is None:
@@ -184,7 +245,7 @@ def warm_start(env: Any, params: Any, sft_config: Any, seed: int, log_fn: Callab
     it = env.prompt_iterator(seed + 1, "train", batch_size=sft_config.batch_size)
     batches = reference_batches(env.task, env.tokenizer, it, c.max_new_tokens)
     every = max(1, sft_config.steps // 5)
-    trained, _ = run(
+    result = run(
       env.graphdef,
       params,
       batches,
@@ -192,7 +253,8 @@ def warm_start(env: Any, params: Any, sft_config: Any, seed: int, log_fn: Callab
       learning_rate=sft_config.learning_rate,
       log_fn=lambda i, loss: log_fn(f"sft step {i}: loss {loss:.4f}") if i % every == 0 else None,
     )
+    _check_warm_start(result, sft_config, log_fn)
     if len(_WARM_START_CACHE) >= 2:
       _WARM_START_CACHE.pop(next(iter(_WARM_START_CACHE)))
-    _WARM_START_CACHE[cache_key] = trained
+    _WARM_START_CACHE[cache_key] = result.params
   return jax.tree.map(jnp.copy, _WARM_START_CACHE[cache_key])

@@ -90,6 +90,21 @@ class CharTokenizer:
     return "\n".join(m["content"] for m in messages)
 
 
+def _load_json(file: str) -> dict[str, Any]:
+  """Parses a JSON object from `file`, naming the file and the fault when it cannot."""
+  with open(file, "rb") as f:
+    raw = f.read()
+  try:
+    obj = json.loads(raw)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{file}: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{file}: invalid JSON: not UTF-8 text ({e.reason})") from e
+  if not isinstance(obj, dict):
+    raise ValueError(f"{file}: expected a JSON object, got {type(obj).__name__}")
+  return obj
+
+
 def _token_content(tok: Any) -> str | None:
   """tokenizer_config.json stores special tokens as str or {"content": str, ...}."""
   if isinstance(tok, dict):
@@ -158,7 +173,12 @@ class HFTokenizer:
 
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike) -> HFTokenizer:
-    """Loads `tokenizer.json`, `tokenizer_config.json` and the chat template from `path`."""
+    """Loads `tokenizer.json`, `tokenizer_config.json` and the chat template from `path`.
+
+    Raises:
+      ValueError: naming the file when `tokenizer.json` is missing or cannot
+        be loaded, or `tokenizer_config.json` is not a JSON object.
+    """
     from tokenizers import Tokenizer
 
     path = os.fspath(path)
@@ -166,10 +186,11 @@ class HFTokenizer:
     if not os.path.exists(tok_file):
       raise ValueError(f"tokenizer file not found: {tok_file}")
     cfg_file = os.path.join(path, "tokenizer_config.json")
-    config = {}
-    if os.path.exists(cfg_file):
-      with open(cfg_file) as f:
-        config = json.load(f)
+    config = _load_json(cfg_file) if os.path.exists(cfg_file) else {}
+    try:
+      tokenizer = Tokenizer.from_file(tok_file)
+    except Exception as e:  # The Rust library raises a bare Exception without the path.
+      raise ValueError(f"{tok_file}: cannot load the tokenizer: {e}") from e
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
       by_name = {t["name"]: t["template"] for t in template}
@@ -178,7 +199,7 @@ class HFTokenizer:
     if template is None and os.path.exists(jinja_file):
       with open(jinja_file) as f:
         template = f.read()
-    return cls(Tokenizer.from_file(tok_file), config, template)
+    return cls(tokenizer, config, template)
 
   def encode(self, text: str, add_bos: bool = False) -> list[int]:
     """Token ids of `text` without the post-processor's special tokens.

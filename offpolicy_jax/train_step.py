@@ -11,11 +11,15 @@ once by the summed ``loss_count``, so accumulation is exact:
   grad = (sum_i grad loss_sum_i) / (sum_i loss_count_i).
 
 ``TrainBatch.weights`` multiply the token mask per sequence (0 drops a row).
-A non-finite loss or gradient, or an empty batch, skips the update: params
-and optimizer state are kept, the skip is counted in ``TrainState`` and in
-the metrics. ``version`` counts optimizer steps (skipped ones included, so it
-follows the lag schedule of SCIENCE.md s5); staleness metrics are
-``version - batch.versions`` over valid tokens at the start of the call.
+An optimizer step is skipped (params and optimizer state kept, the skip
+counted in ``TrainState`` and in the metrics) when its batch is empty or
+anything it computes is non-finite: the loss, the gradient norm, the new
+parameters or the new optimizer state. Checking the new parameters covers the
+update (finite params plus a non-finite update are non-finite), e.g. Adam with
+``learning_rate=inf``, whose loss and gradient are finite. ``version`` counts
+optimizer steps (skipped ones included, so it follows the lag schedule of
+SCIENCE.md s5); staleness metrics are ``version - batch.versions`` over valid
+tokens at the start of the call.
 """
 
 from collections.abc import Callable
@@ -156,6 +160,26 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
   )
 
 
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every floating-point leaf of ``tree`` is finite (no NaN, no +-inf).
+
+  One reduction per leaf, traced into the caller's jit (no host sync); integer
+  leaves (optimizer step counts) are ignored.
+
+  Args:
+    tree: a pytree of arrays, e.g. ``(params, opt_state)``.
+
+  Returns:
+    bool [] array.
+  """
+  oks = [
+    jnp.isfinite(x).all()
+    for x in jax.tree.leaves(tree)
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+  ]
+  return jnp.stack(oks).all() if oks else jnp.array(True)
+
+
 def _split_micro(batch: TrainBatch, m: int) -> TrainBatch:
   # Strided split (row r goes to micro-batch r % m) keeps every micro-batch
   # spread over all data-parallel devices.
@@ -244,9 +268,11 @@ def make_train_step(
     ``B`` divisible by ``num_minibatches * num_micro_batches``;
     ``ref_params``/``proximal_params`` are parameter states required when
     the loss has ``needs_ref``/``needs_proximal`` (ignored otherwise).
-    ``metrics`` is a dict of
-    scalar arrays (means over optimizer steps; ``*_max``/``*_min`` extremes;
-    ``skipped`` a count).
+    ``metrics`` is a dict of scalar arrays: means over optimizer steps,
+    ``*_max``/``*_min`` extremes, and the counts ``skipped`` (optimizer steps
+    of this call that kept the old params: empty batch or non-finite values),
+    ``nonfinite`` (those with a non-finite loss, gradient norm, new params or
+    new optimizer state) and ``num_skipped`` (the running total).
 
   Raises:
     ValueError: naming the field for inconsistent sizes or missing params.
@@ -321,10 +347,10 @@ def make_train_step(
     grads = jax.tree.map(lambda g: g / safe, g_sum)
     loss_value = stats["loss_sum"] / safe
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss_value) & jnp.isfinite(grad_norm)
-    ok = finite & (count > 0)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(loss_value) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
+    ok = finite & (count > 0)
     keep = lambda new, old: jnp.where(ok, new, old)
     state = TrainState(
       params=jax.tree.map(keep, params, state.params),

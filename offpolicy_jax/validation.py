@@ -1,19 +1,36 @@
-"""Start-up checks of an experiment config: bad values fail naming the field.
+"""Start-up checks of an experiment: bad values fail naming the field, before anything compiles.
 
 `validate_config(config)` runs before anything is built (no model, no data,
-no compilation), so a misspelt loss or an impossible batch split fails in
-milliseconds with `ValueError("config.<field>: ...")`.
+no compilation): every field of `configs/default.py` has a type, range,
+finiteness or enum check (tests/test_validation.py lists the check of each
+field), and the batch must split over the mesh. A misspelt loss or an
+impossible batch split fails in milliseconds with
+`ValueError("config.<field>: ...")`.
+
+`validate_data(config, task, tokenizer)` runs once the task and tokenizer are
+built, still before compilation: every prompt has 1..max_prompt_len tokens (or
+`data.truncate_prompts` is on), every token id and special id fits the model's
+vocabulary, answers fit the task's answer length, and the context
+`max_prompt_len + max_new_tokens` fits the model's positions. Splits of up to
+`SCAN_LIMIT` examples are scanned in full; larger ones (the procedural
+synthetic tasks have 2**31 - 1) only their first `SCAN_SAMPLE` examples.
+Scans are cached in process and, given `cache_dir`, in a small JSON file there.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
-from offpolicy_jax import advantages, losses, models, replay, tasks
+from offpolicy_jax import advantages, data, losses, models, replay, sharding, tasks
 
 LOSS_OVERRIDES = (
   "eps_low",
@@ -27,6 +44,15 @@ LOSS_OVERRIDES = (
   "temp",
   "agg",
 )
+MODEL_DTYPES = ("float32", "bfloat16")
+# Splits of up to SCAN_LIMIT examples are scanned in full, larger ones their first SCAN_SAMPLE.
+SCAN_LIMIT = 1_000_000
+SCAN_SAMPLE = 10_000
+# Name of the scan cache under `validate_data(..., cache_dir=...)`.
+CACHE_FILE = "data_checks.json"
+_SCAN_VERSION = 1
+_CACHE_ENTRIES = 32
+_log = logging.getLogger(__name__)
 
 
 def loss_overrides(config) -> dict[str, Any]:
@@ -49,54 +75,133 @@ def updates_per_batch(config) -> int:
   return config.train.num_minibatches * config.train.num_epochs
 
 
+# ----------------------------------------------------------------- helpers
+
+
 def _need(ok: bool, field: str, msg: str) -> None:
   if not ok:
     raise ValueError(f"config.{field}: {msg}")
 
 
-def _validate_rewards(c) -> None:
-  for field in ("reward_timeout", "reward_batch_timeout"):
-    v = c[field]
-    ok = math.isfinite(v) and (v > 0 or (field == "reward_batch_timeout" and v == 0))
-    _need(ok, field, f"must be a finite number of seconds > 0, got {v}")
-  _need(c.reward_workers >= 0, "reward_workers", f"must be >= 0, got {c.reward_workers}")
-  _need(c.reward_memory_mb >= 256, "reward_memory_mb", f"must be >= 256, got {c.reward_memory_mb}")
-  _need(
-    c.reward_sandbox in ("strict", "warn"),
-    "reward_sandbox",
-    f"must be 'strict' or 'warn', got {c.reward_sandbox!r}",
-  )
+def _get(c, field: str) -> Any:
+  for part in field.split("."):
+    c = c[part]
+  return c
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+  return isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
+
+
+def _int(c, field: str, lo: int, hi: int | None = None, note: str = "") -> None:
+  """`field` is an int >= lo (and < hi)."""
+  v = _get(c, field)
+  ok = _is_int(v) and v >= lo and (hi is None or v < hi)
+  want = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+  _need(ok, field, f"must be an int {want}{note}, got {v!r}")
+
+
+def _float(c, field: str, lo: float, hi: float = math.inf, *, lo_open=False, hi_open=False):
+  """`field` is a finite number in the interval between lo and hi."""
+  v = _get(c, field)
+  ok = _is_num(v) and math.isfinite(v)
+  ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+  if hi == math.inf:
+    want = f"{'>' if lo_open else '>='} {lo}"
+  else:
+    want = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+  _need(ok, field, f"must be a finite number {want}, got {v!r}")
+
+
+def _choice(c, field: str, choices) -> None:
+  v = _get(c, field)
+  _need(v in choices, field, f"must be one of {', '.join(map(repr, choices))}, got {v!r}")
+
+
+def _bool(c, field: str) -> None:
+  v = _get(c, field)
+  _need(isinstance(v, bool | np.bool_), field, f"must be True or False, got {v!r}")
+
+
+def _str(c, field: str) -> None:
+  v = _get(c, field)
+  _need(isinstance(v, str), field, f"must be a string, got {v!r}")
+
+
+def _validate_finite(c, prefix: str = "") -> None:
+  """Every float anywhere in the config (task_kwargs included) is finite."""
+  items = c.items() if isinstance(c, Mapping) or hasattr(c, "items") else enumerate(c)
+  for k, v in items:
+    name = f"{prefix}{k}"
+    if hasattr(v, "items") or isinstance(v, list | tuple):
+      _validate_finite(v, f"{name}.")
+    elif isinstance(v, float | np.floating):
+      _need(math.isfinite(v), name, f"must be finite, got {v}")
+
+
+# ----------------------------------------------------------------- the config
 
 
 def validate_config(config) -> None:
   """Checks a config before anything is built.
 
   Raises:
-    ValueError: naming the offending field (unknown loss, eps < 0, group_size < 2,
-      a batch that does not split into minibatches, a missing model directory or
-      data file, ...).
+    ValueError: `config.<field>: ...` naming the offending field (a non-finite
+      float, an out-of-range value, an unknown name, a batch that does not
+      split into minibatches, micro-batches, processes or the mesh's
+      data * fsdp devices, a missing model directory or data file, ...).
   """
   c = config
-  _need(c.total_steps >= 1, "total_steps", f"must be >= 1, got {c.total_steps}")
-  _need(c.group_size >= 2, "group_size", f"must be >= 2 (group-relative), got {c.group_size}")
-  _need(c.prompts_per_step >= 1, "prompts_per_step", f"must be >= 1, got {c.prompts_per_step}")
-  _need(c.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {c.max_new_tokens}")
-  _need(c.max_prompt_len >= 1, "max_prompt_len", f"must be >= 1, got {c.max_prompt_len}")
-  _need(c.temperature > 0, "temperature", f"must be > 0 for RL sampling, got {c.temperature}")
+  _validate_finite(c)
+  _validate_run(c)
+  _validate_sampling(c)
   _validate_rewards(c)
-  _need(0 <= c.seed < 2**31, "seed", f"must be in [0, 2**31), got {c.seed}")
   _validate_loss(c)
   _validate_lag(c)
   _validate_replay(c)
   _validate_train(c)
-  _need(c.optimizer.learning_rate >= 0, "optimizer.learning_rate", "must be >= 0")
-  for k in ("checkpoint_every", "eval_every", "eval_prompts", "eval_samples", "keep_checkpoints"):
-    _need(c[k] >= 0, k, f"must be >= 0, got {c[k]}")
-  _need(c.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+  _validate_optimizer(c)
+  _validate_mesh(c)
   _validate_sources(c)
-  if c.sft.enabled:
-    _need(c.sft.steps >= 1, "sft.steps", f"must be >= 1 when sft.enabled, got {c.sft.steps}")
-    _need(c.sft.batch_size >= 1, "sft.batch_size", f"must be >= 1, got {c.sft.batch_size}")
+  _validate_sft(c)
+
+
+def _validate_run(c) -> None:
+  _int(c, "seed", 0, 2**31)
+  _int(c, "total_steps", 1)
+  for k in ("checkpoint_every", "eval_every", "eval_prompts"):
+    _int(c, k, 0)
+  _int(c, "eval_samples", 1, note=" (1 = greedy accuracy only, no pass@k)")
+  _int(c, "keep_checkpoints", 1)
+  for k in ("async_checkpoint", "tensorboard", "progress"):
+    _bool(c, k)
+  _str(c, "wandb_project")
+
+
+def _validate_sampling(c) -> None:
+  _int(c, "max_prompt_len", 1)
+  _int(c, "max_new_tokens", 1)
+  _bool(c, "data.truncate_prompts")
+  _float(c, "temperature", 0, lo_open=True)
+  _float(c, "top_p", 0, 1, lo_open=True)
+  _int(c, "top_k", 0, note=" (0 = off)")
+  _int(c, "group_size", 2, note=" (group-relative advantages)")
+  _int(c, "prompts_per_step", 1)
+
+
+def _validate_rewards(c) -> None:
+  for field in ("reward_timeout", "reward_batch_timeout"):
+    v = c[field]
+    ok = _is_num(v) and math.isfinite(v)
+    ok = ok and (v > 0 or (field == "reward_batch_timeout" and v == 0))
+    _need(ok, field, f"must be a finite number of seconds > 0, got {v}")
+  _int(c, "reward_workers", 0, note=" (0 = one per CPU)")
+  _int(c, "reward_memory_mb", 256)
+  _choice(c, "reward_sandbox", ("strict", "warn"))
 
 
 def _validate_loss(c) -> None:
@@ -107,8 +212,11 @@ def _validate_loss(c) -> None:
   )
   for k in LOSS_OVERRIDES:
     v = c.loss[k]
-    if isinstance(v, float):
-      _need(v >= 0, f"loss.{k}", f"must be >= 0, got {v}")
+    if k == "agg":
+      if v is not None:
+        _choice(c, "loss.agg", losses.AGG_MODES)
+    elif v is not None:
+      _float(c, f"loss.{k}", 0)
   try:
     losses.get_spec(c.loss.name, **loss_overrides(c))
   except (ValueError, TypeError) as e:
@@ -121,39 +229,32 @@ def _validate_loss(c) -> None:
 
 
 def _validate_lag(c) -> None:
-  mode = c.lag.mode
-  _need(mode in ("sync", "async"), "lag.mode", f"must be 'sync' or 'async', got {mode!r}")
-  _need(c.lag.sync_interval >= 1, "lag.sync_interval", f"must be >= 1, got {c.lag.sync_interval}")
-  _need(c.lag.sync_offset >= 0, "lag.sync_offset", f"must be >= 0, got {c.lag.sync_offset}")
-  _need(c.lag.max_staleness >= 0, "lag.max_staleness", f"must be >= 0, got {c.lag.max_staleness}")
+  _choice(c, "lag.mode", ("sync", "async"))
+  _int(c, "lag.sync_interval", 1)
+  _int(c, "lag.sync_offset", 0)
+  _int(c, "lag.max_staleness", 0, note=" (0 = no bound)")
 
 
 def _validate_replay(c) -> None:
-  r = c.replay
-  _need(
-    r.capacity_batches >= 1, "replay.capacity_batches", f"must be >= 1, got {r.capacity_batches}"
-  )
-  _need(
-    r.policy in replay.POLICIES,
-    "replay.policy",
-    f"must be one of {', '.join(replay.POLICIES)}, got {r.policy!r}",
-  )
-  _need(r.max_reuse >= 0, "replay.max_reuse", f"must be >= 0 (0 = unlimited), got {r.max_reuse}")
-  _need(r.temperature > 0, "replay.temperature", f"must be > 0, got {r.temperature}")
+  _int(c, "replay.capacity_batches", 1)
+  _choice(c, "replay.policy", replay.POLICIES)
+  _int(c, "replay.max_reuse", 0, note=" (0 = unlimited)")
+  _float(c, "replay.temperature", 0, lo_open=True)
 
 
 def _validate_train(c) -> None:
   """The batch of G*K rows must split into minibatches, micro-batches and processes."""
   t = c.train
   rows = c.group_size * c.prompts_per_step
-  _need(t.num_epochs >= 1, "train.num_epochs", f"must be >= 1, got {t.num_epochs}")
+  _int(c, "train.num_epochs", 1)
   _need(
-    t.num_minibatches >= 1 and rows % t.num_minibatches == 0,
+    _is_int(t.num_minibatches) and t.num_minibatches >= 1 and rows % t.num_minibatches == 0,
     "train.num_minibatches",
     f"must be >= 1 and divide the batch of {rows} rows, got {t.num_minibatches}",
   )
   mb_rows = rows // t.num_minibatches
   micro = c.optimizer.micro_batches
+  _int(c, "train.micro_batch_size", 0, note=" (0 = use optimizer.micro_batches)")
   if t.micro_batch_size:
     _need(
       micro == 1,
@@ -161,12 +262,12 @@ def _validate_train(c) -> None:
       f"set either it or optimizer.micro_batches (= {micro}), not both",
     )
     _need(
-      t.micro_batch_size >= 1 and mb_rows % t.micro_batch_size == 0,
+      mb_rows % t.micro_batch_size == 0,
       "train.micro_batch_size",
       f"must divide the minibatch of {mb_rows} rows, got {t.micro_batch_size}",
     )
   _need(
-    micro >= 1 and mb_rows % micro == 0,
+    _is_int(micro) and micro >= 1 and mb_rows % micro == 0,
     "optimizer.micro_batches",
     f"must divide the minibatch of {mb_rows} rows, got {micro}",
   )
@@ -177,8 +278,75 @@ def _validate_train(c) -> None:
   )
 
 
+def _validate_optimizer(c) -> None:
+  _float(c, "optimizer.learning_rate", 0)
+  _int(c, "optimizer.warmup_steps", 0)
+  _float(c, "optimizer.b1", 0, 1, hi_open=True)
+  _float(c, "optimizer.b2", 0, 1, hi_open=True)
+  _float(c, "optimizer.weight_decay", 0)
+  _float(c, "optimizer.grad_clip", 0)
+
+
+def mesh_shape(config, device_count: int | None = None) -> tuple[int, int, int]:
+  """`(data, fsdp, tensor)` sizes of `config.mesh`, with a -1 resolved.
+
+  Mirrors `environment.make_mesh`: a -1 axis takes the devices left by the
+  others; without one the mesh uses the first data * fsdp * tensor devices.
+
+  Args:
+    config: the experiment config.
+    device_count: devices available; default `jax.device_count()`.
+
+  Returns:
+    The three axis sizes.
+
+  Raises:
+    ValueError: naming the mesh field that is invalid or does not fit the devices.
+  """
+  n = jax.device_count() if device_count is None else device_count
+  sizes = {a: config.mesh[a] for a in sharding.MESH_AXES}
+  for a, s in sizes.items():
+    _need(_is_int(s) and (s >= 1 or s == -1), f"mesh.{a}", f"must be an int >= 1 or -1, got {s!r}")
+  fill = [a for a, s in sizes.items() if s == -1]
+  _need(len(fill) <= 1, "mesh", f"only one axis may be -1, got {', '.join(fill)}")
+  fixed = math.prod(s for s in sizes.values() if s != -1)
+  if fill:
+    _need(
+      n % fixed == 0,
+      f"mesh.{fill[0]}",
+      f"-1 fills the remaining devices, but {n} devices do not divide by the other axes' "
+      f"product {fixed}",
+    )
+    sizes[fill[0]] = n // fixed
+  else:
+    _need(fixed <= n, "mesh", f"data * fsdp * tensor = {fixed} devices, but only {n} exist")
+  return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def _validate_mesh(c) -> None:
+  """The G*K training rows (and, across processes, the G prompts) split over data * fsdp."""
+  data_size, fsdp_size, _ = mesh_shape(c)
+  n = data_size * fsdp_size
+  rows = c.prompts_per_step * c.group_size
+  _need(
+    rows % n == 0,
+    "prompts_per_step",
+    f"the batch of prompts_per_step * group_size = {rows} rows must divide over the "
+    f"mesh's data * fsdp = {n} devices (or change config.mesh)",
+  )
+  procs = jax.process_count()
+  _need(
+    procs == 1 or c.prompts_per_step % n == 0,
+    "prompts_per_step",
+    f"{c.prompts_per_step} prompts must divide over the mesh's data * fsdp = {n} devices "
+    f"when {procs} processes assemble the batch",
+  )
+
+
 def _validate_sources(c) -> None:
   """Model, tokenizer, task and data files exist."""
+  _str(c, "model")
+  _choice(c, "model_dtype", MODEL_DTYPES)
   if os.path.sep in c.model or os.path.isdir(c.model):
     _need(
       os.path.isfile(os.path.join(c.model, "config.json")),
@@ -192,6 +360,7 @@ def _validate_sources(c) -> None:
       f"unknown preset {c.model!r} (and not a local directory); presets: "
       f"{', '.join(models.preset_names())}",
     )
+  _str(c, "tokenizer")
   if c.tokenizer:
     _need(
       os.path.isfile(os.path.join(c.tokenizer, "tokenizer.json")),
@@ -206,4 +375,266 @@ def _validate_sources(c) -> None:
     c.task in known or c.task.startswith("reasoning_gym:"),
     "task",
     f"unknown task {c.task!r}; known: {', '.join(known)}",
+  )
+
+
+def _validate_sft(c) -> None:
+  _bool(c, "sft.enabled")
+  _float(c, "sft.learning_rate", 0)
+  if c.sft.enabled:
+    _int(c, "sft.steps", 1, note=" when sft.enabled")
+    _int(c, "sft.batch_size", 1, note=" when sft.enabled")
+
+
+# ----------------------------------------------------------------- the data
+
+
+def get_model_config(config, tokenizer) -> models.ModelConfig:
+  """The `ModelConfig` the run builds: the HF directory's config.json, or the preset.
+
+  Presets are sized to the tokenizer's vocabulary, as `Environment` builds them.
+
+  Raises:
+    ValueError: `config.model: ...` for an unreadable or unsupported config.json.
+  """
+  if not os.path.isdir(config.model):
+    return models.get_config(config.model, vocab_size=tokenizer.vocab_size)
+  path = os.path.join(config.model, "config.json")
+  try:
+    with open(path) as f:
+      return models.config_from_hf(json.load(f))
+  except (OSError, ValueError, TypeError, KeyError) as e:
+    raise ValueError(f"config.model: {path}: {e}") from e
+
+
+def validate_data(
+  config,
+  task: tasks.Task,
+  tokenizer,
+  model_config: models.ModelConfig | None = None,
+  *,
+  cache_dir: str | None = None,
+) -> dict[str, data.PromptStats]:
+  """Data-dependent start-up checks: prompts, token ids and context length fit the model.
+
+  Checks, each failing with `ValueError("config.<field>: ...")` naming the
+  split, the data file when the task reads one, and the example index:
+  the tokenizer's vocabulary and special ids fit the model's `vocab_size`;
+  `top_k <= vocab_size`; `max_prompt_len + max_new_tokens <=
+  max_position_embeddings`; the warm start has reference answers; the train
+  split (and the eval split when `eval_prompts > 0`) is not empty; every
+  prompt renders and tokenizes, to at least one token and (unless
+  `data.truncate_prompts`) at most `max_prompt_len`; every prompt and answer
+  token id is below `vocab_size`; every answer fits `task.max_answer_len`.
+  Splits longer than `SCAN_LIMIT` are checked on their first `SCAN_SAMPLE`
+  examples only.
+
+  Args:
+    config: the experiment config (already through `validate_config`).
+    task: the run's task (`tasks.get_task(config.task, **config.task_kwargs)`).
+    tokenizer: the run's tokenizer.
+    model_config: the model's config; default `get_model_config(config, tokenizer)`.
+    cache_dir: directory for a JSON cache of the scans (e.g. the workdir), so
+      a rerun does not rescan unchanged data; None caches in process only.
+
+  Returns:
+    `{"train": PromptStats, "eval": PromptStats}`; `stats.scanned < stats.size`
+    marks a sampled split.
+  """
+  c = config
+  mcfg = get_model_config(c, tokenizer) if model_config is None else model_config
+  _validate_model_fit(c, tokenizer, mcfg)
+  _need(
+    not c.sft.enabled or task.answer is not None,
+    "sft.enabled",
+    f"task {task.name!r} has no reference answers for the supervised warm start",
+  )
+  stats = {split: _scan(c, task, tokenizer, split, cache_dir) for split in ("train", "eval")}
+  for s in stats.values():
+    _check_split(c, task, s, mcfg.vocab_size)
+  return stats
+
+
+def _validate_model_fit(c, tokenizer, mcfg: models.ModelConfig) -> None:
+  v = mcfg.vocab_size
+  tok_field = "tokenizer" if c.tokenizer else "model"
+  _need(
+    tokenizer.vocab_size <= v,
+    tok_field,
+    f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is {v} "
+    "(ids past the embedding table give NaN)",
+  )
+  for name in ("pad_id", "eos_id", "bos_id"):
+    i = getattr(tokenizer, name)
+    _need(
+      i is None or 0 <= i < v,
+      tok_field,
+      f"tokenizer.{name} = {i} is outside the model's vocabulary [0, {v})",
+    )
+  _need(c.top_k <= v, "top_k", f"must be <= the model's vocab_size {v}, got {c.top_k}")
+  max_pos = getattr(mcfg, "max_position_embeddings", None)
+  context = c.max_prompt_len + c.max_new_tokens
+  _need(
+    not max_pos or context <= max_pos,
+    "max_prompt_len + config.max_new_tokens",
+    f"a context of {c.max_prompt_len} + {c.max_new_tokens} = {context} tokens exceeds the "
+    f"model's max_position_embeddings = {max_pos}",
+  )
+
+
+def _data_file(c, split: str) -> tuple[str, str | None]:
+  """(config field, path) of the file a split is read from; ("task", None) for built-in data."""
+  kwargs = c.task_kwargs
+  for k in (f"{split}_path", "train_path"):  # text tasks evaluate on train_path without eval_path
+    if k in kwargs and isinstance(kwargs[k], str):
+      return f"task_kwargs.{k}", kwargs[k]
+  return "task", None
+
+
+def _check_split(c, task: tasks.Task, s: data.PromptStats, vocab: int) -> None:
+  field, path = _data_file(c, s.split)
+  where = f"{s.split} split of task {task.name!r}" + (f" ({path})" if path else "")
+  if s.scanned < s.size:
+    _log.info("validate_data: %s: checked the first %d of %d examples", where, s.scanned, s.size)
+  if s.split == "train":
+    _need(s.size >= jax.process_count(), field, f"{where} has {s.size} examples")
+  else:
+    _need(s.size > 0 or not c.eval_prompts, "eval_prompts", f"{where} is empty")
+  _need(
+    0 not in s.first_row,
+    field,
+    f"{where}: example {s.first_row.get(0)} has an empty prompt (0 tokens); the sampler and "
+    "the trainer need at least one prompt token",
+  )
+  p = c.max_prompt_len
+  over = {n: i for n, i in s.first_row.items() if n > p}
+  if over:
+    first, length = min((i, n) for n, i in over.items())
+    longest = max(over)
+    num_over = sum(s.counts[n] for n in over)
+    msg = (
+      f"{where}: example {first} has {length} prompt tokens > max_prompt_len={p} "
+      f"({num_over} of {s.scanned} checked prompts are longer; the longest, example "
+      f"{over[longest]}, has {longest}); raise max_prompt_len or set data.truncate_prompts=True"
+    )
+    _need(c.data.truncate_prompts, "max_prompt_len", msg)
+    _log.info(
+      "validate_data: %s: %d of %d checked prompts are longer than max_prompt_len=%d and "
+      "will be left-truncated (data.truncate_prompts)",
+      where,
+      num_over,
+      s.scanned,
+      p,
+    )
+  top, row = s.max_id
+  _need(
+    top < vocab,
+    "tokenizer" if c.tokenizer else "model",
+    f"{where}: example {row} has token id {top} >= the model's vocab_size {vocab}",
+  )
+  n, row = s.answer_len
+  _need(
+    n <= task.max_answer_len + 1,
+    "task",
+    f"{where}: example {row} has an answer of {n} tokens with EOS > task.max_answer_len + 1 = "
+    f"{task.max_answer_len + 1}",
+  )
+
+
+# ----------------------------------------------------------------- scan cache
+
+_SCAN_CACHE: dict[str, data.PromptStats] = {}
+
+
+def _scan(c, task: tasks.Task, tokenizer, split: str, cache_dir: str | None) -> data.PromptStats:
+  """`data.scan_prompts` of a split, through the in-process and on-disk caches."""
+  source = task.train_source if split == "train" else task.eval_source
+  size = len(source)
+  limit = None if size <= SCAN_LIMIT else SCAN_SAMPLE
+  key = _scan_key(c, task, tokenizer, split, size, limit)
+  if key in _SCAN_CACHE:
+    return _SCAN_CACHE[key]
+  disk = _read_cache(cache_dir)
+  if key in disk:
+    stats = _stats_from_json(disk[key])
+  else:
+    try:
+      stats = data.scan_prompts(task, tokenizer, split, limit)
+    except ValueError as e:
+      field, path = _data_file(c, split)
+      raise ValueError(f"config.{field}: {path + ': ' if path else ''}{e}") from e
+    if cache_dir is not None and jax.process_index() == 0:
+      disk[key] = stats._asdict()
+      _write_cache(cache_dir, dict(list(disk.items())[-_CACHE_ENTRIES:]))
+  if len(_SCAN_CACHE) >= _CACHE_ENTRIES:
+    _SCAN_CACHE.pop(next(iter(_SCAN_CACHE)))
+  _SCAN_CACHE[key] = stats
+  return stats
+
+
+def _scan_key(c, task, tokenizer, split: str, size: int, limit: int | None) -> str:
+  """Everything a scan depends on: task, data files, tokenizer files, a probe of the data."""
+  tok_dir = c.tokenizer or (c.model if os.path.isdir(c.model) else "")
+  files = [v for v in c.task_kwargs.values() if isinstance(v, str) and os.path.isfile(v)]
+  if tok_dir:
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    files += [os.path.join(tok_dir, f) for f in names]
+  stamps = {}
+  for f in files:
+    if os.path.isfile(f):
+      st = os.stat(f)
+      stamps[os.path.abspath(f)] = (st.st_size, st.st_mtime_ns)
+  source = task.train_source if split == "train" else task.eval_source
+  try:  # tells apart hand-built tasks that share a name
+    probe = [task.prompt(source[i]) for i in sorted({0, size - 1}) if size]
+  except Exception:  # the scan itself reports the row
+    probe = None
+  parts = [
+    _SCAN_VERSION,
+    task.name,
+    c.task_kwargs.to_dict(),
+    split,
+    size,
+    limit,
+    stamps,
+    probe,
+    task.use_chat_template,
+    task.answer is None,
+    type(tokenizer).__name__,
+    tokenizer.vocab_size,
+    [tokenizer.pad_id, tokenizer.eos_id, tokenizer.bos_id],
+    getattr(tokenizer, "chat_template", None),
+  ]
+  return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _read_cache(cache_dir: str | None) -> dict[str, Any]:
+  if cache_dir is None:
+    return {}
+  try:
+    with open(os.path.join(cache_dir, CACHE_FILE)) as f:
+      out = json.load(f)
+    return out if isinstance(out, dict) else {}
+  except (OSError, ValueError):  # missing or torn: rescan
+    return {}
+
+
+def _write_cache(cache_dir: str, entries: dict[str, Any]) -> None:
+  os.makedirs(cache_dir, exist_ok=True)
+  path = os.path.join(cache_dir, CACHE_FILE)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(entries, f)
+  os.replace(tmp, path)
+
+
+def _stats_from_json(d: dict[str, Any]) -> data.PromptStats:
+  return data.PromptStats(
+    split=d["split"],
+    size=int(d["size"]),
+    scanned=int(d["scanned"]),
+    counts={int(k): int(v) for k, v in d["counts"].items()},
+    first_row={int(k): int(v) for k, v in d["first_row"].items()},
+    max_id=(int(d["max_id"][0]), int(d["max_id"][1])),
+    answer_len=(int(d["answer_len"][0]), int(d["answer_len"][1])),
   )

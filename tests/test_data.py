@@ -1,5 +1,6 @@
 """Tests for offpolicy_jax.data (grain prompt pipelines)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -134,6 +135,58 @@ def test_long_prompts_error_or_truncate():
   assert np.all(b["prompt_lengths"] == 5)
   for row, ex in zip(b["prompt_tokens"], data.examples(REVERSE, "train", b["index"]), strict=True):
     assert TOK.decode(row) == ex["prompt"][-5:]
+
+
+def _prompt_task(prompts, chat=False):
+  exs = [{"prompt": p, "answer": "1"} for p in prompts]
+  return dataclasses.replace(
+    _small_task(),
+    train_source=ListSource(exs),
+    eval_source=ListSource(exs[:2]),
+    use_chat_template=chat,
+  )
+
+
+def test_truncated_prompts_are_flagged():
+  task = _prompt_task(["ab=", "a" * 20, "cd=", "b" * 30, "ef="])
+  it = data.prompt_iterator(task, TOK, batch_size=5, max_prompt_len=8, seed=0, truncate=True)
+  b = next(it)
+  assert b["truncated"].dtype == np.bool_ and b["truncated"].sum() == 2
+  for row, n, i, cut in zip(
+    b["prompt_tokens"], b["prompt_lengths"], b["index"], b["truncated"], strict=True
+  ):
+    text = task.prompt(task.train_source[int(i)])
+    assert cut == (len(text) + 1 > 8)  # BOS + characters
+    assert TOK.decode(row) == (text[-8:] if cut else text)  # the end of the prompt survives
+    assert n == min(len(text) + 1, 8)
+
+
+def test_filler_rows_are_not_flagged_truncated():
+  task = _prompt_task(["a" * 20, "ab=", "cd="])  # eval split: the first two rows
+  kw = dict(batch_size=3, max_prompt_len=8, seed=0, split="eval", truncate=True)
+  b = next(data.prompt_iterator(task, TOK, **kw))
+  assert list(b["valid"]) == [True, True, False]
+  assert list(b["truncated"]) == [True, False, False]
+
+
+def test_empty_prompt_is_an_error_naming_the_row():
+  task = _prompt_task(["ab=", ""], chat=True)  # chat path: no BOS, so "" has 0 tokens
+  it = data.prompt_iterator(task, TOK, batch_size=2, max_prompt_len=8, seed=0, shuffle=False)
+  with pytest.raises(ValueError, match=r"train example 1 .*0 tokens"):
+    next(it)
+
+
+def test_scan_prompts_matches_the_pipeline():
+  task = _prompt_task(["ab=", "abcd=", "x="])
+  stats = data.scan_prompts(task, TOK, "train")
+  assert (stats.size, stats.scanned) == (3, 3)
+  assert stats.counts == {4: 1, 6: 1, 3: 1} and stats.first_row == {4: 0, 6: 1, 3: 2}
+  top = max(max(data.encode_prompt(task, TOK, task.train_source[i])) for i in range(3))
+  assert stats.max_id == (top, 0) and stats.answer_len == (2, 0)  # "1" + EOS
+  assert data.scan_prompts(task, TOK, "train", limit=1).scanned == 1
+  bad = _prompt_task(["ab=", "A="])
+  with pytest.raises(ValueError, match="train example 1 .*'A'"):
+    data.scan_prompts(bad, TOK, "train")
 
 
 def test_bad_arguments():

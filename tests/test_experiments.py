@@ -1,6 +1,8 @@
 """Tests for the binaries and configs: SIGKILL + resume, sweep, eval, config files."""
 
+import dataclasses
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +20,7 @@ from test_loop import small_config, strip_timing  # noqa: E402
 
 from experiments import sweep  # noqa: E402
 from offpolicy_jax import loop, metrics  # noqa: E402
+from offpolicy_jax import workdir as workdir_lib  # noqa: E402
 
 # The command-line twin of test_loop.small_config(total_steps=40, checkpoint_every=4, ...):
 # no warm start and no evaluation, so the subprocesses compile only the RL step.
@@ -342,3 +345,170 @@ def test_code_config_learns_with_sandboxed_program_rewards(tmp_path):
   last = np.mean([r["reward_mean"] for r in train[-25:]])
   assert last > first + 0.03, (first, last)
   assert all(r["reward_time_s"] > 0 and r["reward_failures"] == 0 for r in train)
+
+
+# ------------------------------------------- what a run survives (one test per case)
+
+
+def _quick(**overrides):
+  base = {"sft.enabled": False, "eval_prompts": 0, "checkpoint_every": 3}
+  return small_config(**{**base, **overrides})
+
+
+def _steps(workdir):
+  train, _ = metrics.split_rows(metrics.read_metrics(str(workdir)))
+  return [r["step"] for r in train]
+
+
+def test_torn_middle_line_keeps_later_rows_through_a_resume(tmp_path):
+  loop.train_and_evaluate(_quick(total_steps=6), str(tmp_path))
+  path = tmp_path / "metrics.jsonl"
+  lines = path.read_text().splitlines()
+  lines[1] = lines[1][: len(lines[1]) // 2]  # the row of step 2, torn
+  path.write_text("\n".join(lines) + "\n")
+  with pytest.warns(UserWarning, match="unreadable line"):
+    loop.train_and_evaluate(_quick(total_steps=9), str(tmp_path))
+  assert _steps(tmp_path) == [1, 3, 4, 5, 6, 7, 8, 9]  # only the torn row is gone
+  assert (tmp_path / "metrics.jsonl.bad").read_text().strip() == lines[1]
+
+
+def test_second_training_in_a_workdir_is_refused_naming_the_holder(tmp_path):
+  workdir = str(tmp_path)
+  flags = {**SMALL_FLAGS, "total_steps": 100000}
+  cmd = [
+    sys.executable,
+    "-m",
+    "experiments.train",
+    "--config=configs/default.py",
+    f"--workdir={workdir}",
+    *[f"--config.{k}={v}" for k, v in flags.items()],
+  ]
+  first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  try:
+    deadline = time.time() + 240
+    while _last_step(workdir) < 1:
+      assert first.poll() is None, first.stderr.read().decode()[-3000:]
+      assert time.time() < deadline
+      time.sleep(0.05)
+    with pytest.raises(workdir_lib.WorkdirLocked, match=f"{workdir}.*pid {first.pid}"):
+      loop.train_and_evaluate(_quick(), workdir)
+    assert first.poll() is None  # the first run goes on, untouched
+  finally:
+    first.kill()
+    first.wait()
+
+
+def test_metrics_file_deleted_mid_run_is_recreated_and_later_rows_land(tmp_path):
+  def delete_at_3(step, row):
+    if step == 3:
+      os.remove(tmp_path / "metrics.jsonl")
+
+  with pytest.warns(UserWarning, match="was deleted"):
+    loop.train_and_evaluate(_quick(total_steps=6), str(tmp_path), on_step=delete_at_3)
+  assert _steps(tmp_path) == [4, 5, 6]
+
+
+def test_resume_with_a_changed_config_is_refused_or_recorded(tmp_path):
+  loop.train_and_evaluate(_quick(total_steps=3), str(tmp_path))
+  record = (tmp_path / "config.json").read_text()
+  changed = _quick(total_steps=6, **{"loss.name": "grpo"})
+  with pytest.raises(workdir_lib.ConfigChanged, match="loss.name: 'rec_oneside_nois' -> 'grpo'"):
+    loop.train_and_evaluate(changed, str(tmp_path))
+  assert (tmp_path / "config.json").read_text() == record and _steps(tmp_path) == [1, 2, 3]
+  loop.train_and_evaluate(changed, str(tmp_path), allow_config_change=True)
+  (entry,) = [json.loads(line) for line in open(tmp_path / "config_history.jsonl")]
+  assert entry["step"] == 3 and entry["changes"]["loss.name"] == ["rec_oneside_nois", "grpo"]
+  assert _steps(tmp_path) == [1, 2, 3, 4, 5, 6]
+
+
+def _data_files(step_dir):
+  return [
+    os.path.join(d, f)
+    for d, _, files in os.walk(step_dir)
+    for f in files
+    if "/arrays/" in os.path.join(d, f) and os.path.getsize(os.path.join(d, f)) > 64
+  ]
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+  full = loop.train_and_evaluate(_quick(total_steps=9), str(tmp_path / "full"))
+  loop.train_and_evaluate(_quick(total_steps=6), str(tmp_path / "run"))
+  target = max(_data_files(tmp_path / "run" / "checkpoints" / "6"), key=os.path.getsize)
+  size = os.path.getsize(target)
+  with open(target, "r+b") as f:  # same-size garbage
+    f.seek(size // 2)
+    f.write(b"\xff" * 16)
+  assert os.path.getsize(target) == size
+  with caplog.at_level("WARNING"):
+    rows = loop.train_and_evaluate(_quick(total_steps=9), str(tmp_path / "run"))
+  assert "checkpoint step 6 is corrupt" in caplog.text and "falling back to step 3" in caplog.text
+  assert [r["step"] for r in rows] == [4, 5, 6, 7, 8, 9]  # redone from the intact step
+  assert strip_timing(metrics.read_metrics(str(tmp_path / "run"))) == strip_timing(full)
+
+
+def test_fresh_start_moves_old_metrics_aside_instead_of_deleting_them(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
+  (tmp_path / "config.json").write_text("{}")
+  loop.train_and_evaluate(_quick(total_steps=2), str(tmp_path))
+  (previous,) = os.listdir(tmp_path / "previous")
+  kept = tmp_path / "previous" / previous / "metrics.jsonl"
+  assert kept.read_text() == '{"step": 1, "loss": 0.5}\n' and _steps(tmp_path) == [1, 2]
+
+
+def test_corrupt_config_record_names_the_file(tmp_path):
+  loop.train_and_evaluate(_quick(total_steps=3), str(tmp_path))
+  (tmp_path / "config.json").write_text('{"seed": 0,')
+  with pytest.raises(ValueError, match=r"config.json: not valid JSON"):
+    loop.train_and_evaluate(_quick(total_steps=6), str(tmp_path))
+
+
+def _long_prompt_task():
+  """`reverse`-style rows; from row 47 on, prompts far longer than max_prompt_len."""
+  from offpolicy_jax import tasks
+  from offpolicy_jax.tasks import synthetic
+
+  rows = [{"prompt": f"rev:{i:03d}=", "answer": f"{i:03d}"[::-1]} for i in range(60)]
+  for row in rows[47:]:
+    row["prompt"] = "rev:" + "9" * 40 + row["prompt"][4:]
+  reverse = synthetic.make_task("reverse")
+  return dataclasses.replace(
+    reverse,
+    name="long_prompts",
+    train_source=tasks.ListSource(rows),
+    eval_source=tasks.ListSource(rows),
+  )
+
+
+def test_prompt_too_long_deep_in_the_data_fails_at_start_up_or_is_truncated(tmp_path):
+  from offpolicy_jax import tasks
+
+  if "test_long_prompts" not in tasks.task_names():
+    tasks.register("test_long_prompts", _long_prompt_task)
+  common = {"task": "test_long_prompts", "max_prompt_len": 12, "total_steps": 6}
+  with pytest.raises(ValueError, match=r"max_prompt_len.*47"):
+    loop.train_and_evaluate(_quick(**common), str(tmp_path / "a"))
+  assert not os.path.exists(tmp_path / "a" / "metrics.jsonl")
+  rows = loop.train_and_evaluate(
+    _quick(**common, **{"data.truncate_prompts": True}), str(tmp_path / "b")
+  )
+  assert [r["step"] for r in rows] == list(range(1, 7))
+  assert sum(r["prompts_truncated"] for r in rows) > 0
+
+
+@pytest.mark.parametrize(
+  "field,value",
+  [
+    ("optimizer.learning_rate", float("inf")),
+    ("sft.learning_rate", float("nan")),
+    ("optimizer.grad_clip", -1.0),
+    ("optimizer.b1", 1.5),
+    ("temperature", float("inf")),
+    ("top_p", 0.0),
+    ("eval_samples", 0),
+    ("reward_timeout", float("inf")),
+  ],
+)
+def test_bad_values_fail_at_start_up_naming_the_field(tmp_path, field, value):
+  with pytest.raises(ValueError, match=f"config.{field}"):
+    loop.train_and_evaluate(_quick(**{field: value}), str(tmp_path))
+  assert not os.path.exists(tmp_path / "metrics.jsonl")

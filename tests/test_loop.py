@@ -256,7 +256,8 @@ def test_failing_reward_is_scored_zero_counted_and_run_goes_on(tmp_path, monkeyp
     # failures counted in a row are exactly those of the batch it trained on.
     assert row["reward_mean"] == pytest.approx(1.0 - row["reward_failures"] / 8)
     assert row["reward_timeouts"] <= row["reward_failures"]
-    assert row["reward_worker_restarts"] >= row["reward_timeouts"] > 0 or not row["reward_timeouts"]
+    # A timeout kills a busy worker (calls never started count as timeouts too).
+    assert (row["reward_worker_restarts"] > 0) == (row["reward_timeouts"] > 0)
     assert row["reward_time_s"] > 0
   assert sum(r["reward_failures"] for r in rows) > sum(r["reward_timeouts"] for r in rows) > 0
 

@@ -1,7 +1,12 @@
-"""Tests for offpolicy_jax.metrics: JSONL append/flush, resume truncation, plots, summaries."""
+"""Tests for offpolicy_jax.metrics: JSONL append/flush, resume truncation, plots, summaries.
+
+The run-cannot-be-corrupted tests: a bad line keeps the rows around it, a deleted
+or replaced file is re-created, `sync` fsyncs, a fresh start moves old files aside.
+"""
 
 import json
 import os
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -49,16 +54,122 @@ def test_resume_drops_rows_beyond_checkpoint_and_torn_line(tmp_path):
   _write_steps(d, range(1, 8))
   with open(os.path.join(d, metrics.METRICS_FILE), "a") as f:
     f.write('{"step": 8, "rew')  # a kill in the middle of a write
-  _write_steps(d, range(5, 9), resume_step=4)
+  with pytest.warns(UserWarning, match=r"dropped 1 unreadable line\(s\) \(line 8\)"):
+    _write_steps(d, range(5, 9), resume_step=4)
   steps = [r["step"] for r in metrics.read_metrics(d)]
   assert steps == list(range(1, 9))
 
 
-def test_fresh_run_empties_an_old_file(tmp_path):
+def _steps(path):
+  return [r["step"] for r in metrics.read_metrics(str(path))]
+
+
+def _rows_text(steps):
+  return "".join(json.dumps({"step": s, "reward_mean": s / 10}) + "\n" for s in steps)
+
+
+def test_torn_middle_line_keeps_later_rows_through_resume(tmp_path):
+  path = tmp_path / metrics.METRICS_FILE
+  torn = b'{"step": 4, "rew'
+  garbage = b"\x00\x00\xff\xfe"  # zeroed / non-UTF-8 bytes left by a power cut
+  path.write_bytes(
+    _rows_text(range(1, 4)).encode()
+    + torn
+    + b"\n"
+    + _rows_text(range(4, 31)).encode()
+    + garbage
+    + b"\n"
+    + _rows_text([31, 32]).encode()
+  )
+  with pytest.warns(
+    UserWarning, match=r"metrics\.jsonl: skipped 2 unreadable line\(s\) \(line 4, 32\)"
+  ):
+    assert _steps(path) == [*range(1, 31), 31, 32]
+  with pytest.warns(UserWarning, match=r"dropped 2 unreadable line\(s\) \(line 4, 32\).*\.bad"):
+    _write_steps(str(tmp_path), range(21, 25), resume_step=20)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # The rewritten file reads without a warning.
+    assert _steps(path) == list(range(1, 25))
+  assert (tmp_path / (metrics.METRICS_FILE + ".bad")).read_bytes() == torn + b"\n" + garbage + b"\n"
+
+
+def test_replacing_file_with_torn_last_line_does_not_swallow_next_row(tmp_path):
+  path = tmp_path / metrics.METRICS_FILE
+  with metrics.MetricsWriter(str(tmp_path), tensorboard=False, progress=False) as w:
+    w.write(1, {"reward_mean": 0.0})
+    other = tmp_path / "other.jsonl"
+    other.write_text(path.read_text() + '{"step": 2, "rew')  # ends mid-line
+    os.replace(other, path)
+    with pytest.warns(UserWarning, match="replaced"):
+      w.write(2, {"reward_mean": 0.2})
+  with pytest.warns(UserWarning, match=r"\(line 2\)"):
+    assert _steps(path) == [1, 2]
+
+
+def test_deleted_file_is_recreated_and_written_on(tmp_path):
+  path = tmp_path / metrics.METRICS_FILE
+  with metrics.MetricsWriter(str(tmp_path), tensorboard=False, progress=False) as w:
+    w.write(1, {"reward_mean": 0.1})
+    os.remove(path)
+    with pytest.warns(UserWarning, match=rf"{path} was deleted; re-creating it .* step 2 on"):
+      w.write(2, {"reward_mean": 0.2})
+    w.write(3, {"reward_mean": 0.3})
+  assert _steps(path) == [2, 3]
+
+
+def test_replaced_file_is_reopened_and_written_on(tmp_path):
+  path = tmp_path / metrics.METRICS_FILE
+  with metrics.MetricsWriter(str(tmp_path), tensorboard=False, progress=False) as w:
+    w.write(1, {"reward_mean": 0.1})
+    other = tmp_path / "other.jsonl"
+    other.write_text(_rows_text([1]))  # e.g. an editor saving the file under a new inode
+    os.replace(other, path)
+    with pytest.warns(UserWarning, match=rf"{path} was replaced by another file.* step 2 on"):
+      w.write(2, {"reward_mean": 0.2})
+    w.write(3, {"reward_mean": 0.3})
+  assert _steps(path) == [1, 2, 3]
+  assert os.stat(path).st_nlink == 1
+
+
+def test_sync_fsyncs_metrics_file_and_flushes_tensorboard(tmp_path, monkeypatch):
+  synced = []
+  real_fsync = os.fsync
+  monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.fstat(fd)), real_fsync(fd)))
+  w = metrics.MetricsWriter(str(tmp_path), progress=False)
+  w.write(1, {"reward_mean": 0.1})
+  flushed = []
+  monkeypatch.setattr(w._tb, "flush", lambda: flushed.append(True))
+  synced.clear()
+  w.sync()
+  assert any(os.path.samestat(st, os.stat(w.path)) for st in synced)
+  assert flushed
+  w.close()
+
+
+def test_fresh_start_moves_earlier_run_aside(tmp_path, monkeypatch, capsys):
+  import ml_collections
+
+  monkeypatch.setattr(metrics, "_timestamp", lambda: "20261123-104512")  # same second
   d = str(tmp_path)
-  _write_steps(d, range(1, 4))
-  _write_steps(d, [1], resume_step=None)
-  assert [r["step"] for r in metrics.read_metrics(d)] == [1]
+  for seed, steps in [(1, [1, 2, 3]), (2, [1, 2]), (3, [1])]:
+    cfg = ml_collections.ConfigDict({"seed": seed})
+    with metrics.MetricsWriter(d, config=cfg, progress=False) as w:
+      for s in steps:
+        w.write(s, {"reward_mean": 0.0})
+  assert _steps(d) == [1]
+  prev = tmp_path / metrics.PREVIOUS_DIR
+  assert sorted(os.listdir(prev)) == ["20261123-104512", "20261123-104512-1"]
+  for name, seed, steps in [("20261123-104512", 1, [1, 2, 3]), ("20261123-104512-1", 2, [1, 2])]:
+    assert _steps(prev / name) == steps
+    assert json.loads((prev / name / metrics.CONFIG_FILE).read_text()) == {"seed": seed}
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(prev / name / "tb"))
+  out = capsys.readouterr().out
+  assert f"moved the earlier run's files in {d} to {prev / '20261123-104512-1'}" in out
+
+
+def test_fresh_start_in_empty_workdir_moves_nothing(tmp_path):
+  _write_steps(str(tmp_path), [1])
+  assert not os.path.exists(tmp_path / metrics.PREVIOUS_DIR)
 
 
 def test_config_saved_beside_metrics(tmp_path):

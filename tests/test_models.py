@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import shutil
 
 import chex
 import jax
@@ -146,6 +148,90 @@ def test_unsupported_architecture_is_named(tmp_path):
   )
   with pytest.raises(ValueError, match="GPT2LMHeadModel"):
     models.from_pretrained(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tiny, tmp_path_factory):
+  """A saved tiny model (config.json + model.safetensors) that tests copy, then corrupt."""
+  path = tmp_path_factory.mktemp("tiny_ckpt")
+  models.save_pretrained(tiny, str(path))
+  return path
+
+
+def _copy(src, dst):
+  shutil.copytree(src, dst, dirs_exist_ok=True)
+  return dst
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_corrupt_json_is_named(tiny_checkpoint, tmp_path, name):
+  path = _copy(tiny_checkpoint, tmp_path)
+  (path / name).write_text('{"vocab_size": 64,\n "hidden_size": }')
+  match = re.escape(f"{path / name}: invalid JSON: Expecting value at line 2 column 17")
+  with pytest.raises(ValueError, match=match):
+    models.from_pretrained(str(path))
+  (path / name).write_text("[1, 2]")
+  with pytest.raises(ValueError, match=re.escape(f"{path / name}: expected a JSON object")):
+    models.from_pretrained(str(path))
+
+
+def _header(file):
+  raw = file.read_bytes()
+  n = int(np.frombuffer(raw[:8], "<u8")[0])
+  return json.loads(raw[8 : 8 + n]), 8 + n
+
+
+def test_truncated_safetensors_names_tensor_and_bytes(tiny, tiny_checkpoint, tmp_path):
+  path = _copy(tiny_checkpoint, tmp_path)
+  file = path / "model.safetensors"
+  header, offset = _header(file)
+  size = file.stat().st_size
+  # One byte short: only the tensor stored last is cut.
+  del header["__metadata__"]
+  name, info = max(header.items(), key=lambda kv: kv[1]["data_offsets"][1])
+  start, end = info["data_offsets"]
+  assert offset + end == size
+  file.write_bytes(file.read_bytes()[:-1])
+  want = (
+    f"{file}: truncated safetensors file: the header says tensor {name!r} spans bytes "
+    f"{offset + start}..{offset + end} but the file has {size - 1} bytes"
+  )
+  with pytest.raises(ValueError, match=re.escape(want)):
+    models.from_pretrained(str(path))
+  # Cut inside the header.
+  file.write_bytes(file.read_bytes()[:20])
+  want = f"{file}: truncated or corrupt safetensors file: the header length is {offset - 8} bytes"
+  with pytest.raises(ValueError, match=re.escape(want) + ".*the file has 20 bytes"):
+    models.from_pretrained(str(path))
+  # Intact files still load.
+  loaded = models.from_pretrained(str(_copy(tiny_checkpoint, tmp_path / "intact")))
+  chex.assert_trees_all_close(
+    nnx.to_pure_dict(nnx.state(loaded)), nnx.to_pure_dict(nnx.state(tiny)), atol=0, rtol=0
+  )
+
+
+def test_corrupt_safetensors_header_is_named(tiny_checkpoint, tmp_path):
+  path = _copy(tiny_checkpoint, tmp_path)
+  file = path / "model.safetensors"
+  header, offset = _header(file)
+  raw = bytearray(file.read_bytes())
+  raw[8] = ord("!")  # The header's opening brace.
+  file.write_bytes(bytes(raw))
+  want = f"{file}: corrupt safetensors header (bytes 8..{offset}): Expecting value"
+  with pytest.raises(ValueError, match=re.escape(want)):
+    models.from_pretrained(str(path))
+  # A header entry whose offsets disagree with its shape.
+  name = "model.norm.weight"
+  header[name]["data_offsets"][1] += 4
+  text = json.dumps(header).encode()
+  file.write_bytes(np.uint64(len(text)).tobytes() + text + bytes(raw[offset:]))
+  (d,), (start, end) = header[name]["shape"], header[name]["data_offsets"]
+  want = (
+    f"{file}: corrupt safetensors header: tensor {name!r} of dtype F32 and shape [{d}] "
+    f"needs {4 * d} bytes but its data_offsets are {start}..{end}"
+  )
+  with pytest.raises(ValueError, match=re.escape(want)):
+    models.from_pretrained(str(path))
 
 
 def test_presets_have_published_sizes():

@@ -1,6 +1,7 @@
 """Tests for offpolicy_jax.tokenizers."""
 
 import json
+import re
 
 import pytest
 
@@ -122,6 +123,22 @@ def test_hf_errors(tmp_path, hf_dir):
   tok = toks.HFTokenizer.from_pretrained(tmp_path)  # no config: no template
   with pytest.raises(ValueError, match="chat_template"):
     tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_corrupt_files_are_named(tmp_path, hf_dir):
+  tok_file, cfg_file = tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json"
+  tok_file.write_text((hf_dir / "tokenizer.json").read_text())
+  cfg_file.write_text('{"eos_token": "<|im_end|>",\n "pad_token": <|endoftext|>}')
+  want = f"{cfg_file}: invalid JSON: Expecting value at line 2 column 15"
+  with pytest.raises(ValueError, match=re.escape(want)):
+    toks.HFTokenizer.from_pretrained(tmp_path)
+  cfg_file.write_text('["eos_token"]')
+  with pytest.raises(ValueError, match=re.escape(f"{cfg_file}: expected a JSON object, got list")):
+    toks.HFTokenizer.from_pretrained(tmp_path)
+  cfg_file.write_text((hf_dir / "tokenizer_config.json").read_text())
+  tok_file.write_text((hf_dir / "tokenizer.json").read_text()[:100])  # truncated
+  with pytest.raises(ValueError, match=re.escape(f"{tok_file}: cannot load the tokenizer: ")):
+    toks.HFTokenizer.from_pretrained(tmp_path)
 
 
 FANCY_TEMPLATE = (

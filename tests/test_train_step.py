@@ -1,6 +1,8 @@
 """Tests for the sharded, micro-batched train step."""
 
 import logging
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +11,11 @@ import optax
 import pytest
 from flax import nnx
 
-from offpolicy_jax import lag, models, sharding, train_step
-from offpolicy_jax.types import TrainBatch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import default  # noqa: E402
+from offpolicy_jax import lag, models, sft, sharding, train_step  # noqa: E402
+from offpolicy_jax.types import TrainBatch  # noqa: E402
 
 B, P, N = 8, 4, 6
 LOSS = "grpo"
@@ -123,6 +128,46 @@ def test_nan_skips_update_and_run_continues(setup):
   assert max(jax.tree.leaves(moved)) > 0
 
 
+@pytest.mark.parametrize("jit", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_nonfinite_update_skips_step(setup, jit):
+  """Adam with lr=inf: loss and gradient are finite, the update is not: nothing changes."""
+  opt = train_step.make_optimizer(float("inf"))
+  step = train_step.make_train_step(setup["graphdef"], opt, LOSS, donate=False, jit=jit)
+  state = train_step.init_train_state(setup["params"], opt)
+  s, m = step(state, setup["batch"], jax.random.key(0))
+  assert np.isfinite(float(m["loss"])) and 0 < float(m["grad_norm"]) < np.inf
+  assert int(m["skipped"]) == 1 and int(m["nonfinite"]) == 1 and int(m["num_skipped"]) == 1
+  assert int(s.num_skipped) == 1 and int(s.version) == 1 and int(s.step) == 1
+  jax.tree.map(np.testing.assert_array_equal, s.params, setup["params"])
+  jax.tree.map(np.testing.assert_array_equal, s.opt_state, state.opt_state)
+
+
+def test_nonfinite_optimizer_state_skips_step(setup):
+  """Adam's second moment overflows (g^2 = inf): the update is 0 and finite, the state is not.
+
+  Kept, that state would freeze every later update; the guard keeps the old one.
+  """
+  opt = optax.chain(optax.scale(1e30), optax.adam(1e-3))
+  step = train_step.make_train_step(setup["graphdef"], opt, LOSS, donate=False)
+  state = train_step.init_train_state(setup["params"], opt)
+  updates, new_opt_state = opt.update(
+    jax.tree.map(jnp.ones_like, setup["params"]), state.opt_state, state.params
+  )
+  assert bool(train_step.all_finite(updates)) and not train_step.all_finite(new_opt_state)
+  s, m = step(state, setup["batch"], jax.random.key(0))
+  assert int(m["skipped"]) == 1 and int(m["nonfinite"]) == 1 and int(s.num_skipped) == 1
+  jax.tree.map(np.testing.assert_array_equal, s.params, setup["params"])
+  jax.tree.map(np.testing.assert_array_equal, s.opt_state, state.opt_state)
+
+
+def test_all_finite():
+  tree = {"w": jnp.ones((2, 3)), "count": jnp.asarray(3, jnp.int32), "empty": ()}
+  assert bool(train_step.all_finite(tree)) and bool(train_step.all_finite(()))
+  for bad in (jnp.nan, jnp.inf, -jnp.inf):
+    tree["w"] = tree["w"].at[1, 2].set(bad)
+    assert not bool(jax.jit(train_step.all_finite)(tree))
+
+
 def test_zero_weights_drop_rows(setup):
   # Rows with weight 0 contribute nothing: same update as removing them from the mask.
   b = setup["batch"]
@@ -229,3 +274,60 @@ def test_no_recompilation_after_warmup(setup):
   finally:
     logging.getLogger("jax").removeHandler(handler)
   assert compiles == []
+
+
+def test_sft_step_skips_nonfinite(setup):
+  """A NaN loss keeps params and optimizer state and reports the skip; a good batch trains."""
+  graphdef, params, b = setup["graphdef"], setup["params"], setup["batch"]
+  opt = optax.adamw(1e-2)
+  opt_state = opt.init(params)
+  step = sft.make_sft_step(graphdef, opt)
+  good = sft.SFTBatch(b.prompt_tokens, b.prompt_mask, b.tokens, b.mask)
+  bad = good._replace(mask=np.where(np.arange(N) == 0, np.nan, b.mask).astype(np.float32))
+  p1, o1, loss, skipped = step(params, opt_state, bad)
+  assert int(skipped) == 1 and np.isnan(float(loss))
+  jax.tree.map(np.testing.assert_array_equal, (p1, o1), (params, opt_state))
+  p2, _, loss, skipped = step(params, opt_state, good)
+  assert int(skipped) == 0 and np.isfinite(float(loss))
+  moved = jax.tree.map(lambda a, c: float(jnp.abs(a - c).max()), p2, params)
+  assert max(jax.tree.leaves(moved)) > 0
+
+
+@pytest.fixture(scope="module")
+def sft_env():
+  from offpolicy_jax import environment
+
+  c = default.base_config()
+  c.task, c.prompts_per_step, c.group_size = "reverse", 2, 2
+  c.max_new_tokens, c.max_prompt_len = 6, 12
+  c.sft.steps, c.sft.batch_size = 2, 4
+  return environment.get_environment(c)
+
+
+def test_warm_start_with_nan_learning_rate_raises(sft_env, monkeypatch):
+  """Every supervised step is skipped: the run stops before RL, naming config.sft."""
+  monkeypatch.setattr(sft, "_WARM_START_CACHE", {})
+  sft_config = sft_env.config.sft.copy_and_resolve_references()
+  sft_config.learning_rate = float("nan")
+  match = r"config\.sft: every supervised step \(1 to 2\) was skipped.*learning_rate=nan"
+  with pytest.raises(FloatingPointError, match=match):
+    sft.warm_start(sft_env, sft_env.init_params(0), sft_config, seed=0, log_fn=lambda _: None)
+  assert not sft._WARM_START_CACHE
+
+
+@pytest.mark.parametrize("nonfinite_params", [True, False])
+def test_warm_start_checks_its_result(sft_env, monkeypatch, nonfinite_params):
+  """Non-finite final params raise; a few skipped steps are logged and the run goes on."""
+  monkeypatch.setattr(sft, "_WARM_START_CACHE", {})
+  params = {"w": jnp.array([1.0, np.nan if nonfinite_params else 2.0])}
+  result = sft.SFTResult(params, [3.0, np.nan, 2.0], skipped_steps=[2])
+  monkeypatch.setattr(sft, "run", lambda *args, **kwargs: result)
+  logs = []
+  warm = lambda: sft.warm_start(sft_env, params, sft_env.config.sft, seed=0, log_fn=logs.append)
+  if nonfinite_params:
+    match = r"config\.sft: the parameters are non-finite after supervised step 3 \(1 of 3"
+    with pytest.raises(FloatingPointError, match=match):
+      warm()
+  else:
+    np.testing.assert_array_equal(warm()["w"], params["w"])
+    assert "sft: skipped 1 of 3 steps with non-finite values (step 2)" in logs

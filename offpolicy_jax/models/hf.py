@@ -10,6 +10,7 @@ HF linear weights are [out, in]; ours are [in, out] with heads split out.
 
 import functools
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -174,6 +175,67 @@ def _tensor_map(c: ModelConfig) -> list[_Row]:
   return rows
 
 
+def _load_json(file: str) -> dict:
+  """Parses a JSON object from `file`, naming the file and the fault when it cannot."""
+  with open(file, "rb") as f:
+    raw = f.read()
+  try:
+    obj = json.loads(raw)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{file}: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{file}: invalid JSON: not UTF-8 text ({e.reason})") from e
+  if not isinstance(obj, dict):
+    raise ValueError(f"{file}: expected a JSON object, got {type(obj).__name__}")
+  return obj
+
+
+def _read_header(file: str) -> tuple[dict, int, int]:
+  """Reads and checks a safetensors header: (header, data offset, file size)."""
+  size = os.path.getsize(file)
+  with open(file, "rb") as f:
+    prefix = f.read(8)
+    if len(prefix) < 8:
+      raise ValueError(f"{file}: truncated safetensors file: {size} bytes, no 8-byte header length")
+    header_len = int(np.frombuffer(prefix, "<u8")[0])
+    if header_len > size - 8:
+      raise ValueError(
+        f"{file}: truncated or corrupt safetensors file: the header length is {header_len} "
+        f"bytes (bytes 8..{8 + header_len}) but the file has {size} bytes"
+      )
+    raw = f.read(header_len)
+  try:
+    header = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{file}: corrupt safetensors header (bytes 8..{8 + header_len}): {e}") from e
+  if not isinstance(header, dict):
+    raise ValueError(f"{file}: corrupt safetensors header: expected a JSON object")
+  return header, 8 + header_len, size
+
+
+def _tensor_view(file: str, name: str, info: Any, data: np.ndarray, offset: int, size: int):
+  """The numpy view of tensor `name` in `data`, after checking its header entry."""
+  try:
+    dtype, shape = info["dtype"], [int(d) for d in info["shape"]]
+    start, end = (int(x) for x in info["data_offsets"])
+  except (TypeError, KeyError, ValueError) as e:
+    raise ValueError(f"{file}: corrupt safetensors header entry for tensor {name!r}: {info}") from e
+  if dtype not in _ST_DTYPES:
+    raise ValueError(f"tensor {name!r} in {file} has unsupported dtype {dtype}")
+  nbytes = math.prod(shape) * np.dtype(_ST_DTYPES[dtype]).itemsize
+  if min(shape, default=0) < 0 or not 0 <= start <= end or end - start != nbytes:
+    raise ValueError(
+      f"{file}: corrupt safetensors header: tensor {name!r} of dtype {dtype} and shape "
+      f"{shape} needs {nbytes} bytes but its data_offsets are {start}..{end}"
+    )
+  if end > size - offset:
+    raise ValueError(
+      f"{file}: truncated safetensors file: the header says tensor {name!r} spans bytes "
+      f"{offset + start}..{offset + end} but the file has {size} bytes"
+    )
+  return data[start:end].view(_ST_DTYPES[dtype]).reshape(shape)
+
+
 def _read_safetensors_index(file: str) -> dict[str, np.ndarray]:
   """Memory-maps one .safetensors file; returns lazily read numpy views by name.
 
@@ -181,27 +243,31 @@ def _read_safetensors_index(file: str) -> dict[str, np.ndarray]:
   parameters are transposed / head-split views of it. A memmap view composes
   with those reshapes, so each device reads only its slice of the *converted*
   tensor and no tensor is ever fully copied to host memory.
+
+  Raises:
+    ValueError: naming the file (and the tensor and byte range) for a
+      truncated file, a corrupt header or an unsupported dtype.
   """
-  with open(file, "rb") as f:
-    header_len = int(np.frombuffer(f.read(8), np.uint64)[0])
-    header = json.loads(f.read(header_len))
-  data = np.memmap(file, np.uint8, mode="r", offset=8 + header_len)
-  out = {}
-  for name, info in header.items():
-    if name == "__metadata__":
-      continue
-    if info["dtype"] not in _ST_DTYPES:
-      raise ValueError(f"tensor {name!r} in {file} has unsupported dtype {info['dtype']}")
-    start, end = info["data_offsets"]
-    out[name] = data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
-  return out
+  header, offset, size = _read_header(file)
+  data: np.ndarray
+  if size > offset:
+    data = np.memmap(file, np.uint8, mode="r", offset=offset)
+  else:  # No tensor data: np.memmap cannot map zero bytes.
+    data = np.zeros(0, np.uint8)
+  return {
+    name: _tensor_view(file, name, info, data, offset, size)
+    for name, info in header.items()
+    if name != "__metadata__"
+  }
 
 
 def _open_checkpoint(path: str) -> dict[str, np.ndarray]:
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.exists(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
+    weight_map = _load_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+      raise ValueError(f"{index}: no 'weight_map' object")
+    files = sorted(set(weight_map.values()))
   elif os.path.exists(os.path.join(path, "model.safetensors")):
     files = ["model.safetensors"]
   else:
@@ -245,10 +311,12 @@ def from_pretrained(
     The decoder.
 
   Raises:
-    ValueError: unsupported architecture, missing tensor (named), bad shape.
+    ValueError: unsupported architecture, missing tensor (named), bad shape,
+      or a corrupt file: invalid JSON in config.json or the index, a truncated
+      safetensors file or a corrupt header (naming the file, the tensor and
+      the byte range).
   """
-  with open(os.path.join(path, "config.json")) as f:
-    hf = json.load(f)
+  hf = _load_json(os.path.join(path, "config.json"))
   config = config_from_hf(
     hf,
     param_dtype=jnp.dtype(dtype).name,

@@ -1,0 +1,141 @@
+"""Tests for experiments.sweep: a failing run is recorded, the others run, the exit code is 1."""
+
+import csv
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from configs import default  # noqa: E402
+from experiments import sweep  # noqa: E402
+from offpolicy_jax import loop, metrics  # noqa: E402
+
+
+def _fake_run(workdir, steps=3):
+  """The metrics a finished run leaves behind, without training."""
+  with metrics.MetricsWriter(workdir, tensorboard=False, progress=False) as writer:
+    for step in range(1, steps + 1):
+      writer.write(step, {"reward_mean": 0.1 * step, "staleness_mean": 0.0, "clip_frac": 0.0})
+  return []
+
+
+def test_failing_run_is_recorded_and_the_others_run(tmp_path, monkeypatch):
+  real = loop.train_and_evaluate
+  calls = []
+
+  def train_and_evaluate(config, workdir):
+    calls.append(os.path.basename(workdir))
+    if config.optimizer.learning_rate < 0:
+      return real(config, workdir)  # fails at run time, in the config validation
+    return _fake_run(workdir)
+
+  monkeypatch.setattr(loop, "train_and_evaluate", train_and_evaluate)
+  runs = [{"name": "a"}, {"name": "broken", "optimizer.learning_rate": -1.0}, {"name": "c"}]
+  with pytest.raises(sweep.SweepError, match="1 of 3 sweep runs failed: broken") as info:
+    sweep.run_sweep(default.get_config(), runs, str(tmp_path))
+  assert calls == ["a", "broken", "c"]
+  error = info.value.failed["broken"]
+  assert list(info.value.failed) == ["broken"]
+  assert error.startswith("ValueError: config.optimizer.learning_rate: ")
+  assert info.value.summary == str(tmp_path / "summary.md")
+
+  with open(tmp_path / "summary.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  assert [(r["run"], r["steps"], r["status"], r["error"]) for r in rows] == [
+    ("a", "3", "ok", ""),
+    ("broken", "0", "failed", error),
+    ("c", "3", "ok", ""),
+  ]
+  assert rows[0]["reward_last_fifth"] == "0.3000"
+  md = (tmp_path / "summary.md").read_text().splitlines()
+  assert len(md) == 5 and md[0].startswith("| run | steps |")
+  assert md[0].endswith("| status | error |") and md[1] == "|---" * (len(rows[0])) + "|"
+  assert md[2].startswith("| a | 3 |") and md[2].endswith("| ok |  |")
+  assert md[3].startswith("| broken | 0 |") and md[3].endswith(f"| failed | {error} |")
+  assert len({line.count("|") for line in md}) == 1  # every row has every column
+  assert os.path.getsize(tmp_path / "curves.png") > 1000
+
+
+def test_all_runs_ok_returns_the_summary(tmp_path, monkeypatch):
+  monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir: _fake_run(workdir, 2))
+  summary = sweep.run_sweep(default.get_config(), [{"seed": 1}, {"seed": 2}], str(tmp_path))
+  assert summary == str(tmp_path / "summary.md")
+  text = open(summary).read()
+  assert "| seed=1 | 2 |" in text and "| ok |  |" in text and "failed" not in text
+
+
+def test_bad_override_fails_before_any_run(tmp_path, monkeypatch):
+  calls, workdir = [], str(tmp_path)
+  monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir: calls.append(workdir))
+  with pytest.raises(ValueError, match="'optimizer.no_such_field'"):
+    sweep.run_sweep(default.get_config(), [{"seed": 1}, {"optimizer.no_such_field": 1}], workdir)
+  assert calls == [] and not os.listdir(tmp_path)
+
+
+DRIVER = """
+import sys
+
+from absl import app
+
+from experiments import sweep
+from offpolicy_jax import loop, metrics
+
+
+def train_and_evaluate(config, workdir):
+  with metrics.MetricsWriter(workdir, tensorboard=False, progress=False) as writer:
+    writer.write(1, {"reward_mean": 0.5})
+  if config.seed == 2:
+    raise FloatingPointError("loss | blew up\\nat step 2")
+  return []
+
+
+loop.train_and_evaluate = train_and_evaluate
+app.run(sweep.main)
+"""
+
+SWEEP_CONFIG = """
+from configs import default
+
+
+def get_config():
+  return default.get_config()
+
+
+def get_sweep():
+  return [{"name": "first", "seed": 1}, {"name": "middle", "seed": 2}, {"name": "last", "seed": 3}]
+"""
+
+
+def test_sweep_process_exits_nonzero_naming_failed_runs(tmp_path):
+  (tmp_path / "driver.py").write_text(textwrap.dedent(DRIVER))
+  (tmp_path / "sweep_config.py").write_text(textwrap.dedent(SWEEP_CONFIG))
+  env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
+  workdir = tmp_path / "runs"
+  out = subprocess.run(
+    [
+      sys.executable,
+      str(tmp_path / "driver.py"),
+      f"--config={tmp_path / 'sweep_config.py'}",
+      f"--workdir={workdir}",
+    ],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode == 1, out.stderr[-3000:]
+  summary = str(workdir / "summary.md")
+  assert f"1 of 3 sweep runs failed: middle (see {summary})" in out.stderr
+  assert "  middle: FloatingPointError: loss | blew up at step 2" in out.stderr
+  assert "Traceback" in out.stderr  # the failed run's traceback
+  assert "sweep run last done" in out.stdout
+  # The summary is printed: every run, the failed one with its escaped error.
+  assert "| first | 1 |" in out.stdout and "| last | 1 |" in out.stdout
+  assert r"| failed | FloatingPointError: loss \| blew up at step 2 |" in out.stdout
+  assert open(summary).read() in out.stdout

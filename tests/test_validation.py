@@ -1,0 +1,351 @@
+"""Tests for offpolicy_jax.validation: every config field and every data check names the field."""
+
+import json
+import math
+import os
+import sys
+
+import ml_collections
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import code, default, lag_study  # noqa: E402
+from offpolicy_jax import data, models, tasks, validation  # noqa: E402
+from offpolicy_jax.tasks import ListSource, Task  # noqa: E402
+from offpolicy_jax.tokenizers import CharTokenizer  # noqa: E402
+
+TOK = CharTokenizer()
+INF, NAN = math.inf, math.nan
+FLOAT_OVERRIDES = [k for k in validation.LOSS_OVERRIDES if k != "agg"]
+
+# Every field of configs/default.py's base_config, with values its check rejects:
+# (field set, bad value, field the error must name). `test_every_field_is_covered`
+# fails when a field is added to base_config without a row here.
+BAD = [
+  ("seed", -1, "seed"),
+  ("seed", 2**31, "seed"),
+  ("seed", 1.5, "seed"),
+  ("total_steps", 0, "total_steps"),
+  ("model", "no-such-preset", "model"),
+  ("model", "/no/such/dir", "model"),
+  ("model_dtype", "float64", "model_dtype"),
+  ("tokenizer", "/no/such/tokenizer", "tokenizer"),
+  ("task", "no_such_task", "task"),
+  ("task_kwargs", {"train_path": "/no/such/file.jsonl"}, "task_kwargs.train_path"),
+  ("task_kwargs", {"format_coef": INF}, "task_kwargs.format_coef"),
+  ("max_prompt_len", 0, "max_prompt_len"),
+  ("max_new_tokens", 0, "max_new_tokens"),
+  ("data.truncate_prompts", "yes", "data.truncate_prompts"),
+  ("temperature", 0.0, "temperature"),
+  ("temperature", -1.0, "temperature"),
+  ("temperature", INF, "temperature"),
+  ("temperature", NAN, "temperature"),
+  ("top_p", 0.0, "top_p"),
+  ("top_p", 1.5, "top_p"),
+  ("top_p", NAN, "top_p"),
+  ("top_k", -1, "top_k"),
+  ("group_size", 1, "group_size"),
+  ("prompts_per_step", 0, "prompts_per_step"),
+  ("reward_timeout", 0.0, "reward_timeout"),
+  ("reward_timeout", INF, "reward_timeout"),
+  ("reward_batch_timeout", -1.0, "reward_batch_timeout"),
+  ("reward_workers", -1, "reward_workers"),
+  ("reward_memory_mb", 100, "reward_memory_mb"),
+  ("reward_sandbox", "off", "reward_sandbox"),
+  ("loss.name", "no_such_loss", "loss.name"),
+  *[(f"loss.{k}", -0.1, f"loss.{k}") for k in FLOAT_OVERRIDES],
+  *[(f"loss.{k}", INF, f"loss.{k}") for k in FLOAT_OVERRIDES],
+  ("loss.agg", "sum", "loss.agg"),
+  ("advantage.name", "nope", "advantage.name"),
+  ("lag.mode", "sometimes", "lag.mode"),
+  ("lag.sync_interval", 0, "lag.sync_interval"),
+  ("lag.sync_offset", -1, "lag.sync_offset"),
+  ("lag.max_staleness", -1, "lag.max_staleness"),
+  ("replay.capacity_batches", 0, "replay.capacity_batches"),
+  ("replay.policy", "lifo", "replay.policy"),
+  ("replay.max_reuse", -1, "replay.max_reuse"),
+  ("replay.temperature", 0.0, "replay.temperature"),
+  ("replay.temperature", INF, "replay.temperature"),
+  ("train.num_minibatches", 0, "train.num_minibatches"),
+  ("train.num_minibatches", 3, "train.num_minibatches"),
+  ("train.num_epochs", 0, "train.num_epochs"),
+  ("train.micro_batch_size", -1, "train.micro_batch_size"),
+  ("train.micro_batch_size", 3, "train.micro_batch_size"),
+  ("optimizer.learning_rate", -1e-3, "optimizer.learning_rate"),
+  ("optimizer.learning_rate", INF, "optimizer.learning_rate"),
+  ("optimizer.learning_rate", NAN, "optimizer.learning_rate"),
+  ("optimizer.warmup_steps", -1, "optimizer.warmup_steps"),
+  ("optimizer.b1", 1.0, "optimizer.b1"),
+  ("optimizer.b1", 1.5, "optimizer.b1"),
+  ("optimizer.b2", -0.1, "optimizer.b2"),
+  ("optimizer.b2", 1.0, "optimizer.b2"),
+  ("optimizer.weight_decay", -0.01, "optimizer.weight_decay"),
+  ("optimizer.grad_clip", -1.0, "optimizer.grad_clip"),
+  ("optimizer.grad_clip", INF, "optimizer.grad_clip"),
+  ("optimizer.micro_batches", 0, "optimizer.micro_batches"),
+  ("optimizer.micro_batches", 3, "optimizer.micro_batches"),
+  ("mesh.data", 0, "mesh.data"),
+  ("mesh.data", -2, "mesh.data"),
+  ("mesh.fsdp", 3, "prompts_per_step"),  # 64 rows do not split over 3 devices
+  ("mesh.tensor", 16, "mesh"),  # more devices than the 8 fake CPUs
+  ("sft.enabled", "yes", "sft.enabled"),
+  ("sft.steps", 0, "sft.steps"),
+  ("sft.batch_size", 0, "sft.batch_size"),
+  ("sft.learning_rate", -1e-3, "sft.learning_rate"),
+  ("sft.learning_rate", INF, "sft.learning_rate"),
+  ("eval_every", -1, "eval_every"),
+  ("eval_prompts", -1, "eval_prompts"),
+  ("eval_samples", 0, "eval_samples"),
+  ("checkpoint_every", -1, "checkpoint_every"),
+  ("keep_checkpoints", 0, "keep_checkpoints"),
+  ("async_checkpoint", "no", "async_checkpoint"),
+  ("tensorboard", 1, "tensorboard"),
+  ("wandb_project", 3, "wandb_project"),
+  ("progress", None, "progress"),
+]
+
+
+def _config(**overrides):
+  """base_config with `overrides` ("a.b": value), rebuilt without type-safety so bad types pass."""
+  d = default.base_config().to_dict()
+  for key, value in overrides.items():
+    node = d
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return ml_collections.ConfigDict(d)
+
+
+def _leaves(c, prefix=""):
+  for k, v in c.items():
+    if isinstance(v, ml_collections.ConfigDict) and len(v):
+      yield from _leaves(v, f"{prefix}{k}.")
+    else:
+      yield f"{prefix}{k}"
+
+
+def test_every_field_is_covered():
+  fields = set(_leaves(default.base_config()))
+  assert fields == {f for f, _, _ in BAD}
+
+
+@pytest.mark.parametrize("field,value,named", BAD, ids=[f"{f}={v!r}" for f, v, _ in BAD])
+def test_bad_value_fails_naming_the_field(field, value, named):
+  with pytest.raises(ValueError, match=f"^config.{named}:"):
+    validation.validate_config(_config(**{field: value}))
+
+
+@pytest.mark.parametrize("module", [default, code, lag_study], ids=lambda m: m.__name__)
+def test_shipped_configs_pass(module):
+  validation.validate_config(module.get_config())
+
+
+def test_mesh_shape_resolves_fill_and_rejects_misfits():
+  assert validation.mesh_shape(_config(**{"mesh.data": -1}), 8) == (8, 1, 1)
+  assert validation.mesh_shape(_config(**{"mesh.fsdp": -1, "mesh.tensor": 2}), 8) == (1, 4, 2)
+  assert validation.mesh_shape(_config(**{"mesh.data": 2}), 8) == (2, 1, 1)  # a subset
+  with pytest.raises(ValueError, match="^config.mesh:.*only one"):
+    validation.mesh_shape(_config(**{"mesh.data": -1, "mesh.fsdp": -1}), 8)
+  with pytest.raises(ValueError, match="^config.mesh.data:.*-1 fills"):
+    validation.mesh_shape(_config(**{"mesh.data": -1, "mesh.tensor": 3}), 8)
+
+
+def test_batch_must_split_over_data_and_fsdp():
+  ok = {"prompts_per_step": 2, "group_size": 4, "mesh.data": 2, "mesh.fsdp": 2}
+  validation.validate_config(_config(**ok))  # 8 rows over 4 devices; 2 prompts replicated
+  with pytest.raises(ValueError, match="^config.prompts_per_step:.* 6 rows .* 4 devices"):
+    validation.validate_config(_config(**{**ok, "prompts_per_step": 3, "group_size": 2}))
+  # Tensor parallelism does not split the batch.
+  validation.validate_config(_config(**{**ok, "mesh.fsdp": 1, "mesh.tensor": 4}))
+
+
+# ----------------------------------------------------------------- data checks
+
+
+def _task(prompts, answers=None, name="hand_built", chat=False, max_answer_len=3):
+  answers = answers or ["1"] * len(prompts)
+  exs = [{"prompt": p, "answer": a} for p, a in zip(prompts, answers, strict=True)]
+  return Task(
+    name=name,
+    train_source=ListSource(exs),
+    eval_source=ListSource(exs[:2]),
+    prompt=lambda ex: ex["prompt"],
+    reward=lambda ex, text: 0.0,
+    use_chat_template=chat,
+    answer=lambda ex: ex["answer"],
+    max_answer_len=max_answer_len,
+  )
+
+
+def _data_config(**overrides):
+  return _config(**{"max_prompt_len": 12, "max_new_tokens": 8, **overrides})
+
+
+@pytest.fixture(autouse=True)
+def _fresh_scan_cache():
+  validation._SCAN_CACHE.clear()
+  yield
+  validation._SCAN_CACHE.clear()
+
+
+def test_good_data_passes_and_reports_the_scan():
+  stats = validation.validate_data(_data_config(), _task(["ab=", "abcd="]), TOK)
+  assert stats["train"].scanned == stats["train"].size == 2
+  assert stats["train"].counts == {4: 1, 6: 1}  # BOS + characters
+
+
+def test_procedural_task_is_checked_on_a_sample():
+  task = tasks.get_task("reverse", num_eval=20)
+  stats = validation.validate_data(_data_config(), task, TOK)
+  assert stats["train"].size == 2**31 - 1 and stats["train"].scanned == validation.SCAN_SAMPLE
+  assert stats["eval"].scanned == stats["eval"].size == 20
+
+
+def test_empty_prompt_fails_naming_split_file_and_row(tmp_path):
+  path = tmp_path / "train.jsonl"
+  path.write_text("{}\n")
+  cfg = _data_config(task_kwargs={"train_path": str(path)})
+  task = _task(["ab=", "cd=", "ef=", ""], chat=True)  # no BOS: "" has 0 tokens
+  with pytest.raises(
+    ValueError,
+    match=r"^config.task_kwargs.train_path: train split .*train\.jsonl.*example 3 has an empty",
+  ):
+    validation.validate_data(cfg, task, TOK)
+
+
+def test_long_prompt_fails_naming_the_row():
+  task = _task(["ab="] * 5 + ["a" * 20, "b" * 30])
+  with pytest.raises(
+    ValueError, match=r"^config.max_prompt_len: train split .*example 5 has 21"
+  ) as e:
+    validation.validate_data(_data_config(), task, TOK)
+  assert "2 of 7" in str(e.value) and "example 6, has 31" in str(e.value)
+  assert "truncate_prompts" in str(e.value)
+
+
+def test_long_prompt_in_a_data_file_names_the_file(tmp_path):
+  path = tmp_path / "train.jsonl"
+  rows = [{"question": "what is 1+1?", "answer": "#### 2"}] * 2
+  rows.append({"question": "what is " + "1+" * 40 + "1?", "answer": "#### 41"})
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  kwargs = {"train_path": str(path), "instruction": ""}
+  cfg = _data_config(**{"task": "gsm8k", "task_kwargs": kwargs, "sft.enabled": False})
+  task = tasks.get_task("gsm8k", **kwargs)
+  with pytest.raises(
+    ValueError, match=r"^config.max_prompt_len: train split .*train\.jsonl.*example 2"
+  ):
+    validation.validate_data(cfg, task, TOK)
+
+
+def test_truncation_allows_long_prompts():
+  task = _task(["ab="] * 5 + ["a" * 20])
+  stats = validation.validate_data(_data_config(**{"data.truncate_prompts": True}), task, TOK)
+  assert max(stats["train"].counts) == 21
+
+
+def test_untokenizable_row_fails_naming_the_row():
+  with pytest.raises(ValueError, match=r"^config.task: train example 1 .*'A'"):
+    validation.validate_data(_data_config(), _task(["ab=", "Ab="]), TOK)
+
+
+def test_tokenizer_larger_than_model_vocab_fails():
+  mcfg = models.get_config("tiny", vocab_size=32)
+  with pytest.raises(
+    ValueError, match="^config.model: the tokenizer has 57 ids .* vocab_size is 32"
+  ):
+    validation.validate_data(_data_config(), _task(["ab="]), TOK, mcfg)
+
+
+def test_token_id_past_model_vocab_fails_naming_the_row():
+  tok = CharTokenizer()
+  tok.vocab_size = 20  # claims a small vocabulary; ids of letters are larger
+  mcfg = models.get_config("tiny", vocab_size=20)
+  with pytest.raises(
+    ValueError, match=r"^config.model: train split .*example 1 has token id \d+ >= .* 20"
+  ):
+    validation.validate_data(_data_config(), _task(["12", "1z"]), tok, mcfg)
+
+
+def test_special_id_past_model_vocab_fails():
+  tok = CharTokenizer()
+  tok.vocab_size, tok.eos_id = 20, 40
+  mcfg = models.get_config("tiny", vocab_size=20)
+  with pytest.raises(ValueError, match="^config.model: tokenizer.eos_id = 40"):
+    validation.validate_data(_data_config(), _task(["1="]), tok, mcfg)
+
+
+def test_context_longer_than_model_positions_fails():
+  mcfg = models.get_config("tiny", vocab_size=TOK.vocab_size, max_position_embeddings=16)
+  with pytest.raises(
+    ValueError, match=r"^config.max_prompt_len \+ config.max_new_tokens: .* 20 tokens .* 16"
+  ):
+    validation.validate_data(_data_config(), _task(["ab="]), TOK, mcfg)
+
+
+def test_top_k_larger_than_vocab_fails():
+  with pytest.raises(ValueError, match="^config.top_k:"):
+    validation.validate_data(_data_config(top_k=100), _task(["ab="]), TOK)
+
+
+def test_answer_too_long_fails_naming_the_row():
+  task = _task(["a=", "b="], answers=["1", "12345"])
+  with pytest.raises(ValueError, match="^config.task: train split .*example 1 has an answer of 6"):
+    validation.validate_data(_data_config(), task, TOK)
+
+
+def test_warm_start_without_answers_fails():
+  task = _task(["a="])
+  task = Task(**{**task.__dict__, "answer": None})
+  with pytest.raises(ValueError, match="^config.sft.enabled:"):
+    validation.validate_data(_data_config(), task, TOK)
+  validation.validate_data(_data_config(**{"sft.enabled": False}), task, TOK)
+
+
+def test_empty_eval_split_fails_only_when_evaluating():
+  task = Task(**{**_task(["a="]).__dict__, "eval_source": ListSource([])})
+  with pytest.raises(ValueError, match="^config.eval_prompts: eval split .* is empty"):
+    validation.validate_data(_data_config(), task, TOK)
+  validation.validate_data(_data_config(eval_prompts=0), task, TOK)
+
+
+def test_unsupported_hf_model_dir_fails(tmp_path):
+  (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+  with pytest.raises(ValueError, match="^config.model: .*config.json"):
+    validation.validate_data(_data_config(model=str(tmp_path)), _task(["a="]), TOK)
+
+
+def test_scans_are_cached_in_process_and_on_disk(tmp_path, monkeypatch):
+  calls = []
+  real = data.scan_prompts
+  monkeypatch.setattr(data, "scan_prompts", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+  cfg, task = _data_config(), _task(["ab=", "abcd="])
+  first = validation.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
+  assert calls == ["train", "eval"]
+  validation.validate_data(cfg, task, TOK)  # in process
+  assert len(calls) == 2
+  validation._SCAN_CACHE.clear()  # a new process: the workdir's file answers
+  again = validation.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
+  assert len(calls) == 2 and again == first
+  assert (tmp_path / validation.CACHE_FILE).exists()
+  # A smaller max_prompt_len needs no rescan: the stats do not depend on it.
+  with pytest.raises(ValueError, match="config.max_prompt_len"):
+    validation.validate_data(_data_config(max_prompt_len=5), task, TOK, cache_dir=str(tmp_path))
+  assert len(calls) == 2
+  validation.validate_data(cfg, _task(["ab=", "xyz="]), TOK, cache_dir=str(tmp_path))
+  assert len(calls) == 4  # other data: rescanned
+
+
+def test_data_file_change_triggers_a_rescan(tmp_path, monkeypatch):
+  calls = []
+  real = data.scan_prompts
+  monkeypatch.setattr(data, "scan_prompts", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+  path = tmp_path / "rows.txt"
+  path.write_text("x\n")
+  cfg, task = _data_config(task_kwargs={"train_path": str(path)}), _task(["ab="])
+  validation.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
+  validation._SCAN_CACHE.clear()
+  path.write_text("xy\n")
+  validation.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
+  assert calls == ["train", "eval", "train", "eval"]

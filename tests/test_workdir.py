@@ -1,0 +1,84 @@
+"""Tests for offpolicy_jax.workdir: the workdir lock and the checked config record."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from offpolicy_jax import metrics, workdir
+
+_HOLD = textwrap.dedent(
+  """
+  import sys, time
+  from offpolicy_jax import workdir
+  with workdir.lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(60)
+  """
+)
+
+
+def test_a_second_holder_is_refused_naming_the_workdir_and_holder(tmp_path):
+  holder = subprocess.Popen(
+    [sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+  )
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(workdir.WorkdirLocked, match=f"{tmp_path}.*pid {holder.pid}"):
+      with workdir.lock(str(tmp_path)):
+        pass
+  finally:
+    holder.kill()  # SIGKILL: the holder record stays behind, the OS lock does not
+    holder.wait()
+
+
+def test_a_killed_holders_lock_is_taken_over_with_a_message(tmp_path, capsys):
+  holder = subprocess.Popen(
+    [sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+  )
+  assert holder.stdout.readline().strip() == "held"
+  holder.kill()
+  holder.wait()
+  with workdir.lock(str(tmp_path)):
+    assert json.load(open(tmp_path / workdir.HOLDER_FILE))["pid"] == os.getpid()
+  assert f"taking over the stale lock of pid {holder.pid}" in capsys.readouterr().out
+  assert not (tmp_path / workdir.HOLDER_FILE).exists()  # a clean exit leaves no record
+  with workdir.lock(str(tmp_path)):  # and the next holder finds nothing stale
+    pass
+  assert "stale" not in capsys.readouterr().out
+
+
+def _record(path, config):
+  metrics.save_config(str(path), config)
+
+
+def test_config_changes_are_refused_or_recorded(tmp_path):
+  old = {
+    "seed": 0,
+    "loss": {"name": "grpo", "eps_low": None},
+    "total_steps": 10,
+    "mesh": {"data": 1},
+  }
+  _record(tmp_path, old)
+  same_meaning = {**old, "total_steps": 50, "mesh": {"data": 2}}
+  workdir.check_config(str(tmp_path), same_meaning, step=5)  # run-control fields may change
+  new = {**old, "loss": {"name": "rec_oneside_nois", "eps_low": 0.2}}
+  with pytest.raises(workdir.ConfigChanged) as e:
+    workdir.check_config(str(tmp_path), new, step=5)
+  msg = str(e.value)
+  assert "loss.name: 'grpo' -> 'rec_oneside_nois'" in msg and "loss.eps_low: None -> 0.2" in msg
+  assert "--allow_config_change" in msg and not (tmp_path / workdir.HISTORY_FILE).exists()
+  workdir.check_config(str(tmp_path), new, step=5, allow_change=True)
+  (entry,) = [json.loads(line) for line in open(tmp_path / workdir.HISTORY_FILE)]
+  assert entry["step"] == 5 and entry["changes"]["loss.name"] == ["grpo", "rec_oneside_nois"]
+
+
+def test_missing_or_corrupt_config_record_names_the_file(tmp_path):
+  with pytest.raises(ValueError, match="config.json: missing"):
+    workdir.check_config(str(tmp_path), {"seed": 0}, step=3)
+  (tmp_path / "config.json").write_text('{"seed": 0,')
+  with pytest.raises(ValueError, match="config.json: not valid JSON"):
+    workdir.check_config(str(tmp_path), {"seed": 0}, step=3)
