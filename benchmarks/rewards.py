@@ -69,6 +69,7 @@ def throughput(pool, batch: int, repeats: int) -> None:
   print("|---|---|---|---|---|---|")
   for name, (fn, exs, texts) in _cases(batch).items():
     raw = getattr(fn, "fn", fn)
+    raw(exs[0], texts[0])  # warm (imports, caches), as the workers are below
     start = time.perf_counter()
     local = [raw(e, t) for e, t in zip(exs, texts, strict=True)]
     t_local = time.perf_counter() - start

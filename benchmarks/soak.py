@@ -1,7 +1,7 @@
 """Soak test of the main job: host memory, recompiles, threads, processes and open files.
 
-Runs the default job (configs/default.py, no warm start, checkpoints every 100
-steps, evaluation every 500) for `--steps` loop steps in one process and
+Runs the default job (configs/default.py, its warm start included, checkpoints
+every 100 steps, evaluation every 500) for `--steps` loop steps in one process and
 samples, after every step: the process's resident memory (VmRSS), the number
 of XLA compilations (`jax.monitoring` backend-compile events), threads, open
 file descriptors and child processes. Prints the samples at a few points and
@@ -69,7 +69,6 @@ def main():
   cfg = default.get_config()
   cfg.task = args.task
   cfg.total_steps = args.steps
-  cfg.sft.enabled = False
   cfg.checkpoint_every = 100
   cfg.eval_every = 500
   cfg.progress = False

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
+from offpolicy_jax import files
+
 
 class Tokenizer(Protocol):
   """What the data pipeline, samplers and rewards need from a tokenizer."""
@@ -88,21 +90,6 @@ class CharTokenizer:
     """No roles for the toy models: the message contents joined by newlines."""
     del add_generation_prompt
     return "\n".join(m["content"] for m in messages)
-
-
-def _load_json(file: str) -> dict[str, Any]:
-  """Parses a JSON object from `file`, naming the file and the fault when it cannot."""
-  with open(file, "rb") as f:
-    raw = f.read()
-  try:
-    obj = json.loads(raw)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{file}: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
-  except UnicodeDecodeError as e:
-    raise ValueError(f"{file}: invalid JSON: not UTF-8 text ({e.reason})") from e
-  if not isinstance(obj, dict):
-    raise ValueError(f"{file}: expected a JSON object, got {type(obj).__name__}")
-  return obj
 
 
 def _token_content(tok: Any) -> str | None:
@@ -186,7 +173,7 @@ class HFTokenizer:
     if not os.path.exists(tok_file):
       raise ValueError(f"tokenizer file not found: {tok_file}")
     cfg_file = os.path.join(path, "tokenizer_config.json")
-    config = _load_json(cfg_file) if os.path.exists(cfg_file) else {}
+    config = files.read_json_object(cfg_file) if os.path.exists(cfg_file) else {}
     try:
       tokenizer = Tokenizer.from_file(tok_file)
     except Exception as e:  # The Rust library raises a bare Exception without the path.

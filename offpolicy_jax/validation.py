@@ -132,15 +132,23 @@ def _str(c, field: str) -> None:
   _need(isinstance(v, str), field, f"must be a string, got {v!r}")
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _validate_finite(c, prefix: str = "") -> None:
-  """Every float anywhere in the config (task_kwargs included) is finite."""
+  """Every float anywhere in the config (task_kwargs included) is finite in float32.
+
+  The hot path computes in float32: a learning rate of 1e39 is finite in
+  Python but inf on the device.
+  """
   items = c.items() if isinstance(c, Mapping) or hasattr(c, "items") else enumerate(c)
   for k, v in items:
     name = f"{prefix}{k}"
     if hasattr(v, "items") or isinstance(v, list | tuple):
       _validate_finite(v, f"{name}.")
     elif isinstance(v, float | np.floating):
-      _need(math.isfinite(v), name, f"must be finite, got {v}")
+      ok = math.isfinite(v) and abs(float(v)) <= _FLOAT32_MAX
+      _need(ok, name, f"must be finite in float32 (|x| <= {_FLOAT32_MAX:.4g}), got {v}")
 
 
 # ----------------------------------------------------------------- the config

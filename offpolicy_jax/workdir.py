@@ -30,7 +30,7 @@ from typing import Any
 
 import filelock
 
-from offpolicy_jax import metrics
+from offpolicy_jax import files, metrics
 
 LOCK_FILE = ".lock"
 HOLDER_FILE = ".lock.json"
@@ -76,12 +76,9 @@ def _holder_record() -> dict[str, Any]:
 
 def _read_json(path: str) -> Any:
   try:
-    with open(path) as f:
-      return json.load(f)
+    return files.read_json_object(path)
   except FileNotFoundError:
     return None
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ValueError(f"{path}: not valid JSON ({e}); fix or remove the file.") from None
 
 
 def _describe(holder: Any) -> str:

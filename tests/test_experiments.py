@@ -458,7 +458,7 @@ def test_fresh_start_moves_old_metrics_aside_instead_of_deleting_them(tmp_path):
 def test_corrupt_config_record_names_the_file(tmp_path):
   loop.train_and_evaluate(_quick(total_steps=3), str(tmp_path))
   (tmp_path / "config.json").write_text('{"seed": 0,')
-  with pytest.raises(ValueError, match=r"config.json: not valid JSON"):
+  with pytest.raises(ValueError, match=r"config.json: invalid JSON"):
     loop.train_and_evaluate(_quick(total_steps=6), str(tmp_path))
 
 
@@ -499,6 +499,7 @@ def test_prompt_too_long_deep_in_the_data_fails_at_start_up_or_is_truncated(tmp_
   "field,value",
   [
     ("optimizer.learning_rate", float("inf")),
+    ("optimizer.learning_rate", 1e39),  # finite in Python, inf in float32
     ("sft.learning_rate", float("nan")),
     ("optimizer.grad_clip", -1.0),
     ("optimizer.b1", 1.5),

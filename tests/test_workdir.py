@@ -80,5 +80,5 @@ def test_missing_or_corrupt_config_record_names_the_file(tmp_path):
   with pytest.raises(ValueError, match="config.json: missing"):
     workdir.check_config(str(tmp_path), {"seed": 0}, step=3)
   (tmp_path / "config.json").write_text('{"seed": 0,')
-  with pytest.raises(ValueError, match="config.json: not valid JSON"):
+  with pytest.raises(ValueError, match="config.json: invalid JSON"):
     workdir.check_config(str(tmp_path), {"seed": 0}, step=3)

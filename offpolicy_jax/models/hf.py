@@ -22,6 +22,7 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
+from offpolicy_jax import files
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.models.decoder import Decoder
 
@@ -175,21 +176,6 @@ def _tensor_map(c: ModelConfig) -> list[_Row]:
   return rows
 
 
-def _load_json(file: str) -> dict:
-  """Parses a JSON object from `file`, naming the file and the fault when it cannot."""
-  with open(file, "rb") as f:
-    raw = f.read()
-  try:
-    obj = json.loads(raw)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{file}: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
-  except UnicodeDecodeError as e:
-    raise ValueError(f"{file}: invalid JSON: not UTF-8 text ({e.reason})") from e
-  if not isinstance(obj, dict):
-    raise ValueError(f"{file}: expected a JSON object, got {type(obj).__name__}")
-  return obj
-
-
 def _read_header(file: str) -> tuple[dict, int, int]:
   """Reads and checks a safetensors header: (header, data offset, file size)."""
   size = os.path.getsize(file)
@@ -264,16 +250,16 @@ def _read_safetensors_index(file: str) -> dict[str, np.ndarray]:
 def _open_checkpoint(path: str) -> dict[str, np.ndarray]:
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.exists(index):
-    weight_map = _load_json(index).get("weight_map")
+    weight_map = files.read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict):
       raise ValueError(f"{index}: no 'weight_map' object")
-    files = sorted(set(weight_map.values()))
+    shards = sorted(set(weight_map.values()))
   elif os.path.exists(os.path.join(path, "model.safetensors")):
-    files = ["model.safetensors"]
+    shards = ["model.safetensors"]
   else:
     raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}")
   tensors = {}
-  for file in files:
+  for file in shards:
     tensors.update(_read_safetensors_index(os.path.join(path, file)))
   return tensors
 
@@ -316,7 +302,7 @@ def from_pretrained(
       safetensors file or a corrupt header (naming the file, the tensor and
       the byte range).
   """
-  hf = _load_json(os.path.join(path, "config.json"))
+  hf = files.read_json_object(os.path.join(path, "config.json"))
   config = config_from_hf(
     hf,
     param_dtype=jnp.dtype(dtype).name,

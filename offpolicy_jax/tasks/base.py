@@ -31,6 +31,20 @@ class ListSource:
     return f"ListSource(len={len(self)})"
 
 
+def local_splits(
+  kind: str,
+  train_path: str | None,
+  eval_path: str | None,
+  load: Callable[[str, str], list[Example]],
+) -> tuple[ListSource, ListSource]:
+  """Train and eval sources read by `load(path, kind)`; eval defaults to the train file."""
+  if train_path is None:
+    raise ValueError(f"task {kind!r} needs train_path (a local .jsonl or .parquet file).")
+  train = load(train_path, kind)
+  evals = load(eval_path, kind) if eval_path is not None else train
+  return ListSource(train), ListSource(evals)
+
+
 @dataclass(frozen=True)
 class Task:
   """A task: prompt sources, a prompt template and a reward.

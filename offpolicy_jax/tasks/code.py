@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from offpolicy_jax.tasks import synthetic
-from offpolicy_jax.tasks.base import Example, ListSource, Task
+from offpolicy_jax.tasks.base import Example, Task, local_splits
 from offpolicy_jax.tasks.math_data import _read_rows
 
 CODE_INSTRUCTION = "\n\nWrite the complete solution in a single ```python fenced code block."
@@ -464,17 +464,14 @@ def make_task(
     )
   if kind not in _ROW_PARSERS:
     raise ValueError(f"unknown code task {kind!r}; expected code, mbpp or humaneval.")
-  if train_path is None:
-    raise ValueError(f"task {kind!r} needs train_path (a local .jsonl or .parquet file).")
-  train = load_examples(train_path, kind)
-  evals = load_examples(eval_path, kind) if eval_path is not None else train
+  train, evals = local_splits(kind, train_path, eval_path, load_examples)
   return Task(
     name=kind,
-    train_source=ListSource(train),
-    eval_source=ListSource(evals),
+    train_source=train,
+    eval_source=evals,
     prompt=functools.partial(_chat_prompt, instruction=instruction),
     reward=reward,
     use_chat_template=True,
     answer=operator.itemgetter("answer"),
-    max_answer_len=max(len(ex["answer"].encode()) for ex in train + evals),
+    max_answer_len=max(len(s[i]["answer"].encode()) for s in (train, evals) for i in range(len(s))),
   )

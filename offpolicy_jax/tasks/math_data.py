@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from offpolicy_jax import rewards
-from offpolicy_jax.tasks.base import INSTRUCTION, Example, ListSource, Task
+from offpolicy_jax.tasks.base import INSTRUCTION, Example, Task, local_splits
 
 
 def _read_rows(path: str) -> list[tuple[int, Any]]:
@@ -127,14 +127,11 @@ def make_task(
   Returns:
     The Task (chat-templated prompts, host reward only).
   """
-  if train_path is None:
-    raise ValueError(f"task {kind!r} needs train_path (a local .jsonl or .parquet file).")
-  train = load_examples(train_path, kind)
-  evals = load_examples(eval_path, kind) if eval_path is not None else train
+  train, evals = local_splits(kind, train_path, eval_path, load_examples)
   return Task(
     name=kind,
-    train_source=ListSource(train),
-    eval_source=ListSource(evals),
+    train_source=train,
+    eval_source=evals,
     prompt=lambda ex: ex["question"] + instruction,
     reward=functools.partial(math_reward, format_coef=format_coef),
     use_chat_template=True,
