@@ -79,9 +79,15 @@ def main(argv):
   )
   # Library progress goes to stdout; keep orbax's INFO chatter out of the way.
   logging.set_verbosity(logging.WARNING)
-  loop.train_and_evaluate(
-    _CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value
-  )
+  from offpolicy_jax import workdir
+
+  try:
+    loop.train_and_evaluate(
+      _CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value
+    )
+  except (workdir.WorkdirLocked, workdir.ConfigChanged) as e:
+    # Expected refusals: one line, exit code 1, no traceback.
+    raise SystemExit(f"error: {e}") from None
   summary = metrics.summarize_run(_WORKDIR.value)
   fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
   print(" ".join(f"{k}={fmt(v)}" for k, v in summary.items()))

@@ -68,59 +68,110 @@ def _check_constant(node: ast.Constant, strings: bool) -> None:
     raise _Refused(f"constant {type(v).__name__} not allowed")
 
 
+# sympy names that stand for numbers (other names become free symbols).
+_NUMERIC_NAMES = frozenset("E pi I EulerGamma GoldenRatio Catalan".split())
+# Functions that outgrow their argument: a numeric argument is bounded, and they do not nest.
+_GROWTH = frozenset({"exp", "sinh", "cosh"})
+_MAX_GROWTH_ARG = 1000.0
+_LOG10_2, _LOG10_E = math.log10(2), math.log10(math.e)
+
+
 def _log10(node: ast.AST) -> float | None:
-  """log10 of |value| of a purely numeric subtree (no names, no calls), else None."""
+  """Upper bound of log10 |value| of a subtree without free symbols, else None."""
   if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
     v = abs(node.value)
     return math.log10(v) if v else -math.inf
+  if isinstance(node, ast.Name):
+    return 0.5 if node.id in _NUMERIC_NAMES else None
   if isinstance(node, ast.UnaryOp):
     return _log10(node.operand)
+  if isinstance(node, ast.Call):
+    args = [_log10(a) for a in node.args]
+    known = [a for a in args if a is not None]
+    if not args or len(known) < len(args):
+      return None
+    top = max(known)
+    if isinstance(node.func, ast.Name) and node.func.id in _GROWTH:
+      return _LOG10_E * 10.0**top
+    return max(top, 0.0) + _LOG10_2  # the math functions allowed stay within ~|x| + 1
   if not isinstance(node, ast.BinOp):
     return None
   a, b = _log10(node.left), _log10(node.right)
   if a is None or b is None:
     return None
-  if isinstance(node.op, (ast.Add, ast.Sub)):
-    return max(a, b) + 0.302  # log10(2): |x +- y| <= 2 max(|x|, |y|)
-  if isinstance(node.op, ast.Mult):
+  op = node.op
+  if isinstance(op, (ast.Add, ast.Sub, ast.BitOr, ast.BitXor)):
+    return max(a, b) + _LOG10_2  # |x +- y| <= 2 max(|x|, |y|)
+  if isinstance(op, ast.Mult):
     return a + b
-  if isinstance(node.op, ast.Pow):
-    return a * _value(node.right)
-  return a  # /, //, %: no larger than the dividend for |divisor| >= 1 (else refused below)
+  if isinstance(op, ast.Pow):
+    return a * 10.0**b
+  if isinstance(op, ast.LShift):
+    return max(a, 0.0) + _LOG10_2 * 10.0**b
+  return a  # /, //, %, >>, &: no larger than the left side (divisors checked below)
 
 
-def _value(node: ast.AST) -> float:
-  """|value| bound of a small numeric exponent (already checked to be <= 64 in magnitude)."""
-  lg = _log10(node)
-  return 0.0 if lg is None or lg == -math.inf else 10.0**lg
+def _seq_log10(node: ast.AST) -> float | None:
+  """log10 of the length of a sequence-valued subtree (list, tuple, string), else None."""
+  if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+    return math.log10(max(len(node.elts), 1))
+  if isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)):
+    return math.log10(max(len(node.value), 1))
+  if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add)):
+    a, b = _seq_log10(node.left), _seq_log10(node.right)
+    if isinstance(node.op, ast.Add) and a is not None and b is not None:
+      return max(a, b) + _LOG10_2
+    if isinstance(node.op, ast.Mult) and (a is None) != (b is None):
+      count = _log10(node.right if b is None else node.left)
+      return math.inf if count is None else (a if b is None else b) + max(count, 0.0)  # type: ignore[operator]
+  return None
+
+
+def _free_symbols(node: ast.AST) -> bool:
+  return any(isinstance(n, ast.Name) and n.id not in _NUMERIC_NAMES for n in ast.walk(node))
 
 
 def _check_pow(node: ast.BinOp, symbolic_exponents: bool) -> None:
   e = _log10(node.right)
   if e is None:
-    if symbolic_exponents:
+    # sympy keeps x**y symbolic; a symbol-free exponent would be evaluated.
+    if symbolic_exponents and _free_symbols(node.right):
       return
-    raise _Refused("exponent must be a number")
+    raise _Refused("exponent must be a bounded number or contain a symbol")
   if e > math.log10(_MAX_EXPONENT):
     raise _Refused(f"exponent magnitude above {_MAX_EXPONENT}")
+
+
+def _check_call(node: ast.Call, expression: bool) -> None:
+  name = node.func.id if isinstance(node.func, ast.Name) else None
+  if not (expression and name in MATH_FUNCTIONS) or node.keywords:
+    raise _Refused("call not allowed")
+  if any(isinstance(a, ast.Starred) for a in node.args):
+    raise _Refused("call not allowed")
+  if name in _GROWTH:
+    for arg in node.args:
+      if any(
+        isinstance(n, ast.Call) and getattr(n.func, "id", "") in _GROWTH for n in ast.walk(arg)
+      ):
+        raise _Refused(f"nested {name}")
+      lg = _log10(arg)
+      if lg is not None and lg > math.log10(_MAX_GROWTH_ARG):
+        raise _Refused(f"{name} argument too large")
+
+
+def _check_binop(node: ast.BinOp, expression: bool) -> None:
+  if isinstance(node.op, ast.Pow):
+    _check_pow(node, symbolic_exponents=expression)
+  elif isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)):
+    lg = _log10(node.right)
+    if lg is not None and lg < 0 and (_log10(node.left) or 0) - lg > _MAX_LOG10:
+      raise _Refused("number too large")
+  elif isinstance(node.op, (ast.Mult, ast.Add)):
+    seq = _seq_log10(node)
+    if seq is not None and seq > math.log10(_MAX_REPEAT):
+      raise _Refused("sequence repeated too often")
   lg = _log10(node)
   if lg is not None and lg > _MAX_LOG10:
-    raise _Refused("number too large")
-
-
-def _check_repeat(node: ast.BinOp) -> None:
-  for seq, count in ((node.left, node.right), (node.right, node.left)):
-    if isinstance(seq, (ast.List, ast.Tuple, ast.Constant)) and not isinstance(
-      getattr(seq, "value", None), (int, float)
-    ):
-      lg = _log10(count)
-      if lg is None or lg > math.log10(_MAX_REPEAT):
-        raise _Refused("sequence repeated too often")
-
-
-def _check_divisor(node: ast.BinOp) -> None:
-  lg = _log10(node.right)
-  if lg is not None and lg < 0 and (_log10(node.left) or 0) - lg > _MAX_LOG10:
     raise _Refused("number too large")
 
 
@@ -136,18 +187,9 @@ def _check(tree: ast.AST, kind: str) -> None:
       if node.id.startswith("__") or not isinstance(node.ctx, ast.Load):
         raise _Refused(f"name {node.id!r} not allowed")
     elif isinstance(node, ast.BinOp):
-      if isinstance(node.op, ast.Pow):
-        _check_pow(node, symbolic_exponents=expression)
-      elif isinstance(node.op, ast.Mult):
-        _check_repeat(node)
-      elif isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)):
-        _check_divisor(node)
-      if (lg := _log10(node)) is not None and lg > _MAX_LOG10:
-        raise _Refused("number too large")
+      _check_binop(node, expression)
     elif isinstance(node, ast.Call):
-      ok = expression and isinstance(node.func, ast.Name) and node.func.id in MATH_FUNCTIONS
-      if not ok or node.keywords or any(isinstance(a, ast.Starred) for a in node.args):
-        raise _Refused("call not allowed")
+      _check_call(node, expression)
     elif not isinstance(node, (*_VALUE_NODES, *_OPERATOR_NODES)):
       raise _Refused(f"{type(node).__name__} not allowed")
 

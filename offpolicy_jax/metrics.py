@@ -33,6 +33,8 @@ import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
+# Written by `workdir.check_config`; it belongs to the run, so it moves with it.
+CONFIG_HISTORY_FILE = "config_history.jsonl"
 TB_DIR = "tb"
 # Where a fresh start moves an earlier run's files: workdir/previous/<timestamp>/.
 PREVIOUS_DIR = "previous"
@@ -195,7 +197,8 @@ def _timestamp() -> str:
 def _move_previous_run(workdir: str) -> str | None:
   """Moves an earlier run's files out of the way of a fresh start, deleting nothing.
 
-  `metrics.jsonl` (and its `.bad` companion), `tb/` and `config.json` go to
+  `metrics.jsonl` (and its `.bad` companion), `tb/`, `config.json` and
+  `config_history.jsonl` go to
   `workdir/previous/<YYYYmmdd-HHMMSS>/` (a `-1`, `-2`... suffix keeps two moves
   in the same second apart).
 
@@ -205,7 +208,7 @@ def _move_previous_run(workdir: str) -> str | None:
   Returns:
     The directory the files went to, or None if there was nothing to move.
   """
-  names = [METRICS_FILE, METRICS_FILE + BAD_SUFFIX, TB_DIR, CONFIG_FILE]
+  names = [METRICS_FILE, METRICS_FILE + BAD_SUFFIX, TB_DIR, CONFIG_FILE, CONFIG_HISTORY_FILE]
   present = [n for n in names if os.path.lexists(os.path.join(workdir, n))]
   if not present:
     return None

@@ -14,9 +14,11 @@ What is applied (Linux; every item is checked and reported by `apply`):
 - Landlock net (ABI >= 4): no TCP bind or connect.
 - Landlock scope (ABI >= 6): no signals to, or abstract sockets of, processes
   outside the sandbox.
-- seccomp: no new processes or exec (threads are allowed), no sockets but
-  AF_UNIX, no signals to other processes, no ptrace, mount, namespaces, kernel
-  modules, BPF, io_uring, chmod/chown, setuid.
+- seccomp: no new processes or exec (threads are allowed), no sockets of any
+  family (nor connect/bind/listen/accept), no signals to other processes, no
+  ptrace, mount, namespaces, kernel modules, BPF, io_uring, chmod/chown, setuid.
+- descriptors: every inherited descriptor but stdio (on /dev/null) and the
+  worker's two pipes to the trainer is closed (`verifiers` does this).
 
 CPU time is limited per call by `set_cpu_limit` (SIGXCPU kills the worker),
 and the pool's wall-clock timeout kills a worker whatever it runs.
@@ -33,7 +35,6 @@ import errno
 import os
 import resource
 import signal
-import socket
 import struct
 import sys
 from typing import NamedTuple
@@ -83,6 +84,9 @@ _DENIED_SYSCALLS = (
   "lchown", "fchownat", "utime", "utimes", "utimensat", "futimesat", "setxattr", "lsetxattr",
   "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "setuid", "setgid", "setreuid",
   "setregid", "setresuid", "setresgid", "setgroups", "setfsuid", "setfsgid", "capset",
+  # No new sockets of any family (UNIX path sockets reach local daemons), no
+  # connecting or serving: a worker talks to the trainer over inherited pipes only.
+  "socket", "connect", "bind", "listen", "accept", "accept4",
 )  # fmt: skip
 _CLONE_THREAD = 0x00010000
 
@@ -175,7 +179,7 @@ def _apply_landlock(libc: ctypes.CDLL, abi: int) -> list[str]:
 
 
 def _apply_seccomp() -> None:
-  """A deny-list filter: process creation, non-UNIX sockets, signals to others, kernel admin."""
+  """A deny-list filter: process creation, sockets, signals to others, kernel admin."""
   import pyseccomp as sc  # ctypes binding to libseccomp, which writes the BPF per architecture
 
   f = sc.SyscallFilter(sc.ALLOW)
@@ -186,7 +190,6 @@ def _apply_seccomp() -> None:
       pass
   f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # glibc falls back to clone, checked below
   f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, _CLONE_THREAD, 0))
-  f.add_rule(sc.ERRNO(errno.EPERM), "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
   pid = os.getpid()
   f.add_rule(sc.ERRNO(errno.EPERM), "kill", sc.Arg(0, sc.NE, pid))
   f.add_rule(sc.ERRNO(errno.EPERM), "tgkill", sc.Arg(0, sc.NE, pid))

@@ -206,7 +206,8 @@ def _validate_rewards(c) -> None:
     v = c[field]
     ok = _is_num(v) and math.isfinite(v)
     ok = ok and (v > 0 or (field == "reward_batch_timeout" and v == 0))
-    _need(ok, field, f"must be a finite number of seconds > 0, got {v}")
+    zero = " (or 0: 2 * reward_timeout)" if field == "reward_batch_timeout" else ""
+    _need(ok, field, f"must be a finite number of seconds > 0{zero}, got {v}")
   _int(c, "reward_workers", 0, note=" (0 = one per CPU)")
   _int(c, "reward_memory_mb", 256)
   _choice(c, "reward_sandbox", ("strict", "warn"))

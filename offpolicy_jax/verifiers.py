@@ -102,11 +102,40 @@ def _reply(conn, obj: dict) -> None:
   conn.send_bytes(json.dumps(obj).encode()[:_MAX_REPLY_BYTES])
 
 
+def _close_inherited_fds(keep: set[int]) -> None:
+  """Closes every descriptor but stdio and `keep`.
+
+  A forked worker inherits pipes of the forkserver and of multiprocessing's
+  resource tracker; Landlock does not govern descriptors already open, so
+  they are closed before any model output arrives.
+  """
+  fd_dir = "/proc/self/fd"
+  fds = [int(f) for f in os.listdir(fd_dir)] if os.path.isdir(fd_dir) else range(3, 1024)
+  for fd in fds:
+    if fd > 2 and fd not in keep:
+      try:
+        os.close(fd)
+      except OSError:
+        pass
+
+
+def _load(fns: dict[int, Any], fn_id: int):
+  if isinstance(fns[fn_id], bytes):
+    fn = pickle.loads(fns[fn_id])
+    fns[fn_id] = fn.resolve() if isinstance(fn, RebuildReward) else fn
+  return fns[fn_id]
+
+
 def _worker_main(calls, replies, limits: sandbox.Limits, strict: bool) -> None:
-  """Worker loop: confine, then answer `(i, fn_id, example, text, timeout_s)` calls."""
+  """Worker loop: confine, then answer `(kind, i, fn_id, example, text, timeout_s)` calls.
+
+  A call that leaves threads behind ends its worker after replying (the pool
+  starts a fresh one), so nothing a verifier started outlives its call.
+  """
   devnull = os.open(os.devnull, os.O_RDWR)
   os.dup2(devnull, 1)
   os.dup2(devnull, 2)
+  _close_inherited_fds({calls.fileno(), replies.fileno()})
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
   try:
     missing = sandbox.apply(limits, strict=strict)
@@ -123,16 +152,22 @@ def _worker_main(calls, replies, limits: sandbox.Limits, strict: bool) -> None:
       fns[msg[1]] = msg[2]
       continue
     kind, i, fn_id, example, text, timeout_s = msg
+    sandbox.set_cpu_limit(timeout_s + 1.0)
     try:
-      sandbox.set_cpu_limit(timeout_s + 1.0)
-      if isinstance(fns[fn_id], bytes):
-        fn = pickle.loads(fns[fn_id])
-        fns[fn_id] = fn.resolve() if isinstance(fn, RebuildReward) else fn
-      score = 0.0 if kind == "load" else float(fns[fn_id](example, text))
-      out: dict[str, Any] = {"i": i, "score": score}
+      fn = _load(fns, fn_id)
+    except BaseException as e:  # noqa: BLE001  the reward cannot be loaded here
+      _reply(replies, {"i": i, "load_error": f"{type(e).__name__}: {e}"[:500]})
+      continue
+    try:
+      out: dict[str, Any] = {"i": i, "score": 0.0 if kind == "load" else float(fn(example, text))}
     except BaseException as e:  # noqa: BLE001  any verifier failure scores 0
       out = {"i": i, "error": f"{type(e).__name__}: {e}"[:500]}
+    leftover = threading.active_count() > 1
+    if leftover:
+      out["recycle"] = True
     _reply(replies, out)
+    if leftover:
+      os._exit(0)  # threads the call started die with the process
 
 
 # ----------------------------------------------------------------- trainer side
@@ -238,20 +273,35 @@ class VerifierPool:
     """Makes a worker load `fn`; raises ValueError naming `name` if it cannot."""
     fn_id, data = self._fn_id(fn, name)
     with self._lock:
-      w = self._workers[0]
-      self._send_fn(w, fn_id, data)
-      w.calls.send(("load", -1, fn_id, None, "", timeout_s))
+      w = self._send(self._workers[0], fn_id, data, ("load", -1, fn_id, None, "", timeout_s))
       if not w.replies.poll(timeout_s):
         self._replace(w)
         raise ValueError(_unreachable(name, fn, f"loading took over {timeout_s} s"))
       msg = _parse(w.replies.recv_bytes(_MAX_REPLY_BYTES))
-    if "error" in msg:
-      raise ValueError(_unreachable(name, fn, msg["error"]))
+      if msg.get("recycle"):
+        self._replace(w)
+    if "load_error" in msg or "error" in msg:
+      raise ValueError(_unreachable(name, fn, msg.get("load_error") or msg["error"]))
 
-  def _send_fn(self, w: _Worker, fn_id: int, data: bytes) -> None:
-    if fn_id not in w.known:
-      w.calls.send(("fn", fn_id, data))
-      w.known.add(fn_id)
+  def _send(self, w: _Worker, fn_id: int, data: bytes, msg: tuple) -> _Worker:
+    """Sends `msg` (after the reward, if `w` lacks it); a dead worker is replaced first."""
+    for attempt in range(2):
+      try:
+        if fn_id not in w.known:
+          w.calls.send(("fn", fn_id, data))
+          w.known.add(fn_id)
+        w.calls.send(msg)
+        return w
+      except (OSError, EOFError):  # died while idle (e.g. SIGXCPU from a stray thread)
+        if attempt:
+          raise
+        w = self._replace(w)
+    return w
+
+  def _replace_dead(self) -> None:
+    for w in list(self._workers):
+      if not w.process.is_alive():
+        self._replace(w)
 
   def _replace(self, w: _Worker) -> _Worker:
     w.kill()
@@ -286,7 +336,10 @@ class VerifierPool:
       raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s}")
     fn_id, data = self._fn_id(fn)
     with self._lock:
-      return _Batch(self, fn_id, data, examples, texts, timeout_s, batch_timeout_s).run()
+      try:
+        return _Batch(self, fn_id, data, examples, texts, timeout_s, batch_timeout_s).run()
+      except _LoadError as e:
+        raise ValueError(_unreachable(getattr(fn, "name", ""), fn, e)) from None
 
   def close(self) -> None:
     """Stops every worker (idempotent)."""
@@ -299,6 +352,10 @@ class VerifierPool:
       w.process.join(1.0)
       w.kill()
     self._workers = []
+
+
+class _LoadError(Exception):
+  """A worker could not load the reward (not importable there)."""
 
 
 class _Batch:
@@ -323,8 +380,8 @@ class _Batch:
       self.errors.append(f"row {i}: {why}")
 
   def _dispatch(self, w: _Worker, i: int) -> None:
-    self.pool._send_fn(w, self.fn_id, self.data)
-    w.calls.send(("call", i, self.fn_id, self.examples[i], str(self.texts[i]), self.timeout_s))
+    msg = ("call", i, self.fn_id, self.examples[i], str(self.texts[i]), self.timeout_s)
+    w = self.pool._send(w, self.fn_id, self.data, msg)
     w.busy = (i, time.monotonic())
 
   def _receive(self, w: _Worker) -> None:
@@ -339,6 +396,10 @@ class _Batch:
       self.pool._replace(w)
       return
     w.busy = None
+    if "load_error" in msg:
+      raise _LoadError(str(msg["load_error"]))
+    if msg.get("recycle"):
+      self.pool._replace(w)
     score = msg.get("score")
     if "error" in msg or not isinstance(score, (int, float)):
       self._fail(i, str(msg.get("error", "no score")))
@@ -348,6 +409,25 @@ class _Batch:
       self.scores[i] = score
 
   def run(self) -> RewardResult:
+    pool = self.pool
+    pool._replace_dead()
+    try:
+      self._loop()
+    except _LoadError:
+      for w in list(pool._workers):  # drop the calls still in flight
+        if w.busy is not None:
+          pool._replace(w)
+      raise
+    return RewardResult(
+      self.scores,
+      self.failed,
+      self.timed_out,
+      time.monotonic() - self.start,
+      pool.restarts - self.restarts0,
+      tuple(self.errors),
+    )
+
+  def _loop(self) -> None:
     pool = self.pool
     while True:
       for w in pool._workers:
@@ -371,14 +451,6 @@ class _Batch:
         for i in self.pending:
           self._fail(i, "batch timed out before the call started", timeout=True)
         break
-    return RewardResult(
-      self.scores,
-      self.failed,
-      self.timed_out,
-      time.monotonic() - self.start,
-      pool.restarts - self.restarts0,
-      tuple(self.errors),
-    )
 
 
 def _unreachable(name: str, fn, why) -> str:

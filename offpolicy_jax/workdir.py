@@ -34,7 +34,7 @@ from offpolicy_jax import files, metrics
 
 LOCK_FILE = ".lock"
 HOLDER_FILE = ".lock.json"
-HISTORY_FILE = "config_history.jsonl"
+HISTORY_FILE = metrics.CONFIG_HISTORY_FILE
 # Fields that control how long a run goes, how it is watched and where it runs,
 # not what it computes: a resume may change them freely.
 RUN_CONTROL_FIELDS = (
@@ -167,16 +167,24 @@ def check_config(path: str, config: Any, *, step: int, allow_change: bool = Fals
     ValueError: `config.json` is missing or corrupt (naming the file).
   """
   record = os.path.join(path, metrics.CONFIG_FILE)
-  stored = _read_json(record)
   cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  try:
+    stored = _read_json(record)
+  except ValueError as e:
+    if not allow_change:
+      raise ValueError(
+        f"{e} Pass --allow_config_change to resume with the current config."
+      ) from None
+    os.replace(record, record + ".corrupt")
+    print(f"{record} was corrupt: kept as {record}.corrupt", flush=True)
+    stored = None
   if not isinstance(stored, dict):
-    if allow_change:
-      stored = {}
-    else:
+    if not allow_change:
       raise ValueError(
         f"{record}: missing, so the config this run started with cannot be checked; pass "
         "--allow_config_change to resume with the current config."
       )
+    stored = {}
   changes = config_changes(stored, cfg)
   if not changes:
     return

@@ -19,6 +19,9 @@ ACCEPTED = [
   ("expression", "3*Integral(x**3*cos(3*x), x) + C", "3 * Integral(x ** 3 * cos(3 * x), x) + C"),
   ("expression", "2**(n + 1)", "2 ** (n + 1)"),  # symbolic exponents stay symbolic in sympy
   ("literal", "[1, 2] * 3", "[1, 2] * 3"),
+  ("literal", "[[0] * 100] * 100", "[[0] * 100] * 100"),
+  ("expression", "exp(2*x)*sin(x)", "exp(2 * x) * sin(x)"),
+  ("expression", "E**2 + x**y", "E ** 2 + x ** y"),
 ]
 # Not Python at all: eval would raise SyntaxError before running anything.
 PASSED_THROUGH = ["1 2 3\n4 5 6", "_ Q _\nQ _ _", "the answer is 4"]
@@ -53,6 +56,17 @@ REFUSED = [
   ("literal", "[1] * 10**9"),
   ("literal", "'a' * n"),
   ("literal", "2**x"),  # in Python eval a name may be any global of the verifier's module
+  # Shifts, chained repeats, growth functions and symbol-free exponents are bounded too.
+  ("expression", "9 ** (1 << 40)"),
+  ("expression", "x ** (1 << 1000000)"),
+  ("expression", "(1 << 100000) ** 64"),
+  ("literal", "[1] * (1 << 40)"),
+  ("literal", "'a' * (1 << 40)"),
+  ("literal", "[0] * 9999 * 9999"),
+  ("expression", "exp(exp(exp(100)))"),
+  ("expression", "exp(10**64)"),
+  ("expression", "2**exp(100)"),
+  ("expression", "E**(E**(E**E))"),
 ]
 
 

@@ -449,10 +449,15 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capl
 def test_fresh_start_moves_old_metrics_aside_instead_of_deleting_them(tmp_path):
   (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5}\n')
   (tmp_path / "config.json").write_text("{}")
+  (tmp_path / "config_history.jsonl").write_text('{"step": 6}\n')
   loop.train_and_evaluate(_quick(total_steps=2), str(tmp_path))
   (previous,) = os.listdir(tmp_path / "previous")
-  kept = tmp_path / "previous" / previous / "metrics.jsonl"
-  assert kept.read_text() == '{"step": 1, "loss": 0.5}\n' and _steps(tmp_path) == [1, 2]
+  kept = tmp_path / "previous" / previous
+  assert (kept / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.5}\n'
+  assert (kept / "config_history.jsonl").exists() and not (
+    tmp_path / "config_history.jsonl"
+  ).exists()
+  assert _steps(tmp_path) == [1, 2]
 
 
 def test_corrupt_config_record_names_the_file(tmp_path):

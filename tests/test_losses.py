@@ -177,10 +177,27 @@ def _token_ref(name, d, a, lp, m, mu=None, prox=None):
   raise KeyError(name)
 
 
+def _gspo_token_ref(d, a_bt, m, lo=1 - 3e-4, hi=1 + 4e-4):
+  """GSPO-token (Zheng et al., "Group Sequence Policy Optimization", arXiv 2507.18071).
+
+  Per token ``min(s_it A_it, clip(s_it, lo, hi) A_it)`` with token advantages
+  ``A_it`` and ``s_it = sg(s_i) pi_t / sg(pi_t)``: its value is the sequence
+  ratio ``s_i = exp(mean_t (l - l_mu))`` and ``d s_it / d l_t' = s_i [t = t']``,
+  so an unclipped token's gradient is ``-A_it s_i`` (times 1 / |y_i|).
+
+  Returns:
+    (per-sequence token-mean value [B], d value / d logp [B, T]).
+  """
+  n = np.maximum(m.sum(-1), 1.0)[:, None]
+  s = np.exp((d * m).sum(-1, keepdims=True) / n) + 0 * d
+  val, coef = _ppo(s, a_bt, lo, hi)
+  return (val * m / n).sum(-1), coef * m / n
+
+
 def _seq_ref(name, d, a_seq, m):
   """(per-sequence value [B], d value / d logp [B, T]) for sequence-level presets."""
   n = np.maximum(m.sum(-1), 1.0)
-  if name in ("gspo", "gspo_token"):
+  if name == "gspo":
     s = np.exp((d * m).sum(-1) / n)
     val, coef = _ppo(s, a_seq, 1 - 3e-4, 1 + 4e-4)
     return val, coef[:, None] / n[:, None] * m
@@ -196,6 +213,9 @@ def _seq_ref(name, d, a_seq, m):
 
 
 SEQ_PRESETS = ("gspo", "gspo_token", "gmpo", "oapl")
+# Token-level presets whose paper objective is 1/G sum_i 1/|y_i| sum_t (SAPO,
+# arXiv 2511.20347, eq. for J(theta); verl's `sapo` default).
+SEQ_MEAN_TOKEN_PRESETS = ("sapo",)
 
 
 def _turn_ref(d, a_bt, m, turns, lo=0.8, hi=1.2):
@@ -211,24 +231,37 @@ def _turn_ref(d, a_bt, m, turns, lo=0.8, hi=1.2):
   return total / n, grad
 
 
-def reference(name, logp=LOGP, mu=MU, adv=ADV, m=MASK, prox=PROX):
-  """Full-batch (loss, d loss / d logp) in float64, independent of the library."""
+def reference(name, logp=LOGP, mu=MU, adv=ADV, m=MASK, prox=PROX, agg=None):
+  """Full-batch (loss, d loss / d logp) in float64, independent of the library.
+
+  ``adv`` is [B] or [B, T]; ``agg`` (token presets only) overrides the preset's
+  aggregation, ``token_mean`` or ``seq_mean_token_mean``.
+  """
   d = np.where(m > 0, logp - mu, 0.0)
   lp = np.where(m > 0, logp, 0.0)
   mu = np.where(m > 0, mu, 0.0)
-  a = np.broadcast_to(adv[:, None], d.shape)
+  a = np.broadcast_to(adv[:, None], d.shape) if adv.ndim == 1 else adv
   n_b = m.sum(-1)
   seqs = n_b > 0
   if name == "st_ppo":
     return _turn_ref(d, a, m, np.zeros(d.shape, int))
+  if name == "gspo_token":
+    val, grad = _gspo_token_ref(d, a, m)
+    return val[seqs].mean(), grad / seqs.sum()
   if name in SEQ_PRESETS:
-    val, grad = _seq_ref(name, d, adv, m)
+    a_seq = adv if adv.ndim == 1 else (a * m).sum(-1) / np.maximum(n_b, 1)
+    val, grad = _seq_ref(name, d, a_seq, m)
     return val[seqs].mean(), grad / seqs.sum()
   val, coef = _token_ref(name, d, a, lp, m, mu=mu, prox=np.where(m > 0, prox, 0.0))
   if name == "opsm":
     drop = (a < 0) & (((mu - lp) * m).sum(-1, keepdims=True) / np.maximum(n_b, 1)[:, None] > 0.1)
     val, coef = val * ~drop, coef * ~drop
-  return (val * m).sum() / m.sum(), coef * m / m.sum()
+  agg = agg or ("seq_mean_token_mean" if name in SEQ_MEAN_TOKEN_PRESETS else "token_mean")
+  if agg == "token_mean":
+    w = m / m.sum()
+  else:  # seq_mean_token_mean: 1/|S| sum_{i in S} 1/n_i sum_t
+    w = m / np.maximum(n_b, 1)[:, None] / seqs.sum()
+  return (val * w).sum(), coef * w
 
 
 # ---------------------------------------------------------------------------
@@ -306,6 +339,16 @@ def _region_counts(lo, hi):
 
 @pytest.mark.parametrize("name", losses.names())
 def test_golden_against_numpy_reference(name):
+  """Loss and gradient of every preset match the float64 reference.
+
+  Updated with the reviewer's fixes: ``sapo`` is reduced seq-mean-token-mean
+  (``1/G sum_i 1/|y_i| sum_t``, the SAPO paper's objective, arXiv 2511.20347,
+  and the reference implementations' default); it used to be token-mean,
+  which weights each sequence by its length. The ``gspo_token`` reference
+  now keeps token advantages (GSPO-token, arXiv 2507.18071); on these [B]
+  advantages it equals ``gspo``, see the ``gspo_token`` tests below for
+  advantages that vary inside a sequence.
+  """
   out, grad = results("base")[name]
   want_loss, want_grad = reference(name)
   np.testing.assert_allclose(out.loss, want_loss, rtol=2e-5, atol=1e-6)
@@ -332,6 +375,97 @@ def test_sequence_presets_cover_every_region():
   for sign in (a > 0, a < 0):
     for cond in (s < 1 - 3e-4, (s >= 1 - 3e-4) & (s <= 1 + 4e-4), s > 1 + 4e-4):
       assert np.any(sign & cond)
+
+
+# ---------------------------------------------------------------------------
+# GSPO-token keeps token advantages; SAPO aggregates seq-mean-token-mean.
+# ---------------------------------------------------------------------------
+# Token advantages that vary, and change sign, inside a sequence.
+ADV_TOK = A_BT + np.array([0.0, 0.3, -0.6, 1.2, -2.5, 0.9])
+
+
+def _loss_and_grad(name, advantages, jit, **overrides):
+  """(LossOutput, d loss / d logp) of one preset on the golden batch."""
+
+  def f(lp):
+    kw = dict(INPUTS, logp=lp, advantages=np.asarray(advantages, np.float32))
+    out = losses.policy_loss(name, **kw, **overrides)
+    return out.loss, out
+
+  fn = jax.value_and_grad(f, has_aux=True)
+  (_, out), grad = (jax.jit(fn) if jit else fn)(INPUTS["logp"])
+  return out, np.asarray(grad, np.float64)
+
+
+def test_gspo_token_golden_data_covers_every_region():
+  # Tokens with A_it > 0 and A_it < 0 meet s_i below, inside and above the band.
+  n = np.maximum(MASK.sum(-1), 1.0)[:, None]
+  s = np.exp((D * MASK).sum(-1, keepdims=True) / n) + 0 * D
+  valid = MASK > 0
+  for sign in (ADV_TOK > 0, ADV_TOK < 0):
+    for cond in (s < 1 - 3e-4, (s >= 1 - 3e-4) & (s <= 1 + 4e-4), s > 1 + 4e-4):
+      assert np.any(sign & cond & valid)
+  for i in np.flatnonzero(MASK.sum(-1) > 0):  # advantages really vary per sequence
+    assert np.ptp(ADV_TOK[i, valid[i]]) > 0.5
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_gspo_token_keeps_token_advantages(jit):
+  """GSPO-token's gradient on token t is -A_it s_i / (|y_i| G), not the sequence mean.
+
+  Zheng et al., arXiv 2507.18071, GSPO-token: ``s_it = sg(s_i) pi_t / sg(pi_t)``
+  with per-token advantages ``A_it``, clipped per token by the sign of ``A_it``.
+  """
+  out, grad = _loss_and_grad("gspo_token", ADV_TOK, jit)
+  want_loss, want_grad = reference("gspo_token", adv=ADV_TOK)
+  np.testing.assert_allclose(out.loss, want_loss, rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(grad, want_grad, rtol=2e-5, atol=1e-7)
+  # Unclipped tokens: grad / A_it is one constant per sequence, -s_i / (|y_i| G).
+  n_b = MASK.sum(-1)
+  s = np.exp((D * MASK).sum(-1) / np.maximum(n_b, 1))[:, None] + 0 * D
+  clipped = ((ADV_TOK > 0) & (s > 1 + 4e-4)) | ((ADV_TOK < 0) & (s < 1 - 3e-4))
+  free = (MASK > 0) & ~clipped
+  per_seq = -s / np.maximum(n_b, 1)[:, None] / np.sum(n_b > 0)
+  np.testing.assert_allclose(grad[free] / ADV_TOK[free], per_seq[free], rtol=2e-5)
+  assert np.all(grad[clipped | (MASK == 0)] == 0)
+  # The old behaviour (sequence-mean advantage, i.e. gspo) gives another gradient.
+  _, grad_seq_mean = _loss_and_grad("gspo", ADV_TOK, jit)
+  assert np.max(np.abs(grad - grad_seq_mean)) > 1e-2
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_gspo_token_with_sequence_advantages_equals_gspo(jit):
+  # A_it = A_i: GSPO-token reduces to GSPO exactly (value and gradient), [B] or [B, T].
+  want_loss, want_grad = reference("gspo")
+  for adv in (ADV, A_BT):
+    out_t, grad_t = _loss_and_grad("gspo_token", adv, jit)
+    out_s, grad_s = _loss_and_grad("gspo", adv, jit)
+    np.testing.assert_allclose(out_t.loss, out_s.loss, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(grad_t, grad_s, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(out_t.loss, want_loss, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(grad_t, want_grad, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(out_t.metrics["clip_frac"], out_s.metrics["clip_frac"])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_sapo_default_aggregation_is_seq_mean_token_mean(jit):
+  """SAPO (Gao et al., arXiv 2511.20347): J = E[1/G sum_i 1/|y_i| sum_t f(r_it) A_it]."""
+  assert losses.get_spec("sapo").agg == "seq_mean_token_mean"
+  lengths = MASK.sum(-1)[MASK.sum(-1) > 0]
+  assert len(set(lengths)) > 1  # sequences of unequal length tell the two apart
+  for adv in (ADV, ADV_TOK):
+    default, grad = _loss_and_grad("sapo", adv, jit)
+    explicit, grad_e = _loss_and_grad("sapo", adv, jit, agg="seq_mean_token_mean")
+    token, grad_tok = _loss_and_grad("sapo", adv, jit, agg="token_mean")
+    np.testing.assert_allclose(default.loss, explicit.loss, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(grad, grad_e, rtol=1e-6, atol=1e-9)
+    assert float(default.loss_count) == len(lengths)
+    for agg, out, g in (("seq_mean_token_mean", default, grad), ("token_mean", token, grad_tok)):
+      want_loss, want_grad = reference("sapo", adv=adv, agg=agg)
+      np.testing.assert_allclose(out.loss, want_loss, rtol=2e-5, atol=1e-6, err_msg=agg)
+      np.testing.assert_allclose(g, want_grad, rtol=2e-5, atol=1e-7, err_msg=agg)
+    assert abs(float(default.loss) - float(token.loss)) > 1e-2
+    assert np.max(np.abs(grad - grad_tok)) > 1e-3
 
 
 def test_presets_cover_design_contract():

@@ -3,6 +3,7 @@
 import gc
 import multiprocessing.connection
 import os
+import sys
 import threading
 import time
 
@@ -126,3 +127,42 @@ def test_answer_and_format_parsing():
   assert rewards.follows_format("<think>a\nb</think>\n<answer>4</answer>")
   assert not rewards.follows_format("<answer>4</answer>")
   assert not rewards.follows_format("<think>a</think><answer>4</answer> trailing")
+
+
+def _leaves_a_spinning_thread(example, text):
+  def spin():
+    while True:
+      pass
+
+  threading.Thread(target=spin, daemon=True).start()
+  return 1.0
+
+
+def test_dead_idle_workers_and_leftover_threads_are_replaced(pool):
+  victim = pool.pids()[0]
+  os.kill(victim, 9)  # dies while idle: the next batch must not see a broken pipe
+  time.sleep(0.2)
+  res = rewards.score_batch(_verifier, [{"v": 1.0}] * 4, ["ok"] * 4, pool=pool)
+  assert res.scores.tolist() == [1.0] * 4 and victim not in pool.pids()
+  before = set(pool.pids())
+  res = rewards.score_batch(_leaves_a_spinning_thread, [{}] * 2, ["x"] * 2, pool=pool)
+  assert res.scores.tolist() == [1.0, 1.0] and res.restarts >= 1
+  time.sleep(0.5)
+  pids = pool.pids()
+  assert len(pids) == 2 and before - set(pids)  # the thread died with its worker
+  start = _cpu_ticks(pids)
+  time.sleep(0.5)
+  assert _cpu_ticks(pids) - start <= 2
+
+
+def test_a_reward_the_workers_cannot_import_raises(pool, tmp_path, monkeypatch):
+  (tmp_path / "opj_vanishing_module.py").write_text("def reward(example, text):\n  return 1.0\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  import opj_vanishing_module
+
+  (tmp_path / "opj_vanishing_module.py").unlink()
+  monkeypatch.delitem(sys.modules, "opj_vanishing_module")
+  monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+  with pytest.raises(ValueError, match="cannot run in a sandboxed verifier worker"):
+    rewards.score_batch(opj_vanishing_module.reward, [{}] * 3, ["x"] * 3, pool=pool)
+  assert rewards.score_batch(_verifier, [{"v": 2.0}], ["ok"], pool=pool).scores.tolist() == [2.0]

@@ -35,6 +35,10 @@ def _attack(example, text):
       raise OSError("system failed")
   elif text == "tcp":
     socket.create_connection(("127.0.0.1", example["port"]), timeout=2).close()
+  elif text == "unix":
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(example["unix_path"])
+    s.sendall(b"exfiltrated")
   elif text == "udp":
     socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"x", ("127.0.0.1", example["port"]))
   elif text == "signal":
@@ -44,6 +48,8 @@ def _attack(example, text):
   elif text == "read":
     with open(os.path.join(path, "keep")) as f:
       return float(f.read() == "data")
+  elif text == "fds":  # descriptors beyond stdio, minus the one listdir opens
+    return float(len([fd for fd in os.listdir("/proc/self/fd") if int(fd) > 2]) - 1)
   else:
     raise ValueError(text)
   return 1.0
@@ -58,6 +64,7 @@ ATTACKS = (
   "system",
   "tcp",
   "udp",
+  "unix",
   "signal",
   "memory",
 )
@@ -81,13 +88,22 @@ def test_every_attack_is_contained(pool, tmp_path):
   server = socket.create_server(("127.0.0.1", 0))
   server.settimeout(0.5)
   port = server.getsockname()[1]
-  ex = {"path": str(tmp_path), "port": port, "trainer_pid": os.getpid()}
-  texts = [*ATTACKS, "read"]
+  unix_path = str(tmp_path / "daemon.sock")
+  unix_server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  unix_server.bind(unix_path)
+  unix_server.listen()
+  unix_server.settimeout(0.5)
+  ex = {"path": str(tmp_path), "port": port, "trainer_pid": os.getpid(), "unix_path": unix_path}
+  texts = [*ATTACKS, "read", "fds"]
   res = rewards.score_batch(_attack, [ex] * len(texts), texts, timeout_s=10.0, pool=pool)
   failed = dict(zip(texts, res.failed.tolist(), strict=True))
   assert all(failed[a] for a in ATTACKS), failed
-  np.testing.assert_array_equal(res.scores, [0.0] * len(ATTACKS) + [1.0])  # reading still works
-  assert sorted(os.listdir(tmp_path)) == ["keep"]
+  # Reading still works; a worker holds no descriptor past stdio but its 2 pipes.
+  np.testing.assert_array_equal(res.scores, [0.0] * len(ATTACKS) + [1.0, 2.0])
+  with pytest.raises(TimeoutError):
+    unix_server.accept()
+  unix_server.close()
+  assert sorted(os.listdir(tmp_path)) == ["daemon.sock", "keep"]
   assert (tmp_path / "keep").read_text() == "data" and (tmp_path / "keep").stat().st_mode == mode
   with pytest.raises(TimeoutError):
     server.accept()

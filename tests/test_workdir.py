@@ -80,5 +80,9 @@ def test_missing_or_corrupt_config_record_names_the_file(tmp_path):
   with pytest.raises(ValueError, match="config.json: missing"):
     workdir.check_config(str(tmp_path), {"seed": 0}, step=3)
   (tmp_path / "config.json").write_text('{"seed": 0,')
-  with pytest.raises(ValueError, match="config.json: invalid JSON"):
+  with pytest.raises(ValueError, match="config.json: invalid JSON.*--allow_config_change"):
     workdir.check_config(str(tmp_path), {"seed": 0}, step=3)
+  workdir.check_config(str(tmp_path), {"seed": 0}, step=3, allow_change=True)
+  assert (tmp_path / "config.json.corrupt").read_text() == '{"seed": 0,'
+  (entry,) = [json.loads(line) for line in open(tmp_path / workdir.HISTORY_FILE)]
+  assert entry["changes"] == {"seed": ["<absent>", 0]}

@@ -195,7 +195,9 @@ def per_token_terms(
     anchor = jnp.where(valid, _required(proximal_logp, "proximal_logp"), 0.0)
   n_b = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
   a = jnp.where(valid, advantages, 0.0)
-  if spec.level in ("seq_prod", "seq_geo", "seq_geo_token"):
+  # Sequence ratios pair with the sequence-mean advantage; GSPO-token
+  # (seq_geo_token) keeps A_{i,t}, its gradient flowing through each token.
+  if spec.level in ("seq_prod", "seq_geo"):
     a = levels.seq_sum(a, valid) / n_b + 0 * a
   elif spec.level == "turn_geo":
     a = levels.turn_mean(a, valid, turn_ids)

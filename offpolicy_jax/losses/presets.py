@@ -111,7 +111,8 @@ _BUILTIN: tuple[tuple[str, dict, str], ...] = (
   (
     "gspo_token",
     dict(_GSPO, level="seq_geo_token"),
-    "GSPO-token: ratio sg(s_i) pi / sg(pi), token advantages allowed (arXiv 2507.18071).",
+    "GSPO-token: PPO clip on sg(s_i) pi / sg(pi) with token advantages A_it, seq-mean; "
+    "equals gspo when A is constant per sequence (arXiv 2507.18071).",
   ),
   (
     "gmpo",
@@ -134,8 +135,9 @@ _BUILTIN: tuple[tuple[str, dict, str], ...] = (
   ),
   (
     "sapo",
-    dict(shaping="soft_gate", grad="ratio", tau_pos=1.0, tau_neg=1.05),
-    "Soft gate -A sigmoid(tau (rho - 1)) 4 / tau, tau by sign of A (Qwen, SAPO).",
+    dict(shaping="soft_gate", grad="ratio", tau_pos=1.0, tau_neg=1.05, agg="seq_mean_token_mean"),
+    "Soft gate -A sigmoid(tau (rho - 1)) 4 / tau, tau by sign of A, seq-mean (Gao et al., "
+    "Qwen, SAPO, arXiv 2511.20347).",
   ),
   (
     "tis",

@@ -9,9 +9,12 @@ off-policy algorithm", arXiv 2509.24203). A spec picks one value on each axis:
    (``pi / prox`` for the trust region, ``prox / mu`` as a rollout correction).
 2. ``level``: granularity of the ratio. ``token``; ``seq_prod``
    (``exp(sum_t log rho_t)``); ``seq_geo`` (``exp(mean_t log rho_t)``, GSPO);
-   ``seq_geo_token`` (value ``s_i``, gradient through each token, GSPO-token);
-   ``prefix_min`` (``min_{s <= t} rho_s``, MinPRO); ``turn_geo``
-   (geometric mean over the tokens of one turn, ST-PPO; ``turn_ids``).
+   ``seq_geo_token`` (GSPO-token: ``s_it = sg(s_i) pi_t / sg(pi_t)``, value
+   ``s_i``, gradient through each token); ``prefix_min``
+   (``min_{s <= t} rho_s``, MinPRO); ``turn_geo`` (geometric mean over the
+   tokens of one turn, ST-PPO; ``turn_ids``). ``seq_prod`` and ``seq_geo``
+   use the sequence-mean advantage and ``turn_geo`` the turn mean; the other
+   levels keep the token advantages ``A_it``.
 3. ``shaping``: ``none``; ``clip`` (PPO clip, optional dual clip); ``mask``
    (``mask_kind`` one_side / two_side / ring); ``truncate`` (bounded weight,
    CISPO / DISPO); ``topr``; ``soft_gate`` (SAPO); ``log_clip`` (GMPO);
