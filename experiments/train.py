@@ -12,7 +12,11 @@ Multi-host (TPU pods, GPU clusters): run the same command on every host with
 touches JAX (on TPU and SLURM the coordinator is discovered automatically;
 elsewhere pass --coordinator_address, --num_processes and --process_id, or set
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID). Each process
-then reads its own shard of the prompts and the loop assembles global batches.
+then keeps its own rows of every global prompt batch and the loop assembles
+global batches, so the run's numbers do not depend on the number of processes.
+On CPU (several processes on one machine, e.g. 2 processes x 4 fake devices
+with XLA_FLAGS=--xla_force_host_platform_device_count=4) collectives go
+through gloo.
 """
 
 import os
@@ -66,6 +70,8 @@ def main(argv):
 
   distributed = _distributed_kwargs()
   if distributed is not None:
+    # Cross-process collectives of CPU devices (the default of recent JAX, made explicit).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**distributed)
 
   from offpolicy_jax import loop, metrics

@@ -24,7 +24,11 @@ Restores check the digests first, reading the files twice. A step without a
 manifest (its run died between commit and manifest) restores unverified, with
 a warning. `restore_latest` falls back to older steps, then moves the corrupt
 newer ones to `<directory>/corrupt/<t>`, out of keep-last-N's sight, so the
-run can save step `t` again. One process (host) per directory.
+run can save step `t` again.
+
+Multi-process runs: every process calls `save` and the restores (orbax
+writes each process's shards and commits once); process 0 alone writes the
+manifests and moves corrupt steps aside, and the others wait for it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 _BYTES_TAG = "__bytes_b64__"
 _MANIFEST = "_MANIFEST.json"
@@ -107,7 +112,7 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
     return x
   sharding = getattr(x, "sharding", None)
   if not isinstance(sharding, jax.sharding.Sharding):
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
@@ -266,6 +271,8 @@ class Checkpointer:
         self.directory, options=options, item_names=("arrays", "meta")
       )
     self._async = async_save
+    # Process 0 writes the manifests and sets corrupt steps aside.
+    self._primary = jax.process_index() == 0
     self._pending: list[int] = []  # saved by this process, manifest not yet written
     self._writer: threading.Thread | None = None
 
@@ -287,7 +294,7 @@ class Checkpointer:
         meta=ocp.args.JsonSave(_encode_json(dict(meta))),
       ),
     )
-    if not saved:
+    if not saved or not self._primary:
       return
     self._pending.append(int(step))
     if self._async:
@@ -474,6 +481,17 @@ class Checkpointer:
 
   def _set_aside(self, steps: Sequence[int]) -> None:
     """Moves corrupt `steps` to `<directory>/corrupt/<step>[.k]`, out of orbax's tracking."""
+    if jax.process_count() > 1:
+      if self._primary:
+        self._move_aside(steps)
+      multihost_utils.sync_global_devices("checkpoint-set-aside")
+    else:
+      self._move_aside(steps)
+    if steps:
+      with _quiet():
+        self._manager.reload()
+
+  def _move_aside(self, steps: Sequence[int]) -> None:
     for step in steps:
       base = dest = os.path.join(self.directory, _CORRUPT_DIR, str(step))
       k = 0
@@ -487,6 +505,3 @@ class Checkpointer:
         _log.warning("could not move corrupt checkpoint step %d aside: %s", step, _summary(e))
         continue
       _log.warning("moved corrupt checkpoint step %d to %s", step, dest)
-    if steps:
-      with _quiet():
-        self._manager.reload()

@@ -6,12 +6,14 @@ packing). It holds no run state: runs whose configs differ only in run fields
 (seed, length, lag, warm start, evaluation, logging) share one through
 `get_environment`, so sweeps, notebooks and tests compile once.
 
-Multi-host data path: each process reads its own shard of the prompt stream
-(`shard_index=jax.process_index()`, `shard_count=jax.process_count()`,
-`prompts_per_step / process_count` prompts each) and `global_prompts`
-assembles the per-process batches into global arrays with
+Multi-host data path: every process reads the same global prompt stream and
+keeps its own block of rows of each batch (`prompts_per_step / process_count`
+prompts, process `p` taking rows `[p * G_local, (p + 1) * G_local)`), and
+`global_prompts` assembles the per-process blocks into global arrays with
 `jax.make_array_from_process_local_data`, rows split over the mesh's
-`(data, fsdp)` axes. With one process the global batch is the local one.
+`(data, fsdp)` axes. So the global batch, and with it every number of the run,
+does not depend on the number of processes, and the iterator state is the same
+on every process. With one process the global batch is the local one.
 """
 
 from __future__ import annotations
@@ -143,6 +145,32 @@ def _host_tokens(rollout) -> tuple[np.ndarray, np.ndarray]:
   return jax.device_get((rollout.tokens, rollout.lengths))
 
 
+class _ProcessRows:
+  """This process's block of rows of every batch of a global prompt iterator.
+
+  Process `index` of `count` keeps rows `[index * n, (index + 1) * n)`, `n =
+  G / count`; the state is the global iterator's, the same on every process.
+  """
+
+  def __init__(self, it, index: int, count: int):
+    self._it, self._index, self._count = it, index, count
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, Any]:
+    batch = next(self._it)
+    n = len(batch["index"]) // self._count
+    lo = self._index * n
+    return {k: v[lo : lo + n] for k, v in batch.items()}
+
+  def get_state(self):
+    return self._it.get_state()
+
+  def set_state(self, state) -> None:
+    self._it.set_state(state)
+
+
 class Environment:
   """Everything a run builds from its config: mesh, task, tokenizer, model, jitted functions.
 
@@ -249,26 +277,23 @@ class Environment:
   def prompt_iterator(self, seed: int, split: str = "train", batch_size: int | None = None):
     """The grain iterator over tokenized prompts (shuffled by `seed` for training).
 
-    Training batches are this process's shard (`prompts_per_step /
-    process_count` prompts, see `global_prompts`); an explicit `batch_size`
-    (evaluation, warm start) reads the whole split on every process.
+    Training batches are this process's block of rows of the global batch
+    (`prompts_per_step / process_count` prompts, see `global_prompts`); an
+    explicit `batch_size` (evaluation, warm start) reads the whole split on
+    every process.
     """
     c = self.config
-    shard = {}
-    if batch_size is None:
-      count = jax.process_count()
-      batch_size = c.prompts_per_step // count
-      shard = {"shard_index": jax.process_index(), "shard_count": count}
-    return data.prompt_iterator(
+    rows = batch_size is None and jax.process_count() > 1
+    it = data.prompt_iterator(
       self.task,
       self.tokenizer,
-      batch_size=batch_size,
+      batch_size=c.prompts_per_step if batch_size is None else batch_size,
       max_prompt_len=c.max_prompt_len,
       seed=seed,
       split=split,
       truncate=c.data.truncate_prompts,
-      **shard,
     )
+    return _ProcessRows(it, jax.process_index(), jax.process_count()) if rows else it
 
   def global_prompts(self, local: dict[str, Any]) -> dict[str, Any]:
     """This process's prompt batch -> the global batch on the mesh (`assemble_global`)."""

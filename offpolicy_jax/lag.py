@@ -18,6 +18,7 @@ PPO, Hilton et al., "Batch size-invariance for policy optimization",
 arXiv:2110.00641); :func:`ewma_update` gives the PPO-EWMA alternative.
 """
 
+import functools
 import queue
 import threading
 from collections.abc import Callable
@@ -104,6 +105,9 @@ class SnapshotState(NamedTuple):
 def snapshot_init(params: Any, capacity: int, version: ArrayLike = 0) -> SnapshotState:
   """Creates a store holding ``params`` as ``version`` in slot 0.
 
+  Jitted, so the store lives on the devices of ``params`` (versions and pointer
+  replicated there), as a multi-process checkpoint needs.
+
   Args:
     params: parameter pytree.
     capacity: number of versions kept (see :func:`snapshot_capacity`).
@@ -114,6 +118,11 @@ def snapshot_init(params: Any, capacity: int, version: ArrayLike = 0) -> Snapsho
   """
   if capacity < 1:
     raise ValueError(f"capacity must be >= 1, got {capacity}")
+  return _snapshot_init(params, capacity, version)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _snapshot_init(params: Any, capacity: int, version: ArrayLike) -> SnapshotState:
   stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (capacity, *jnp.shape(x))) + 0, params)
   versions = jnp.full((capacity,), -1, jnp.int32).at[0].set(version)
   return SnapshotState(stacked, versions, jnp.asarray(1 % capacity, jnp.int32))

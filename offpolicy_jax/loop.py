@@ -34,11 +34,12 @@ In `lag.mode="async"` a sampler thread (`lag.AsyncSampler`) runs ahead with the
 latest published parameters and batches more than `lag.max_staleness` loop
 steps old are dropped; this mode is not bit-reproducible.
 
-Multi-host: every process runs this same loop (SPMD). Each reads its own
-shard of the prompt stream and `Environment.global_prompts` assembles the
-global batch; iterator states are shard-independent positions that advance in
-lockstep, so the one saved in the checkpoint resumes every process. Only
-process 0 writes metrics.
+Multi-host: every process runs this same loop (SPMD). Each keeps its own
+block of rows of the global prompt batch and `Environment.global_prompts`
+assembles the global batch, the same for any number of processes; iterator
+states are positions that advance in lockstep, so the one saved in the
+checkpoint resumes every process. Every process saves and restores the
+checkpoints; only process 0 writes metrics.
 
 The `Environment` of compiled functions lives in `environment.py`, evaluation
 in `evaluation.py` and the start-up checks in `validation.py`.

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
-from offpolicy_jax.sharding import BATCH_AXES, axis_size
+from offpolicy_jax.sharding import BATCH_AXES, axis_size, put
 from offpolicy_jax.types import TrainBatch
 
 POLICIES = ("fifo", "uniform", "staleness", "reward")
@@ -306,7 +306,7 @@ def shardings(state: ReplayState, mesh: Mesh) -> ReplayState:
 
 def shard(state: ReplayState, mesh: Mesh) -> ReplayState:
   """Places a buffer on ``mesh`` with :func:`shardings`."""
-  return jax.device_put(state, shardings(state, mesh))
+  return put(state, shardings(state, mesh))
 
 
 def size(state: ReplayState) -> jax.Array:

@@ -200,7 +200,42 @@ def shard_params(state: Any, mesh: Mesh, rules: Sequence[tuple[str, Any]] = LOGI
   Returns:
     The same pytree with every array placed with its ``NamedSharding``.
   """
-  return jax.device_put(state, tree_shardings(state, mesh, rules))
+  return put(state, tree_shardings(state, mesh, rules))
+
+
+def put(tree: Any, shardings: Any) -> Any:
+  """``jax.device_put`` that also places values on devices of other processes.
+
+  With several processes a ``NamedSharding`` spans devices this process cannot
+  address, and ``jax.device_put`` refuses a process-local (committed) array.
+  Here every process passes the same global value (parameters built from the
+  seed, PRNG keys, replicated scalars); each keeps the pieces its own devices
+  hold, with no communication. Arrays that already span several processes are
+  resharded by ``jax.device_put``. With one process this is ``jax.device_put``.
+
+  Args:
+    tree: pytree of arrays (PRNG key arrays included) or host values, the same
+      global value on every process.
+    shardings: a sharding, or a pytree of shardings mirroring ``tree``.
+
+  Returns:
+    ``tree`` placed with ``shardings``.
+  """
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: _put_one(x, shardings), tree)
+  return jax.tree.map(_put_one, tree, shardings)
+
+
+def _put_one(x: Any, sharding: jax.sharding.Sharding) -> Any:
+  if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+    return jax.device_put(x, sharding)
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    impl = jax.random.key_impl(x)
+    return jax.random.wrap_key_data(_put_one(jax.random.key_data(x), sharding), impl=impl)
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
@@ -237,7 +272,7 @@ def batch_shardings(batch: Any, mesh: Mesh) -> Any:
 
 def shard_batch(batch: Any, mesh: Mesh) -> Any:
   """Places a batch pytree on the mesh, rows split over ``(data, fsdp)``."""
-  return jax.device_put(batch, batch_shardings(batch, mesh))
+  return put(batch, batch_shardings(batch, mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -141,7 +141,7 @@ def init_train_state(
     opt_sh = sharding.tree_shardings(jax.eval_shape(optimizer.init, params), mesh)
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
     rep = sharding.replicated(mesh)
-    zero = lambda v: jax.device_put(jnp.asarray(v, jnp.int32), rep)
+    zero = lambda v: sharding.put(jnp.asarray(v, jnp.int32), rep)
   else:
     opt_state = optimizer.init(params)
     zero = lambda v: jnp.asarray(v, jnp.int32)
@@ -443,12 +443,12 @@ def make_train_step(
     fn, in_sh = cache[sig]
     args = (state, batch, key, ref_params, proximal_params)
     if in_sh is not None:
-      # No-op for arrays already placed as expected; moves host data and snapshots.
+      # No-op for arrays already placed as expected; moves host data and snapshots
+      # (with several processes, host values must be the same on every process).
       args = (
         state,
         *(
-          a if a is None else jax.device_put(a, sh)
-          for a, sh in zip(args[1:], in_sh[1:], strict=True)
+          a if a is None else sharding.put(a, sh) for a, sh in zip(args[1:], in_sh[1:], strict=True)
         ),
       )
     return fn(*args)

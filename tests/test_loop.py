@@ -422,17 +422,22 @@ def test_global_prompts_on_one_process_equal_the_local_batch():
   np.testing.assert_array_equal(np.asarray(odd["prompt_tokens"]), local["prompt_tokens"][:3])
 
 
-def test_each_process_reads_its_own_prompt_shard(monkeypatch):
+def test_each_process_reads_its_own_block_of_the_global_batch(monkeypatch):
   env = loop.get_environment(small_config(**{"prompts_per_step": 4}))
-  whole = next(env.prompt_iterator(0, "train"))
-  assert whole["prompt_tokens"].shape[0] == 4
+  one = env.prompt_iterator(0, "train")
+  whole = [next(one) for _ in range(3)]
+  assert whole[0]["prompt_tokens"].shape[0] == 4
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   for shard in (0, 1):
     monkeypatch.setattr(jax, "process_index", lambda shard=shard: shard)
     it = env.prompt_iterator(0, "train")
-    for _ in range(3):
+    for t in range(3):
       batch = next(it)
       assert batch["prompt_tokens"].shape[0] == 2  # prompts_per_step / process_count
-      assert (batch["index"] % 2 == shard).all()
+      # Rows [2 * shard, 2 * shard + 2) of the one-process batch: the global batch
+      # does not depend on the number of processes.
+      for k, v in whole[t].items():
+        np.testing.assert_array_equal(batch[k], v[2 * shard : 2 * shard + 2])
+    assert it.get_state() == one.get_state()  # one checkpointed state resumes every process
   # Evaluation reads the whole split on every process.
   assert next(env.prompt_iterator(0, "eval", batch_size=4))["index"].tolist() == [0, 1, 2, 3]
