@@ -10,7 +10,6 @@ and the sweep goes on; the process then exits with status 1, naming the
 failed runs.
 """
 
-import csv
 import os
 import shlex
 import sys
@@ -134,50 +133,14 @@ def run_sweep(config, sweep: list[dict], workdir: str) -> str:
       print(f"sweep run {name} FAILED after {time.time() - start:.1f}s: {failed[name]}", flush=True)
       continue
     print(f"sweep run {name} done in {time.time() - start:.1f}s", flush=True)
-  summary = metrics.write_summary_table(runs, workdir)
-  _add_status_columns(workdir, list(runs), failed)
+  status = {
+    n: {"status": "failed" if n in failed else "ok", "error": failed.get(n, "")} for n in runs
+  }
+  summary = metrics.write_summary_table(runs, workdir, extra=status)
   metrics.plot_runs(runs, os.path.join(workdir, "curves.png"))
   if failed:
     raise SweepError(summary, failed, len(runs))
   return summary
-
-
-# Longest error message shown in summary.md (summary.csv keeps it whole).
-_MD_ERROR_CHARS = 300
-
-
-def _add_status_columns(workdir: str, names: list[str], failed: Mapping[str, str]) -> None:
-  """Appends `status` and `error` columns to the summary `metrics.write_summary_table` wrote."""
-  status = {n: ("failed" if n in failed else "ok", failed.get(n, "")) for n in names}
-  csv_path = os.path.join(workdir, "summary.csv")
-  with open(csv_path, newline="") as f:
-    header, *rows = list(csv.reader(f))
-  with open(csv_path, "w") as f:
-    writer = csv.writer(f, lineterminator="\n")
-    writer.writerow([*header, "status", "error"])
-    writer.writerows([*row, *status.get(row[0], ("", ""))] for row in rows)
-
-  def md_cell(text: str) -> str:
-    if len(text) > _MD_ERROR_CHARS:
-      text = text[: _MD_ERROR_CHARS - 3] + "..."
-    return text.replace("|", "\\|")
-
-  md_path = os.path.join(workdir, "summary.md")
-  with open(md_path) as f:
-    lines = f.read().splitlines()
-  table = len(lines) == len(names) + 2 and all(
-    line.startswith(f"| {n} |") for line, n in zip(lines[2:], names, strict=True)
-  )
-  if table:
-    lines[0] += " status | error |"
-    lines[1] += "---|---|"
-    for i, n in enumerate(names, start=2):
-      lines[i] += f" {status[n][0]} | {md_cell(status[n][1])} |"
-  else:  # Not the one-row-per-run table this expects: a table of its own.
-    lines += ["", "| run | status | error |", "|---|---|---|"]
-    lines += [f"| {n} | {status[n][0]} | {md_cell(status[n][1])} |" for n in names]
-  with open(md_path, "w") as f:
-    f.write("\n".join(lines) + "\n")
 
 
 def _print_file(path: str) -> None:

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import code, default, lag_study  # noqa: E402
-from offpolicy_jax import data, models, tasks, validation  # noqa: E402
+from offpolicy_jax import data, data_checks, models, tasks, validation  # noqa: E402
 from offpolicy_jax.tasks import ListSource, Task  # noqa: E402
 from offpolicy_jax.tokenizers import CharTokenizer  # noqa: E402
 
@@ -185,9 +185,9 @@ def _data_config(**overrides):
 
 @pytest.fixture(autouse=True)
 def _fresh_scan_cache():
-  validation._SCAN_CACHE.clear()
+  data_checks._SCAN_CACHE.clear()
   yield
-  validation._SCAN_CACHE.clear()
+  data_checks._SCAN_CACHE.clear()
 
 
 def test_good_data_passes_and_reports_the_scan():
@@ -325,7 +325,7 @@ def test_scans_are_cached_in_process_and_on_disk(tmp_path, monkeypatch):
   assert calls == ["train", "eval"]
   validation.validate_data(cfg, task, TOK)  # in process
   assert len(calls) == 2
-  validation._SCAN_CACHE.clear()  # a new process: the workdir's file answers
+  data_checks._SCAN_CACHE.clear()  # a new process: the workdir's file answers
   again = validation.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
   assert len(calls) == 2 and again == first
   assert (tmp_path / validation.CACHE_FILE).exists()
@@ -345,7 +345,7 @@ def test_data_file_change_triggers_a_rescan(tmp_path, monkeypatch):
   path.write_text("x\n")
   cfg, task = _data_config(task_kwargs={"train_path": str(path)}), _task(["ab="])
   validation.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
-  validation._SCAN_CACHE.clear()
+  data_checks._SCAN_CACHE.clear()
   path.write_text("xy\n")
   validation.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
   assert calls == ["train", "eval", "train", "eval"]
