@@ -29,29 +29,30 @@ Rewards reach a worker by pickling: a module-level function, a
 `functools.partial` of one, or a `RebuildReward` that rebuilds a registered
 task in the worker from its factory and keyword arguments. `check` probes this
 at start-up, so a reward that cannot reach a worker fails there, naming it.
+
+This module is the trainer's side. What runs inside a worker (`worker_main`),
+the messages on its pipes and `RebuildReward` are in `verifier_worker`.
 """
 
 import atexit
 import collections
 import importlib.util
-import json
 import logging
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
-import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from offpolicy_jax import sandbox
+from offpolicy_jax.verifier_worker import MAX_REPLY_BYTES, RebuildReward, parse_reply, worker_main
 
-_MAX_REPLY_BYTES = 1 << 16
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _START_TIMEOUT_S = 120.0
 # Verifier libraries the forkserver imports once, when installed.
@@ -79,106 +80,12 @@ class RewardResult(NamedTuple):
   errors: tuple[str, ...] = ()
 
 
-class RebuildReward:
-  """A reward the worker rebuilds as `factory(**kwargs).reward`, for closures.
-
-  The factory is pickled by reference (it must be importable: a module-level
-  function of an importable module); the worker builds the task once and keeps
-  its reward.
-  """
-
-  def __init__(self, factory: Callable[..., Any], kwargs: dict[str, Any], name: str):
-    self.factory, self.kwargs, self.name = factory, dict(kwargs), name
-
-  def resolve(self) -> Callable[[Any, str], float]:
-    reward = self.factory(**self.kwargs).reward
-    return getattr(reward, "fn", reward)
-
-
-# ----------------------------------------------------------------- worker side
-
-
-def _reply(conn, obj: dict) -> None:
-  conn.send_bytes(json.dumps(obj).encode()[:_MAX_REPLY_BYTES])
-
-
-def _close_inherited_fds(keep: set[int]) -> None:
-  """Closes every descriptor but stdio and `keep`.
-
-  A forked worker inherits pipes of the forkserver and of multiprocessing's
-  resource tracker; Landlock does not govern descriptors already open, so
-  they are closed before any model output arrives.
-  """
-  fd_dir = "/proc/self/fd"
-  fds = [int(f) for f in os.listdir(fd_dir)] if os.path.isdir(fd_dir) else range(3, 1024)
-  for fd in fds:
-    if fd > 2 and fd not in keep:
-      try:
-        os.close(fd)
-      except OSError:
-        pass
-
-
-def _load(fns: dict[int, Any], fn_id: int):
-  if isinstance(fns[fn_id], bytes):
-    fn = pickle.loads(fns[fn_id])
-    fns[fn_id] = fn.resolve() if isinstance(fn, RebuildReward) else fn
-  return fns[fn_id]
-
-
-def _worker_main(calls, replies, limits: sandbox.Limits, strict: bool) -> None:
-  """Worker loop: confine, then answer `(kind, i, fn_id, example, text, timeout_s)` calls.
-
-  A call that leaves threads behind ends its worker after replying (the pool
-  starts a fresh one), so nothing a verifier started outlives its call.
-  """
-  devnull = os.open(os.devnull, os.O_RDWR)
-  os.dup2(devnull, 1)
-  os.dup2(devnull, 2)
-  _close_inherited_fds({calls.fileno(), replies.fileno()})
-  signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
-  try:
-    missing = sandbox.apply(limits, strict=strict)
-  except BaseException as e:  # noqa: BLE001  reported to the pool, which refuses to score
-    _reply(replies, {"fatal": f"{type(e).__name__}: {e}"})
-    return
-  _reply(replies, {"ready": missing})
-  fns: dict[int, Any] = {}
-  while True:
-    msg = calls.recv()
-    if msg is None:
-      return
-    if msg[0] == "fn":  # ("fn", fn_id, pickled reward): loaded on first use
-      fns[msg[1]] = msg[2]
-      continue
-    kind, i, fn_id, example, text, timeout_s = msg
-    sandbox.set_cpu_limit(timeout_s + 1.0)
-    try:
-      fn = _load(fns, fn_id)
-    except BaseException as e:  # noqa: BLE001  the reward cannot be loaded here
-      _reply(replies, {"i": i, "load_error": f"{type(e).__name__}: {e}"[:500]})
-      continue
-    try:
-      out: dict[str, Any] = {"i": i, "score": 0.0 if kind == "load" else float(fn(example, text))}
-    except BaseException as e:  # noqa: BLE001  any verifier failure scores 0
-      out = {"i": i, "error": f"{type(e).__name__}: {e}"[:500]}
-    leftover = threading.active_count() > 1
-    if leftover:
-      out["recycle"] = True
-    _reply(replies, out)
-    if leftover:
-      os._exit(0)  # threads the call started die with the process
-
-
-# ----------------------------------------------------------------- trainer side
-
-
 class _Worker:
   def __init__(self, ctx, limits: sandbox.Limits, strict: bool):
     self.calls_r, self.calls = ctx.Pipe(duplex=False)
     self.replies, replies_w = ctx.Pipe(duplex=False)
     self.process = ctx.Process(
-      target=_worker_main, args=(self.calls_r, replies_w, limits, strict), daemon=True
+      target=worker_main, args=(self.calls_r, replies_w, limits, strict), daemon=True
     )
     self.process.start()
     replies_w.close()
@@ -190,7 +97,7 @@ class _Worker:
     if not self.replies.poll(_START_TIMEOUT_S):
       self.kill()
       raise sandbox.SandboxError(f"verifier worker did not start within {_START_TIMEOUT_S} s")
-    msg = _parse(self.replies.recv_bytes(_MAX_REPLY_BYTES))
+    msg = parse_reply(self.replies.recv_bytes(MAX_REPLY_BYTES))
     if "fatal" in msg:
       self.kill()
       raise sandbox.SandboxError(str(msg["fatal"]))
@@ -202,13 +109,6 @@ class _Worker:
     self.process.join(5.0)
     for conn in (self.calls, self.replies):
       conn.close()
-
-
-def _parse(raw: bytes) -> dict[str, Any]:
-  msg = json.loads(raw)
-  if not isinstance(msg, dict):
-    raise ValueError("reply is not an object")
-  return msg
 
 
 def _context():
@@ -277,7 +177,7 @@ class VerifierPool:
       if not w.replies.poll(timeout_s):
         self._replace(w)
         raise ValueError(_unreachable(name, fn, f"loading took over {timeout_s} s"))
-      msg = _parse(w.replies.recv_bytes(_MAX_REPLY_BYTES))
+      msg = parse_reply(w.replies.recv_bytes(MAX_REPLY_BYTES))
       if msg.get("recycle"):
         self._replace(w)
     if "load_error" in msg or "error" in msg:
@@ -387,7 +287,7 @@ class _Batch:
   def _receive(self, w: _Worker) -> None:
     i = w.busy[0] if w.busy else -1
     try:
-      msg = _parse(w.replies.recv_bytes(_MAX_REPLY_BYTES))
+      msg = parse_reply(w.replies.recv_bytes(MAX_REPLY_BYTES))
       if msg.get("i") != i:
         raise ValueError(f"reply for row {msg.get('i')!r}, expected {i}")
     except (EOFError, OSError, ValueError) as e:  # died (SIGXCPU, os._exit) or garbled its pipe
@@ -484,3 +384,6 @@ def close_pools() -> None:
     for pool in _POOLS.values():
       pool.close()
     _POOLS.clear()
+
+
+__all__ = ["RebuildReward", "RewardResult", "VerifierPool", "close_pools", "get_pool"]

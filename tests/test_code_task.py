@@ -1,5 +1,6 @@
-"""Tests for offpolicy_jax.tasks.code (only trusted or harmless programs are run)."""
+"""Tests for tasks.code, code_data and code_reward (only trusted or harmless programs are run)."""
 
+import collections
 import json
 import os
 import pickle
@@ -7,7 +8,7 @@ import re
 
 import pytest
 
-from offpolicy_jax.tasks import code
+from offpolicy_jax.tasks import code, code_reward
 from offpolicy_jax.tokenizers import CharTokenizer
 
 TOK = CharTokenizer()
@@ -190,15 +191,15 @@ def test_check_plain_walks_containers_and_attributes():
   ns = {}
   exec(FAKE_EQ, ns)  # a trusted, hand-written stand-in for a program's class
   fake = ns["E"]()
-  plain = [1, (2.0, "s", None), {3: {4}}, frozenset({5}), code.collections.deque([6])]
-  assert code._check_plain(plain, set()) is plain
-  for bad in ([1, (2, {3: fake})], {"k": fake}, code.collections.UserList([fake]), fake):
+  plain = [1, (2.0, "s", None), {3: {4}}, frozenset({5}), collections.deque([6])]
+  assert code_reward._check_plain(plain, set()) is plain
+  for bad in ([1, (2, {3: fake})], {"k": fake}, collections.UserList([fake]), fake):
     with pytest.raises(AssertionError, match="untrusted type 'E'"):
-      code._check_plain(bad, set())
-  assert code._check_plain([fake], {id(ns["E"])}) == [fake]  # a trusted class
+      code_reward._check_plain(bad, set())
+  assert code_reward._check_plain([fake], {id(ns["E"])}) == [fake]  # a trusted class
   cyclic = [1]
   cyclic.append(cyclic)
-  assert code._check_plain(cyclic, set()) is cyclic
+  assert code_reward._check_plain(cyclic, set()) is cyclic
 
 
 def test_humaneval_reference_and_wrong_programs(tmp_path):
