@@ -52,7 +52,7 @@ EXTRAS_REQUIRE = {
 
 setuptools.setup(
     name="offpolicy_jax",
-    version="0.1.0",
+    version="0.2.0",
     description="JAX-native off-policy RL for large language models.",
     packages=setuptools.find_packages(include=["offpolicy_jax", "offpolicy_jax.*"]),
     python_requires=">=3.10",

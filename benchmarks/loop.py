@@ -7,17 +7,24 @@ Prints one table:
   (``2 n^3`` FLOPs of a jitted ``jnp.dot``),
 - the share of wall time spent outside jitted work in a simple
   sample -> replay -> train loop driven from Python,
-- the cost of ``replay.add`` and ``replay.sample``.
+- the cost of ``replay.add`` and ``replay.sample``,
+- the main job's loop (``loop.train_and_evaluate`` on configs/default.py, no
+  evaluation or checkpoints): wall time per step against the jitted work per
+  step (from the rows' ``time/device_s``), and the XLA compilations counted at
+  half way and at the end (equal: nothing recompiles after warm-up).
 
 Model FLOPs per token (PaLM appendix B, Chowdhery et al., arXiv:2204.02311):
 ``6 * N_matmul + 12 * L * n_heads * head_dim * T`` for the forward and
 backward pass, with ``N_matmul`` the matmul parameters (including the output
 projection, excluding the embedding lookup) and ``T`` the sequence length.
 
-Usage: ``python benchmarks/loop.py [--preset tiny|small] [--steps 5]``.
+Usage: ``python benchmarks/loop.py [--preset tiny|small] [--steps 5] [--loop_steps 200]``.
 """
 
 import argparse
+import os
+import sys
+import tempfile
 import time
 
 import jax
@@ -25,8 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from offpolicy_jax import models, replay, sampling, train_step
-from offpolicy_jax.types import TrainBatch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import default  # noqa: E402
+from offpolicy_jax import loop, models, replay, sampling, train_step  # noqa: E402
+from offpolicy_jax.types import TrainBatch  # noqa: E402
 
 SHAPES = {  # preset: (groups G, group size K, prompt length P, response length N)
   "tiny": (8, 4, 16, 32),
@@ -92,6 +102,7 @@ _make_batch = jax.jit(_batch, static_argnums=(3,))
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", default="tiny", choices=sorted(SHAPES))
+  parser.add_argument("--loop_steps", type=int, default=200, help="main-job steps (0: skip)")
   parser.add_argument("--steps", type=int, default=5)
   args = parser.parse_args()
   g, k, p, n = SHAPES[args.preset]
@@ -151,6 +162,7 @@ def main():
     (big, _, _), dt = _timed(replay.sample, big, jax.random.fold_in(key, i), g, "uniform", None)
     samples.append(dt)
 
+  job = main_job_loop(args.loop_steps) if args.loop_steps else []
   rows = [
     ("preset / params", f"{args.preset} / {config.num_params() / 1e6:.2f}M"),
     ("batch (G*K x (P+N))", f"{g}*{k} x ({p}+{n}) = {tokens} tokens"),
@@ -164,12 +176,33 @@ def main():
     ("share outside jitted work", f"{1 - jit_time / wall:.1%}"),
     ("replay.add (256 groups)", f"{np.median(adds) * 1e3:.2f} ms"),
     ("replay.sample (256 groups)", f"{np.median(samples) * 1e3:.2f} ms"),
+    *job,
   ]
   width = max(len(r[0]) for r in rows)
   print(f"| {'metric':<{width}} | value |")
   print(f"|{'-' * (width + 2)}|-------|")
   for name, value in rows:
     print(f"| {name:<{width}} | {value} |")
+
+
+def main_job_loop(steps: int) -> list[tuple[str, str]]:
+  """Loop wall time vs jitted work per step, and compile counts, on the main job."""
+  c = default.base_config()
+  c.total_steps, c.eval_every, c.eval_prompts, c.checkpoint_every = steps, 0, 0, 0
+  c.progress = c.tensorboard = False
+  c.lock()
+  with tempfile.TemporaryDirectory() as workdir:
+    rows = [r for r in loop.train_and_evaluate(c, workdir) if "loss" in r]
+  warm = [r for r in rows if r["step"] > c.log_every]  # the first chunk compiles
+  wall = float(np.mean([r["step_time_s"] for r in warm]))
+  device = float(np.mean([r["time/device_s"] for r in warm]))
+  half = next(r["compiles"] for r in rows if r["step"] >= steps // 2)
+  return [
+    (f"main job: loop wall time / step ({steps} steps)", f"{wall * 1e3:.2f} ms"),
+    ("main job: jitted work / step", f"{device * 1e3:.2f} ms"),
+    ("main job: loop overhead", f"{wall / device - 1:.1%}"),
+    ("main job: compiles at half way / end", f"{half} / {rows[-1]['compiles']}"),
+  ]
 
 
 if __name__ == "__main__":

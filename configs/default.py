@@ -27,6 +27,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.model = "tiny"
   # Compute dtype of the model ("float32" or "bfloat16").
   c.model_dtype = "float32"
+  # Run the decoder blocks as one lax.scan in the training forward (compile time
+  # flat in depth; same numbers, same checkpoint layout).
+  c.model_scan_layers = False
   # Tokenizer: "" uses the task's built-in character tokenizer; else a local HF directory.
   c.tokenizer = ""
   # Task name for tasks.get_task.
@@ -169,6 +172,12 @@ def base_config() -> ml_collections.ConfigDict:
   # Samples per eval prompt for pass@k (k = this; 1 = greedy accuracy only, no pass@k).
   c.eval_samples = 4
   # Save a checkpoint every this many steps (0 = only at the end).
+  # Loop steps per jitted chunk (device rewards): metrics are fetched and written
+  # every gcd(log_every, eval_every, checkpoint_every) steps.
+  c.log_every = 10
+  # Trace this many loop steps (after the first chunk, so compilation is not in it)
+  # with jax.profiler into <workdir>/profile, viewable in TensorBoard/XProf; 0 = off.
+  c.profile_steps = 0
   c.checkpoint_every = 100
   # Checkpoints kept.
   c.keep_checkpoints = 2

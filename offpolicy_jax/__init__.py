@@ -12,12 +12,19 @@ Submodules, one topic each:
   lag           parameter versions, the sync schedule, snapshots
   replay        device-resident ring buffer of rollout groups
   sharding      mesh construction and logical axis rules
-  train_step    the pure sharded train step
-  loop          train_and_evaluate(config, workdir)
-  environment   what a run builds once: mesh, model, tokenizer, task, compiled functions
+  train_state   TrainState, the optimizer
+  train_step    the pure sharded train step (module-level functions, typed metrics)
+  reductions    typed metric reductions: Mean(sum, count), Sum, Max, Min
+  rollouts      prompt batches, rewards, packing a scored rollout into a TrainBatch
+  rl_step       one pure RL step (RunState, behaviour params, sample, reward, learn)
+  components    build_components(config): the only reader of the config
+  loop          train_and_evaluate(config, workdir): restore, iterate, write
+  producer      the async-mode sampler thread
+  observability compile counter and jax.profiler traces
   validation    start-up config checks that name the bad field
   evaluation    greedy accuracy and pass@k on held-out prompts
   sft           supervised warm start
+  sweeps        run_sweep: a config's get_sweep() overrides, run one after another
   checkpointing orbax save/restore of the whole run state
   metrics       JSONL / TensorBoard writers, progress bar, plots
 """
@@ -25,46 +32,56 @@ Submodules, one topic each:
 from offpolicy_jax import (
   advantages,
   checkpointing,
+  components,
   data,
-  environment,
   evaluation,
   lag,
   loop,
   losses,
   metrics,
   models,
+  reductions,
   replay,
   rewards,
+  rl_step,
+  rollouts,
   sampling,
   sft,
   sharding,
+  sweeps,
   tasks,
   tokenizers,
+  train_state,
   train_step,
   types,
   validation,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
   "advantages",
   "checkpointing",
   "data",
-  "environment",
+  "components",
   "evaluation",
   "lag",
   "loop",
   "losses",
   "metrics",
   "models",
+  "reductions",
   "replay",
   "rewards",
+  "rl_step",
+  "rollouts",
   "sampling",
   "sft",
   "sharding",
+  "sweeps",
   "tasks",
   "tokenizers",
+  "train_state",
   "train_step",
   "types",
   "validation",

@@ -1,65 +1,73 @@
-"""Orbax save/restore of a whole run: arrays (params, optimizer, buffer, snapshots) + JSON meta.
+"""Orbax save/restore of a run as named items (params, optimizer state, buffer...) + JSON meta.
 
-A checkpoint at step `t` holds two items:
+Step `t` of a checkpoint directory holds one orbax item per name, as in flax's
+gemma example:
 
-- `arrays`: any pytree of arrays (the loop passes parameters, optimizer state,
-  the replay buffer and the parameter snapshots the lag schedule still needs).
-  It is stored flat, leaf `i` under the key `"%06d" % i`, so any pytree type
-  (NamedTuples, `nnx.State`, optax states) round-trips through the template
-  given at restore time; typed PRNG keys are stored as their raw key data.
-- `meta`: a JSON dict (step, seed, data iterator state, snapshot versions...).
-  `bytes` values are stored base64-encoded and decoded back on restore.
+- `<t>/<name>/` for each item given to `save` (e.g. `params`, `opt_state`,
+  `replay`): a standard orbax pytree of nested dicts keyed by the names along
+  the item's tree paths (dict keys, NamedTuple fields, list indices "0", "1",
+  `nnx.State` paths). An `nnx.Variable` is stored as its value, a typed PRNG
+  key as its key data, an item that is a single array as `{"value": array}`.
+  So plain orbax reads an item by name, without templates:
+  `ocp.StandardCheckpointer().restore(f"{directory}/{t}/params")`.
+- `<t>/meta/`: a JSON dict (step, seed, data iterator state...); `bytes`
+  values are stored base64-encoded and decoded back.
 
-Writes are atomic (orbax writes into a temporary directory and renames it when
-complete), keep the last `max_to_keep`, and are asynchronous: `save` returns
-once arrays are copied off the device. A run killed mid-save restores the
-previous complete step.
+Restores read only the items they are given templates for, into the
+templates' pytree types (NamedTuples, `nnx.State`, optax states), shapes,
+dtypes and shardings, matching leaves by path name.
 
-Integrity. Orbax checksums only tensorstore's index nodes, not the array bytes:
-a data file overwritten in place restores silently as wrong numbers. So once
-orbax has committed step `t`, `<t>/_MANIFEST.json` records the size and sha256
-of every other file of the step directory (asynchronous saves get it from a
-background thread; `save`, `wait`, `close` and every read wait for it).
-Restores check the digests first, reading the files twice. A step without a
-manifest (its run died between commit and manifest) restores unverified, with
-a warning. `restore_latest` falls back to older steps, then moves the corrupt
-newer ones to `<directory>/corrupt/<t>`, out of keep-last-N's sight, so the
-run can save step `t` again.
+Saves are atomic (orbax renames a complete temporary directory), keep the last
+`max_to_keep` steps, and are asynchronous: `save` returns once the arrays are
+off the device. Each committed step gets a manifest of its files' sha256
+digests (`checkpoint_integrity`; written in the background after an
+asynchronous save, and `save`, `wait`, `close` and every read wait for it).
+Restores check the files they will read first: their items', meta's and the
+step's own; a step without a manifest restores unverified, with a warning.
+`restore_latest` falls back past corrupt steps, then moves them to
+`<directory>/corrupt/<t>` so the run can save `t` again.
 
-Multi-process runs: every process calls `save` and the restores (orbax
-writes each process's shards and commits once); process 0 alone writes the
-manifests and moves corrupt steps aside, and the others wait for it.
+Checkpoints of offpolicy_jax 0.1.x held one item, `arrays`,
+its leaves flat under "000000", "000001", ...: their meta reads, their arrays
+raise a `CheckpointError`.
+
+Multi-process runs: every process calls `save` and the restores; process 0
+alone writes the manifests and moves corrupt steps aside.
 """
 
 from __future__ import annotations
 
 import base64
-import concurrent.futures
-import contextlib
-import hashlib
-import json
 import logging
 import os
 import re
-import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 from jax.experimental import multihost_utils
 
+from offpolicy_jax import checkpoint_integrity as integrity
+
 _BYTES_TAG = "__bytes_b64__"
-_MANIFEST = "_MANIFEST.json"
-_NO_MANIFEST = "no manifest"
-_CORRUPT_DIR = "corrupt"
+_META = "meta"
+_FLAT_ITEM = "arrays"  # the one item of the old flat-index format
+_FLAT = "old flat-index format"
+_FLAT_FORMAT = (
+  "checkpoint step {step} under {directory} is in the old flat-index format (one item 'arrays', "
+  "leaves under 000000, 000001, ...) written by offpolicy_jax 0.1.x, which cannot be restored "
+  "by name; resume it with offpolicy_jax 0.1.x (or start a fresh run)"
+)
+_ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 _log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
-  """A checkpoint step is corrupt, or no step could be restored intact.
+  """A checkpoint step is corrupt or unreadable by name, or no step could be restored.
 
   Attributes:
     failures: `(step, reason)` for every step tried, newest first.
@@ -100,9 +108,12 @@ def _is_key(x: Any) -> bool:
   return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _flatten(tree: Any) -> dict[str, Any]:
-  leaves = jax.tree.leaves(tree)
-  return {f"{i:06d}": (jax.random.key_data(x) if _is_key(x) else x) for i, x in enumerate(leaves)}
+def _is_variable(x: Any) -> bool:
+  return isinstance(x, nnx.Variable)
+
+
+def _value(leaf: Any) -> Any:
+  return leaf.get_value() if _is_variable(leaf) else leaf
 
 
 def _abstract(x: Any) -> jax.ShapeDtypeStruct:
@@ -116,134 +127,59 @@ def _abstract(x: Any) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
-def _summary(e: BaseException) -> str:
-  """`Type: message` on one line of at most ~170 chars, for tensorstore's long errors too.
-
-  Orbax's "Encountered error while reading array index" gives way to its
-  cause; tensorstore's spec dumps are cut; a long chain of "while doing X:"
-  keeps its head (the status) and its tail (the root cause).
-  """
-  if e.__cause__ is not None and "See full TensorStore details" in str(e):
-    e = e.__cause__
-  text = re.split(r" See full TensorStore details| \[tensorstore_spec", str(e))[0]
-  text = f"{type(e).__name__}: {' '.join(text.split())}"
-  return text if len(text) <= 170 else f"{text[:50]} ... {text[-115:]}"
+def _key_name(entry: Any) -> str:
+  for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
 
 
-def _listing(rels: Iterable[str]) -> str:
-  rels = sorted(rels)
-  return rels[0] + (f" and {len(rels) - 1} more" if len(rels) > 1 else "")
+def _named_leaves(tree: Any) -> tuple[list[tuple[str, ...]], list[Any], Any]:
+  """(path names, leaves, treedef) of `tree`, each `nnx.Variable` one leaf."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
+  paths = [tuple(_key_name(k) for k in path) or ("value",) for path, _ in flat]
+  return paths, [leaf for _, leaf in flat], treedef
 
 
-def _sha256(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    while chunk := f.read(1 << 22):
-      digest.update(chunk)
-  return digest.hexdigest()
+def _nested(tree: Any, fn: Callable[[Any], Any]) -> dict[str, Any]:
+  """`{name0: {name1: ... fn(value)}}` along each leaf's path names (empty without leaves)."""
+  out: dict[str, Any] = {}
+  for path, leaf in zip(*_named_leaves(tree)[:2], strict=True):
+    node = out
+    for name in path[:-1]:
+      node = node.setdefault(name, {})
+      if not isinstance(node, dict):
+        raise ValueError(f"checkpoint item has a leaf and a subtree at {'/'.join(path)}")
+    if path[-1] in node:
+      raise ValueError(f"checkpoint item has two leaves at {'/'.join(path)}")
+    node[path[-1]] = fn(_value(leaf))
+  return out
 
 
-def _file_sizes(step_dir: str) -> dict[str, int]:
-  """Bytes of every file under `step_dir` but the manifest, by '/'-separated relative path."""
-  sizes = {}
-  for root, _, names in os.walk(step_dir):
-    for name in names:
-      path = os.path.join(root, name)
-      rel = os.path.relpath(path, step_dir).replace(os.sep, "/")
-      if not rel.startswith(_MANIFEST):  # also skips a half-written `_MANIFEST.json.tmp`
-        sizes[rel] = os.path.getsize(path)
-  return sizes
+def _stored(x: Any) -> Any:
+  return jax.random.key_data(x) if _is_key(x) else x
 
 
-def _digests(step_dir: str, rels: Iterable[str]) -> dict[str, str]:
-  rels = sorted(rels)
-  with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:  # hashlib drops the GIL
-    paths = [os.path.join(step_dir, rel) for rel in rels]
-    return dict(zip(rels, pool.map(_sha256, paths), strict=True))
+def _rebuild(template: Any, stored: dict[str, Any]) -> Any:
+  """The tree of `template` with each leaf taken from `stored` (nested as `_nested` does)."""
+  paths, leaves, treedef = _named_leaves(template)
+  out = []
+  for path, leaf in zip(paths, leaves, strict=True):
+    x: Any = stored
+    for name in path:
+      x = x[name]
+    if _is_key(value := _value(leaf)):
+      # A ShapeDtypeStruct has no public accessor for its key implementation.
+      sds = isinstance(value, jax.ShapeDtypeStruct)
+      x = jax.random.wrap_key_data(x, impl=value.dtype._impl if sds else jax.random.key_impl(value))
+    out.append(leaf.replace(x) if _is_variable(leaf) else x)
+  return jax.tree.unflatten(treedef, out)
 
 
-def _write_manifest(step_dir: str) -> None:
-  sizes = _file_sizes(step_dir)
-  digests = _digests(step_dir, sizes)
-  files = {rel: {"size": sizes[rel], "sha256": digests[rel]} for rel in sorted(sizes)}
-  tmp = os.path.join(step_dir, _MANIFEST + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump({"algorithm": "sha256", "files": files}, f, indent=1)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(step_dir, _MANIFEST))
-
-
-def _is_meta_file(rel: str) -> bool:
-  """The files orbax reads to restore only `meta`: the item and the step's own metadata."""
-  return rel.startswith("meta/") or "/" not in rel
-
-
-def _check(step_dir: str, keep: Callable[[str], bool] | None = None) -> str | None:
-  """Why the files of `step_dir` (those `keep` selects) differ from its manifest, or None."""
-  keep = keep or (lambda rel: True)
-  try:
-    with open(os.path.join(step_dir, _MANIFEST)) as f:
-      files = json.load(f)["files"]
-    expected = {rel: (int(e["size"]), str(e["sha256"])) for rel, e in files.items() if keep(rel)}
-  except FileNotFoundError:
-    return _NO_MANIFEST
-  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-    return f"unreadable manifest ({_summary(e)})"
-  sizes = {rel: n for rel, n in _file_sizes(step_dir).items() if keep(rel)}
-  if missing := expected.keys() - sizes.keys():
-    return f"missing file {_listing(missing)}"
-  if extra := sizes.keys() - expected.keys():
-    return f"unexpected file {_listing(extra)}"
-  for rel in sorted(sizes):
-    if sizes[rel] != expected[rel][0]:
-      return f"size mismatch in {rel}: {sizes[rel]} bytes, {expected[rel][0]} expected"
-  digests = _digests(step_dir, sizes)
-  bad = [rel for rel in sizes if digests[rel] != expected[rel][1]]
-  return f"digest mismatch in {_listing(bad)}" if bad else None
-
-
-class _DropOrbaxNoise:
-  """`sys.unraisablehook` dropping what orbax's aborted reads raise after a failed restore.
-
-  Tensorstore completes the reads orbax abandoned on threads of its own, after
-  orbax's event loop has closed: each raises "Event loop is closed" (or leaves
-  an orbax coroutine's error unretrieved) long after the restore has returned.
-  Everything else goes to the previous hook.
-  """
-
-  def __init__(self, previous: Callable[[Any], Any]):
-    self.previous = previous
-
-  def __call__(self, args: Any) -> None:
-    exc, code = args.exc_value, getattr(args.object, "cr_code", None)
-    closed_loop = isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
-    if closed_loop or (code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename):
-      _log.debug("dropped a late error of an aborted orbax read: %r", exc)
-    else:
-      self.previous(args)
-
-
-class _DropOrbaxLogs(logging.Filter):
-  def filter(self, record: logging.LogRecord) -> bool:
-    return f"{os.sep}orbax{os.sep}" not in record.pathname
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-  """Drops orbax's own logs meanwhile, and (from now on) the late asyncio noise of failed reads.
-
-  Corruption makes orbax log errors with whole file contents and tensorstore
-  specs; the one-line reasons of `restore_latest` say the same.
-  """
-  if not isinstance(sys.unraisablehook, _DropOrbaxNoise):  # stays: the noise comes late
-    sys.unraisablehook = _DropOrbaxNoise(sys.unraisablehook)
-  absl_logger, drop = logging.getLogger("absl"), _DropOrbaxLogs()
-  absl_logger.addFilter(drop)
-  try:
-    yield
-  finally:
-    absl_logger.removeFilter(drop)
+def _check_names(names: Iterable[str]) -> None:
+  for name in names:
+    if not _ITEM_NAME.fullmatch(name) or name in (_META, _FLAT_ITEM):
+      raise ValueError(f"checkpoint item name {name!r}: not {_ITEM_NAME.pattern}, or reserved")
 
 
 class Checkpointer:
@@ -266,10 +202,10 @@ class Checkpointer:
       enable_async_checkpointing=async_save,
       cleanup_tmp_directories=True,
     )
-    with _quiet():  # orbax logs an ERROR per unreadable step metadata; `restore_latest` explains
-      self._manager = ocp.CheckpointManager(
-        self.directory, options=options, item_names=("arrays", "meta")
-      )
+    # No item names: orbax takes each step's from its `Composite` args. `quiet`: orbax
+    # logs an ERROR per unreadable step metadata; `restore_latest` explains.
+    with integrity.quiet():
+      self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._async = async_save
     # Process 0 writes the manifests and sets corrupt steps aside.
     self._primary = jax.process_index() == 0
@@ -284,15 +220,24 @@ class Checkpointer:
     """Steps of every complete checkpoint kept, ascending."""
     return sorted(self._manager.all_steps())
 
-  def save(self, step: int, arrays: Any, meta: dict[str, Any]) -> None:
-    """Starts saving `arrays` (a pytree) and `meta` (JSON-able dict) as step `step`."""
+  def save(self, step: int, items: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+    """Starts saving `items` and `meta` as step `step`.
+
+    Args:
+      step: the checkpoint's step.
+      items: pytrees of arrays by item name, e.g. `{"params": ..., "opt_state":
+        ..., "replay": ...}`; names match `[A-Za-z0-9][A-Za-z0-9_-]*` and are
+        neither "meta" nor "arrays". None values and trees without arrays are
+        not stored (their templates restore as themselves).
+      meta: a JSON-able dict; `bytes` values are allowed.
+    """
+    _check_names(items)
+    stored = {name: _nested(tree, _stored) for name, tree in items.items() if tree is not None}
+    args = {name: ocp.args.StandardSave(tree) for name, tree in stored.items() if tree}
     self._flush()
     saved = self._manager.save(
       int(step),
-      args=ocp.args.Composite(
-        arrays=ocp.args.StandardSave(_flatten(arrays)),
-        meta=ocp.args.JsonSave(_encode_json(dict(meta))),
-      ),
+      args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(_encode_json(dict(meta)))),
     )
     if not saved or not self._primary:
       return
@@ -310,12 +255,12 @@ class Checkpointer:
 
     Returns:
       None when sizes and sha256 digests all match; otherwise the reason, e.g.
-      `"no manifest"`, `"missing file arrays/_METADATA"`, `"size mismatch in
-      arrays/d/1f2e: 12 bytes, 411 expected"`, `"digest mismatch in meta/metadata"`.
+      `"no manifest"`, `"missing file params/_METADATA"`, `"size mismatch in
+      replay/d/1f2e: 12 bytes, 411 expected"`, `"digest mismatch in meta/metadata"`.
     """
     self._flush()
     self._require(int(step))
-    return _check(self._step_dir(int(step)))
+    return integrity.check(self._step_dir(int(step)))
 
   def restore_meta(self, step: int | None = None) -> dict[str, Any]:
     """Reads only the JSON meta of `step` (default: latest), checking its files' digests.
@@ -330,57 +275,68 @@ class Checkpointer:
     """
     self._flush()
     step = self._require(step)
-    args = ocp.args.Composite(meta=ocp.args.JsonRestore())
     try:
-      return _decode_json(self._read(step, args, _is_meta_file)["meta"])
+      return _decode_json(self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
     except _Corrupt as e:
       raise CheckpointError(f"checkpoint step {step} is corrupt ({e})", [(step, str(e))]) from None
 
-  def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-    """Restores exactly step `step` (default: latest) into the structure of `template`.
+  def restore(
+    self, templates: Mapping[str, Any], step: int | None = None
+  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Restores the items named in `templates` from exactly step `step` (default: latest).
 
-    Verifies the step's digests first; no fallback (see `restore_latest`).
+    Only those items' files (and meta's) are verified and read; no fallback
+    (see `restore_latest`). An eval binary restores `{"params": abstract}`
+    without building the other items.
 
     Args:
-      template: a pytree with the structure, shapes, dtypes (and shardings) of
-        what was saved: concrete arrays or `jax.ShapeDtypeStruct`s.
+      templates: by item name, a pytree with the structure, shapes, dtypes
+        (and shardings) of what was saved: concrete arrays or
+        `jax.ShapeDtypeStruct`s. A None template, or one without arrays,
+        comes back as itself, unread.
       step: which checkpoint; None for the latest.
 
     Returns:
-      (arrays pytree shaped like `template`, meta dict).
+      (items by the names of `templates`, each shaped like its template; meta dict).
 
     Raises:
       FileNotFoundError: no such step.
-      CheckpointError: the step is corrupt or orbax failed to read it.
+      CheckpointError: the step is corrupt, lacks an item, is in the old
+        flat-index format, or orbax failed to read it.
     """
+    _check_names(templates)
     self._flush()
     step = self._require(step)
     try:
-      return self._restore_step(template, step)
+      return self._restore_step(templates, step)
     except _Corrupt as e:
       raise CheckpointError(f"checkpoint step {step} is corrupt ({e})", [(step, str(e))]) from None
 
-  def restore_latest(self, template: Any) -> tuple[Any, dict[str, Any], int]:
-    """Restores the newest intact step, falling back past corrupt ones.
+  def restore_latest(
+    self, templates: Mapping[str, Any]
+  ) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """Restores the items named in `templates` from the newest intact step, falling back.
 
-    A step is corrupt when a file is missing, unexpected, or differs from its
-    manifest in size or digest, or when orbax's restore raises. Each logs one
-    warning (`checkpoint step 40 is corrupt (...); falling back to step 36`).
-    Once an older step restores, the corrupt newer ones are moved to
+    A step is corrupt when a file it reads is missing, unexpected, or differs
+    from its manifest in size or digest, or when orbax's restore raises. Each
+    logs one warning (`checkpoint step 40 is corrupt (...); falling back to
+    step 36`). Once an older step restores, the corrupt newer ones are moved to
     `<directory>/corrupt/<step>` (never deleted); when none restores, nothing
-    is moved.
+    is moved. A step lacking an item or in the old flat-index format is not
+    corrupt: it raises at once.
 
     Args:
-      template: as for `restore`.
+      templates: as for `restore`.
 
     Returns:
-      (arrays pytree shaped like `template`, meta dict, the step restored).
+      (items by the names of `templates`, meta dict, the step restored).
 
     Raises:
       FileNotFoundError: there is no checkpoint at all.
-      CheckpointError: no step is intact; its one-line message lists each
-        step tried and why it failed.
+      CheckpointError: no step is intact, or the newest intact one lacks an
+        item or is in the old format; its one-line message says why.
     """
+    _check_names(templates)
     self._flush()
     steps = self.all_steps()[::-1]
     if not steps:
@@ -388,14 +344,16 @@ class Checkpointer:
     failures: list[tuple[int, str]] = []
     for i, step in enumerate(steps):
       try:
-        arrays, meta = self._restore_step(template, step)
+        items, meta = self._restore_step(templates, step)
       except _Corrupt as e:
         failures.append((step, str(e)))
         then = f"falling back to step {steps[i + 1]}" if i + 1 < len(steps) else "no older step"
         _log.warning("checkpoint step %d is corrupt (%s); %s", step, e, then)
         continue
+      except CheckpointError as e:
+        raise CheckpointError(str(e), failures + e.failures) from None
       self._set_aside([s for s, _ in failures])
-      return arrays, meta, step
+      return items, meta, step
     tried = "; ".join(f"step {s}: {reason}" for s, reason in failures)
     raise CheckpointError(f"no intact checkpoint under {self.directory} ({tried})", failures)
 
@@ -426,7 +384,7 @@ class Checkpointer:
     committed = set(self._manager.all_steps())
     for step in self._pending:
       if step in committed and os.path.isdir(self._step_dir(step)):
-        _write_manifest(self._step_dir(step))
+        integrity.write_manifest(self._step_dir(step))
     self._pending.clear()
 
   def _write_manifests_in_background(self) -> None:
@@ -441,14 +399,20 @@ class Checkpointer:
       self._writer = None
     self._write_manifests()
 
-  def _read(self, step: int, args: Any, keep: Callable[[str], bool] | None = None) -> Any:
-    """Orbax's restore of `step` once the files `keep` selects match the manifest.
+  def _read(self, step: int, args: ocp.args.Composite) -> Any:
+    """Orbax's restore of the items of `args` once their files match the manifest.
 
     Raises:
       _Corrupt: with the reason (mismatch, or the restore's exception summarised).
+      CheckpointError: the step lacks an item or is in the old flat-index format.
     """
-    reason = _check(self._step_dir(step), keep)
-    if reason == _NO_MANIFEST:
+    names, step_dir = list(args.keys()), self._step_dir(step)
+    if set(names) != {_META} and integrity.is_flat_format(step_dir, _FLAT_ITEM):
+      raise CheckpointError(
+        _FLAT_FORMAT.format(step=step, directory=self.directory), [(step, _FLAT)]
+      )
+    reason = integrity.check(step_dir, integrity.in_items(names))
+    if reason == integrity.NO_MANIFEST:
       _log.warning(
         "checkpoint step %d has no manifest (its run stopped before writing it); "
         "restoring it unverified",
@@ -456,52 +420,32 @@ class Checkpointer:
       )
     elif reason is not None:
       raise _Corrupt(reason)
+    if missing := integrity.missing_items(step_dir, names):
+      raise CheckpointError(f"checkpoint step {step} has {missing}", [(step, missing)])
     try:
-      with _quiet():
+      with integrity.quiet():
         return self._manager.restore(step, args=args)
     except Exception as e:
       _log.debug("restoring checkpoint step %d failed", step, exc_info=True)
       unverified = "unverified, " if reason else ""
-      raise _Corrupt(f"{unverified}restore raised {_summary(e)}") from e
+      raise _Corrupt(f"{unverified}restore raised {integrity.summary(e)}") from e
 
-  def _restore_step(self, template: Any, step: int) -> tuple[Any, dict[str, Any]]:
-    leaves, treedef = jax.tree.flatten(template)
-    abstract = {f"{i:06d}": _abstract(x) for i, x in enumerate(leaves)}
-    args = ocp.args.Composite(
-      arrays=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-    )
-    out = self._read(step, args)
-    restored = [
-      jax.random.wrap_key_data(out["arrays"][f"{i:06d}"], impl=jax.random.key_impl(x))
-      if _is_key(x)
-      else out["arrays"][f"{i:06d}"]
-      for i, x in enumerate(leaves)
-    ]
-    return jax.tree.unflatten(treedef, restored), _decode_json(out["meta"])
+  def _restore_step(
+    self, templates: Mapping[str, Any], step: int
+  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    abstract = {name: _nested(t, _abstract) for name, t in templates.items() if t is not None}
+    args = {name: ocp.args.StandardRestore(tree) for name, tree in abstract.items() if tree}
+    out = self._read(step, ocp.args.Composite(**args, meta=ocp.args.JsonRestore()))
+    items = {name: _rebuild(t, out[name]) if name in args else t for name, t in templates.items()}
+    return items, _decode_json(out["meta"])
 
   def _set_aside(self, steps: Sequence[int]) -> None:
     """Moves corrupt `steps` to `<directory>/corrupt/<step>[.k]`, out of orbax's tracking."""
+    if self._primary:
+      for step in steps:
+        integrity.move_aside(self.directory, step)
     if jax.process_count() > 1:
-      if self._primary:
-        self._move_aside(steps)
       multihost_utils.sync_global_devices("checkpoint-set-aside")
-    else:
-      self._move_aside(steps)
     if steps:
-      with _quiet():
+      with integrity.quiet():
         self._manager.reload()
-
-  def _move_aside(self, steps: Sequence[int]) -> None:
-    for step in steps:
-      base = dest = os.path.join(self.directory, _CORRUPT_DIR, str(step))
-      k = 0
-      while os.path.exists(dest):
-        k += 1
-        dest = f"{base}.{k}"
-      try:
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        os.rename(self._step_dir(step), dest)
-      except OSError as e:  # the restore succeeded: do not lose it over this
-        _log.warning("could not move corrupt checkpoint step %d aside: %s", step, _summary(e))
-        continue
-      _log.warning("moved corrupt checkpoint step %d to %s", step, dest)

@@ -41,7 +41,7 @@ def _need(ok: bool, field: str, msg: str) -> None:
 def get_model_config(config, tokenizer) -> models.ModelConfig:
   """The `ModelConfig` the run builds: the HF directory's config.json, or the preset.
 
-  Presets are sized to the tokenizer's vocabulary, as `Environment` builds them.
+  Presets are sized to the tokenizer's vocabulary, as `build_components` builds them.
 
   Raises:
     ValueError: `config.model: ...` for an unreadable or unsupported config.json.

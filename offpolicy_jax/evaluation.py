@@ -17,16 +17,19 @@ from typing import Any
 import jax
 import numpy as np
 
+from offpolicy_jax import rollouts
 
-def eval_prompts(env, num_prompts: int) -> list[dict[str, Any]]:
-  """The first `num_prompts` eval prompts, in batches of `prompts_per_step` (cached on `env`).
+
+def eval_prompts(fns, num_prompts: int) -> list[dict[str, Any]]:
+  """The first `num_prompts` eval prompts, in batches of `prompts_per_step` (cached on `fns`).
 
   Rows past `num_prompts` (and filler rows of a final partial batch) have
   `valid=False`.
   """
-  if num_prompts not in env.eval_batches:
-    size = min(num_prompts, env.config.prompts_per_step)
-    it = env.prompt_iterator(0, "eval", batch_size=size)
+  key = ("eval_prompts", num_prompts)
+  if key not in fns.cache:
+    size = min(num_prompts, fns.sizes.prompts_per_step)
+    it = rollouts.prompt_iterator(fns, 0, "eval", batch_size=size)
     batches, seen = [], 0
     for batch in it:
       keep = np.arange(size) < num_prompts - seen
@@ -34,24 +37,24 @@ def eval_prompts(env, num_prompts: int) -> list[dict[str, Any]]:
       seen += size
       if seen >= num_prompts:
         break
-    env.eval_batches[num_prompts] = batches
-  return env.eval_batches[num_prompts]
+    fns.cache[key] = batches
+  return fns.cache[key]
 
 
-def _pass_at_k(env, params, prompts, key, k: int) -> tuple[float, float]:
+def _pass_at_k(fns, params, prompts, key, k: int) -> tuple[float, float]:
   """(#prompts solved by one of k samples, sum of per-prompt sample accuracy), valid rows."""
   valid = np.asarray(prompts["valid"], np.float32)
-  out = env.pass_sampler(k)(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
-  r, _ = env.score(prompts, out, split="eval", group_size=k)
+  out = fns.pass_sampler(k)(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
+  r, _ = rollouts.score(fns, prompts, out, split="eval", group_size=k)
   hit_gk = np.asarray(r).reshape(-1, k) > 0.5
   return float((hit_gk.any(axis=1) * valid).sum()), float((hit_gk.mean(axis=1) * valid).sum())
 
 
-def evaluate(env, params, key: jax.Array, num_prompts: int, k: int) -> dict[str, float]:
+def evaluate(fns, params, key: jax.Array, num_prompts: int, k: int) -> dict[str, float]:
   """Greedy accuracy, mean reward and length, and pass@k, on fixed held-out prompts.
 
   Args:
-    env: the run's `environment.Environment`.
+    fns: the run's `rl_step.StepFns` (`Components.fns`).
     params: parameters to evaluate.
     key: PRNG key for the pass@k samples.
     num_prompts: the first `num_prompts` prompts of the eval split (0: skip),
@@ -65,10 +68,10 @@ def evaluate(env, params, key: jax.Array, num_prompts: int, k: int) -> dict[str,
     return {}
   sums = dict.fromkeys(("n", "correct", "reward", "length", "pass", "sample_correct"), 0.0)
   fails = 0
-  for i, prompts in enumerate(eval_prompts(env, num_prompts)):
+  for i, prompts in enumerate(eval_prompts(fns, num_prompts)):
     valid = np.asarray(prompts["valid"], np.float32)
-    out = env.greedy(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
-    r, stats = env.score(prompts, out, split="eval", group_size=1)
+    out = fns.greedy(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
+    r, stats = rollouts.score(fns, prompts, out, split="eval", group_size=1)
     r, lengths = np.asarray(r), np.asarray(out.lengths)
     sums["n"] += valid.sum()
     sums["correct"] += ((r > 0.5) * valid).sum()
@@ -76,7 +79,7 @@ def evaluate(env, params, key: jax.Array, num_prompts: int, k: int) -> dict[str,
     sums["length"] += (lengths * valid).sum()
     fails += stats["reward_failures"]
     if k >= 2:
-      solved, sample_correct = _pass_at_k(env, params, prompts, jax.random.fold_in(key, i), k)
+      solved, sample_correct = _pass_at_k(fns, params, prompts, jax.random.fold_in(key, i), k)
       sums["pass"] += solved
       sums["sample_correct"] += sample_correct
   n = max(sums["n"], 1.0)

@@ -13,9 +13,11 @@ with ``m = sync_interval`` and ``n = sync_offset``; the lag is
 ``n=0, m=20`` a sawtooth 0..19, and ``m`` beyond the run length is offline.
 
 The snapshot store keeps device-resident copies of recent parameter versions
-so the trainer can recompute exact behaviour or proximal log-probs (decoupled
-PPO, Hilton et al., "Batch size-invariance for policy optimization",
-arXiv:2110.00641); :func:`ewma_update` gives the PPO-EWMA alternative.
+so the trainer can sample with exactly the parameters the schedule names.
+Staleness has one measure, `row_staleness` (the trainer's version minus the
+oldest version in a row), and one bound, `AsyncSampler`'s ``max_staleness``:
+batches beyond it are dropped, or their stale rows reweighted by
+`staleness_weights`.
 """
 
 import functools
@@ -157,15 +159,6 @@ def snapshot_get(state: SnapshotState, version: ArrayLike) -> tuple[Any, jax.Arr
   hit = state.versions == jnp.asarray(version, jnp.int32)
   slot = jnp.argmax(hit)
   return jax.tree.map(lambda s: s[slot], state.params), hit.any()
-
-
-def ewma_update(avg_params: Any, params: Any, decay: ArrayLike) -> Any:
-  """PPO-EWMA proximal policy: ``avg <- decay * avg + (1 - decay) * params``.
-
-  Hilton et al., "Batch size-invariance for policy optimization",
-  arXiv:2110.00641. Initialise ``avg_params`` with the initial parameters.
-  """
-  return jax.tree.map(lambda a, p: decay * a + (1.0 - decay) * p, avg_params, params)
 
 
 # ------------------------------------------------------------------ staleness bound
@@ -320,8 +313,10 @@ class AsyncSampler:
         continue
       if too_old.any():
         self.stats["downweighted_rows"] += int(too_old.sum())
-        w = np.where(too_old, np.float32(self.stale_weight), np.float32(1.0))
-        batch = batch._replace(weights=batch.weights * jnp.asarray(w))
+        w = staleness_weights(
+          batch.versions, batch.mask, current_version, self.max_staleness, self.stale_weight
+        )
+        batch = batch._replace(weights=batch.weights * w)
       self.stats["consumed"] += 1
       return (batch, info) if with_info else batch
 

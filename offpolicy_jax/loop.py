@@ -1,300 +1,63 @@
 """The RL loop: `train_and_evaluate(config, workdir)`.
 
-Per loop step (one sampled batch) `t = 1..T`, with the lag schedule of Yao et
-al., "Group-relative REINFORCE is secretly an off-policy algorithm"
-(arXiv:2509.24203):
+The loop only restores, iterates and writes: `components.build_components`
+builds what the run needs from the config, `rl_step` holds the pure step
+(see its docstring for the lag schedule and versions), and this module feeds
+it prompts, writes a metrics row per loop step, evaluates and checkpoints.
 
-  prompts_t          = next(grain iterator)                       (host, static shapes)
-  v(t)               = m * floor((t - n - 1) / m)  (0 if t <= n)   (lag.behavior_version)
-  rollout            ~ pi_{theta_v(t)}(. | prompts_t)              (exact behaviour log-probs)
-  r                  = reward(rollout)          (on device, or host with a timeout)
-  A                  = advantages(r[G, K])
-  buffer             = replay.add(buffer, batch);  batch = replay.sample(buffer)
-  theta_t            = train_step(theta_{t-1}, batch)             (U optimizer steps)
+Chunks. With a device reward, `log_every` steps run as one jitted `lax.scan`
+and their metrics reach the host once per chunk; the chunk length is
+`gcd(log_every, eval_every, checkpoint_every)`, so evaluations and
+checkpoints fall on chunk ends. With a host reward each step runs as two
+jitted halves around the sandboxed scoring. Every row carries per-phase wall
+times (`time/sample_s`, `time/reward_s`, `time/train_s`, `time/device_s`,
+`time/other_s`) and the number of XLA compilations so far (`compiles`).
 
-Versions and several optimizer steps per batch: the train step takes
-`U = train.num_minibatches * train.num_epochs` optimizer steps per batch and
-the parameter version counts optimizer steps, so after loop step t the trainer
-holds version `t * U`. The schedule counts batches: `lag.sync_interval` m and
-`lag.sync_offset` n are in loop steps, so the sampler receives new parameters
-every `m * U` optimizer steps, and the batch of step t carries version
-`v(t) * U`. The recorded `behavior_version`, `version`, `staleness_mean` and
-`staleness_max` are in optimizer steps: at the start of step t the staleness is
-`(t - 1 - v(t)) * U` (the j-th minibatch of the call is j optimizer steps
-staler still). With U = 1 this is exactly the paper's schedule.
+Checkpoints hold the run state by field name (`params`, `opt_state`,
+`counters`, `replay`, `snapshots`, `ref_params`) plus the data iterator's
+state in their meta; a run killed at any moment resumes from its last
+checkpoint and reproduces the uninterrupted run's rows exactly (sync mode).
 
-In `lag.mode="sync"` the parameters of v(t) come from the snapshot store of
-`lag.py`. Every PRNG key derives from `(seed, t)`, and the checkpoint holds
-parameters, optimizer state, the replay buffer, the parameter snapshots the
-schedule still needs and the data iterator's state, so a run killed at any
-moment resumes from its last checkpoint and reproduces the uninterrupted run's
-metrics exactly.
-
-In `lag.mode="async"` a sampler thread (`lag.AsyncSampler`) runs ahead with the
-latest published parameters and batches more than `lag.max_staleness` loop
-steps old are dropped; this mode is not bit-reproducible.
-
-Multi-host: every process runs this same loop (SPMD). Each keeps its own
-block of rows of the global prompt batch and `Environment.global_prompts`
-assembles the global batch, the same for any number of processes; iterator
-states are positions that advance in lockstep, so the one saved in the
-checkpoint resumes every process. Every process saves and restores the
-checkpoints; only process 0 writes metrics.
-
-The `Environment` of compiled functions lives in `environment.py`, evaluation
-in `evaluation.py` and the start-up checks in `validation.py`.
+Multi-host: every process runs this same loop (SPMD) on its own block of
+prompt rows (`rollouts.assemble_global`); every process saves and restores
+the checkpoints; only process 0 writes metrics.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from offpolicy_jax import checkpointing, environment, lag, metrics, replay
+from offpolicy_jax import (
+  checkpointing,
+  evaluation,
+  lag,
+  metrics,
+  observability,
+  producer,
+  rollouts,
+  sft,
+)
 from offpolicy_jax import workdir as workdir_lib
-from offpolicy_jax.environment import (  # noqa: F401  (re-exported)
-  _ENV_CACHE,
-  Environment,
-  get_environment,
+from offpolicy_jax.components import Components, build_components
+from offpolicy_jax.rl_step import (
+  EVAL,
+  LagSchedule,
+  RunState,
+  init_state,
+  jitted,
+  state_from_items,
+  state_items,
   step_key,
 )
-from offpolicy_jax.types import TrainBatch
-from offpolicy_jax.validation import (  # noqa: F401  (re-exported)
-  advantage_name,
-  loss_overrides,
-  validate_config,
-  validate_data,
-)
-
-
-class _Run:
-  """Mutable state of a training run (the loop's bookkeeping, not a public type)."""
-
-  def __init__(self, env: Environment, config):
-    self.env = env
-    self.config = config
-    c = config
-    self.groups = c.prompts_per_step
-    # U: optimizer steps (parameter versions) per loop step.
-    self.updates = env.updates_per_batch
-    self.m, self.n = c.lag.sync_interval, c.lag.sync_offset
-    self.capacity = lag.snapshot_capacity(self.m, self.n)
-    # Async mode samples with the latest published parameters: no snapshots.
-    self.use_snapshots = c.lag.mode == "sync" and not (self.m == 1 and self.n == 0)
-
-  # ----------------------------------------------------------------- state
-
-  def fresh_state(self, params) -> dict[str, Any]:
-    env = self.env
-    example = env.empty_batch()
-    capacity = self.groups * self.config.replay.capacity_batches
-    state = {
-      "train": env.init_train_state(params),
-      "replay": replay.shard(replay.init(capacity, example, self.config.group_size), env.mesh),
-    }
-    if self.use_snapshots:
-      state["snapshots"] = lag.snapshot_init(params, self.capacity, 0)
-    if self.env.spec.needs_ref:
-      state["ref"] = jax.tree.map(jnp.copy, params)
-    return state
-
-  # ----------------------------------------------------------------- one step
-
-  def behaviour_params(self, state, step: int):
-    """Parameters after loop step v(step) (snapshots are keyed by loop step).
-
-    The trainer holds the parameters after loop step `step - 1`.
-    """
-    v = lag.behavior_version(step, self.m, self.n)
-    params = self.env.params_of(state["train"])
-    if v == step - 1:  # on-policy for this step: the trainer's own parameters
-      return params, v
-    found_params, found = lag.snapshot_get(state["snapshots"], v)
-    if not bool(found):
-      raise RuntimeError(f"lag: snapshot of version {v} missing at step {step}")
-    return found_params, v
-
-  def produce(self, params, step: int, version: int, prompts: dict) -> tuple[TrainBatch, dict]:
-    """Samples, scores and packs the batch of `step` with `params` (after loop step `version`).
-
-    Args:
-      params: behaviour parameters.
-      step: loop step (for PRNG keys).
-      version: the loop step after which `params` were taken; the batch records
-        the optimizer-step version `version * U`.
-      prompts: this process's prompt batch (assembled into the global batch here).
-
-    Returns:
-      The packed `TrainBatch` and its host reward statistics (`environment.REWARD_STATS`).
-    """
-    env, seed = self.env, self.config.seed
-    prompts = env.global_prompts(prompts)
-    rollout = env.sample(params, prompts, step_key(seed, step, environment.SAMPLE))
-    rewards, reward_stats = env.score(prompts, rollout)
-    reward_stats["prompts_truncated"] = int((prompts["truncated"] & prompts["valid"]).sum())
-    key = step_key(seed, step, environment.ADV)
-    return env.make_batch(prompts, rollout, rewards, version * self.updates, key), reward_stats
-
-  def _draw(self, replay_state, step: int):
-    """Draws the step's G groups from the buffer with the `config.replay` policy."""
-    r = self.config.replay
-    return replay.sample(
-      replay_state,
-      step_key(self.config.seed, step, environment.REPLAY),
-      batch_size=self.groups,
-      policy=r.policy,
-      max_reuse=r.max_reuse or None,
-      current_version=(step - 1) * self.updates,
-      temperature=r.temperature,
-    )
-
-  def consume(self, state, step: int, batch: TrainBatch) -> tuple[dict, dict]:
-    """Buffers `batch`, draws the step's training batch and takes U optimizer steps."""
-    env, c = self.env, self.config
-    replay_state, sampled, info = self._draw(replay.add(state["replay"], batch), step)
-    extra = {}
-    if env.spec.needs_ref:
-      extra["ref_params"] = state["ref"]
-    if env.spec.needs_proximal:
-      # Proximal anchor = the trainer's parameters before this update (a copy: the
-      # state is donated).
-      extra["proximal_params"] = jax.tree.map(jnp.copy, env.params_of(state["train"]))
-    stats = env.batch_stats(sampled)
-    train_state, train_metrics = env.train_step(
-      state["train"], sampled, step_key(c.seed, step, environment.TRAIN), **extra
-    )
-    state = {**state, "train": train_state, "replay": replay_state}
-    if self.use_snapshots and lag.is_snapshot_version(step, self.m):
-      state["snapshots"] = lag.snapshot_update(
-        state["snapshots"], env.params_of(state["train"]), step
-      )
-    row = jax.device_get({**stats, **train_metrics, "replay_selected": info.num_selected})
-    return state, {k: metrics.to_python(v) for k, v in row.items()}
-
-  def step(self, state, step: int, prompts: dict) -> tuple[dict, dict]:
-    """One synchronous step: sample with v(step)'s parameters, then train."""
-    start = time.perf_counter()
-    params, version = self.behaviour_params(state, step)
-    batch, reward_stats = self.produce(params, step, version, prompts)
-    state, row = self.consume(state, step, batch)
-    row["behavior_version"] = version * self.updates
-    row.update(reward_stats)
-    _add_timing(row, start)
-    return state, row
-
-
-def _add_timing(row: dict, start: float) -> None:
-  elapsed = time.perf_counter() - start
-  row["step_time_s"] = elapsed
-  row["tokens_per_s"] = row.get("response_tokens", 0.0) / max(elapsed, 1e-9)
-
-
-class _LockedIterator:
-  """A data iterator shared by the trainer (checkpoints) and a sampler thread."""
-
-  def __init__(self, it):
-    self._it = it
-    self._lock = threading.Lock()
-
-  def __next__(self):
-    with self._lock:
-      return next(self._it)
-
-  def get_state(self):
-    with self._lock:
-      return self._it.get_state()
-
-  def set_state(self, state):
-    with self._lock:
-      self._it.set_state(state)
-
-
-class _AsyncProducer:
-  """`lag.mode="async"`: a sampler thread runs ahead with the latest published parameters.
-
-  Batches more than `lag.max_staleness` loop steps old are dropped (and counted).
-  Not bit-reproducible (thread timing decides versions), and on resume the
-  batches that were queued when the checkpoint was taken are not replayed.
-  """
-
-  def __init__(self, run: _Run, params, version: int, data_iter: _LockedIterator):
-    self._run = run
-    self._data = data_iter
-    self._produced = version
-    # Batches record versions in optimizer steps (loop step * U): so does the bound.
-    bound = run.config.lag.max_staleness * run.updates or 2**30
-    # AsyncSampler copies the parameters it is given (the train state is donated).
-    self.sampler = lag.AsyncSampler(self._sample, params, version, max_staleness=bound)
-
-  def _sample(self, params, version: int) -> tuple[TrainBatch, dict]:
-    self._produced += 1
-    return self._run.produce(params, self._produced, version, next(self._data))
-
-  def step(self, state, step: int) -> tuple[dict, dict]:
-    start = time.perf_counter()
-    fallback = (step - 1) * self._run.updates
-    # The reward statistics travel with their batch: they are charged to the
-    # step that trains on it.
-    batch, reward_stats = self.sampler.get(current_version=fallback, timeout=600.0, with_info=True)
-    versions, mask = jax.device_get((batch.versions, batch.mask))
-    state, row = self._run.consume(state, step, batch)
-    # publish() copies: the train state is donated by the next step.
-    self.sampler.publish(self._run.env.params_of(state["train"]), step)
-    row["behavior_version"] = int(versions[mask > 0].min()) if mask.any() else fallback
-    row.update(reward_stats)
-    row["async_dropped_batches"] = self.sampler.stats["dropped_batches"]
-    _add_timing(row, start)
-    return state, row
-
-  def close(self) -> None:
-    self.sampler.close()
-
-
-def _meta(step: int, config, data_iter, start_accuracy) -> dict[str, Any]:
-  return {
-    "step": step,
-    "seed": config.seed,
-    "data_state": data_iter.get_state(),
-    "start_accuracy": start_accuracy,
-  }
-
-
-def _restore_or_init(run: _Run, ckpt, data_iter, workdir: str):
-  """The run state, the step it is at and the starting accuracy (latest checkpoint or fresh)."""
-  env, config = run.env, run.config
-  if ckpt.latest_step():
-    # The newest intact step: corrupt ones are reported and moved aside.
-    template = run.fresh_state(env.init_params(config.seed))
-    state, meta, start_step = ckpt.restore_latest(template)
-    data_iter.set_state(meta["data_state"])
-    print(f"resumed from step {start_step} in {workdir}", flush=True)
-    return state, start_step, meta.get("start_accuracy")
-  params = env.init_params(config.seed)
-  if config.sft.enabled:
-    params = env.warm_start(params, config.sft, config.seed)
-  return run.fresh_state(params), 0, None
-
-
-def _evaluate(run: _Run, state, step: int, writer, rows: list) -> dict[str, float]:
-  """Evaluates the trainer's parameters at `step`, writing an eval row when there is one."""
-  env, config = run.env, run.config
-  ev = env.evaluate(
-    env.params_of(state["train"]),
-    step_key(config.seed, step, environment.EVAL),
-    config.eval_prompts,
-    config.eval_samples,
-  )
-  if ev:
-    rows.append(writer.write(step, ev))
-    writer.log_text(f"eval at step {step}: " + ", ".join(f"{k}={v:.3f}" for k, v in ev.items()))
-  return ev
 
 
 def train_and_evaluate(
@@ -325,91 +88,302 @@ def train_and_evaluate(
     workdir.WorkdirLocked: another run holds `workdir`.
     workdir.ConfigChanged: a resume with a changed config, not allowed.
   """
-  validate_config(config)
   os.makedirs(workdir, exist_ok=True)
   primary = jax.process_index() == 0
   with workdir_lib.lock(workdir) if primary else contextlib.nullcontext():
-    return _train_and_evaluate(config, workdir, on_step, allow_config_change)
+    comps = build_components(config, data_cache_dir=workdir)
+    ckpt = checkpointing.Checkpointer(
+      os.path.join(workdir, "checkpoints"),
+      max_to_keep=comps.run.keep_checkpoints,
+      async_save=comps.run.async_checkpoint,
+    )
+    try:
+      latest = ckpt.latest_step()
+      if latest and primary:
+        workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
+      data_iter = producer.LockedIterator(rollouts.prompt_iterator(comps.fns, comps.run.seed))
+      state, start, start_accuracy = _restore_or_init(comps, ckpt, data_iter, workdir)
+      writer = _make_writer(comps, config, workdir, start)
+    except BaseException:
+      ckpt.close()
+      raise
+    loop = _Loop(comps, ckpt, writer, data_iter, workdir, on_step)
+    try:
+      if not start:
+        start_accuracy = loop.evaluate(state, 0).get("eval/accuracy")
+        if start_accuracy is not None:
+          warm = "after the warm start" if comps.run.sft_enabled else "(no warm start)"
+          writer.log_text(f"starting accuracy {warm}: {start_accuracy:.3f}")
+      loop.start_accuracy = start_accuracy
+      loop.run(state, start)
+    finally:
+      loop.close()
+      ckpt.close()
+      writer.close()
+    return loop.rows
 
 
-def _train_and_evaluate(config, workdir: str, on_step, allow_config_change: bool) -> list[dict]:
-  ckpt = checkpointing.Checkpointer(
-    os.path.join(workdir, "checkpoints"),
-    max_to_keep=config.keep_checkpoints,
-    async_save=config.async_checkpoint,
-  )
-  try:
-    latest = ckpt.latest_step()
-    if latest and jax.process_index() == 0:
-      workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
-    run = _Run(get_environment(config), config)
-    # Every prompt checked once (cached under the workdir), before anything compiles.
-    validate_data(config, run.env.task, run.env.tokenizer, cache_dir=workdir)
-    data_iter = _LockedIterator(run.env.prompt_iterator(config.seed, "train"))
-    state, start_step, start_accuracy = _restore_or_init(run, ckpt, data_iter, workdir)
-  except BaseException:
-    ckpt.close()
-    raise
-  writer = _make_writer(config, workdir, start_step)
-  rows: list[dict[str, Any]] = []
-  try:
-    if not start_step:
-      start_accuracy = _evaluate(run, state, 0, writer, rows).get("eval/accuracy")
-      if start_accuracy is not None:
-        warm = "after the warm start" if config.sft.enabled else "(no warm start)"
-        writer.log_text(f"starting accuracy {warm}: {start_accuracy:.3f}")
-    loop_io = (data_iter, writer, ckpt, rows)
-    _run_steps(run, state, start_step, start_accuracy, loop_io, on_step)
-  finally:
-    ckpt.close()
-    writer.close()
-  return rows
-
-
-def _make_writer(config, workdir: str, start_step: int) -> metrics.MetricsWriter:
+def _make_writer(comps: Components, config, workdir: str, start: int) -> metrics.MetricsWriter:
+  run = comps.run
   return metrics.MetricsWriter(
     workdir,
-    resume_step=start_step or None,
-    total_steps=config.total_steps,
+    resume_step=start or None,
+    total_steps=run.total_steps,
     config=config,
-    tensorboard=config.tensorboard,
-    wandb_project=config.wandb_project or None,
-    progress=config.progress,
+    tensorboard=run.tensorboard,
+    wandb_project=run.wandb_project or None,
+    progress=run.progress,
     primary=jax.process_index() == 0,
   )
 
 
-def _run_steps(run: _Run, state, start_step: int, start_accuracy, loop_io, on_step) -> None:
-  """Loop steps `start_step + 1 .. total_steps`, with their evaluations and checkpoints."""
-  config = run.config
-  data_iter, writer, ckpt, rows = loop_io
-  producer = None
-  if config.lag.mode == "async":
-    producer = _AsyncProducer(run, run.env.params_of(state["train"]), start_step, data_iter)
-  try:
-    for step in range(start_step + 1, config.total_steps + 1):
-      if producer is None:
-        state, row = run.step(state, step, next(data_iter))
-      else:
-        state, row = producer.step(state, step)
-      rows.append(writer.write(step, row))
-      writer.progress(step, reward=row.get("reward_mean", float("nan")))
-      if on_step is not None:
-        on_step(step, row)
-      last = step == config.total_steps
-      if (config.eval_every and step % config.eval_every == 0) or last:
-        _evaluate(run, state, step, writer, rows)
-      if (config.checkpoint_every and step % config.checkpoint_every == 0) or last:
-        # Rows up to this step reach the disk before the checkpoint that covers them.
-        writer.sync()
-        ckpt.save(step, state, _meta(step, config, data_iter, start_accuracy))
-  finally:
-    if producer is not None:
-      producer.close()
+def _fresh_state(comps: Components, params) -> RunState:
+  run = comps.run
+  on_policy = run.sync_interval == 1 and run.sync_offset == 0
+  slots = 0
+  if run.lag_mode == "sync" and not on_policy:
+    slots = (run.sync_offset + run.sync_interval - 1) // run.sync_interval + 1
+  return init_state(
+    comps.fns, params, capacity_batches=run.replay_capacity_batches, snapshots=slots
+  )
+
+
+def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str):
+  """The run state, the step it is at and the starting accuracy (latest checkpoint or fresh)."""
+  fns, run = comps.fns, comps.run
+  if ckpt.latest_step():
+    # The newest intact step: corrupt ones are reported and moved aside.
+    template = _fresh_state(comps, fns.init_params(run.seed))
+    items, meta, start = ckpt.restore_latest(state_items(template))
+    data_iter.set_state(meta["data_state"])
+    print(f"resumed from step {start} in {workdir}", flush=True)
+    return state_from_items(items, template), start, meta.get("start_accuracy")
+  params = fns.init_params(run.seed)
+  if run.sft_enabled:
+    params = sft.warm_start(
+      fns,
+      params,
+      steps=run.sft_steps,
+      batch_size=run.sft_batch_size,
+      learning_rate=run.sft_learning_rate,
+      seed=run.seed,
+    )
+  return _fresh_state(comps, params), 0, None
+
+
+# ------------------------------------------------------------------ the loop
+
+
+def _rows_of(stacked: dict[str, np.ndarray], n: int) -> list[dict[str, Any]]:
+  return [{k: metrics.to_python(v[i]) for k, v in stacked.items()} for i in range(n)]
+
+
+class _Loop:
+  """Iterates chunks of loop steps, writing rows, evaluating and checkpointing at boundaries."""
+
+  def __init__(self, comps: Components, ckpt, writer, data_iter, workdir: str, on_step):
+    self.comps, self.fns, self.run_cfg = comps, comps.fns, comps.run
+    self.ckpt, self.writer, self.data = ckpt, writer, data_iter
+    self.on_step = on_step
+    self.rows: list[dict[str, Any]] = []
+    self.start_accuracy = None
+    run = comps.run
+    rep = jax.sharding.NamedSharding(comps.mesh, jax.sharding.PartitionSpec())
+    put = lambda v: jax.device_put(jnp.int32(v), rep)
+    self._rep = rep
+    self.schedule = LagSchedule(put(run.sync_interval), put(run.sync_offset))
+    self.seed = put(run.seed)
+    self.compiles = observability.CompileCounter()
+    self.profiler = observability.Profiler(os.path.join(workdir, "profile"), run.profile_steps)
+    self._prefetched: tuple | None = None  # (step, dispatched rollout) of a host-reward run
+
+  def close(self) -> None:
+    self.profiler.stop()
+    self.compiles.close()
+
+  def evaluate(self, state: RunState, step: int) -> dict[str, float]:
+    """Evaluates the trainer's parameters at `step`, writing an eval row when there is one."""
+    run = self.run_cfg
+    key = step_key(run.seed, step, EVAL)
+    ev = evaluation.evaluate(self.fns, state.train.params, key, run.eval_prompts, run.eval_samples)
+    if ev:
+      self.rows.append(self.writer.write(step, ev))
+      text = ", ".join(f"{k}={v:.3f}" for k, v in ev.items())
+      self.writer.log_text(f"eval at step {step}: {text}")
+    return ev
+
+  def _chunk(self, step: int) -> int:
+    """Steps in the chunk after `step`.
+
+    One length for the whole run, `gcd(log_every, eval_every, checkpoint_every)`,
+    so that evaluations and checkpoints fall on chunk ends and one scan
+    program serves every chunk (only a shorter last chunk compiles another).
+    """
+    run = self.run_cfg
+    if run.lag_mode == "async" or self.fns.reward.device is None:
+      return 1
+    length = math.gcd(run.log_every, run.eval_every, run.checkpoint_every)
+    return min(length, run.total_steps - step)
+
+  def run(self, state: RunState, start: int) -> None:
+    run = self.run_cfg
+    prod = None
+    if run.lag_mode == "async":
+      prod = producer.AsyncProducer(
+        self.fns, state.train.params, start, self.data, run.seed, run.max_staleness
+      )
+    step = start
+    # A step's wall time runs from the end of the previous chunk's row writing
+    # (evaluations and checkpoints excluded) to the end of its own jitted work.
+    begin = time.perf_counter()
+    try:
+      while step < run.total_steps:
+        n = self._chunk(step)
+        self.profiler.before(step + 1, n, first=step == start)
+        if prod is not None:
+          state, rows = self._async_step(state, step + 1, prod)
+        elif self.fns.reward.device is not None:
+          state, rows = self._device_chunk(state, step, n)
+        else:
+          state, rows = self._host_step(state, step + 1)
+        self.profiler.after(step + n)
+        done = time.perf_counter()
+        per_step = (done - begin) / n
+        for i, row in enumerate(rows):
+          self._write(step + i + 1, row, per_step)
+        step += n
+        writing = time.perf_counter() - done  # charged to the next chunk
+        self._boundary(state, step)
+        begin = time.perf_counter() - writing
+    finally:
+      if prod is not None:
+        prod.close()
+
+  def _write(self, step: int, row: dict[str, Any], per_step: float) -> None:
+    if row.pop("snapshot_missing", 0):
+      raise RuntimeError(f"lag: the behaviour snapshot of step {step} is missing")
+    row["step_time_s"] = per_step
+    row["tokens_per_s"] = row.get("response_tokens", 0.0) / max(per_step, 1e-9)
+    known = sum(v for k, v in row.items() if k.startswith("time/") and k != "time/other_s")
+    row["time/other_s"] = max(per_step - known, 0.0)
+    row["compiles"] = self.compiles.count
+    self.rows.append(self.writer.write(step, row))
+    self.writer.progress(step, reward=row.get("reward_mean", float("nan")))
+    if self.on_step is not None:
+      self.on_step(step, row)
+
+  def _boundary(self, state: RunState, step: int) -> None:
+    run = self.run_cfg
+    last = step == run.total_steps
+    if (run.eval_every and step % run.eval_every == 0) or last:
+      self.evaluate(state, step)
+    if (run.checkpoint_every and step % run.checkpoint_every == 0) or last:
+      # Rows up to this step reach the disk before the checkpoint that covers them.
+      self.writer.sync()
+      meta = {
+        "step": step,
+        "seed": run.seed,
+        "data_state": self.data.get_state(),
+        "start_accuracy": self.start_accuracy,
+      }
+      self.ckpt.save(step, state_items(state), meta)
+
+  def _prompts(self, n: int) -> tuple[list[dict], list[int]]:
+    local = [next(self.data) for _ in range(n)]
+    truncated = [int((p["truncated"] & p["valid"]).sum()) for p in local]
+    return local, truncated
+
+  def _device_chunk(self, state: RunState, step: int, n: int):
+    """Steps `step + 1 .. step + n` as one jitted scan; one host transfer of metrics."""
+    local, truncated = self._prompts(n)
+    stacked = {k: np.stack([p[k] for p in local]) for k in rollouts.DEVICE_FIELDS}
+    prompts = rollouts.assemble_global(self.comps.mesh, stacked, leading_axes=1)
+    steps = jax.device_put(np.arange(step + 1, step + n + 1, dtype=np.int32), self._rep)
+    fn = jitted(self.fns, "rl_steps", self.run_cfg.replay, state)
+    begin = time.perf_counter()
+    state, out = fn(state, prompts, steps, self.seed, self.schedule)
+    out = jax.device_get(out)
+    device = (time.perf_counter() - begin) / n
+    rows = _rows_of(out, n)
+    for row, t in zip(rows, truncated, strict=True):
+      row.update(rollouts.no_reward_stats(), prompts_truncated=t)
+      row["time/device_s"] = device
+    return state, rows
+
+  def _dispatch_rollout(self, state: RunState, step: int):
+    """Reads step `step`'s prompts and dispatches its rollout (asynchronously, on device)."""
+    (local,), (truncated,) = self._prompts(1)
+    prompts = rollouts.assemble_global(self.comps.mesh, local)
+    device = {k: prompts[k] for k in rollouts.DEVICE_FIELDS}
+    step_a = jax.device_put(np.int32(step), self._rep)
+    fn = jitted(self.fns, "rollout", self.run_cfg.replay, state)
+    out, v, found = fn(state, device, step_a, self.seed, self.schedule)
+    return prompts, device, truncated, step_a, (out, v, found)
+
+  def _can_prefetch(self, step: int) -> bool:
+    """Whether step `step + 1` may sample before step `step` has trained.
+
+    Its behaviour parameters must not be the ones `step` produces, and `step`
+    must not end in a checkpoint (the checkpoint's data state must not include
+    a prefetched batch).
+    """
+    run = self.run_cfg
+    if step >= run.total_steps or (run.checkpoint_every and step % run.checkpoint_every == 0):
+      return False
+    return lag.behavior_version(step + 1, run.sync_interval, run.sync_offset) < step
+
+  def _host_step(self, state: RunState, step: int):
+    """One host-reward step: jitted rollout, sandboxed scoring, jitted learning.
+
+    When the lag schedule allows (`_can_prefetch`), the next step's rollout is
+    dispatched before this step's scoring, so the device samples while the
+    verifier workers score.
+    """
+    t0 = time.perf_counter()
+    pending, self._prefetched = self._prefetched, None
+    if pending is None or pending[0] != step:
+      pending = (step, self._dispatch_rollout(state, step))
+    prompts, device, truncated, step_a, (out, v, found) = pending[1]
+    jax.block_until_ready(out)
+    t1 = time.perf_counter()
+    if self._can_prefetch(step):
+      self._prefetched = (step + 1, self._dispatch_rollout(state, step + 1))
+    rewards_b, stats = rollouts.score_on_host(
+      self.fns, prompts, out, split="train", group_size=self.fns.sizes.group_size
+    )
+    t2 = time.perf_counter()
+    learn = jitted(self.fns, "learn_scored", self.run_cfg.replay, state)
+    state, row = learn(state, device, out, rewards_b, v, step_a, self.seed, self.schedule)
+    row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
+    t3 = time.perf_counter()
+    row.update(stats, prompts_truncated=truncated, snapshot_missing=int(not bool(found)))
+    row.update({"time/sample_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2})
+    return state, [row]
+
+  def _async_step(self, state: RunState, step: int, prod: producer.AsyncProducer):
+    t0 = time.perf_counter()
+    batch, info = prod.get(step)
+    t1 = time.perf_counter()
+    fn = jitted(self.fns, "learn", self.run_cfg.replay, state)
+    step_a = jax.device_put(np.int32(step), self._rep)
+    state, row = fn(state, batch, step_a, self.seed, self.schedule)
+    prod.publish(state.train.params, step)
+    big = jnp.iinfo(jnp.int32).max
+    oldest_a = jnp.min(jnp.where(batch.mask > 0, batch.versions, big))
+    row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
+    oldest = int(oldest_a)
+    row["behavior_version"] = oldest if oldest != big else (step - 1) * self.fns.updates
+    row.update(info)
+    row["time/sample_s"] = row.pop("sample_time_s")
+    row["time/wait_s"] = t1 - t0
+    row["time/train_s"] = time.perf_counter() - t1
+    return state, [row]
 
 
 def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = None):
   """Evaluates a run's checkpoint (or, without `workdir`, the config's model as built).
+
+  Only the parameters are read from the checkpoint (by name).
 
   Args:
     config: the run's config (its model, task and eval settings are used).
@@ -418,22 +392,19 @@ def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = N
     step: checkpoint step; None for the latest.
 
   Returns:
-    dict with `step` and the `eval/` metrics of `Environment.evaluate`.
+    dict with `step` and the `eval/` metrics of `evaluation.evaluate`.
   """
-  validate_config(config)
-  env = get_environment(config)
-  validate_data(config, env.task, env.tokenizer)
-  params = env.init_params(config.seed)
+  comps = build_components(config)
+  fns, run = comps.fns, comps.run
+  params = fns.init_params(run.seed)
   step_done = 0
   if workdir is not None:
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
     try:
-      state, meta = ckpt.restore(_Run(env, config).fresh_state(params), step)
+      items, meta = ckpt.restore({"params": params}, step)
     finally:
       ckpt.close()
-    params, step_done = env.params_of(state["train"]), meta["step"]
-  k = max(config.eval_samples, 1)
-  ev = env.evaluate(
-    params, step_key(config.seed, step_done, environment.EVAL), config.eval_prompts, k
-  )
-  return {"step": step_done, **ev}
+    params, step_done = items["params"], meta["step"]
+  k = max(run.eval_samples, 1)
+  key = step_key(run.seed, step_done, EVAL)
+  return {"step": step_done, **evaluation.evaluate(fns, params, key, run.eval_prompts, k)}

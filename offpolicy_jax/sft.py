@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 from jax.typing import ArrayLike
 
-from offpolicy_jax import data, models, train_step
+from offpolicy_jax import data, models, rollouts, train_step
 
 
 class SFTBatch(NamedTuple):
@@ -180,10 +180,9 @@ def run(
   return SFTResult(params, losses, skipped)
 
 
-def _check_warm_start(result: SFTResult, sft_config: Any, log_fn: Callable) -> None:
+def _check_warm_start(result: SFTResult, lr: float, log_fn: Callable) -> None:
   """Raises unless `result` is a warm start RL can start from; logs skipped steps."""
   steps, skipped = len(result.losses), result.skipped_steps
-  lr = sft_config.learning_rate
   if not bool(train_step.all_finite(result.params)):
     raise FloatingPointError(
       f"config.sft: the parameters are non-finite after supervised step {steps} "
@@ -204,17 +203,26 @@ def _check_warm_start(result: SFTResult, sft_config: Any, log_fn: Callable) -> N
 _WARM_START_CACHE: dict[str, Any] = {}
 
 
-def warm_start(env: Any, params: Any, sft_config: Any, seed: int, log_fn: Callable = print) -> Any:
+def warm_start(
+  fns: Any,
+  params: Any,
+  *,
+  steps: int,
+  batch_size: int,
+  learning_rate: float,
+  seed: int,
+  log_fn: Callable = print,
+) -> Any:
   """Supervised phase of a run on its task's reference answers (see `run`).
 
-  Results are cached per (model, task, shapes, mesh, seed, settings), so the
-  runs of a sweep or notebook that share a warm start (whatever their loss,
-  optimizer or lag) compute it once.
+  Results are cached per (model, task, shapes, mesh: `fns.model_key`), seed
+  and settings, so the runs of a sweep or notebook that share a warm start
+  (whatever their loss, optimizer or lag) compute it once.
 
   Args:
-    env: the run's `environment.Environment` (task, tokenizer, graphdef, config).
-    params: initial parameters (those of `env.init_params(seed)`).
-    sft_config: `config.sft` (steps, batch_size, learning_rate).
+    fns: the run's `rl_step.StepFns` (task, tokenizer, graph, sizes).
+    params: initial parameters (those of `fns.init_params(seed)`).
+    steps, batch_size, learning_rate: the `config.sft` settings.
     seed: seed of the supervised prompt stream.
     log_fn: receives progress lines.
 
@@ -225,35 +233,23 @@ def warm_start(env: Any, params: Any, sft_config: Any, seed: int, log_fn: Callab
     FloatingPointError: naming `config.sft` when every supervised step was
       skipped for non-finite values or the final parameters are non-finite.
   """
-  c = env.config
-  if env.task.answer is None:
-    raise ValueError(f"config.sft.enabled: task {c.task!r} has no reference answers")
-  fields = ("model", "model_dtype", "tokenizer", "task", "max_prompt_len", "max_new_tokens")
-  cache_key = json.dumps(
-    [
-      {f: c[f] for f in fields},
-      c.task_kwargs.to_dict(),
-      c.mesh.to_dict(),
-      seed,
-      sft_config.to_dict(),
-    ],
-    sort_keys=True,
-    default=str,
-  )
+  if fns.task.answer is None:
+    raise ValueError("config.sft.enabled: the task has no reference answers")
+  cache_key = json.dumps([fns.model_key, seed, steps, batch_size, learning_rate])
   if cache_key not in _WARM_START_CACHE:
     # Its own prompt stream (seed + 1): the RL iterator still starts from the beginning.
-    it = env.prompt_iterator(seed + 1, "train", batch_size=sft_config.batch_size)
-    batches = reference_batches(env.task, env.tokenizer, it, c.max_new_tokens)
-    every = max(1, sft_config.steps // 5)
+    it = rollouts.prompt_iterator(fns, seed + 1, "train", batch_size=batch_size)
+    batches = reference_batches(fns.task, fns.tokenizer, it, fns.sizes.max_new_tokens)
+    every = max(1, steps // 5)
     result = run(
-      env.graphdef,
+      fns.graphdef,
       params,
       batches,
-      steps=sft_config.steps,
-      learning_rate=sft_config.learning_rate,
+      steps=steps,
+      learning_rate=learning_rate,
       log_fn=lambda i, loss: log_fn(f"sft step {i}: loss {loss:.4f}") if i % every == 0 else None,
     )
-    _check_warm_start(result, sft_config, log_fn)
+    _check_warm_start(result, learning_rate, log_fn)
     if len(_WARM_START_CACHE) >= 2:
       _WARM_START_CACHE.pop(next(iter(_WARM_START_CACHE)))
     _WARM_START_CACHE[cache_key] = result.params

@@ -170,6 +170,8 @@ def validate_config(config) -> None:
 def _validate_run(c) -> None:
   _int(c, "seed", 0, 2**31)
   _int(c, "total_steps", 1)
+  _int(c, "log_every", 1)
+  _int(c, "profile_steps", 0)
   for k in ("checkpoint_every", "eval_every", "eval_prompts"):
     _int(c, k, 0)
   _int(c, "eval_samples", 1, note=" (1 = greedy accuracy only, no pass@k)")
@@ -288,7 +290,7 @@ def _validate_optimizer(c) -> None:
 def mesh_shape(config, device_count: int | None = None) -> tuple[int, int, int]:
   """`(data, fsdp, tensor)` sizes of `config.mesh`, with a -1 resolved.
 
-  Mirrors `environment.make_mesh`: a -1 axis takes the devices left by the
+  Mirrors `components.make_mesh`: a -1 axis takes the devices left by the
   others; without one the mesh uses the first data * fsdp * tensor devices.
 
   Args:
@@ -345,6 +347,7 @@ def _validate_sources(c) -> None:
   """Model, tokenizer, task and data files exist."""
   _str(c, "model")
   _choice(c, "model_dtype", MODEL_DTYPES)
+  _bool(c, "model_scan_layers")
   if os.path.sep in c.model or os.path.isdir(c.model):
     _need(
       os.path.isfile(os.path.join(c.model, "config.json")),

@@ -48,6 +48,8 @@ RUN_CONTROL_FIELDS = (
   "tensorboard",
   "wandb_project",
   "progress",
+  "log_every",
+  "profile_steps",
   "reward_timeout",
   "reward_batch_timeout",
   "reward_workers",

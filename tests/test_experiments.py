@@ -426,7 +426,7 @@ def _data_files(step_dir):
     os.path.join(d, f)
     for d, _, files in os.walk(step_dir)
     for f in files
-    if "/arrays/" in os.path.join(d, f) and os.path.getsize(os.path.join(d, f)) > 64
+    if "/params/" in os.path.join(d, f) and os.path.getsize(os.path.join(d, f)) > 64
   ]
 
 

@@ -82,12 +82,6 @@ def test_snapshot_store_ring_and_get():
   assert sorted(np.asarray(store.versions).tolist()) == [2, 3, 4]
 
 
-def test_ewma_update():
-  avg = {"w": jnp.array([0.0, 2.0])}
-  out = lag.ewma_update(avg, {"w": jnp.array([1.0, 0.0])}, 0.75)
-  np.testing.assert_allclose(out["w"], [0.25, 1.5])
-
-
 def _batch(version, rows=2, n=3):
   mask = np.ones((rows, n), np.float32)
   mask[1, 2] = 0

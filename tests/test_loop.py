@@ -8,13 +8,14 @@ import time
 import zlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
-from offpolicy_jax import loop, metrics, tasks  # noqa: E402
+from offpolicy_jax import components, loop, metrics, rollouts, tasks, validation  # noqa: E402
 
 REQUIRED = (
   "step",
@@ -42,7 +43,7 @@ REQUIRED = (
   "reward_time_s",
 )
 # Wall-clock metrics differ between runs; everything else must match exactly.
-TIMING = ("tokens_per_s", "step_time_s")
+TIMING = ("tokens_per_s", "step_time_s", "compiles")
 
 
 def small_config(**overrides):
@@ -75,7 +76,9 @@ def small_config(**overrides):
 
 
 def strip_timing(rows):
-  return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+  return [
+    {k: v for k, v in r.items() if k not in TIMING and not k.startswith("time/")} for r in rows
+  ]
 
 
 def reference_version(t, m, n):
@@ -196,7 +199,7 @@ def test_missing_data_file_fails_naming_the_field(tmp_path):
   cfg.task = "gsm8k"
   cfg.task_kwargs = {"train_path": str(tmp_path / "missing.jsonl")}
   with pytest.raises(ValueError, match="config.task_kwargs.train_path.*missing.jsonl"):
-    loop.validate_config(cfg)
+    validation.validate_config(cfg)
 
 
 def test_malformed_data_row_fails_naming_file_and_row(tmp_path):
@@ -231,7 +234,7 @@ def test_failing_reward_is_scored_zero_counted_and_run_goes_on(tmp_path, monkeyp
     return dataclasses.replace(task, reward=_flaky_reward, device_reward=None)
 
   monkeypatch.setattr(tasks, "get_task", get_task)
-  loop._ENV_CACHE.clear()
+  components.clear_cache()
   try:
     cfg = small_config(
       **{
@@ -248,7 +251,7 @@ def test_failing_reward_is_scored_zero_counted_and_run_goes_on(tmp_path, monkeyp
     rows = loop.train_and_evaluate(cfg, str(tmp_path))
     elapsed = time.monotonic() - start
   finally:
-    loop._ENV_CACHE.clear()
+    components.clear_cache()
   assert [r["step"] for r in rows] == [1, 2, 3]
   assert elapsed < 60  # hung verifiers were killed, not waited for
   for row in rows:
@@ -322,29 +325,31 @@ def test_nan_reward_skips_the_update_and_the_run_goes_on(tmp_path, monkeypatch):
       "task_kwargs.partial_credit": True,
     }
   )
-  env = loop.get_environment(cfg)
-  real, calls = env._device_reward, []
+  real_get_task = tasks.get_task
 
-  def poisoned(answers, tokens, mask):
-    calls.append(1)
-    r = real(answers, tokens, mask)
-    return r.at[0].set(float("nan")) if len(calls) == 2 else r
+  def get_task(name, **kw):
+    task = real_get_task(name, **kw)
+    real = task.device_reward
 
-  monkeypatch.setattr(env, "_device_reward", poisoned)
-  rows = loop.train_and_evaluate(cfg, str(tmp_path))
-  assert [r["skipped"] for r in rows] == [0, 1, 0, 0]
-  assert rows[-1]["num_skipped"] == 1
-  assert all(r["grad_norm"] == r["grad_norm"] for r in (rows[0], rows[2], rows[3]))  # finite
+    def poisoned(answers, tokens, mask):
+      # NaN for row 0 on some steps (decided on device: the reward is traced once).
+      r = real(answers, tokens, mask)
+      return r.at[0].set(jnp.where(tokens[0, 0] % 2 == 0, jnp.nan, r[0]))
 
+    return dataclasses.replace(task, device_reward=poisoned)
 
-def test_sft_targets_are_answer_then_eos_right_padded():
-  from offpolicy_jax import sft, tokenizers
-
-  tok = tokenizers.CharTokenizer()
-  tokens, mask = sft.encode_targets(tok, ["12", "4321"], max_len=4)
-  want = [[*tok.encode("12"), tok.eos_id, tok.pad_id], tok.encode("4321")]  # truncated: no EOS
-  assert tokens.tolist() == want
-  assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+  monkeypatch.setattr(tasks, "get_task", get_task)
+  components.clear_cache()
+  try:
+    rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  finally:
+    components.clear_cache()
+  poisoned_steps = [r["reward_mean"] != r["reward_mean"] for r in rows]
+  assert any(poisoned_steps) and not all(poisoned_steps)
+  assert [r["skipped"] for r in rows] == [int(p) for p in poisoned_steps]
+  assert rows[-1]["num_skipped"] == sum(poisoned_steps)
+  finite = [r["grad_norm"] == r["grad_norm"] for r in rows]
+  assert all(f for f, p in zip(finite, poisoned_steps, strict=True) if not p)
 
 
 def test_several_optimizer_steps_per_batch_keep_versions_consistent(tmp_path):
@@ -398,8 +403,6 @@ def test_replay_policy_with_reuse_runs(tmp_path):
 def test_global_prompts_on_one_process_equal_the_local_batch():
   from jax.sharding import AxisType, PartitionSpec
 
-  from offpolicy_jax import environment
-
   mesh = jax.make_mesh((4, 2, 1), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
   rng = np.random.default_rng(0)
   local = {
@@ -409,7 +412,7 @@ def test_global_prompts_on_one_process_equal_the_local_batch():
     "index": np.arange(8, dtype=np.int64),
     "valid": np.ones(8, bool),
   }
-  out = environment.assemble_global(mesh, local)
+  out = rollouts.assemble_global(mesh, local)
   for k in ("prompt_tokens", "prompt_lengths", "answer_tokens"):
     assert isinstance(out[k], jax.Array)
     np.testing.assert_array_equal(np.asarray(out[k]), local[k])
@@ -417,20 +420,20 @@ def test_global_prompts_on_one_process_equal_the_local_batch():
     assert len(out[k].addressable_shards) == 8
   assert out["index"] is local["index"] and out["valid"] is local["valid"]
   # Not divisible by data*fsdp on one process: replicated, same values.
-  odd = environment.assemble_global(mesh, {k: v[:3] for k, v in local.items()})
+  odd = rollouts.assemble_global(mesh, {k: v[:3] for k, v in local.items()})
   assert odd["prompt_tokens"].sharding.spec == PartitionSpec()
   np.testing.assert_array_equal(np.asarray(odd["prompt_tokens"]), local["prompt_tokens"][:3])
 
 
 def test_each_process_reads_its_own_block_of_the_global_batch(monkeypatch):
-  env = loop.get_environment(small_config(**{"prompts_per_step": 4}))
-  one = env.prompt_iterator(0, "train")
+  fns = components.build_components(small_config(**{"prompts_per_step": 4})).fns
+  one = rollouts.prompt_iterator(fns, 0, "train")
   whole = [next(one) for _ in range(3)]
   assert whole[0]["prompt_tokens"].shape[0] == 4
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   for shard in (0, 1):
     monkeypatch.setattr(jax, "process_index", lambda shard=shard: shard)
-    it = env.prompt_iterator(0, "train")
+    it = rollouts.prompt_iterator(fns, 0, "train")
     for t in range(3):
       batch = next(it)
       assert batch["prompt_tokens"].shape[0] == 2  # prompts_per_step / process_count
@@ -440,4 +443,29 @@ def test_each_process_reads_its_own_block_of_the_global_batch(monkeypatch):
         np.testing.assert_array_equal(batch[k], v[2 * shard : 2 * shard + 2])
     assert it.get_state() == one.get_state()  # one checkpointed state resumes every process
   # Evaluation reads the whole split on every process.
-  assert next(env.prompt_iterator(0, "eval", batch_size=4))["index"].tolist() == [0, 1, 2, 3]
+  assert next(rollouts.prompt_iterator(fns, 0, "eval", batch_size=4))["index"].tolist() == [
+    0,
+    1,
+    2,
+    3,
+  ]
+
+
+def test_rows_carry_phase_times_and_compiles_and_profile_writes_a_trace(tmp_path):
+  cfg = small_config(
+    **{
+      "total_steps": 6,
+      "log_every": 3,
+      "profile_steps": 2,
+      "eval_prompts": 0,
+      "sft.enabled": False,
+    }
+  )
+  rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  for row in rows:
+    assert row["time/device_s"] > 0 and row["time/other_s"] >= 0
+    assert row["step_time_s"] >= row["time/device_s"]
+  # Chunks of gcd(log_every, checkpoint_every) = 3 steps: nothing compiles after the first.
+  assert rows[1]["compiles"] > 0 and rows[-1]["compiles"] == rows[1]["compiles"]
+  traces = [f for _, _, files in os.walk(tmp_path / "profile") for f in files]
+  assert any(f.endswith(".xplane.pb") for f in traces), traces

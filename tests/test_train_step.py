@@ -13,7 +13,6 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from configs import default  # noqa: E402
 from offpolicy_jax import lag, models, sft, sharding, train_step  # noqa: E402
 from offpolicy_jax.types import TrainBatch  # noqa: E402
 
@@ -209,8 +208,8 @@ def test_bad_config_names_field(setup):
   step = train_step.make_train_step(setup["graphdef"], setup["sgd"], LOSS, micro_batch_size=3)
   with pytest.raises(ValueError, match="micro_batch_size"):
     _run(setup, step)
-  step = train_step.make_train_step(setup["graphdef"], setup["sgd"], "decoupled_ppo")
-  with pytest.raises(ValueError, match="proximal_params"):
+  step = train_step.make_train_step(setup["graphdef"], setup["sgd"], LOSS, kl_coef=0.1)
+  with pytest.raises(ValueError, match="ref_params"):
     _run(setup, step)
   with pytest.raises(ValueError, match="schedule"):
     train_step.make_optimizer(1e-3, schedule="linear")
@@ -253,6 +252,37 @@ def test_proximal_params_minibatches_and_epochs(setup):
   assert abs(float(m["behavior_ratio_mean"]) - 1.0) > 1e-3
 
 
+def test_default_proximal_anchor_is_the_starting_params(setup):
+  """decoupled_ppo: without explicit proximal params the anchor is the state's own
+  parameters (stop_gradient(logp) for one optimizer step, the starting params for
+  several), equal to passing a copy of them."""
+  for minibatches in (1, 2):
+    step = train_step.make_train_step(
+      setup["graphdef"], setup["sgd"], "decoupled_ppo", num_minibatches=minibatches, donate=False
+    )
+    state = train_step.init_train_state(setup["params"], setup["sgd"])
+    key = jax.random.key(1)
+    s1, m1 = step(state, setup["batch"], key)
+    s2, m2 = step(state, setup["batch"], key, proximal_params=setup["params"])
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-6)
+
+
+def test_micro_batches_combine_metrics_by_type(setup):
+  """Token-weighted means, extremes and counts equal the one-micro-batch step's."""
+  one = setup["step"]
+  four = train_step.make_train_step(
+    setup["graphdef"], setup["sgd"], LOSS, num_micro_batches=4, donate=False
+  )
+  state = train_step.init_train_state(setup["params"], setup["sgd"])
+  _, m1 = one(state, setup["batch"], jax.random.key(0))
+  _, m4 = four(state, setup["batch"], jax.random.key(0))
+  for k in ("loss", "entropy", "ratio_mean", "ratio_max", "ratio_min", "clip_frac", "kl_k3"):
+    np.testing.assert_allclose(m4[k], m1[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  assert float(m4["tokens"]) == float(m1["tokens"]) == float(setup["batch"].mask.sum())
+
+
 def test_no_recompilation_after_warmup(setup):
   compiles = []
 
@@ -291,43 +321,3 @@ def test_sft_step_skips_nonfinite(setup):
   assert int(skipped) == 0 and np.isfinite(float(loss))
   moved = jax.tree.map(lambda a, c: float(jnp.abs(a - c).max()), p2, params)
   assert max(jax.tree.leaves(moved)) > 0
-
-
-@pytest.fixture(scope="module")
-def sft_env():
-  from offpolicy_jax import environment
-
-  c = default.base_config()
-  c.task, c.prompts_per_step, c.group_size = "reverse", 2, 2
-  c.max_new_tokens, c.max_prompt_len = 6, 12
-  c.sft.steps, c.sft.batch_size = 2, 4
-  return environment.get_environment(c)
-
-
-def test_warm_start_with_nan_learning_rate_raises(sft_env, monkeypatch):
-  """Every supervised step is skipped: the run stops before RL, naming config.sft."""
-  monkeypatch.setattr(sft, "_WARM_START_CACHE", {})
-  sft_config = sft_env.config.sft.copy_and_resolve_references()
-  sft_config.learning_rate = float("nan")
-  match = r"config\.sft: every supervised step \(1 to 2\) was skipped.*learning_rate=nan"
-  with pytest.raises(FloatingPointError, match=match):
-    sft.warm_start(sft_env, sft_env.init_params(0), sft_config, seed=0, log_fn=lambda _: None)
-  assert not sft._WARM_START_CACHE
-
-
-@pytest.mark.parametrize("nonfinite_params", [True, False])
-def test_warm_start_checks_its_result(sft_env, monkeypatch, nonfinite_params):
-  """Non-finite final params raise; a few skipped steps are logged and the run goes on."""
-  monkeypatch.setattr(sft, "_WARM_START_CACHE", {})
-  params = {"w": jnp.array([1.0, np.nan if nonfinite_params else 2.0])}
-  result = sft.SFTResult(params, [3.0, np.nan, 2.0], skipped_steps=[2])
-  monkeypatch.setattr(sft, "run", lambda *args, **kwargs: result)
-  logs = []
-  warm = lambda: sft.warm_start(sft_env, params, sft_env.config.sft, seed=0, log_fn=logs.append)
-  if nonfinite_params:
-    match = r"config\.sft: the parameters are non-finite after supervised step 3 \(1 of 3"
-    with pytest.raises(FloatingPointError, match=match):
-      warm()
-  else:
-    np.testing.assert_array_equal(warm()["w"], params["w"])
-    assert "sft: skipped 1 of 3 steps with non-finite values (step 2)" in logs

@@ -37,6 +37,10 @@ class ModelConfig:
     dtype: compute dtype name ("float32" or "bfloat16").
     param_dtype: parameter storage dtype name.
     remat: if True each decoder block is rematerialised in the backward pass.
+    scan_layers: if True the cache-free forward (training, prefill-free scoring)
+      runs the blocks as one `lax.scan` over their stacked parameters, so
+      compile time stays flat in depth (MaxText's `scan_layers`); parameters
+      keep their per-layer layout, so checkpoints do not change.
     family: "qwen2", "qwen3" or "llama" (selects the HF architecture on export).
   """
 
@@ -57,6 +61,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: bool = False
+  scan_layers: bool = False
   family: str = "llama"
 
   def __post_init__(self):

@@ -254,6 +254,8 @@ class Decoder(nnx.Module):
     q_idx = q_offset + jnp.arange(t)
     allowed = (jnp.arange(s)[None, :] <= q_idx[:, None])[None] & mask[:, None, :]
     h = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(c.dtype)
+    if c.scan_layers and cache is None:
+      return self.norm(self._scan_layers(h, cos, sin, allowed)), None
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       kv = None if cache is None else (cache.k[i], cache.v[i])
@@ -271,6 +273,19 @@ class Decoder(nnx.Module):
         new_v.append(kv[1])
     h = self.norm(h)
     return h, (None if cache is None else KVCache(tuple(new_k), tuple(new_v)))
+
+  def _scan_layers(self, h_btd, cos, sin, allowed):
+    """The blocks as one `lax.scan` over their stacked states (one block compiled)."""
+    splits = [nnx.split(layer) for layer in self.layers]
+    graphdef = splits[0][0]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits))
+
+    def block(h, state):
+      return nnx.merge(graphdef, state)(h, cos, sin, allowed)[0], None
+
+    if self.config.remat:
+      block = jax.checkpoint(block)
+    return jax.lax.scan(block, h_btd, stacked)[0]
 
   def logits_from_hidden(self, h_btd: jax.Array) -> jax.Array:
     """float32 logits [..., V] from final hidden states [..., D]."""

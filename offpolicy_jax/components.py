@@ -1,0 +1,309 @@
+"""What a run is built from: `build_components(config) -> Components`.
+
+`build_components` is the only function that reads the experiment ConfigDict.
+It validates the config (and, once per workdir, the data), then returns a
+frozen `Components` record: the mesh, the model's graph, tokenizer, task, loss,
+optimizer and the jitted functions of the hot path (`rl_step.StepFns`), plus
+the run's plain settings (`RunSettings`). Nothing in it points back to the
+config, and it holds no run state.
+
+Compiled functions are shared: the part of a `Components` that compiles
+(`StepFns` and the eval prompt batches) is cached under exactly the config
+fields it is built from (`RUN_FIELDS` excluded), so runs of a sweep, a notebook
+or the tests that differ only in seed, length, lag, replay policy, warm start
+or logging compile once. The cached part contains nothing built from the run
+fields, so it cannot go stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from offpolicy_jax import (
+  losses,
+  models,
+  rewards,
+  rl_step,
+  rollouts,
+  sampling,
+  sharding,
+  tasks,
+  tokenizers,
+  train_step,
+  validation,
+)
+from offpolicy_jax.rl_step import INIT, step_key
+
+# Config fields a run reads as settings; every other field shapes what compiles.
+RUN_FIELDS = (
+  "seed",
+  "total_steps",
+  "lag",
+  "replay",
+  "sft",
+  "eval_every",
+  "eval_prompts",
+  "eval_samples",
+  "checkpoint_every",
+  "keep_checkpoints",
+  "async_checkpoint",
+  "tensorboard",
+  "wandb_project",
+  "progress",
+  "log_every",
+  "profile_steps",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+  """The run's plain settings (seed, length, lag, replay, warm start, evaluation, logging)."""
+
+  seed: int
+  total_steps: int
+  lag_mode: str
+  sync_interval: int
+  sync_offset: int
+  max_staleness: int
+  replay: rl_step.ReplayOptions
+  replay_capacity_batches: int
+  sft_enabled: bool
+  sft_steps: int
+  sft_batch_size: int
+  sft_learning_rate: float
+  eval_every: int
+  eval_prompts: int
+  eval_samples: int
+  checkpoint_every: int
+  keep_checkpoints: int
+  async_checkpoint: bool
+  tensorboard: bool
+  wandb_project: str
+  progress: bool
+  log_every: int
+  profile_steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Components:
+  """Everything a run needs besides its state; built by `build_components`.
+
+  Attributes:
+    fns: the model, task, loss and jitted functions (`rl_step.StepFns`).
+    run: the run's settings.
+    task_name: the task's registry name (for messages).
+  """
+
+  fns: rl_step.StepFns
+  run: RunSettings
+  task_name: str
+
+  @property
+  def mesh(self) -> jax.sharding.Mesh:
+    return self.fns.mesh
+
+  @property
+  def task(self) -> tasks.Task:
+    return self.fns.task
+
+  @property
+  def tokenizer(self) -> Any:
+    return self.fns.tokenizer
+
+
+def make_mesh(config) -> jax.sharding.Mesh:
+  """The `(data, fsdp, tensor)` mesh of `config.mesh` (-1 fills the remaining devices)."""
+  sizes = (config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  devices = None
+  if -1 not in sizes:
+    n = int(np.prod(sizes))
+    if n > jax.device_count():
+      raise ValueError(f"config.mesh: {sizes} needs {n} devices, have {jax.device_count()}")
+    devices = jax.devices()[:n]
+  try:
+    return sharding.make_mesh(*sizes, devices=devices)
+  except ValueError as e:
+    raise ValueError(f"config.{e}") from e
+
+
+def _tokenizer(config):
+  if config.tokenizer:
+    return tokenizers.HFTokenizer.from_pretrained(config.tokenizer)
+  if os.path.isdir(config.model):
+    return tokenizers.HFTokenizer.from_pretrained(config.model)
+  return tokenizers.CharTokenizer()
+
+
+def _model_constructor(config, mesh, tokenizer):
+  """`seed -> model`: an HF checkpoint loaded onto the mesh, or a fresh preset."""
+  if os.path.isdir(config.model):
+    path, dtype = config.model, jnp.dtype(config.model_dtype)
+    scan = config.model_scan_layers
+    return lambda seed: models.from_pretrained(
+      path,
+      jnp.float32,
+      compute_dtype=dtype,
+      mesh=mesh,
+      rules=sharding.LOGICAL_AXIS_RULES,
+      scan_layers=scan,
+    )
+  mcfg = models.get_config(
+    config.model,
+    vocab_size=tokenizer.vocab_size,
+    dtype=config.model_dtype,
+    scan_layers=config.model_scan_layers,
+  )
+  return lambda seed: models.Decoder(mcfg, rngs=nnx.Rngs(params=step_key(seed, 0, INIT)))
+
+
+def _optimizer(config):
+  opt = config.optimizer
+  return train_step.make_optimizer(
+    opt.learning_rate,
+    warmup_steps=opt.warmup_steps,
+    weight_decay=opt.weight_decay,
+    max_grad_norm=opt.grad_clip or None,
+    b1=opt.b1,
+    b2=opt.b2,
+  )
+
+
+def _reward(config, task) -> rollouts.Reward:
+  if task.device_reward is not None:
+    return rollouts.Reward(device=jax.jit(task.device_reward))
+  c = config
+  pool = rewards.get_pool(c.reward_workers or None, c.reward_memory_mb, c.reward_sandbox)
+  pool.check(task.reward, config.task)  # fails here if it cannot reach a worker
+  return rollouts.Reward(
+    host=task.reward,
+    pool=pool,
+    timeout_s=config.reward_timeout,
+    batch_timeout_s=config.reward_batch_timeout or None,
+  )
+
+
+def _build_fns(config) -> rl_step.StepFns:
+  c = config
+  mesh = make_mesh(c)
+  task = tasks.get_task(c.task, **c.task_kwargs.to_dict())
+  tokenizer = _tokenizer(c)
+  model_fn = _model_constructor(c, mesh, tokenizer)
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_fn(0)))
+  spec = losses.get_spec(c.loss.name, **validation.loss_overrides(c))
+  options = train_step.StepOptions(
+    spec,
+    num_micro_batches=c.optimizer.micro_batches,
+    micro_batch_size=c.train.micro_batch_size or None,
+    num_minibatches=c.train.num_minibatches,
+    num_epochs=c.train.num_epochs,
+    temperature=c.temperature,
+  )
+  sample_kw = dict(
+    max_new_tokens=c.max_new_tokens, top_p=c.top_p, top_k=c.top_k, eos_id=tokenizer.eos_id
+  )
+  return rl_step.StepFns(
+    mesh=mesh,
+    graphdef=graphdef,
+    tokenizer=tokenizer,
+    task=task,
+    model_fn=model_fn,
+    options=options,
+    optimizer=_optimizer(c),
+    advantage=validation.advantage_name(c),
+    sizes=rollouts.Sizes(c.prompts_per_step, c.group_size, c.max_prompt_len, c.max_new_tokens),
+    sample_kw={**sample_kw, "temperature": c.temperature},
+    sampler=sampling.make_sampler(
+      graphdef, group_size=c.group_size, temperature=c.temperature, **sample_kw
+    ),
+    greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
+    reward=_reward(c, task),
+    truncate_prompts=c.data.truncate_prompts,
+    model_key=json.dumps(
+      [
+        {f: c[f] for f in ("model", "model_dtype", "tokenizer", "task", "max_prompt_len")},
+        c.max_new_tokens,
+        c.task_kwargs.to_dict(),
+        c.mesh.to_dict(),
+        c.data.to_dict(),
+      ],
+      sort_keys=True,
+      default=str,
+    ),
+  )
+
+
+def _run_settings(config) -> RunSettings:
+  c = config
+  return RunSettings(
+    seed=c.seed,
+    total_steps=c.total_steps,
+    lag_mode=c.lag.mode,
+    sync_interval=c.lag.sync_interval,
+    sync_offset=c.lag.sync_offset,
+    max_staleness=c.lag.max_staleness,
+    replay=rl_step.ReplayOptions(
+      c.replay.policy, c.replay.max_reuse or None, float(c.replay.temperature)
+    ),
+    replay_capacity_batches=c.replay.capacity_batches,
+    sft_enabled=c.sft.enabled,
+    sft_steps=c.sft.steps,
+    sft_batch_size=c.sft.batch_size,
+    sft_learning_rate=c.sft.learning_rate,
+    eval_every=c.eval_every,
+    eval_prompts=c.eval_prompts,
+    eval_samples=c.eval_samples,
+    checkpoint_every=c.checkpoint_every,
+    keep_checkpoints=c.keep_checkpoints,
+    async_checkpoint=c.async_checkpoint,
+    tensorboard=c.tensorboard,
+    wandb_project=c.wandb_project,
+    progress=c.progress,
+    log_every=c.log_every,
+    profile_steps=c.profile_steps,
+  )
+
+
+_FNS_CACHE: dict[str, rl_step.StepFns] = {}
+_FNS_CACHE_SIZE = 4
+
+
+def compile_key(config) -> str:
+  """The config fields the compiled part is built from, as a canonical JSON string."""
+  d = config.to_dict()
+  kept = {k: v for k, v in d.items() if k not in RUN_FIELDS}
+  return json.dumps(kept, sort_keys=True, default=str)
+
+
+def build_components(config, *, data_cache_dir: str | None = None) -> Components:
+  """Validates `config` and its data, and builds the run's `Components`.
+
+  Args:
+    config: an experiment ConfigDict (configs/default.py lists every field).
+    data_cache_dir: where the data scan caches its result (e.g. the workdir).
+
+  Raises:
+    ValueError: naming the config field (or data file and row) that is wrong.
+  """
+  validation.validate_config(config)
+  key = compile_key(config)
+  if key not in _FNS_CACHE:
+    if len(_FNS_CACHE) >= _FNS_CACHE_SIZE:
+      _FNS_CACHE.pop(next(iter(_FNS_CACHE)))
+    _FNS_CACHE[key] = _build_fns(config)
+  fns = _FNS_CACHE[key]
+  # Every prompt checked once (cached under `data_cache_dir`), before anything compiles.
+  validation.validate_data(config, fns.task, fns.tokenizer, cache_dir=data_cache_dir)
+  return Components(fns=fns, run=_run_settings(config), task_name=config.task)
+
+
+def clear_cache() -> None:
+  """Drops the cached compiled parts (e.g. after monkeypatching a task in a test)."""
+  _FNS_CACHE.clear()

@@ -1,0 +1,66 @@
+"""Tests for build_components: the only reader of the config, compiled parts shared safely."""
+
+import dataclasses
+import os
+import sys
+
+import ml_collections
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from offpolicy_jax import components  # noqa: E402
+from tests.test_loop import small_config  # noqa: E402
+
+
+def _holds_config(obj, seen=None) -> bool:
+  """Whether `obj` (a dataclass / dict / sequence tree) holds a ConfigDict anywhere."""
+  seen = set() if seen is None else seen
+  if id(obj) in seen:
+    return False
+  seen.add(id(obj))
+  if isinstance(obj, ml_collections.ConfigDict | ml_collections.FrozenConfigDict):
+    return True
+  if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    return any(_holds_config(getattr(obj, f.name), seen) for f in dataclasses.fields(obj))
+  if isinstance(obj, dict):
+    return any(_holds_config(v, seen) for v in obj.values())
+  if isinstance(obj, list | tuple):
+    return any(_holds_config(v, seen) for v in obj)
+  return False
+
+
+def test_components_hold_no_config_and_share_compiled_parts():
+  a = components.build_components(small_config(seed=1, total_steps=9))
+  b = components.build_components(small_config(**{"seed": 2, "lag.sync_interval": 5}))
+  assert not _holds_config(a)
+  # Run fields differ: the compiled part is shared, the settings are each run's own.
+  assert a.fns is b.fns
+  assert (a.run.seed, a.run.total_steps, a.run.sync_interval) == (1, 9, 4)
+  assert (b.run.seed, b.run.total_steps, b.run.sync_interval) == (2, 6, 5)
+  # A field that changes what compiles gives its own compiled part.
+  c = components.build_components(small_config(temperature=0.7))
+  assert c.fns is not a.fns and c.fns.options.temperature == 0.7
+
+
+def test_components_are_frozen():
+  comps = components.build_components(small_config())
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    comps.run = None  # type: ignore[misc]
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    comps.fns.sizes = None  # type: ignore[misc]
+
+
+def test_every_config_field_is_either_compiled_or_a_run_setting():
+  """A field outside RUN_FIELDS is in the compile key, so changing it cannot reuse stale code."""
+  base = small_config()
+  key = components.compile_key(base)
+  changed = small_config(max_new_tokens=base.max_new_tokens + 1)
+  assert components.compile_key(changed) != key
+  for field in components.RUN_FIELDS:
+    assert field in base, field  # no stale names in RUN_FIELDS
+
+
+def test_bad_config_fails_before_anything_is_built():
+  with pytest.raises(ValueError, match="config.log_every"):
+    components.build_components(small_config(log_every=0))

@@ -1,0 +1,69 @@
+"""Tests for the supervised warm start: targets, guarded steps, result checks."""
+
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import default  # noqa: E402
+from offpolicy_jax import sft, tokenizers  # noqa: E402
+
+
+def test_sft_targets_are_answer_then_eos_right_padded():
+  tok = tokenizers.CharTokenizer()
+  tokens, mask = sft.encode_targets(tok, ["12", "4321"], max_len=4)
+  want = [[*tok.encode("12"), tok.eos_id, tok.pad_id], tok.encode("4321")]  # truncated: no EOS
+  assert tokens.tolist() == want
+  assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+@pytest.fixture(scope="module")
+def sft_env():
+  from offpolicy_jax import components
+
+  c = default.base_config()
+  c.task, c.prompts_per_step, c.group_size = "reverse", 2, 2
+  c.max_new_tokens, c.max_prompt_len = 6, 12
+  c.sft.steps, c.sft.batch_size = 2, 4
+  return components.build_components(c).fns
+
+
+def test_warm_start_with_nan_learning_rate_raises(sft_env, monkeypatch):
+  """Every supervised step is skipped: the run stops before RL, naming config.sft."""
+  monkeypatch.setattr(sft, "_WARM_START_CACHE", {})
+  match = r"config\.sft: every supervised step \(1 to 2\) was skipped.*learning_rate=nan"
+  with pytest.raises(FloatingPointError, match=match):
+    sft.warm_start(
+      sft_env,
+      sft_env.init_params(0),
+      steps=2,
+      batch_size=4,
+      learning_rate=float("nan"),
+      seed=0,
+      log_fn=lambda _: None,
+    )
+  assert not sft._WARM_START_CACHE
+
+
+@pytest.mark.parametrize("nonfinite_params", [True, False])
+def test_warm_start_checks_its_result(sft_env, monkeypatch, nonfinite_params):
+  """Non-finite final params raise; a few skipped steps are logged and the run goes on."""
+  monkeypatch.setattr(sft, "_WARM_START_CACHE", {})
+  params = {"w": jnp.array([1.0, np.nan if nonfinite_params else 2.0])}
+  result = sft.SFTResult(params, [3.0, np.nan, 2.0], skipped_steps=[2])
+  monkeypatch.setattr(sft, "run", lambda *args, **kwargs: result)
+  logs = []
+  warm = lambda: sft.warm_start(
+    sft_env, params, steps=2, batch_size=4, learning_rate=0.1, seed=0, log_fn=logs.append
+  )
+  if nonfinite_params:
+    match = r"config\.sft: the parameters are non-finite after supervised step 3 \(1 of 3"
+    with pytest.raises(FloatingPointError, match=match):
+      warm()
+  else:
+    np.testing.assert_array_equal(warm()["w"], params["w"])
+    assert "sft: skipped 1 of 3 steps with non-finite values (step 2)" in logs
