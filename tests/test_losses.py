@@ -752,20 +752,6 @@ def test_m2po_tau_and_bapo_bounds_against_reference():
   np.testing.assert_allclose([lo, hi], [0.8, 2.0], rtol=1e-6)
 
 
-def test_controllers():
-  ctrl = losses.adaptive_kl_controller(0.1, target=0.01, horizon=10.0)
-  state = ctrl.init()
-  up = ctrl.update(state, 0.05)
-  down = ctrl.update(state, 0.0)
-  np.testing.assert_allclose([up.coef, down.coef], [0.1 * 1.02, 0.1 * 0.98], rtol=1e-6)
-  assert int(up.num_updates) == 1
-  ent = losses.adaptive_entropy_controller(0.01, target=1.0, learning_rate=0.5)
-  s = jax.jit(ent.update)(ent.init(), 0.2)
-  np.testing.assert_allclose(s.coef, 0.01 * np.exp(0.4), rtol=1e-6)
-  with pytest.raises(ValueError, match="target"):
-    losses.adaptive_kl_controller(0.1, target=0.0)
-
-
 # ---------------------------------------------------------------------------
 # The 3-armed bandit of the seed paper (SCIENCE.md section 2).
 # ---------------------------------------------------------------------------
