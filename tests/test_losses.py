@@ -482,6 +482,36 @@ def test_presets_cover_design_contract():
     assert losses.describe(name)
 
 
+def test_shaping_table_covers_every_spec_value():
+  choices = losses.spec._CHOICES
+  assert set(losses.shaping.SHAPINGS) == set(choices["shaping"])
+  assert set(losses.shaping.MASKS) == set(choices["mask_kind"])
+  assert set(losses.core._REGULARISERS) == set(choices["reg"]) - {"none"}
+  for fn in [*losses.shaping.SHAPINGS.values(), *losses.shaping.MASKS.values()]:
+    assert "arXiv" in fn.__doc__ or "reconstruction" in fn.__doc__ or fn.__name__ == "none"
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_infinite_sequence_weight_is_capped_not_nan(jit):
+  # A valid token with behaviour log-prob -inf makes its row's sequence IS
+  # log-weight +inf; broadcasting it over the row must keep inf (0 * inf would
+  # be NaN), so TIS caps the row's weight at C.
+  mu = INPUTS["behavior_logp"].copy()
+  mu[0, 2] = -np.inf
+  inputs = dict(INPUTS, behavior_logp=mu)
+
+  def loss_fn(lp):
+    return losses.policy_loss("tis", correction_level="seq", **dict(inputs, logp=lp)).loss
+
+  f = jax.jit(jax.value_and_grad(loss_fn)) if jit else jax.value_and_grad(loss_fn)
+  loss, grad = f(INPUTS["logp"])
+  log_w = np.sum((LOGP - np.where(MASK > 0, MU, 0.0)) * MASK, axis=-1)
+  w = np.minimum(np.exp(np.where(np.arange(len(ADV)) == 0, np.inf, log_w)), 2.0)
+  coef = -A_BT * w[:, None] * MASK / MASK.sum()
+  np.testing.assert_allclose(loss, np.sum(coef * np.where(MASK > 0, LOGP, 0.0)), atol=1e-6)
+  np.testing.assert_allclose(grad, coef, rtol=1e-5, atol=1e-7)
+
+
 def test_regularisers_kl_and_entropy_bonus():
   rng = np.random.default_rng(3)
   ref = _pad(MU + rng.normal(0, 0.3, D.shape))

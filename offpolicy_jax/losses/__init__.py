@@ -4,6 +4,11 @@
 >>> out = losses.policy_loss("rec_oneside_nois", logp=l, behavior_logp=l_mu,
 ...                          advantages=a, mask=m, eps_high=0.28)
 >>> out.loss, out.metrics["clip_frac"]
+
+Modules: ``spec`` (the axes of a loss), ``presets`` (named specs),
+``levels`` (which ratio a token sees), ``shaping`` (one small function per
+trust-region shaping, dispatched through ``shaping.SHAPINGS``), ``adaptive``
+(per-batch searches), ``kl``, ``aggregation`` and ``core`` (``policy_loss``).
 """
 
 from offpolicy_jax.losses.adaptive import bapo_bounds, cov_select, m2po_tau
