@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from offpolicy_jax import losses
+from offpolicy_jax import advantages, losses
 
 # ---------------------------------------------------------------------------
 # Golden data: every row / token chosen so that each preset sees A > 0 and
@@ -489,6 +489,19 @@ def test_shaping_table_covers_every_spec_value():
   assert set(losses.core._REGULARISERS) == set(choices["reg"]) - {"none"}
   for fn in [*losses.shaping.SHAPINGS.values(), *losses.shaping.MASKS.values()]:
     assert "arXiv" in fn.__doc__ or "reconstruction" in fn.__doc__ or fn.__name__ == "none"
+
+
+def test_every_preset_has_a_known_default_advantage():
+  for name in losses.names():
+    assert losses.default_advantage(name) in advantages.names(), name
+  assert losses.default_advantage("grpo") == "grpo"
+  assert losses.default_advantage("rec_oneside_nois") == "group_mean"
+  assert losses.default_advantage("oapl") == "opmd"
+  with pytest.raises(ValueError, match="no_such_loss"):
+    losses.default_advantage("no_such_loss")
+  with pytest.raises(ValueError, match="advantage 'nope'"):
+    losses.register("test_bad_advantage", losses.LossSpec(), advantage="nope")
+  assert "test_bad_advantage" not in losses.names()
 
 
 @pytest.mark.parametrize("jit", [False, True])
