@@ -11,7 +11,6 @@ INSTALL_REQUIRES = [
     "optax==0.2.8",
     "orbax-checkpoint==0.12.8",
     "grain==0.2.18",
-    "chex==0.1.92",
     "absl-py==2.5.1",
     "ml-collections==1.1.0",
     "numpy>=2.0,<3",
@@ -36,6 +35,8 @@ EXTRAS_REQUIRE = {
     "test": [
         "pytest>=8",
         "pytest-xdist>=3.5",
+        # Tree and shape assertions in the tests (the library does not import it).
+        "chex==0.1.92",
         # The CPU wheel of this exact release is what the parity tests use.
         "torch==2.13.0",
         "transformers>=4.50",

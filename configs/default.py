@@ -94,8 +94,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.loss.agg = config_dict.placeholder(str)
 
   c.advantage = ml_collections.ConfigDict()
-  # Advantage estimator (advantages.names()); "" picks the loss's natural one
-  # (grpo for grpo/dapo-style presets, red_drop for red_drop, else group_mean).
+  # Advantage estimator (advantages.names()); "" picks the loss preset's default,
+  # losses.default_advantage(loss.name): grpo for grpo/dapo-style presets, opmd for
+  # oapl, else group_mean.
   c.advantage.name = ""
 
   c.lag = ml_collections.ConfigDict()

@@ -1,10 +1,12 @@
 """Device mesh, logical-axis rules and sharding helpers.
 
 Parameters name their axes with logical names (``embed``, ``mlp``, ``heads``,
-``kv_heads``, ``vocab``, ...) through Flax NNX variable metadata. One rules
+``kv_heads``, ``vocab``, ...; the module constants `EMBED`, `MLP`, ... list
+them all in `LOGICAL_AXES`) through Flax NNX variable metadata. One rules
 table, :data:`LOGICAL_AXIS_RULES`, maps each logical name to mesh axes of a
 ``(data, fsdp, tensor)`` mesh, in the style of MaxText and Flax's
-``logical_axis_rules``. Batches are split over ``(data, fsdp)``.
+``logical_axis_rules``, and one function, `logical_to_spec`, applies it (model
+import, `tree_shardings`, `constrain`). Batches are split over ``(data, fsdp)``.
 
 A dimension whose size does not divide by the mesh axes it maps to is left
 replicated, so tiny test models run on any mesh unchanged.
@@ -19,20 +21,36 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+# Mesh axes.
+DATA = "data"
+FSDP = "fsdp"
+TENSOR = "tensor"
+MESH_AXES = (DATA, FSDP, TENSOR)
+BATCH_AXES = (DATA, FSDP)
+
+# Logical axis names: layers annotate parameters and activations with these.
+BATCH = "batch"
+EMBED = "embed"
+MLP = "mlp"
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+VOCAB = "vocab"
+HEAD_DIM = "head_dim"
+LENGTH = "length"
+LAYERS = "layers"
+LOGICAL_AXES = (BATCH, EMBED, MLP, HEADS, KV_HEADS, VOCAB, HEAD_DIM, LENGTH, LAYERS)
 
 # logical name -> mesh axis, tuple of mesh axes, or None (replicated).
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-  ("batch", BATCH_AXES),
-  ("embed", "fsdp"),
-  ("mlp", "tensor"),
-  ("heads", "tensor"),
-  ("kv_heads", "tensor"),
-  ("vocab", "tensor"),
-  ("head_dim", None),
-  ("length", None),
-  ("layers", None),
+  (BATCH, BATCH_AXES),
+  (EMBED, FSDP),
+  (MLP, TENSOR),
+  (HEADS, TENSOR),
+  (KV_HEADS, TENSOR),
+  (VOCAB, TENSOR),
+  (HEAD_DIM, None),
+  (LENGTH, None),
+  (LAYERS, None),
 )
 
 _METADATA_KEYS = ("out_sharding", "sharding_names", "sharding")
@@ -68,7 +86,7 @@ def make_mesh(
   """
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
-  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
+  sizes = {DATA: data, FSDP: fsdp, TENSOR: tensor}
   fill = [name for name, s in sizes.items() if s == -1]
   if len(fill) > 1:
     raise ValueError(f"mesh: only one axis may be -1, got {fill}")

@@ -1,5 +1,9 @@
 """Records that flow through the RL loop, as NamedTuples of arrays.
 
+The sampler's output is `sampling.SampleOutput`; the loop packs it with
+rewards and advantages into a `TrainBatch`, which the replay buffer stores and
+the train step consumes.
+
 Shape letters: B batch (= G * K rows, group-major), G prompts, K responses per
 prompt, P prompt length, N response length.
 """
@@ -7,30 +11,6 @@ prompt, P prompt length, N response length.
 from typing import NamedTuple
 
 import jax
-from jax.typing import ArrayLike
-
-Array = jax.Array
-PRNGKey = jax.Array
-Scalar = ArrayLike
-
-
-class Rollout(NamedTuple):
-  """What the sampler produced for a batch of prompts.
-
-  Attributes:
-    tokens: int32 [B, N] sampled response tokens, padding after EOS.
-    logprobs: float32 [B, N] log-prob of each sampled token under the
-      distribution it was sampled from (the behaviour policy mu).
-    mask: float32 [B, N] 1 for response tokens up to and including EOS.
-    lengths: int32 [B] number of valid response tokens.
-    versions: int32 [B, N] parameter version that produced each token.
-  """
-
-  tokens: Array
-  logprobs: Array
-  mask: Array
-  lengths: Array
-  versions: Array
 
 
 class TrainBatch(NamedTuple):
@@ -49,12 +29,12 @@ class TrainBatch(NamedTuple):
       data shaping such as a staleness bound).
   """
 
-  prompt_tokens: Array
-  prompt_mask: Array
-  tokens: Array
-  mask: Array
-  behavior_logp: Array
-  advantages: Array
-  rewards: Array
-  versions: Array
-  weights: Array
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  tokens: jax.Array
+  mask: jax.Array
+  behavior_logp: jax.Array
+  advantages: jax.Array
+  rewards: jax.Array
+  versions: jax.Array
+  weights: jax.Array

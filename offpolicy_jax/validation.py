@@ -50,13 +50,10 @@ def loss_overrides(config) -> dict[str, Any]:
 
 
 def advantage_name(config) -> str:
-  """`config.advantage.name`, or the loss's natural estimator when it is empty."""
+  """`config.advantage.name`, or the loss preset's default (`losses.default_advantage`)."""
   if config.advantage.name:
     return config.advantage.name
-  name = config.loss.name
-  if name in ("grpo", "dapo", "gspo", "gspo_token", "gmpo", "ppo", "dual_clip", "sapo"):
-    return "grpo"
-  return "red_drop" if name == "red_drop" else "group_mean"
+  return losses.default_advantage(config.loss.name)
 
 
 def updates_per_batch(config) -> int:

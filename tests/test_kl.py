@@ -1,4 +1,4 @@
-"""Tests for the KL estimators and entropy_from_logits (numpy references)."""
+"""Tests for the KL estimators (numpy references)."""
 
 import jax
 import jax.numpy as jnp
@@ -39,34 +39,3 @@ def test_kl_estimators_are_sensible():
   assert np.all(np.asarray(losses.kl(LOGP, REF, "k3")) >= 0)
   with pytest.raises(ValueError, match="kind"):
     losses.kl(LOGP, REF, "k4")
-
-
-def _np_entropy(z):
-  z = z.astype(np.float64)
-  z = z - z.max(-1, keepdims=True)
-  p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
-  return -(p * np.log(p)).sum(-1)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_entropy_from_logits_matches_numpy(dtype):
-  logits = jnp.asarray(RNG.normal(0.0, 3.0, (2, 7, 11)), dtype)
-  got = losses.entropy_from_logits(logits, chunk_size=3)  # 7 = 3 + 3 + 1
-  assert got.dtype == jnp.float32 and got.shape == (2, 7)
-  want = _np_entropy(np.asarray(logits.astype(jnp.float32)))
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(losses.entropy_from_logits(logits[0]), want[0], rtol=1e-5, atol=1e-5)
-
-
-def test_entropy_gradient_matches_naive():
-  logits = jnp.asarray(RNG.normal(0.0, 2.0, (2, 5, 6)), jnp.float32)
-  weights = jnp.asarray(RNG.normal(size=(2, 5)), jnp.float32)
-
-  def naive(z):
-    logp = jax.nn.log_softmax(z)
-    return jnp.sum(weights * -jnp.sum(jnp.exp(logp) * logp, -1))
-
-  chunked = lambda z: jnp.sum(weights * losses.entropy_from_logits(z, chunk_size=2))
-  np.testing.assert_allclose(jax.grad(chunked)(logits), jax.grad(naive)(logits), atol=1e-5)
-  with pytest.raises(ValueError, match="logits"):
-    losses.entropy_from_logits(jnp.zeros((2, 3, 4, 5)))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from offpolicy_jax import losses
+from offpolicy_jax import advantages, losses
 
 # ---------------------------------------------------------------------------
 # Golden data: every row / token chosen so that each preset sees A > 0 and
@@ -482,6 +482,49 @@ def test_presets_cover_design_contract():
     assert losses.describe(name)
 
 
+def test_shaping_table_covers_every_spec_value():
+  choices = losses.spec._CHOICES
+  assert set(losses.shaping.SHAPINGS) == set(choices["shaping"])
+  assert set(losses.shaping.MASKS) == set(choices["mask_kind"])
+  assert set(losses.core._REGULARISERS) == set(choices["reg"]) - {"none"}
+  for fn in [*losses.shaping.SHAPINGS.values(), *losses.shaping.MASKS.values()]:
+    assert "arXiv" in fn.__doc__ or "reconstruction" in fn.__doc__ or fn.__name__ == "none"
+
+
+def test_every_preset_has_a_known_default_advantage():
+  for name in losses.names():
+    assert losses.default_advantage(name) in advantages.names(), name
+  assert losses.default_advantage("grpo") == "grpo"
+  assert losses.default_advantage("rec_oneside_nois") == "group_mean"
+  assert losses.default_advantage("oapl") == "opmd"
+  with pytest.raises(ValueError, match="no_such_loss"):
+    losses.default_advantage("no_such_loss")
+  with pytest.raises(ValueError, match="advantage 'nope'"):
+    losses.register("test_bad_advantage", losses.LossSpec(), advantage="nope")
+  assert "test_bad_advantage" not in losses.names()
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_infinite_sequence_weight_is_capped_not_nan(jit):
+  # A valid token with behaviour log-prob -inf makes its row's sequence IS
+  # log-weight +inf; broadcasting it over the row must keep inf (0 * inf would
+  # be NaN), so TIS caps the row's weight at C.
+  mu = INPUTS["behavior_logp"].copy()
+  mu[0, 2] = -np.inf
+  inputs = dict(INPUTS, behavior_logp=mu)
+
+  def loss_fn(lp):
+    return losses.policy_loss("tis", correction_level="seq", **dict(inputs, logp=lp)).loss
+
+  f = jax.jit(jax.value_and_grad(loss_fn)) if jit else jax.value_and_grad(loss_fn)
+  loss, grad = f(INPUTS["logp"])
+  log_w = np.sum((LOGP - np.where(MASK > 0, MU, 0.0)) * MASK, axis=-1)
+  w = np.minimum(np.exp(np.where(np.arange(len(ADV)) == 0, np.inf, log_w)), 2.0)
+  coef = -A_BT * w[:, None] * MASK / MASK.sum()
+  np.testing.assert_allclose(loss, np.sum(coef * np.where(MASK > 0, LOGP, 0.0)), atol=1e-6)
+  np.testing.assert_allclose(grad, coef, rtol=1e-5, atol=1e-7)
+
+
 def test_regularisers_kl_and_entropy_bonus():
   rng = np.random.default_rng(3)
   ref = _pad(MU + rng.normal(0, 0.3, D.shape))
@@ -750,20 +793,6 @@ def test_m2po_tau_and_bapo_bounds_against_reference():
   np.testing.assert_allclose([lo, hi], _bapo_bounds(np.exp(D), A_BT, MASK), rtol=1e-6)
   lo, hi = losses.bapo_bounds(np.exp(D), -np.abs(A_BT), MASK)
   np.testing.assert_allclose([lo, hi], [0.8, 2.0], rtol=1e-6)
-
-
-def test_controllers():
-  ctrl = losses.adaptive_kl_controller(0.1, target=0.01, horizon=10.0)
-  state = ctrl.init()
-  up = ctrl.update(state, 0.05)
-  down = ctrl.update(state, 0.0)
-  np.testing.assert_allclose([up.coef, down.coef], [0.1 * 1.02, 0.1 * 0.98], rtol=1e-6)
-  assert int(up.num_updates) == 1
-  ent = losses.adaptive_entropy_controller(0.01, target=1.0, learning_rate=0.5)
-  s = jax.jit(ent.update)(ent.init(), 0.2)
-  np.testing.assert_allclose(s.coef, 0.01 * np.exp(0.4), rtol=1e-6)
-  with pytest.raises(ValueError, match="target"):
-    losses.adaptive_kl_controller(0.1, target=0.0)
 
 
 # ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from offpolicy_jax import models
+from offpolicy_jax import models, sharding
 from offpolicy_jax.models import hf as hf_io
 
 torch = pytest.importorskip("torch")
@@ -110,6 +110,14 @@ def test_sharded_checkpoint_into_mesh(hf_models, tokens, tmp_path):
   gate = sharded.layers[0].mlp.gate_proj[...]
   assert gate.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
   assert gate.addressable_shards[0].data.shape == (16, 12)
+  # Axes the rules do not list ("heads") are replicated; the default is the one
+  # rules table of `sharding`, which shards them over "tensor".
+  q = sharded.layers[0].self_attn.q_proj[...]
+  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", None, None)
+  default = models.from_pretrained(str(tmp_path), mesh=mesh)
+  q = default.layers[0].self_attn.q_proj[...]
+  assert q.sharding.spec == sharding.logical_to_spec(("embed", "heads", "head_dim"), q.shape, mesh)
+  assert q.sharding.spec[1] == "tensor"
   chex.assert_trees_all_close(
     nnx.to_pure_dict(nnx.state(sharded)), nnx.to_pure_dict(nnx.state(model)), atol=0, rtol=0
   )

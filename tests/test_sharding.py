@@ -37,6 +37,11 @@ def test_make_mesh_errors(kwargs, field):
     sharding.make_mesh(**kwargs)
 
 
+def test_rules_table_names_every_logical_axis_once():
+  assert [name for name, _ in sharding.LOGICAL_AXIS_RULES] == list(sharding.LOGICAL_AXES)
+  assert sharding.MESH_AXES == (sharding.DATA, sharding.FSDP, sharding.TENSOR)
+
+
 def test_logical_to_spec_rules_and_divisibility():
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   assert sharding.logical_to_spec(("embed", "mlp"), (8, 4), mesh) == P("fsdp", "tensor")

@@ -145,6 +145,15 @@ def test_shipped_configs_pass(module):
   validation.validate_config(module.get_config())
 
 
+def test_advantage_name_defaults_to_the_presets_estimator():
+  cases = {"grpo": "grpo", "dapo": "grpo", "rec_oneside_nois": "group_mean", "oapl": "opmd"}
+  for loss, want in cases.items():
+    assert validation.advantage_name(_config(**{"loss.name": loss})) == want
+    assert validation.advantage_name(_config(**{"loss.name": loss, "advantage.name": "rloo"})) == (
+      "rloo"
+    )
+
+
 def test_mesh_shape_resolves_fill_and_rejects_misfits():
   assert validation.mesh_shape(_config(**{"mesh.data": -1}), 8) == (8, 1, 1)
   assert validation.mesh_shape(_config(**{"mesh.fsdp": -1, "mesh.tensor": 2}), 8) == (1, 4, 2)

@@ -1,16 +1,13 @@
-"""Per-batch searches (M2PO, BAPO, Clip-Cov / KL-Cov) and adaptive coefficients.
+"""Per-batch searches: M2PO's ratio bound, BAPO's clip bounds, Clip-Cov / KL-Cov selection.
 
 The searches are pure jittable functions of one batch (masked reductions
 inside bounded ``lax.while_loop``s and one ``top_k``; no Python loops over
 data, no full sort: on XLA:CPU sorting a [256, 1024] batch takes ~40 ms, far
 more than any of these searches). Their inputs are stop-gradient constants,
-so the backward pass never pays for them. The coefficient
-controllers are optax-style ``(init, update)`` pairs over NamedTuple states.
+so the backward pass never pays for them.
 """
 
 import math
-from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -161,81 +158,3 @@ def cov_select(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, frac: fl
   threshold = top[jnp.maximum(k_dyn - 1, 0)]
   selected = (cov >= threshold) & (cov > 0) & (m > 0) & (k_dyn > 0)
   return selected.astype(jnp.float32)
-
-
-class ControllerState(NamedTuple):
-  """State of an adaptive coefficient: the current ``coef`` and the number of updates."""
-
-  coef: jax.Array
-  num_updates: jax.Array
-
-
-class Controller(NamedTuple):
-  """An optax-style pair: ``init() -> state``, ``update(state, value) -> state``."""
-
-  init: Callable[[], ControllerState]
-  update: Callable[[ControllerState, ArrayLike], ControllerState]
-
-
-def adaptive_kl_controller(
-  init_coef: float, target: float, horizon: float = 10_000.0
-) -> Controller:
-  """Proportional KL coefficient controller.
-
-  ``e = clip(kl / target - 1, -0.2, 0.2)``; ``coef <- coef * (1 + e / horizon)``
-  per observed step (Ziegler et al., "Fine-tuning language models from human
-  preferences", arXiv 1909.08593, with ``n_steps = 1``).
-
-  Args:
-    init_coef: starting coefficient (>= 0).
-    target: target KL per token (> 0).
-    horizon: time constant in steps (> 0).
-
-  Returns:
-    ``Controller``; ``update(state, kl)`` takes the observed scalar KL.
-  """
-  if init_coef < 0:
-    raise ValueError(f"init_coef={init_coef} must be >= 0")
-  if target <= 0 or horizon <= 0:
-    raise ValueError(f"target={target} and horizon={horizon} must be > 0")
-
-  def init():
-    return ControllerState(jnp.asarray(init_coef, jnp.float32), jnp.zeros((), jnp.int32))
-
-  def update(state, kl_value):
-    err = jnp.clip(jnp.asarray(kl_value, jnp.float32) / target - 1.0, -0.2, 0.2)
-    return ControllerState(state.coef * (1.0 + err / horizon), state.num_updates + 1)
-
-  return Controller(init, update)
-
-
-def adaptive_entropy_controller(
-  init_coef: float, target: float, learning_rate: float = 1e-3, max_coef: float = 1.0
-) -> Controller:
-  """Entropy-bonus coefficient driven towards a target entropy.
-
-  ``log coef <- log coef + lr * (target - H)``, clipped to ``(0, max_coef]``
-  (the temperature update of SAC, Haarnoja et al., arXiv 1812.05905, applied
-  to the entropy bonus of a language policy).
-
-  Args:
-    init_coef: starting coefficient (> 0).
-    target: target mean token entropy (nats).
-    learning_rate: step size on ``log coef``.
-    max_coef: upper bound on the coefficient.
-
-  Returns:
-    ``Controller``; ``update(state, entropy)`` takes the observed entropy.
-  """
-  if init_coef <= 0:
-    raise ValueError(f"init_coef={init_coef} must be > 0")
-
-  def init():
-    return ControllerState(jnp.asarray(init_coef, jnp.float32), jnp.zeros((), jnp.int32))
-
-  def update(state, entropy_value):
-    step = learning_rate * (target - jnp.asarray(entropy_value, jnp.float32))
-    coef = jnp.minimum(jnp.exp(jnp.log(state.coef) + step), max_coef)
-    return ControllerState(coef, state.num_updates + 1)
-
-  return Controller(init, update)

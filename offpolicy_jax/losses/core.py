@@ -8,6 +8,12 @@ shaping mask, X extra weights: rollout correction, RED weight, sequence
 filters) and with the ``ratio`` path ``pg_t = X_t * S(rho_t, A)`` for a
 surrogate S of a differentiable ratio (PPO clip, soft gate, ...). ``R_t`` sums
 the regularisers. See ``spec.LossSpec`` for the axes.
+
+`per_token_terms` runs the axes in order: the level (``levels.log_ratio``),
+the ratio band (``shaping.band``), the shaping (one function per
+``spec.shaping`` in ``shaping.SHAPINGS``), the extra weights, covariance
+selection, and the regularisers (one function per ``spec.reg`` in
+``_REGULARISERS``, then the reference KL and the entropy bonus).
 """
 
 import math
@@ -17,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from offpolicy_jax.losses import adaptive, levels
+from offpolicy_jax.losses import adaptive, levels, shaping
 from offpolicy_jax.losses import kl as kl_lib
 from offpolicy_jax.losses.aggregation import aggregate, safe_divide
 from offpolicy_jax.losses.presets import get_spec
@@ -49,107 +55,21 @@ def _masked_mean(x, w):
   return safe_divide(*aggregate(jnp.where(w > 0, x, 0.0), w, "token_mean"))
 
 
-def _bounds(spec, a, logr, rho_sg, m):
-  """Ratio band ``(lo, hi)`` [B, T], its logs, and per-call adaptive statistics."""
-  lo = jnp.full_like(a, 1.0 - spec.eps_low)
-  hi = jnp.full_like(a, 1.0 + spec.eps_high)
-  if spec.eps_low_neg is not None:
-    lo = jnp.where(a < 0, 1.0 - spec.eps_low_neg, lo)
-  if spec.eps_high_neg is not None:
-    hi = jnp.where(a < 0, 1.0 + spec.eps_high_neg, hi)
-  stats = {}
-  if spec.adaptive == "m2po":
-    tau = adaptive.m2po_tau(sg(logr), m, spec.m2po_budget)
-    stats["m2po_tau"] = tau
-    return jnp.exp(-tau) + 0 * lo, jnp.exp(tau) + 0 * hi, (-tau + 0 * lo, tau + 0 * hi), stats
-  elif spec.adaptive == "bapo":
-    c_lo, c_hi = adaptive.bapo_bounds(
-      rho_sg,
-      a,
-      m,
-      low=1.0 - spec.eps_low,
-      high=1.0 + spec.eps_high,
-      low_max=spec.bapo_low_max,
-      high_max=spec.bapo_high_max,
-      step_low=spec.bapo_step_low,
-      step_high=spec.bapo_step_high,
-      target=spec.bapo_target,
-    )
-    lo, hi = c_lo + 0 * lo, c_hi + 0 * hi
-    stats["bapo_low"], stats["bapo_high"] = c_lo, c_hi
-  log_bounds = (jnp.log(jnp.maximum(lo, 0.0)), jnp.log(hi))
-  return lo, hi, log_bounds, stats
-
-
-def _shape(spec, a, logp, logr, rho, lo, hi, log_bounds):
-  """Shaping and gradient-path axes: ``(pg_t, clipped_t)`` before extra weights.
-
-  Masks compare ``log rho`` with the log bounds, so mask-only presets never
-  exponentiate.
-  """
-  rho_sg, logr_sg = sg(rho), sg(logr)
-  log_lo, log_hi = log_bounds
-  pos, neg = a > 0, a < 0
-  none = jnp.zeros(a.shape, bool)
-  weight = rho_sg if spec.weight == "ratio" else jnp.ones_like(rho_sg)
-  if spec.shaping == "clip":
-    clipped = (pos & (rho_sg > hi)) | (neg & (rho_sg < lo))
-    pg = jnp.where(clipped, -a * jnp.clip(rho_sg, lo, hi), -a * rho)
-    if spec.dual_clip_c is not None:
-      dual = neg & (rho_sg > spec.dual_clip_c)
-      pg = jnp.where(dual, -spec.dual_clip_c * a, pg)
-      clipped = clipped | dual
-    return pg, clipped
-  if spec.shaping == "soft_gate":
-    tau = jnp.where(pos, spec.tau_pos, spec.tau_neg)
-    return -a * jax.nn.sigmoid(tau * (rho - 1.0)) * 4.0 / tau, none
-  if spec.shaping == "log_clip":
-    return -a * rho, none
-  if spec.shaping == "regression":
-    return 0.5 * jnp.square(spec.beta * logr - a), none
-  if spec.shaping == "bounded_target":
-    target = jnp.where(pos, 1.0 + spec.eps_high, jnp.where(neg, 1.0 - spec.eps_low, 1.0))
-    scale = jnp.where(neg, spec.eps_low, spec.eps_high)
-    past = (pos & (rho_sg > target)) | (neg & (rho_sg < target))
-    return jnp.abs(a) * jnp.square(rho - target) / (2.0 * scale), past
-  if spec.shaping == "log_bound":
-    c = spec.log_bound
-    return -a * jnp.exp(c * jnp.tanh(logr / c)), none
-  keep, clipped = jnp.ones_like(rho_sg), none
-  if spec.shaping == "mask":
-    inner = (logr_sg >= log_lo) & (logr_sg <= log_hi)
-    if spec.mask_kind == "one_side":
-      keep_b = jnp.where(pos, logr_sg <= log_hi, True) & jnp.where(neg, logr_sg >= log_lo, True)
-    elif spec.mask_kind == "two_side":
-      keep_b = inner
-    else:
-      log_lo_ring = (
-        math.log(max(1.0 - spec.eps_low_prime, 0.0)) if spec.eps_low_prime < 1 else -math.inf
-      )
-      low_ring = (a >= 0) & (logr_sg <= log_lo_ring)
-      high_ring = (a <= 0) & (logr_sg >= math.log(1.0 + spec.eps_high_prime))
-      keep_b = inner | low_ring | high_ring
-    keep, clipped = keep_b.astype(rho.dtype), ~keep_b
-  elif spec.shaping == "truncate":
-    weight = jnp.clip(rho_sg, lo, hi)
-    clipped = (rho_sg < lo) | (rho_sg > hi)
-  elif spec.shaping == "topr":
-    weight = jnp.where(a >= 0, 1.0, jnp.clip(rho_sg, 0.0, 1.0))
-    clipped = neg & (rho_sg > 1.0)
-  if spec.grad == "ratio":
-    return -a * rho * keep, clipped
-  return -a * sg(weight * keep) * logp, clipped
-
-
 def _correction(spec, logp, behavior_logp, proximal_logp, valid):
-  """Rollout IS correction weight (constant) and the tokens it zeroes/bounds."""
+  """Rollout IS correction weight (constant) and the tokens it zeroes/bounds.
+
+  ``w = exp(top - l_mu)`` per token (or its sequence product), ``top`` the
+  current (``ratio='behavior'``) or proximal log-prob: ``is`` keeps ``w``;
+  ``truncate`` takes ``min(w, is_cap)`` (TIS); ``mask`` zeroes ``w`` outside
+  ``[is_low, is_high]`` (IcePop).
+  """
   ones = jnp.ones_like(logp)
   if spec.correction == "none":
     return ones, jnp.zeros(logp.shape, bool)
   top = sg(logp) if spec.ratio == "behavior" else proximal_logp
   c_log = jnp.where(valid, top - behavior_logp, 0.0)
   if spec.correction_level == "seq":
-    c_log = levels.seq_sum(c_log, valid) + 0 * c_log
+    c_log = jnp.broadcast_to(levels.seq_sum(c_log, valid), c_log.shape)
   c_raw = jnp.exp(c_log)
   if spec.correction == "is":
     return c_raw, jnp.zeros(logp.shape, bool)
@@ -157,6 +77,81 @@ def _correction(spec, logp, behavior_logp, proximal_logp, valid):
     return jnp.minimum(c_raw, spec.is_cap), c_raw > spec.is_cap
   outside = (c_raw < spec.is_low) | (c_raw > spec.is_high)
   return jnp.where(outside, 0.0, c_raw), outside
+
+
+def _extra_weights(spec, a, logp, behavior_logp, proximal_logp, valid, n_b, mask, stats):
+  """Constant per-token weights applied after shaping, and the tokens they drop.
+
+  Rollout correction (`_correction`), RED-Weight ``exp(A / temp)`` and the
+  OPSM sequence filter: drop a sequence with ``A < 0`` whose mean
+  ``l_mu - l`` exceeds ``opsm_delta``.
+  """
+  extra, dropped = _correction(spec, logp, behavior_logp, proximal_logp, valid)
+  if spec.adv_weight == "exp":
+    extra = extra * jnp.exp(a / spec.temp)
+  if spec.seq_filter == "opsm":
+    seq_kl = levels.seq_sum(behavior_logp - sg(logp), valid) / n_b
+    drop = (a < 0) & (seq_kl > spec.opsm_delta)
+    extra = extra * (~drop)
+    dropped = dropped | drop
+    stats["opsm_drop_frac"] = _masked_mean(drop.astype(mask.dtype), mask)
+  return extra, dropped
+
+
+def _covariance(spec, pg, logp, behavior_logp, a, mask, stats):
+  """Clip-Cov (detach the selected tokens) or KL-Cov (``+ coef |l - l_mu|`` on them)."""
+  selected = adaptive.cov_select(logp, a, mask, spec.cov_frac)
+  stats["cov_selected_frac"] = _masked_mean(selected, mask)
+  if spec.cov == "clip":
+    return jnp.where(selected > 0, sg(pg), pg), selected > 0
+  return pg + spec.cov_coef * selected * jnp.abs(logp - behavior_logp), jnp.zeros(pg.shape, bool)
+
+
+def _k2(spec, logp, behavior_logp, d):
+  """``c (l - l_mu)^2``: OPMD / Kimi k1.5 read as REINFORCE + penalty (arXiv 2501.12599)."""
+  del d
+  return spec.reg_coef * jnp.square(logp - behavior_logp)
+
+
+def _forward_kl(spec, logp, behavior_logp, d):
+  """``-c l``: AsymRE's baseline lowered by c, a pull towards mu (arXiv 2506.20520)."""
+  del behavior_logp, d
+  return -spec.reg_coef * logp
+
+
+def _hazard(spec, logp, behavior_logp, d):
+  """MHPO: ``c ((max(d, 0) / log(1 + eps_high))^k + (max(-d, 0) / -log(1 - eps_low))^k)``.
+
+  The Weibull cumulative hazard of the up / down shift ``d`` of the token
+  log-ratio, each in units of its own band edge (arXiv 2603.16929;
+  paper-level reconstruction).
+  """
+  del logp, behavior_logp
+  up = jnp.maximum(d, 0.0) / math.log(1.0 + spec.eps_high)
+  down = jnp.maximum(-d, 0.0) / -math.log(1.0 - spec.eps_low)
+  return spec.reg_coef * (up**spec.hazard_shape + down**spec.hazard_shape)
+
+
+# LossSpec.reg -> (spec, logp, behavior_logp, d) -> per-token penalty [B, T].
+_REGULARISERS = {"k2": _k2, "forward_kl": _forward_kl, "hazard": _hazard}
+
+
+def _add_regularisers(spec, total, logp, behavior_logp, d, valid, mask, ref_logp, entropy, stats):
+  """``total + R_t``: the ``reg`` penalty, ``kl_coef * KL(pi || ref)``, ``- entropy_coef * H``."""
+  if spec.reg != "none":
+    reg = _REGULARISERS[spec.reg](spec, logp, behavior_logp, d)
+    total = total + reg
+    stats["reg"] = _masked_mean(reg, mask)
+  if spec.kl_coef > 0:
+    ref = jnp.where(valid, _required(ref_logp, "ref_logp"), 0.0)
+    kl_bt = kl_lib.kl(logp, ref, spec.kl_kind, straight_through=spec.kl_straight_through)
+    total = total + spec.kl_coef * kl_bt
+    stats["kl_ref"] = _masked_mean(sg(kl_bt), mask)
+  if spec.entropy_coef > 0:
+    ent = jnp.where(valid, _required(entropy, "entropy"), 0.0)
+    total = total - spec.entropy_coef * ent
+    stats["entropy"] = _masked_mean(sg(ent), mask)
+  return total
 
 
 def per_token_terms(
@@ -187,7 +182,6 @@ def per_token_terms(
     per-call scalars (regulariser means, adaptive bounds, ...).
   """
   valid = mask > 0
-  zero = jnp.zeros_like(logp)
   logp = jnp.where(valid, logp, 0.0)
   behavior_logp = jnp.where(valid, behavior_logp, 0.0)
   anchor = behavior_logp
@@ -198,59 +192,24 @@ def per_token_terms(
   # Sequence ratios pair with the sequence-mean advantage; GSPO-token
   # (seq_geo_token) keeps A_{i,t}, its gradient flowing through each token.
   if spec.level in ("seq_prod", "seq_geo"):
-    a = levels.seq_sum(a, valid) / n_b + 0 * a
+    a = jnp.broadcast_to(levels.seq_sum(a, valid) / n_b, a.shape)
   elif spec.level == "turn_geo":
     a = levels.turn_mean(a, valid, turn_ids)
   d = jnp.where(valid, logp - anchor, 0.0)
   logr, clipped = levels.log_ratio(spec, d, a, valid, n_b, turn_ids)
   rho = jnp.exp(logr)
-  lo, hi, log_bounds, stats = _bounds(spec, a, logr, sg(rho), mask)
-  pg, shaped = _shape(spec, a, logp, logr, rho, lo, hi, log_bounds)
-  clipped = clipped | shaped
-  extra, corrected = _correction(spec, logp, behavior_logp, proximal_logp, valid)
-  clipped = clipped | corrected
-  if spec.adv_weight == "exp":
-    extra = extra * jnp.exp(a / spec.temp)
-  if spec.seq_filter == "opsm":
-    seq_kl = levels.seq_sum(behavior_logp - sg(logp), valid) / n_b
-    drop = (a < 0) & (seq_kl > spec.opsm_delta)
-    extra = extra * (~drop)
-    clipped = clipped | drop
-    stats["opsm_drop_frac"] = _masked_mean(drop.astype(mask.dtype), mask)
+  lo, hi, log_lo, log_hi, stats = shaping.band(spec, a, logr, rho, mask)
+  x = shaping.ShapingInputs(a, logp, logr, rho, lo, hi, log_lo, log_hi)
+  pg, shaped = shaping.SHAPINGS[spec.shaping](x, spec)
+  extra, dropped = _extra_weights(
+    spec, a, logp, behavior_logp, proximal_logp, valid, n_b, mask, stats
+  )
   pg = pg * sg(extra)
+  clipped = clipped | shaped | dropped
   if spec.cov != "none":
-    selected = adaptive.cov_select(logp, a, mask, spec.cov_frac)
-    if spec.cov == "clip":
-      pg = jnp.where(selected > 0, sg(pg), pg)
-      clipped = clipped | (selected > 0)
-    else:
-      pg = pg + spec.cov_coef * selected * jnp.abs(logp - behavior_logp)
-    stats["cov_selected_frac"] = _masked_mean(selected, mask)
-  total = pg
-  if spec.reg == "k2":
-    reg = spec.reg_coef * jnp.square(logp - behavior_logp)
-  elif spec.reg == "forward_kl":
-    reg = -spec.reg_coef * logp
-  elif spec.reg == "hazard":
-    # Weibull cumulative hazard of the up / down shift of the token log-ratio,
-    # each in units of its own band edge.
-    up = jnp.maximum(d, 0.0) / math.log(1.0 + spec.eps_high)
-    down = jnp.maximum(-d, 0.0) / -math.log(1.0 - spec.eps_low)
-    reg = spec.reg_coef * (up**spec.hazard_shape + down**spec.hazard_shape)
-  else:
-    reg = zero
-  if spec.reg != "none":
-    total = total + reg
-    stats["reg"] = _masked_mean(reg, mask)
-  if spec.kl_coef > 0:
-    ref = jnp.where(valid, _required(ref_logp, "ref_logp"), 0.0)
-    kl_bt = kl_lib.kl(logp, ref, spec.kl_kind, straight_through=spec.kl_straight_through)
-    total = total + spec.kl_coef * kl_bt
-    stats["kl_ref"] = _masked_mean(sg(kl_bt), mask)
-  if spec.entropy_coef > 0:
-    ent = jnp.where(valid, _required(entropy, "entropy"), 0.0)
-    total = total - spec.entropy_coef * ent
-    stats["entropy"] = _masked_mean(sg(ent), mask)
+    pg, detached = _covariance(spec, pg, logp, behavior_logp, a, mask, stats)
+    clipped = clipped | detached
+  total = _add_regularisers(spec, pg, logp, behavior_logp, d, valid, mask, ref_logp, entropy, stats)
   return jnp.where(valid, total, 0.0), clipped & valid, stats
 
 
@@ -427,19 +386,19 @@ def token_coefficient(spec: str | LossSpec, rho: ArrayLike, adv: ArrayLike) -> j
   """
   spec = get_spec(spec) if isinstance(spec, str) else spec
   rho, adv = jnp.broadcast_arrays(jnp.asarray(rho, jnp.float32), jnp.asarray(adv, jnp.float32))
-  one = jnp.ones((1, 1), jnp.float32)
+  one, zero = jnp.ones((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.float32)
 
   def coef(r, a):
     def loss_fn(lp):
       loss_bt, _, _ = per_token_terms(
         spec,
         logp=lp * one,
-        behavior_logp=0 * one,
+        behavior_logp=zero,
         advantages=a * one,
         mask=one,
-        proximal_logp=0 * one,
-        ref_logp=0 * one,
-        entropy=0 * one,
+        proximal_logp=zero,
+        ref_logp=zero,
+        entropy=zero,
       )
       return loss_bt[0, 0]
 

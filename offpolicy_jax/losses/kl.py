@@ -1,4 +1,4 @@
-"""Per-token KL estimators and memory-light entropy from logits."""
+"""Per-token KL estimators (k1, k2, k3, abs) from samples of the current policy."""
 
 import jax
 import jax.numpy as jnp
@@ -47,38 +47,3 @@ def kl(
     k2 = 0.5 * d**2
     value = k2 + jax.lax.stop_gradient(value - k2)
   return value
-
-
-def _chunk_entropy(logits_btv: jax.Array) -> jax.Array:
-  z = logits_btv.astype(jnp.float32)
-  lse = jax.nn.logsumexp(z, axis=-1, keepdims=True)
-  p = jnp.exp(z - lse)
-  return lse[..., 0] - jnp.sum(p * z, axis=-1)
-
-
-def entropy_from_logits(logits: ArrayLike, *, chunk_size: int = 128) -> jax.Array:
-  """Per-position entropy ``H = logsumexp(z) - sum_v softmax(z)_v z_v``.
-
-  Memory-light: the sequence axis is processed in chunks of ``chunk_size``
-  positions, each upcast to float32 and rematerialised in the backward pass,
-  so at most one ``[B, chunk_size, V]`` float32 temporary is alive at a time
-  (never a full ``[B, T, V]`` float32 copy of bfloat16 logits).
-
-  Args:
-    logits: [B, T, V] (or [T, V]) logits, any float dtype.
-    chunk_size: positions per chunk.
-
-  Returns:
-    [B, T] (or [T]) float32 entropy in nats.
-  """
-  logits = jnp.asarray(logits)
-  if logits.ndim == 2:
-    return entropy_from_logits(logits[None], chunk_size=chunk_size)[0]
-  if logits.ndim != 3:
-    raise ValueError(f"logits must be [B, T, V]; got shape {logits.shape}")
-  if chunk_size <= 0:
-    raise ValueError(f"chunk_size={chunk_size} must be > 0")
-  chunk_fn = jax.checkpoint(_chunk_entropy)
-  t = logits.shape[1]
-  parts = [chunk_fn(logits[:, s : s + chunk_size]) for s in range(0, t, chunk_size)]
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)

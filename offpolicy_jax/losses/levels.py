@@ -27,7 +27,7 @@ def turn_mean(x_bt, valid, turn_ids):
   x_bt = jnp.where(valid, x_bt, 0.0)
   if turn_ids is None:
     n_b = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1)
-    return jnp.sum(x_bt, axis=-1, keepdims=True) / n_b + 0 * x_bt
+    return jnp.broadcast_to(jnp.sum(x_bt, axis=-1, keepdims=True) / n_b, x_bt.shape)
   b, t = x_bt.shape
   seg = (jnp.arange(b)[:, None] * t + jnp.clip(turn_ids, 0, t - 1)).reshape(-1)
   total = jax.ops.segment_sum(x_bt.reshape(-1), seg, num_segments=b * t)
@@ -41,13 +41,13 @@ def log_ratio(spec, d, a, valid, n_b, turn_ids):
   if spec.level == "token":
     return d, clipped
   if spec.level == "seq_prod":
-    return seq_sum(d, valid) + 0 * d, clipped
+    return jnp.broadcast_to(seq_sum(d, valid), d.shape), clipped
   if spec.level == "seq_geo":
     if spec.shaping == "log_clip":
       clipped = ((a > 0) & (d > spec.eps_high)) | ((a < 0) & (d < -spec.eps_low))
       bound = jnp.where(a > 0, spec.eps_high, -spec.eps_low)
       d = jnp.where(clipped, bound, d)
-    return seq_sum(d, valid) / n_b + 0 * d, clipped & valid
+    return jnp.broadcast_to(seq_sum(d, valid) / n_b, d.shape), clipped & valid
   if spec.level == "turn_geo":
     return turn_mean(d, valid, turn_ids), clipped
   if spec.level == "seq_geo_token":

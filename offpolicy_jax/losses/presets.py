@@ -2,7 +2,9 @@
 
 ``get_spec(name, **overrides)`` returns a preset with overrides applied;
 ``names()`` lists presets in registration order; ``register`` adds one.
-``describe(name)`` gives a one-line summary with the paper.
+``describe(name)`` gives a one-line summary with the paper and
+``default_advantage(name)`` the advantage estimator the preset pairs with
+(what a run uses when ``config.advantage.name`` is empty).
 
 Paper-only methods are reconstructions from their descriptions: DISPO (the
 default four bounds are illustrative), MinPRO (prefix-minimum ratio inside a
@@ -36,6 +38,7 @@ reference code was available; paper level only):
   default to one turn per sequence.
 """
 
+from offpolicy_jax import advantages
 from offpolicy_jax.losses.spec import LossSpec
 
 _PPO = dict(shaping="clip", grad="ratio")
@@ -44,73 +47,95 @@ _TWO_SIDE = dict(shaping="mask", mask_kind="two_side")
 _RING = dict(shaping="mask", mask_kind="ring")
 _GSPO = dict(_PPO, eps_low=3e-4, eps_high=4e-4, agg="seq_mean_token_mean")
 
-_BUILTIN: tuple[tuple[str, dict, str], ...] = (
-  ("reinforce", {}, "-A * logp; no trust region (Williams 1992)."),
+_BUILTIN: tuple[tuple[str, dict, str, str], ...] = (
+  ("reinforce", {}, "group_mean", "-A * logp; no trust region (Williams 1992)."),
   (
     "grpo",
     _PPO,
+    "grpo",
     "PPO clip (0.2, 0.2) on token ratios; pair with the 'grpo' advantage "
     "(Shao et al., DeepSeekMath, arXiv 2402.03300).",
   ),
-  ("ppo", _PPO, "max(-A rho, -A clip(rho, 0.8, 1.2)) (Schulman et al., arXiv 1707.06347)."),
+  ("ppo", _PPO, "grpo", "max(-A rho, -A clip(rho, 0.8, 1.2)) (Schulman et al., arXiv 1707.06347)."),
   (
     "dual_clip",
     dict(_PPO, dual_clip_c=3.0),
+    "grpo",
     "PPO clip, loss capped at -c A for A < 0, c = 3 (Ye et al., arXiv 1912.09729).",
   ),
   (
     "rec_oneside_is",
     dict(_ONE_SIDE, weight="ratio"),
+    "group_mean",
     "REC one-side mask with IS weight: the PPO-clip gradient (Yao et al., arXiv 2509.24203).",
   ),
   (
     "rec_oneside_nois",
     _ONE_SIDE,
+    "group_mean",
     "REC one-side mask, no IS weight; the recommended REC loss (arXiv 2509.24203).",
   ),
   (
     "rec_oneside_nois_wide",
     dict(_ONE_SIDE, eps_low=0.6, eps_high=2.0),
+    "group_mean",
     "REC-OneSide-NoIS with the wide band (0.6, 2.0) (arXiv 2509.24203).",
   ),
-  ("rec_twoside_is", dict(_TWO_SIDE, weight="ratio"), "REC two-side mask, IS weight."),
-  ("rec_twoside_nois", _TWO_SIDE, "REC two-side mask, no IS weight."),
+  (
+    "rec_twoside_is",
+    dict(_TWO_SIDE, weight="ratio"),
+    "group_mean",
+    "REC two-side mask, IS weight.",
+  ),
+  ("rec_twoside_nois", _TWO_SIDE, "group_mean", "REC two-side mask, no IS weight."),
   (
     "rec_ring_is",
     dict(_RING, weight="ratio"),
+    "group_mean",
     "REC ring mask: band (0.2, 0.2) plus outer rings beyond (0.6, 2.0), IS weight.",
   ),
-  ("rec_ring_nois", _RING, "REC ring mask, no IS weight."),
+  ("rec_ring_nois", _RING, "group_mean", "REC ring mask, no IS weight."),
   (
     "opmd",
     dict(reg="k2", reg_coef=0.1),
+    "group_mean",
     "REINFORCE + c (logp - logp_mu)^2, c = 0.1 (Kimi k1.5, arXiv 2501.12599; REC reading).",
   ),
   (
     "asymre",
     dict(reg="forward_kl", reg_coef=0.1),
+    "group_mean",
     "REINFORCE - c logp, c = 0.1: baseline lowered by c (Arnal et al., AsymRE).",
   ),
-  ("red_weight", dict(adv_weight="exp"), "REINFORCE with weight exp(A / temp) (arXiv 2509.24203)."),
+  (
+    "red_weight",
+    dict(adv_weight="exp"),
+    "group_mean",
+    "REINFORCE with weight exp(A / temp) (arXiv 2509.24203).",
+  ),
   (
     "cispo",
     dict(shaping="truncate", eps_low=1.0, eps_high=0.28),
+    "group_mean",
     "-sg(clip(rho, 0, 1.28)) A logp: bounded, never zero gradient (MiniMax-M1, arXiv 2506.13585).",
   ),
   (
     "dispo",
     dict(shaping="truncate", eps_low=1.0, eps_high=0.28, eps_low_neg=0.2, eps_high_neg=1.0),
+    "group_mean",
     "CISPO with separate weight bounds for A > 0 [0, 1.28] and A < 0 [0.8, 2.0] "
     "(reconstruction; bounds illustrative).",
   ),
   (
     "gspo",
     dict(_GSPO, level="seq_geo"),
+    "grpo",
     "PPO clip on the geometric-mean sequence ratio, seq-mean (Zheng et al., arXiv 2507.18071).",
   ),
   (
     "gspo_token",
     dict(_GSPO, level="seq_geo_token"),
+    "grpo",
     "GSPO-token: PPO clip on sg(s_i) pi / sg(pi) with token advantages A_it, seq-mean; "
     "equals gspo when A is constant per sequence (arXiv 2507.18071).",
   ),
@@ -124,83 +149,98 @@ _BUILTIN: tuple[tuple[str, dict, str], ...] = (
       eps_high=0.4,
       agg="seq_mean_token_mean",
     ),
+    "grpo",
     "Sign-aware clip of log rho to (-0.4, 0.4), then exp(mean) (Zhao et al., GMPO, "
     "arXiv 2507.20673).",
   ),
   (
     "topr",
     dict(shaping="topr"),
+    "group_mean",
     "A >= 0: -A logp; A < 0: -sg(clip(rho, 0, 1)) A logp on token ratios; the paper's "
     "trajectory ratio is level='seq_prod' (Le Roux et al., TOPR, arXiv 2503.14286).",
   ),
   (
     "sapo",
     dict(shaping="soft_gate", grad="ratio", tau_pos=1.0, tau_neg=1.05, agg="seq_mean_token_mean"),
+    "grpo",
     "Soft gate -A sigmoid(tau (rho - 1)) 4 / tau, tau by sign of A, seq-mean (Gao et al., "
     "Qwen, SAPO, arXiv 2511.20347).",
   ),
   (
     "tis",
     dict(correction="truncate", is_cap=2.0),
+    "group_mean",
     "REINFORCE with truncated IS weight min(rho, C), C = 2 (Yao et al., TIS).",
   ),
   (
     "icepop",
     dict(correction="mask", is_low=0.5, is_high=5.0),
+    "group_mean",
     "REINFORCE with IS weight rho inside [0.5, 5], zero outside (Ling team, IcePop).",
   ),
   (
     "decoupled_ppo",
     dict(_PPO, ratio="decoupled", correction="is"),
+    "group_mean",
     "sg(prox / mu) * PPO-clip(pi / prox); needs proximal_logp (Hilton et al., arXiv 2110.00641).",
   ),
   (
     "m2po",
     dict(_TWO_SIDE, grad="ratio", adaptive="m2po", m2po_budget=0.04),
+    "group_mean",
     "Mask tokens with |log rho| > tau, tau the largest keeping E[(log rho)^2] <= 0.04 (M2PO).",
   ),
   (
     "bapo",
     dict(_PPO, adaptive="bapo", eps_low=0.4, eps_high=0.2),
+    "group_mean",
     "PPO clip with bounds raised per batch from (0.6, 1.2) to at most (0.8, 2.0) until "
     "positive tokens carry >= 40% (BAPO; search details reconstructed).",
   ),
   (
     "minpro",
     dict(_PPO, level="prefix_min"),
+    "group_mean",
     "PPO clip on the prefix-minimum ratio min_{s<=t} rho_s (MinPRO; reconstruction).",
   ),
   (
     "oapl",
     dict(level="seq_prod", shaping="regression", grad="ratio", agg="seq_mean_token_mean"),
-    "0.5 (beta log(pi / mu)(y) - A)^2 with A = r - beta log mean exp(r / beta) (use the "
-    "'opmd' advantage) (OAPL; reconstruction).",
+    "opmd",
+    "0.5 (beta log(pi / mu)(y) - A)^2 with A = r - beta log mean exp(r / beta), the 'opmd' "
+    "advantage (OAPL; reconstruction).",
   ),
   (
     "opsm",
     dict(_PPO, seq_filter="opsm", opsm_delta=0.1),
+    "group_mean",
     "PPO clip; drop sequences with A < 0 and mean(logp_mu - logp) > delta (DeepSeek-V3.2 "
     "off-policy sequence masking; delta reconstructed).",
   ),
   (
     "clip_cov",
     dict(grad="ratio", cov="clip", cov_frac=2e-4),
+    "group_mean",
     "-A rho; detach the top 0.02% tokens by cov(logp, A) (Cui et al., arXiv 2505.22617).",
   ),
   (
     "kl_cov",
     dict(grad="ratio", cov="kl", cov_frac=2e-3, cov_coef=1.0),
+    "group_mean",
     "-A rho + |logp - logp_mu| on the top 0.2% tokens by cov(logp, A) (arXiv 2505.22617).",
   ),
   (
     "dapo",
     dict(_PPO, eps_low=0.2, eps_high=0.28),
+    "grpo",
     "PPO clip (0.2, 0.28), global token-mean (Yu et al., arXiv 2503.14476); group filtering "
     "and the overlong penalty live in the data / reward pipeline.",
   ),
   (
     "gbpo",
     dict(shaping="bounded_target", grad="ratio"),
+    "group_mean",
     "|A| (rho - rho*)^2 / (2 eps), rho* = 1 + eps_high if A > 0 else 1 - eps_low: regress "
     "the ratio onto the bounded-ratio optimum (GBPO, Bounded Ratio RL, arXiv 2604.18578; "
     "paper-level reconstruction).",
@@ -208,43 +248,61 @@ _BUILTIN: tuple[tuple[str, dict, str], ...] = (
   (
     "mhpo",
     dict(shaping="log_bound", grad="ratio", log_bound=0.5, reg="hazard", reg_coef=0.1),
+    "group_mean",
     "-A exp(c tanh(log rho / c)), c = 0.5, plus 0.1 x Weibull (k = 2) hazard of the up / down "
     "log-ratio shift (MHPO, arXiv 2603.16929; paper-level reconstruction).",
   ),
   (
     "st_ppo",
     dict(_PPO, level="turn_geo"),
+    "group_mean",
     "PPO clip (0.2, 0.2) on the per-turn geometric-mean ratio with the turn-mean advantage, "
     "token-mean (ST-PPO turn-level ratios; pass turn_ids; paper-level reconstruction).",
   ),
 )
 
 _REGISTRY: dict[str, LossSpec] = {}
+_ADVANTAGES: dict[str, str] = {}
 _DOCS: dict[str, str] = {}
 
 
-def register(name: str, spec: LossSpec, description: str = "", *, overwrite: bool = False) -> None:
+def register(
+  name: str,
+  spec: LossSpec,
+  description: str = "",
+  *,
+  advantage: str = "group_mean",
+  overwrite: bool = False,
+) -> None:
   """Adds a named preset.
 
   Args:
     name: preset name (snake case).
     spec: the `LossSpec`.
     description: one line for ``describe``.
+    advantage: the advantage estimator the preset pairs with by default (one
+      of ``advantages.names()``); a run's ``config.advantage.name`` overrides it.
     overwrite: allow replacing an existing preset.
 
   Raises:
-    ValueError: the name exists and ``overwrite`` is False, or spec is not a LossSpec.
+    ValueError: the name exists and ``overwrite`` is False, spec is not a
+      LossSpec, or the advantage name is unknown.
   """
   if not isinstance(spec, LossSpec):
     raise ValueError(f"spec for {name!r} must be a LossSpec; got {type(spec).__name__}")
   if name in _REGISTRY and not overwrite:
     raise ValueError(f"loss preset {name!r} already registered (pass overwrite=True)")
+  if advantage not in advantages.names():
+    raise ValueError(
+      f"advantage {advantage!r} for loss preset {name!r} is unknown; known: {advantages.names()}"
+    )
   _REGISTRY[name] = spec
+  _ADVANTAGES[name] = advantage
   _DOCS[name] = description
 
 
-for _name, _fields, _doc in _BUILTIN:
-  register(_name, LossSpec(**_fields), _doc)
+for _name, _fields, _advantage, _doc in _BUILTIN:
+  register(_name, LossSpec(**_fields), _doc, advantage=_advantage)
 
 
 def names() -> list[str]:
@@ -256,6 +314,21 @@ def describe(name: str) -> str:
   """One-line summary of a preset (formula and paper)."""
   get_spec(name)
   return _DOCS[name]
+
+
+def default_advantage(name: str) -> str:
+  """The advantage estimator preset ``name`` pairs with when none is configured.
+
+  ``grpo`` (mean / std) for the PPO-clip family that uses it in its paper
+  (grpo, ppo, dual_clip, dapo, gspo, gspo_token, gmpo, sapo), ``opmd`` for
+  OAPL's regression target, and the plain group mean (REC family, Dr. GRPO)
+  otherwise.
+
+  Raises:
+    ValueError: unknown preset.
+  """
+  get_spec(name)
+  return _ADVANTAGES[name]
 
 
 def get_spec(name: str, **overrides) -> LossSpec:

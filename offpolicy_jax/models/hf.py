@@ -22,7 +22,7 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from offpolicy_jax import files
+from offpolicy_jax import files, sharding
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.models.decoder import Decoder
 
@@ -268,9 +268,16 @@ def _read_slice(view: np.ndarray, dtype, index) -> np.ndarray:
   return np.asarray(view[index], dtype)
 
 
-def _logical_to_mesh(names, rules) -> jax.sharding.PartitionSpec:
-  rules = dict(rules or ())
-  return jax.sharding.PartitionSpec(*(rules.get(n) if n else None for n in names))
+def _param_rules(rules) -> tuple[tuple[str, Any], ...]:
+  """The rules table `from_pretrained` applies: the sharding table by default.
+
+  Explicit ``rules`` replicate every logical axis they do not list.
+  """
+  if rules is None:
+    return sharding.LOGICAL_AXIS_RULES
+  table: dict[str, Any] = dict.fromkeys(sharding.LOGICAL_AXES)
+  table.update(rules.items() if isinstance(rules, Mapping) else rules)
+  return tuple(table.items())
 
 
 def from_pretrained(
@@ -290,7 +297,9 @@ def from_pretrained(
     compute_dtype: activation dtype (default: `dtype`); e.g. jnp.bfloat16.
     mesh: optional mesh; parameters are then created directly in their sharding.
     rules: logical axis -> mesh axis pairs (e.g. [("embed", "fsdp"), ("mlp", "tensor")]);
-      logical axes not listed are replicated.
+      logical axes not listed are replicated. Default: the one table,
+      `sharding.LOGICAL_AXIS_RULES`. Dimensions that do not divide by their
+      mesh axes are replicated (`sharding.logical_to_spec`).
     **config_overrides: ModelConfig fields to replace (e.g. remat=True).
 
   Returns:
@@ -311,15 +320,15 @@ def from_pretrained(
   )
   abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
-  specs = nnx.get_partition_spec(state)
+  rules = _param_rules(rules)
   tensors = _open_checkpoint(path)
   values: dict = {}
   for ours, name, to_ours, _ in _tensor_map(config):
     if name not in tensors:
       raise ValueError(f"checkpoint {path} is missing tensor {name!r}")
-    var, spec = state, specs
+    var = state
     for k in ours:
-      var, spec = var[k], spec[k]
+      var = var[k]
     view = to_ours(tensors[name])
     if tuple(view.shape) != tuple(var.shape):
       raise ValueError(
@@ -329,9 +338,11 @@ def from_pretrained(
     if mesh is None:
       arr = jnp.asarray(np.asarray(view, np_dtype))
     else:
-      sharding = jax.sharding.NamedSharding(mesh, _logical_to_mesh(var.out_sharding, rules))
+      spec = sharding.logical_to_spec(tuple(var.out_sharding), view.shape, mesh, rules)
       arr = jax.make_array_from_callback(
-        tuple(view.shape), sharding, functools.partial(_read_slice, view, np_dtype)
+        tuple(view.shape),
+        jax.sharding.NamedSharding(mesh, spec),
+        functools.partial(_read_slice, view, np_dtype),
       )
     node = values
     for k in ours[:-1]:
