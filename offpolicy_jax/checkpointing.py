@@ -37,23 +37,20 @@ alone writes the manifests and moves corrupt steps aside.
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 from jax.experimental import multihost_utils
 
 from offpolicy_jax import checkpoint_integrity as integrity
+from offpolicy_jax import checkpoint_items as named
 
-_BYTES_TAG = "__bytes_b64__"
 _META = "meta"
 _FLAT_ITEM = "arrays"  # the one item of the old flat-index format
 _FLAT = "old flat-index format"
@@ -80,100 +77,6 @@ class CheckpointError(RuntimeError):
 
 class _Corrupt(Exception):
   """Internal: one step failed verification or restore; the message is the reason."""
-
-
-def _encode_json(obj: Any) -> Any:
-  if isinstance(obj, bytes):
-    return {_BYTES_TAG: base64.b64encode(obj).decode("ascii")}
-  if isinstance(obj, dict):
-    return {str(k): _encode_json(v) for k, v in obj.items()}
-  if isinstance(obj, (list, tuple)):
-    return [_encode_json(v) for v in obj]
-  if isinstance(obj, np.generic):
-    return obj.item()
-  return obj
-
-
-def _decode_json(obj: Any) -> Any:
-  if isinstance(obj, dict):
-    if set(obj) == {_BYTES_TAG}:
-      return base64.b64decode(obj[_BYTES_TAG])
-    return {k: _decode_json(v) for k, v in obj.items()}
-  if isinstance(obj, list):
-    return [_decode_json(v) for v in obj]
-  return obj
-
-
-def _is_key(x: Any) -> bool:
-  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _is_variable(x: Any) -> bool:
-  return isinstance(x, nnx.Variable)
-
-
-def _value(leaf: Any) -> Any:
-  return leaf.get_value() if _is_variable(leaf) else leaf
-
-
-def _abstract(x: Any) -> jax.ShapeDtypeStruct:
-  if _is_key(x):
-    x = jax.eval_shape(jax.random.key_data, x)
-  if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
-    return x
-  sharding = getattr(x, "sharding", None)
-  if not isinstance(sharding, jax.sharding.Sharding):
-    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-
-
-def _key_name(entry: Any) -> str:
-  for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
-    if hasattr(entry, attr):
-      return str(getattr(entry, attr))
-  return str(entry)
-
-
-def _named_leaves(tree: Any) -> tuple[list[tuple[str, ...]], list[Any], Any]:
-  """(path names, leaves, treedef) of `tree`, each `nnx.Variable` one leaf."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
-  paths = [tuple(_key_name(k) for k in path) or ("value",) for path, _ in flat]
-  return paths, [leaf for _, leaf in flat], treedef
-
-
-def _nested(tree: Any, fn: Callable[[Any], Any]) -> dict[str, Any]:
-  """`{name0: {name1: ... fn(value)}}` along each leaf's path names (empty without leaves)."""
-  out: dict[str, Any] = {}
-  for path, leaf in zip(*_named_leaves(tree)[:2], strict=True):
-    node = out
-    for name in path[:-1]:
-      node = node.setdefault(name, {})
-      if not isinstance(node, dict):
-        raise ValueError(f"checkpoint item has a leaf and a subtree at {'/'.join(path)}")
-    if path[-1] in node:
-      raise ValueError(f"checkpoint item has two leaves at {'/'.join(path)}")
-    node[path[-1]] = fn(_value(leaf))
-  return out
-
-
-def _stored(x: Any) -> Any:
-  return jax.random.key_data(x) if _is_key(x) else x
-
-
-def _rebuild(template: Any, stored: dict[str, Any]) -> Any:
-  """The tree of `template` with each leaf taken from `stored` (nested as `_nested` does)."""
-  paths, leaves, treedef = _named_leaves(template)
-  out = []
-  for path, leaf in zip(paths, leaves, strict=True):
-    x: Any = stored
-    for name in path:
-      x = x[name]
-    if _is_key(value := _value(leaf)):
-      # A ShapeDtypeStruct has no public accessor for its key implementation.
-      sds = isinstance(value, jax.ShapeDtypeStruct)
-      x = jax.random.wrap_key_data(x, impl=value.dtype._impl if sds else jax.random.key_impl(value))
-    out.append(leaf.replace(x) if _is_variable(leaf) else x)
-  return jax.tree.unflatten(treedef, out)
 
 
 def _check_names(names: Iterable[str]) -> None:
@@ -232,12 +135,14 @@ class Checkpointer:
       meta: a JSON-able dict; `bytes` values are allowed.
     """
     _check_names(items)
-    stored = {name: _nested(tree, _stored) for name, tree in items.items() if tree is not None}
+    stored = {
+      name: named.nested(tree, named.stored) for name, tree in items.items() if tree is not None
+    }
     args = {name: ocp.args.StandardSave(tree) for name, tree in stored.items() if tree}
     self._flush()
     saved = self._manager.save(
       int(step),
-      args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(_encode_json(dict(meta)))),
+      args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(named.encode_json(dict(meta)))),
     )
     if not saved or not self._primary:
       return
@@ -276,7 +181,9 @@ class Checkpointer:
     self._flush()
     step = self._require(step)
     try:
-      return _decode_json(self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+      return named.decode_json(
+        self._read(step, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+      )
     except _Corrupt as e:
       raise CheckpointError(f"checkpoint step {step} is corrupt ({e})", [(step, str(e))]) from None
 
@@ -433,11 +340,15 @@ class Checkpointer:
   def _restore_step(
     self, templates: Mapping[str, Any], step: int
   ) -> tuple[dict[str, Any], dict[str, Any]]:
-    abstract = {name: _nested(t, _abstract) for name, t in templates.items() if t is not None}
+    abstract = {
+      name: named.nested(t, named.abstract) for name, t in templates.items() if t is not None
+    }
     args = {name: ocp.args.StandardRestore(tree) for name, tree in abstract.items() if tree}
     out = self._read(step, ocp.args.Composite(**args, meta=ocp.args.JsonRestore()))
-    items = {name: _rebuild(t, out[name]) if name in args else t for name, t in templates.items()}
-    return items, _decode_json(out["meta"])
+    items = {
+      name: named.rebuild(t, out[name]) if name in args else t for name, t in templates.items()
+    }
+    return items, named.decode_json(out["meta"])
 
   def _set_aside(self, steps: Sequence[int]) -> None:
     """Moves corrupt `steps` to `<directory>/corrupt/<step>[.k]`, out of orbax's tracking."""

@@ -283,5 +283,15 @@ def jitted(fns: StepFns, name: str, opts: ReplayOptions, state: RunState) -> Cal
     else:
       fn = functools.partial(learn_scored, fns, opts)
       out_sh, donate = (state_sh, rep), (0,)
-    fns.cache[key] = jax.jit(fn, out_shardings=out_sh, donate_argnums=donate)
+    fns.cache[key] = _with_mesh(jax.jit(fn, out_shardings=out_sh, donate_argnums=donate), fns.mesh)
   return fns.cache[key]
+
+
+def _with_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
+  """`fn` traced and run with `mesh` set, so activation constraints apply (`sharding.constrain`)."""
+
+  def call(*args):
+    with jax.set_mesh(mesh):
+      return fn(*args)
+
+  return call

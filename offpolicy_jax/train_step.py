@@ -358,14 +358,14 @@ def make_train_step(
       cache[sig] = _jit_for(step, state, batch, ref_params, proximal_params, mesh, donate)
     fn, in_sh = cache[sig]
     args = (state, batch, key, ref_params, proximal_params)
-    if in_sh is not None:
-      # No-op for arrays already placed as expected; moves host data and snapshots
-      # (with several processes, host values must be the same on every process).
-      args = (
-        state,
-        *(a if a is None else sharding.put(a, s) for a, s in zip(args[1:], in_sh[1:], strict=True)),
-      )
-    return fn(*args)
+    if in_sh is None:
+      return fn(*args)
+    # No-op for arrays already placed as expected; moves host data and snapshots
+    # (with several processes, host values must be the same on every process).
+    pairs = zip(args[1:], in_sh[1:], strict=True)
+    placed = [a if a is None else sharding.put(a, s) for a, s in pairs]
+    with jax.set_mesh(mesh):  # activation constraints (sharding.constrain) see the mesh
+      return fn(state, *placed)
 
   return _checked(jitted, spec)
 

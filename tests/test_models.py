@@ -376,3 +376,19 @@ def test_scan_layers_gives_the_same_logits_and_gradients(tiny, remat):
   (v, g), (v_scan, g_scan) = grad(params, graphdef), grad(params, scan_graphdef)
   np.testing.assert_allclose(v_scan, v, rtol=1e-5)
   chex.assert_trees_all_close(g_scan, g, atol=1e-5)
+
+
+def test_decoder_constrains_activations_under_a_mesh(tiny):
+  """With a mesh set (`jax.set_mesh`) activations get sharding constraints; without, none."""
+  from jax.sharding import AxisType
+
+  graphdef, params = nnx.split(tiny)
+  toks = np.ones((8, 6), np.int32)
+  f = jax.jit(lambda p, t: nnx.merge(graphdef, p).hidden_states(t)[0])
+  plain = f.lower(params, toks).as_text()
+  mesh = jax.make_mesh((8, 1, 1), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+  with jax.set_mesh(mesh):
+    constrained = f.lower(params, toks).as_text()
+  assert "sharding_constraint" not in plain
+  # One after the embedding and one after each block.
+  assert constrained.count("sharding_constraint") >= tiny.config.num_layers + 1

@@ -25,11 +25,16 @@ def test_traced_behaviour_version_matches_the_schedule(m, n):
 
 @pytest.fixture(scope="module")
 def built():
-  cfg = small_config(**{"sft.enabled": False, "lag.sync_interval": 2, "mesh.data": 1})
+  cfg = small_config(**{"sft.enabled": False, "lag.sync_interval": 2})
   comps = components.build_components(cfg)
   fns = comps.fns
   schedule = rl_step.LagSchedule(jnp.int32(2), jnp.int32(0))
-  return fns, comps.run.replay, schedule
+  single = jax.jit(functools.partial(rl_step.rl_step, fns, comps.run.replay))
+  return fns, comps.run.replay, schedule, single
+
+
+STEPS = 3
+SEEDS = (0, 1, 2)
 
 
 def _state(fns, seed):
@@ -42,51 +47,50 @@ def _prompts(fns, seed, steps):
   return [{k: jnp.asarray(b[k]) for k in rollouts.DEVICE_FIELDS} for b in batches]
 
 
-def test_vmap_over_three_seeds_matches_three_single_seed_runs(built):
-  fns, opts, schedule = built
-  seeds, steps = (0, 1, 2), 3
-  step_fn = functools.partial(rl_step.rl_step, fns, opts)
-  single = jax.jit(step_fn)
-  singles = []
-  for seed in seeds:
-    state = _state(fns, seed)
-    rows = []
-    for t, prompts in enumerate(_prompts(fns, seed, steps), start=1):
+@pytest.fixture(scope="module")
+def single_runs(built):
+  """(final state, metric rows) of STEPS single-seed steps for each seed."""
+  fns, _, schedule, single = built
+  runs = []
+  for seed in SEEDS:
+    state, rows = _state(fns, seed), []
+    for t, prompts in enumerate(_prompts(fns, seed, STEPS), start=1):
       state, m = single(state, prompts, jnp.int32(t), jnp.int32(seed), schedule)
       rows.append(m)
-    singles.append((state, rows))
+    runs.append((state, rows))
+  return runs
 
-  batched = jax.jit(jax.vmap(step_fn, in_axes=(0, 0, None, 0, None)))
+
+def test_vmap_over_three_seeds_matches_three_single_seed_runs(built, single_runs):
+  fns, opts, schedule, _ = built
+  batched = jax.jit(jax.vmap(functools.partial(rl_step.rl_step, fns, opts), (0, 0, None, 0, None)))
   stack = lambda xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)
-  state = stack([_state(fns, s) for s in seeds])
-  per_seed = [_prompts(fns, s, steps) for s in seeds]
-  for t in range(steps):
+  state = stack([_state(fns, s) for s in SEEDS])
+  per_seed = [_prompts(fns, s, STEPS) for s in SEEDS]
+  for t in range(STEPS):
     prompts = stack([p[t] for p in per_seed])
-    state, m = batched(state, prompts, jnp.int32(t + 1), jnp.asarray(seeds, jnp.int32), schedule)
-    for i in range(len(seeds)):
+    state, m = batched(state, prompts, jnp.int32(t + 1), jnp.asarray(SEEDS, jnp.int32), schedule)
+    for i in range(len(SEEDS)):
       for k in ("reward_mean", "loss", "staleness_max", "behavior_version", "grad_norm"):
-        np.testing.assert_allclose(m[k][i], singles[i][1][t][k], rtol=1e-4, atol=1e-5, err_msg=k)
-  for i in range(len(seeds)):
+        want = single_runs[i][1][t][k]
+        np.testing.assert_allclose(m[k][i], want, rtol=1e-4, atol=1e-5, err_msg=k)
+  for i in range(len(SEEDS)):
     got = jax.tree.map(lambda x, i=i: x[i], state.train.params)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(singles[i][0].train.params), strict=True):
+    want = single_runs[i][0].train.params
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_scanned_chunk_equals_step_by_step(built):
-  fns, opts, schedule = built
-  prompts = _prompts(fns, 0, 4)
-  single = jax.jit(functools.partial(rl_step.rl_step, fns, opts))
-  state = _state(fns, 0)
-  rows = []
-  for t, p in enumerate(prompts, start=1):
-    state, m = single(state, p, jnp.int32(t), jnp.int32(0), schedule)
-    rows.append(m)
+def test_scanned_chunk_equals_step_by_step(built, single_runs):
+  fns, opts, schedule, _ = built
   chunk = jax.jit(functools.partial(rl_step.rl_steps, fns, opts))
-  stacked = jax.tree.map(lambda *a: jnp.stack(a), *prompts)
-  state2, out = chunk(_state(fns, 0), stacked, jnp.arange(1, 5, dtype=jnp.int32), 0, schedule)
-  for t in range(4):
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *_prompts(fns, 0, STEPS))
+  steps = jnp.arange(1, STEPS + 1, dtype=jnp.int32)
+  state, out = chunk(_state(fns, 0), stacked, steps, 0, schedule)
+  want_state, rows = single_runs[0]
+  for t in range(STEPS):
     for k in ("reward_mean", "loss", "behavior_version", "staleness_mean"):
       np.testing.assert_allclose(out[k][t], rows[t][k], rtol=1e-5, atol=1e-6, err_msg=k)
   np.testing.assert_array_equal(out["snapshot_missing"], 0)
-  for a, b in zip(jax.tree.leaves(state.train), jax.tree.leaves(state2.train), strict=True):
+  for a, b in zip(jax.tree.leaves(state.train), jax.tree.leaves(want_state.train), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -11,7 +11,11 @@ q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and llama3 frequency scaling.
 Every parameter carries logical axis names in its `out_sharding` metadata
 (`vocab`, `embed`, `mlp`, `heads`, `kv_heads`, `head_dim`), so
 `nnx.get_partition_spec(nnx.state(model))` yields logical PartitionSpecs that a
-rules table maps onto a mesh.
+rules table maps onto a mesh. Activations [B, T, D] are constrained to
+`(batch, length, embed)` after the embedding and after every block
+(`sharding.constrain`: rows over `(data, fsdp)`); the constraint applies when a
+mesh is set with `jax.set_mesh` (the run's jitted steps set theirs) and is a
+no-op otherwise.
 """
 
 import math
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike
 
+from offpolicy_jax import sharding
 from offpolicy_jax.models.config import ModelConfig
 
 _NEG_INF = -1e30
@@ -193,6 +198,11 @@ class DecoderLayer(nnx.Module):
     return h_btd, cache_kv
 
 
+def _constrain(h_btd: jax.Array) -> jax.Array:
+  """Activations [B, T, D] with rows over the batch axes of the ambient mesh (if any)."""
+  return sharding.constrain(h_btd, (sharding.BATCH, sharding.LENGTH, sharding.EMBED))
+
+
 def default_positions(attention_mask: ArrayLike) -> jax.Array:
   """positions = cumsum(mask) - 1 clipped at 0, so left padding does not shift positions."""
   mask = jnp.asarray(attention_mask).astype(jnp.int32)
@@ -253,7 +263,7 @@ class Decoder(nnx.Module):
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
     q_idx = q_offset + jnp.arange(t)
     allowed = (jnp.arange(s)[None, :] <= q_idx[:, None])[None] & mask[:, None, :]
-    h = jnp.take(self.embed_tokens[...], tokens, axis=0).astype(c.dtype)
+    h = _constrain(jnp.take(self.embed_tokens[...], tokens, axis=0).astype(c.dtype))
     if c.scan_layers and cache is None:
       return self.norm(self._scan_layers(h, cos, sin, allowed)), None
     new_k, new_v = [], []
@@ -268,6 +278,7 @@ class Decoder(nnx.Module):
         h = jax.checkpoint(run)(state, h, cos, sin, allowed)
       else:
         h, kv = layer(h, cos, sin, allowed, kv, cache_index)
+      h = _constrain(h)
       if kv is not None:
         new_k.append(kv[0])
         new_v.append(kv[1])
@@ -281,7 +292,7 @@ class Decoder(nnx.Module):
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits))
 
     def block(h, state):
-      return nnx.merge(graphdef, state)(h, cos, sin, allowed)[0], None
+      return _constrain(nnx.merge(graphdef, state)(h, cos, sin, allowed)[0]), None
 
     if self.config.remat:
       block = jax.checkpoint(block)
