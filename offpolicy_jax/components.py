@@ -39,28 +39,12 @@ from offpolicy_jax import (
   tokenizers,
   train_step,
   validation,
+  workdir,
 )
 from offpolicy_jax.rl_step import INIT, step_key
 
 # Config fields a run reads as settings; every other field shapes what compiles.
-RUN_FIELDS = (
-  "seed",
-  "total_steps",
-  "lag",
-  "replay",
-  "sft",
-  "eval_every",
-  "eval_prompts",
-  "eval_samples",
-  "checkpoint_every",
-  "keep_checkpoints",
-  "async_checkpoint",
-  "tensorboard",
-  "wandb_project",
-  "progress",
-  "log_every",
-  "profile_steps",
-)
+RUN_FIELDS = ("seed", "total_steps", "lag", "replay", "sft", *workdir.WATCH_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True)

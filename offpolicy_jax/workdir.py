@@ -35,10 +35,8 @@ from offpolicy_jax import files, metrics
 LOCK_FILE = ".lock"
 HOLDER_FILE = ".lock.json"
 HISTORY_FILE = metrics.CONFIG_HISTORY_FILE
-# Fields that control how long a run goes, how it is watched and where it runs,
-# not what it computes: a resume may change them freely.
-RUN_CONTROL_FIELDS = (
-  "total_steps",
+# Fields that control how a run is watched: evaluation, checkpoints, logging.
+WATCH_FIELDS = (
   "eval_every",
   "eval_prompts",
   "eval_samples",
@@ -50,6 +48,12 @@ RUN_CONTROL_FIELDS = (
   "progress",
   "log_every",
   "profile_steps",
+)
+# Fields that control how long a run goes, how it is watched and where it runs,
+# not what it computes: a resume may change them freely.
+RUN_CONTROL_FIELDS = (
+  "total_steps",
+  *WATCH_FIELDS,
   "reward_timeout",
   "reward_batch_timeout",
   "reward_workers",
