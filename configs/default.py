@@ -173,13 +173,14 @@ def base_config() -> ml_collections.ConfigDict:
   # Samples per eval prompt for pass@k (k = this; 1 = greedy accuracy only, no pass@k).
   c.eval_samples = 4
   # Save a checkpoint every this many steps (0 = only at the end).
+  c.checkpoint_every = 100
   # Loop steps per jitted chunk (device rewards): metrics are fetched and written
   # every gcd(log_every, eval_every, checkpoint_every) steps.
   c.log_every = 10
-  # Trace this many loop steps (after the first chunk, so compilation is not in it)
-  # with jax.profiler into <workdir>/profile, viewable in TensorBoard/XProf; 0 = off.
+  # Trace at least this many loop steps, in whole chunks from the second chunk on
+  # (compilation is not in it), with jax.profiler into <workdir>/profile,
+  # viewable in TensorBoard/XProf; 0 = off.
   c.profile_steps = 0
-  c.checkpoint_every = 100
   # Checkpoints kept.
   c.keep_checkpoints = 2
   # Save checkpoints in a background thread.

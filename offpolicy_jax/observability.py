@@ -9,6 +9,7 @@ of loop steps, viewable in TensorBoard's profile plugin or XProf.
 from __future__ import annotations
 
 import threading
+import warnings
 
 import jax
 
@@ -38,7 +39,10 @@ class CompileCounter:
 
 
 class Profiler:
-  """Traces `steps` loop steps, starting after the run's first chunk (compilation excluded).
+  """Traces whole chunks covering at least `steps` loop steps, from the second chunk on.
+
+  The first chunk of a run (or of a resume) compiles, so it is never traced; a
+  run that is one chunk long gets no trace, and `stop` says so.
 
   Args:
     log_dir: where the trace goes (`<workdir>/profile`).
@@ -68,3 +72,10 @@ class Profiler:
     if self._active:
       jax.profiler.stop_trace()
       self._active = False
+    elif self._steps and not self._started:
+      self._started = True  # warn once
+      warnings.warn(
+        f"config.profile_steps={self._steps}: no trace written, the run had no chunk after "
+        "its first (lower log_every or run longer)",
+        stacklevel=2,
+      )

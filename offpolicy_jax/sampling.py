@@ -84,7 +84,7 @@ def _hits_stop(tokens_bn, i, stop_sequences):
     n = len(seq)
     padded = jnp.pad(tokens_bn, ((0, 0), (n, 0)), constant_values=-1)
     window = jax.lax.dynamic_slice_in_dim(padded, i + 1, n, axis=1)
-    hit = hit | jnp.all(window == jnp.asarray(seq, jnp.int32), axis=1)
+    hit = hit | jnp.all(window == jnp.asarray(seq, jnp.int32)[None, :], axis=1)
   return hit
 
 

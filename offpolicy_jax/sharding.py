@@ -158,7 +158,7 @@ def logical_to_spec(
     axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
     axes = tuple(a for a in axes if a not in used)
     if mesh is not None:
-      axes = tuple(a for a in axes if mesh.shape[a] > 1)
+      axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)  # absent axes: size 1
       if shape is not None and axes and shape[dim] % axis_size(mesh, axes):
         axes = ()
     used.update(axes)

@@ -7,11 +7,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Implicit rank promotion ([B, T] op [T]) hides shape bugs: the whole suite, its
 # subprocesses and notebook kernels included (they inherit the environment),
-# should run with it raising. Every other file passes; what is left:
-# TODO: uncomment once models/decoder.py broadcasts explicitly (RMSNorm weight
-# line 105, q/k/v biases lines 135-137, RoPE frequencies line 251) and so does
-# sampling.py (stop sequences, line 87).
-# os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
+# runs with it raising.
+os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
 
 import pytest  # noqa: E402
 

@@ -107,7 +107,8 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (self.weight[...].astype(jnp.float32) * x32.astype(x.dtype)).astype(self.dtype)
+    w = jnp.broadcast_to(self.weight[...].astype(jnp.float32), x.shape)
+    return (w * x32.astype(x.dtype)).astype(self.dtype)
 
 
 class Attention(nnx.Module):
@@ -137,9 +138,9 @@ class Attention(nnx.Module):
     k = jnp.einsum("btd,dnh->btnh", x_btd, self.k_proj[...].astype(dt))
     v = jnp.einsum("btd,dnh->btnh", x_btd, self.v_proj[...].astype(dt))
     if c.qkv_bias:
-      q = q + self.q_bias[...].astype(dt)
-      k = k + self.k_bias[...].astype(dt)
-      v = v + self.v_bias[...].astype(dt)
+      q = q + jnp.broadcast_to(self.q_bias[...].astype(dt), q.shape)
+      k = k + jnp.broadcast_to(self.k_bias[...].astype(dt), k.shape)
+      v = v + jnp.broadcast_to(self.v_bias[...].astype(dt), v.shape)
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = _apply_rope(q, cos_bth, sin_bth), _apply_rope(k, cos_bth, sin_bth)
@@ -258,7 +259,7 @@ class Decoder(nnx.Module):
       positions = default_positions(mask)
       if cache is not None:
         positions = jax.lax.dynamic_slice_in_dim(positions, q_offset, t, axis=1)
-    freqs = jnp.asarray(positions, jnp.float32)[..., None] * rope_inv_freq(c)
+    freqs = jnp.multiply.outer(jnp.asarray(positions, jnp.float32), rope_inv_freq(c))
     freqs = jnp.concatenate([freqs, freqs], axis=-1)
     cos, sin = jnp.cos(freqs), jnp.sin(freqs)
     q_idx = q_offset + jnp.arange(t)
