@@ -469,3 +469,30 @@ def test_rows_carry_phase_times_and_compiles_and_profile_writes_a_trace(tmp_path
   assert rows[1]["compiles"] > 0 and rows[-1]["compiles"] == rows[1]["compiles"]
   traces = [f for _, _, files in os.walk(tmp_path / "profile") for f in files]
   assert any(f.endswith(".xplane.pb") for f in traces), traces
+
+
+def _text_reward(example, text):
+  """A deterministic host reward: the fraction of the reference answer's characters in the text."""
+  answer = str(example["answer"])
+  return sum(ch in text for ch in answer) / max(len(answer), 1)
+
+
+def test_host_reward_rollout_overlapped_with_scoring_changes_nothing(tmp_path, monkeypatch):
+  """With sync_interval 4 the next rollout is dispatched before scoring on most steps;
+  checkpointing every step forbids that overlap. Both runs write the same rows."""
+  real_get_task = tasks.get_task
+
+  def get_task(name, **kw):
+    return dataclasses.replace(real_get_task(name, **kw), reward=_text_reward, device_reward=None)
+
+  monkeypatch.setattr(tasks, "get_task", get_task)
+  components.clear_cache()
+  try:
+    base = {"total_steps": 6, "eval_prompts": 0, "sft.enabled": False, "lag.sync_interval": 4}
+    overlapped = loop.train_and_evaluate(small_config(**base), str(tmp_path / "a"))
+    serial = loop.train_and_evaluate(small_config(**base, checkpoint_every=1), str(tmp_path / "b"))
+  finally:
+    components.clear_cache()
+  drop = lambda rows: [{k: v for k, v in r.items() if k != "reward_time_s"} for r in rows]
+  assert len(overlapped) == 6 and drop(strip_timing(overlapped)) == drop(strip_timing(serial))
+  assert any(r["reward_mean"] > 0 for r in overlapped)
