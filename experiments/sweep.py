@@ -1,7 +1,14 @@
-r"""Expands a config's `get_sweep()` into runs: runs them here one by one, or prints commands.
+r"""Expands a config's `get_sweep()` into runs: runs them here one by one, or writes launchers.
 
   python -m experiments.sweep --config=configs/lag_study.py --workdir=/tmp/lag_study
   python -m experiments.sweep --config=configs/lag_study.py --workdir=DIR --print_only
+  python -m experiments.sweep --config=configs/lag_study.py --workdir=gs://BUCKET/lag \
+      --launcher=jobset --launch_dir=/tmp/lag_jobs --image=IMAGE --hosts=4 --tpu_topology=4x4
+
+`--launcher=local|hosts|slurm|jobset` runs nothing: it writes one file per run
+(a train command, a per-host script, an sbatch script or a TPU JobSet, see
+`offpolicy_jax.launchers`) and `index.tsv` to `--launch_dir`, or prints them
+without it. `--print_only` is `--launcher=local` printed.
 
 Each run goes to `workdir/<run name>` (resumable like train.py); at the end the
 sweep writes `workdir/summary.md`, `workdir/summary.csv` and `workdir/curves.png`.
@@ -10,13 +17,12 @@ and the sweep goes on; the process then exits with status 1, naming the
 failed runs.
 """
 
-import os
-import shlex
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from offpolicy_jax import launchers
 from offpolicy_jax.sweeps import (  # noqa: F401  (the binary's names, used by tests)
   SweepError,
   apply_overrides,
@@ -29,6 +35,21 @@ from offpolicy_jax.sweeps import (  # noqa: F401  (the binary's names, used by t
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file with get_sweep().")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Parent directory of the runs.")
 _PRINT_ONLY = flags.DEFINE_bool("print_only", False, "Print one train command per run and exit.")
+_LAUNCHER = flags.DEFINE_enum(
+  "launcher", None, launchers.LAUNCHERS, "Write (or print) launch files instead of running."
+)
+_LAUNCH_DIR = flags.DEFINE_string("launch_dir", None, "Where --launcher writes its files.")
+_HOSTS = flags.DEFINE_integer("hosts", 1, "Hosts (processes) per run.")
+_COORDINATOR_PORT = flags.DEFINE_integer("coordinator_port", 8476, "Port of process 0.")
+_PYTHON = flags.DEFINE_string("python", "python", "Interpreter of the generated commands.")
+_REPO_DIR = flags.DEFINE_string("repo_dir", "", "Repository root the commands cd into first.")
+_IMAGE = flags.DEFINE_string("image", "", "jobset: container image with the repository.")
+_TPU_TYPE = flags.DEFINE_string("tpu_type", "tpu-v5-lite-podslice", "jobset: GKE TPU accelerator.")
+_TPU_TOPOLOGY = flags.DEFINE_string("tpu_topology", "2x2", "jobset: TPU slice topology.")
+_CHIPS_PER_HOST = flags.DEFINE_integer("chips_per_host", 4, "jobset: TPU chips per host.")
+_SLURM_PARTITION = flags.DEFINE_string("slurm_partition", "", "slurm: partition.")
+_SLURM_GRES = flags.DEFINE_string("slurm_gres", "", "slurm: generic resources per node (gpu:8).")
+_SLURM_TIME = flags.DEFINE_string("slurm_time", "24:00:00", "slurm: time limit.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -41,27 +62,48 @@ def _print_file(path: str) -> None:
     print(f.read())
 
 
+def _cluster() -> launchers.Cluster:
+  return launchers.Cluster(
+    hosts=_HOSTS.value,
+    coordinator_port=_COORDINATOR_PORT.value,
+    python=_PYTHON.value,
+    repo_dir=_REPO_DIR.value,
+    image=_IMAGE.value,
+    tpu_type=_TPU_TYPE.value,
+    tpu_topology=_TPU_TOPOLOGY.value,
+    chips_per_host=_CHIPS_PER_HOST.value,
+    slurm_partition=_SLURM_PARTITION.value,
+    slurm_gres=_SLURM_GRES.value,
+    slurm_time=_SLURM_TIME.value,
+  )
+
+
+def _launch(launcher: str, config_path: str, sweep: list[dict]) -> None:
+  """Writes (or prints) the launch files of every run; runs nothing."""
+  runs = launchers.make_runs(sweep, config_path, _WORKDIR.value, _cli_overrides())
+  cluster = _cluster()
+  if _LAUNCH_DIR.value:
+    print(launchers.write(_LAUNCH_DIR.value, launcher, runs, cluster))
+  elif launcher == "local":
+    launchers.check_cluster(launcher, cluster)
+    print(launchers.local_commands(runs, cluster), end="")
+  else:
+    for name, text in launchers.render(launcher, runs, cluster).items():
+      print(f"# ==> {name} <==\n{text}")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   sweep = load_sweep(config_path)
-  if _PRINT_ONLY.value:
-    check_unique_names(sweep)
-    for overrides in sweep:
-      args = [f"--config.{k}={v}" for k, v in overrides.items() if k != "name"]
-      cmd = [
-        "python",
-        "-m",
-        "experiments.train",
-        f"--config={config_path}",
-        f"--workdir={os.path.join(_WORKDIR.value, run_name(overrides))}",
-        *_cli_overrides(),
-        *args,
-      ]
-      print(shlex.join(cmd))
-    return
+  launcher = "local" if _PRINT_ONLY.value else _LAUNCHER.value
+  if launcher:
+    try:
+      return _launch(launcher, config_path, sweep)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from e
   try:
     summary = run_sweep(_CONFIG.value, sweep, _WORKDIR.value)
   except SweepError as e:
