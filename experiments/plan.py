@@ -1,0 +1,93 @@
+r"""Prints the per-device memory plan of a config on a device mesh, and whether it fits.
+
+  python -m experiments.plan --config=configs/gsm8k_qwen25_1p5b.py --devices=v5e-8
+  python -m experiments.plan --config=configs/default.py --devices=8 --memory_gib=16 \
+      [--config.mesh.fsdp=2 --config.model=small ...]
+
+--devices is <type>-<count> (types: v4, v5e, v5p, v6e, a100-40, a100-80,
+h100-80, cpu) or a bare count with --memory_gib. Nothing is allocated: see
+offpolicy_jax/planner.py for what is counted and how.
+"""
+
+import math
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from offpolicy_jax import planner
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_DEVICES = flags.DEFINE_string("devices", None, "<type>-<count> (e.g. v5e-8) or a device count.")
+_MEMORY_GIB = flags.DEFINE_float(
+  "memory_gib", None, "Memory per device in GiB (default: the device type's)."
+)
+_ACTIVATIONS = flags.DEFINE_enum(
+  "activations",
+  "auto",
+  ["auto", "compiled", "analytic"],
+  "Train-step temporaries: compiled on this machine (auto: when the mesh fits here and the "
+  "platform matches) or the analytic estimate.",
+)
+flags.mark_flags_as_required(["config", "devices"])
+
+
+def parse_devices(text: str, known) -> tuple[str | None, int]:
+  """`"v5e-8"` -> `("v5e", 8)`; `"8"` -> `(None, 8)`; ValueError naming `devices` otherwise."""
+  name, _, count = text.rpartition("-")
+  if not name and count.isdigit() and int(count) >= 1:
+    return None, int(count)
+  if name not in known or not count.isdigit() or int(count) < 1:
+    raise ValueError(f"devices: {text!r} is not <type>-<count> or <count>; types: {list(known)}")
+  return name, int(count)
+
+
+def format_plan(result) -> str:
+  """The plan as a table (component, per-device MiB, total MiB over the mesh) and a verdict."""
+  n, mib = math.prod(result.mesh.values()), lambda b: f"{b / 2**20:12.1f}"
+  lines = [f"mesh {result.mesh} ({n} of {result.devices} devices)"]
+  lines += [f"{'component':28s}{'per-device MiB':>15s}{'total MiB':>15s}"]
+  lines += [f"{k:28s}{mib(v):>15s}{mib(v * n):>15s}" for k, v in result.bytes.items()]
+  lines += [f"{'peak = state + max(KV, act)':28s}{mib(result.peak_bytes):>15s}"]
+  lines += [f"activations: {result.activations_source}", *(f"note: {x}" for x in result.notes)]
+  if result.headroom is None:
+    lines.append("verdict: unknown (no device memory given)")
+  else:
+    fits = "fits" if result.headroom >= 0 else "does NOT fit"
+    cap = (result.bytes_per_device or 0) / planner.GIB
+    lines.append(f"verdict: {fits} in {cap:.1f} GiB per device, headroom {result.headroom:+.0%}")
+    if result.headroom < 0:
+      top = max(result.bytes, key=result.bytes.__getitem__)
+      lines.append(f"largest: {top} (activations shrink with optimizer.micro_batches)")
+  if result.peak_flops:
+    seconds = result.step_flops / (result.peak_flops * n)
+    lines.append(
+      f"step time >= {seconds:.3g} s (rough bound: 6ND train + 2ND sample FLOPs "
+      f"at 100% of {result.peak_flops:.3g} FLOP/s per device)"
+    )
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  try:
+    device_type, count = parse_devices(_DEVICES.value, planner.DEVICES)
+    if _MEMORY_GIB.value is not None and _MEMORY_GIB.value <= 0:
+      raise ValueError(f"memory_gib: must be > 0, got {_MEMORY_GIB.value}")
+    memory = _MEMORY_GIB.value and int(_MEMORY_GIB.value * planner.GIB)
+    if memory is None and device_type is not None:
+      memory = planner.DEVICES[device_type].hbm_bytes
+    result = planner.plan(
+      _CONFIG.value,
+      devices=count,
+      bytes_per_device=memory,
+      device_type=device_type,
+      activations=_ACTIVATIONS.value,
+    )
+  except ValueError as e:
+    raise SystemExit(f"error: {e}") from None
+  print(format_plan(result))
+
+
+if __name__ == "__main__":
+  app.run(main)
