@@ -1,55 +1,112 @@
-"""Lag study at toy scale: loss presets x {on-policy, sawtooth 20, constant lag 10, offline}.
+"""The lag study of arXiv:2509.24203: methods x lag schedules x seeds, with statistics.
 
-  python -m experiments.sweep --config=configs/lag_study.py --workdir=/tmp/lag_study
+  python -m experiments.study --config=configs/lag_study.py --workdir=/tmp/lag_study
 
-Every run starts from the same supervised warm start (same seed, computed once)
-and differs only in the loss and the lag schedule v(t) of arXiv:2509.24203 (see
-offpolicy_jax.lag). Compare the `eval/` columns: with stale data the training
-reward measures the behaviour policy (offline: always version 0), not the
-policy being trained. About 1.5-3 minutes on a 2-core CPU; REINFORCE degrades
-under lag while REC-OneSide-NoIS and GRPO stay close to on-policy.
+writes `study.md` (tables with 95% bootstrap intervals and paired verdicts
+against GRPO on-policy), `study.csv` (one row per run and metric) and plots
+(`curves_<lag>.png`, `final.png`); killed and rerun, it runs the missing cells
+only. Every run with a given seed starts from the same supervised warm start
+and reads the same prompts; the seeds of a cell run together under `jax.vmap`.
+
+Cost on a 2-core CPU (the default, toy scale): the `reverse` task with the
+tiny decoder, 8 prompts x 8 samples, 150 steps per run, 16 methods x 6 lags x
+5 seeds = 480 runs in about 50 minutes (see the README for the measured time).
+150 steps is where on-policy REC/GRPO have clearly moved off the warm start on
+this task; 640 held-out prompts put the standard error of one run's greedy
+accuracy near 0.02 (sqrt(0.25 / 640)), and the last two evaluations are
+averaged.
+
+`--config=configs/lag_study.py:gsm8k` swaps in the GSM8K / Qwen2.5 setting of
+configs/gsm8k_qwen25_1p5b.py (for a GPU/TPU, with a local checkpoint): the same
+grid and code, host-scored rewards in the sandboxed verifier workers.
+
+The async settings are simulated exactly, as in the paper: `stale16` and
+`stale64` train every batch on data from the version 16 (64) optimizer steps
+old, the steady state of an asynchronous sampler that runs that far ahead (the
+M2PO paper's staleness 256 needs a run much longer than 150 steps to differ
+from `offline`).
+
+`python -m experiments.sweep --config=configs/lag_study.py --workdir=DIR`
+still runs the grid's first seed as separate single runs (`get_sweep`).
 """
 
 import ml_collections
 
 from configs import default
+from offpolicy_jax import study
 
-# Loss presets compared.
-PRESETS = ("rec_oneside_nois", "grpo", "reinforce")
+# Methods: name=loss_preset[+advantage] (no value: the preset of that name with its default
+# advantage). RED-Drop is REINFORCE with the red_drop advantage.
+METHODS = ",".join(
+  (
+    "reinforce",
+    "grpo",
+    "rec_oneside_is",
+    "rec_oneside_nois",
+    "rec_oneside_nois_wide",
+    "rec_twoside_nois",
+    "rec_ring_nois",
+    "opmd",
+    "asymre",
+    "red_drop=reinforce+red_drop",
+    "red_weight",
+    "cispo",
+    "m2po",
+    "bapo",
+    "topr",
+    "decoupled_ppo",
+  )
+)
+# Lag schedules: name=m/n (sync_interval / sync_offset, SCIENCE.md section 5) or offline.
+LAGS = "onpolicy=1/0,interval20=20/0,offset10=1/10,stale32=1/32,offline=offline"
 
-# Lag settings: name -> (sync_interval m, sync_offset n).
-LAGS = {
-  "onpolicy": (1, 0),
-  "interval20": (20, 0),
-  "offset10": (1, 10),
-  "offline": (1_000_000, 0),
-}
 
+def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
+  """The shared base of every run plus the grid (`study`)."""
+  if scale == "toy":
+    c = default.base_config()
+    c.total_steps = 200
+    c.task_kwargs.num_eval = 640
+    c.eval_prompts = 640
+  elif scale == "gsm8k":
+    from configs import gsm8k_qwen25_1p5b
 
-def get_config() -> ml_collections.ConfigDict:
-  """The shared base of every run: the default job, shortened."""
-  c = default.base_config()
-  c.total_steps = 200
-  c.eval_every = 100
-  c.eval_prompts = 64
+    c = gsm8k_qwen25_1p5b.get_config()
+    c.unlock()
+    c.total_steps = 300
+  else:
+    raise ValueError(f"configs/lag_study.py: unknown scale {scale!r} (toy or gsm8k)")
+  c.eval_every = 50
+  # pass@k of the final parameters, k samples per prompt at the training temperature.
+  c.eval_samples = 4
   c.checkpoint_every = 0
   c.progress = False
   c.tensorboard = False
+  c.study = ml_collections.ConfigDict()
+  c.study.methods = METHODS
+  c.study.lags = LAGS
+  # Seeds per cell (seed, seed + 1, ...): each has its own warm start and prompt order.
+  c.study.seeds = 5
+  # A run's final accuracy is the mean of its last `eval_last` evaluations.
+  c.study.eval_last = 2
+  # Every cell is compared with this one on the same seeds: <method>@<lag>.
+  c.study.baseline = "grpo@onpolicy"
+  # The bandit study: SGD steps, arms sampled per step, learning rate.
+  c.study.bandit_steps = 300
+  c.study.bandit_group_size = 8
+  c.study.bandit_lr = 1.0
   c.lock()
   return c
 
 
 def get_sweep() -> list[dict]:
-  """One dict of dotted overrides per run (`name` names its subdirectory)."""
+  """Single runs of the grid (`experiments.sweep`): one seed, `name` names the subdirectory."""
+  c = get_config()
+  lags = study.parse_lags(c.study.lags, c.total_steps)
   runs = []
-  for preset in PRESETS:
-    for lag, (m, n) in LAGS.items():
+  for method, overrides in study.parse_methods(c.study.methods).items():
+    for lag, (m, n) in lags.items():
       runs.append(
-        {
-          "name": f"{preset}-{lag}",
-          "loss.name": preset,
-          "lag.sync_interval": m,
-          "lag.sync_offset": n,
-        }
+        {"name": f"{method}-{lag}", **overrides, "lag.sync_interval": m, "lag.sync_offset": n}
       )
   return runs

@@ -25,21 +25,30 @@ Submodules, one topic each:
   evaluation    greedy accuracy and pass@k on held-out prompts
   sft           supervised warm start
   sweeps        run_sweep: a config's get_sweep() overrides, run one after another
+  launchers     per-host commands, SLURM scripts and JobSets for a sweep on a cluster
+  planner       per-device memory and step-time plan of a config, before allocating
+  study         a seeded grid of methods x lags, vmapped over seeds, resumable
+  study_stats   bootstrap intervals, paired verdicts, run summaries
+  study_report  study.csv, study.md tables and plots
+  bandit        the paper's 3-armed bandit as a seeded study of the losses
   checkpointing orbax save/restore of the whole run state
   metrics       JSONL / TensorBoard writers, progress bar, plots
 """
 
 from offpolicy_jax import (
   advantages,
+  bandit,
   checkpointing,
   components,
   data,
   evaluation,
   lag,
+  launchers,
   loop,
   losses,
   metrics,
   models,
+  planner,
   reductions,
   replay,
   rewards,
@@ -48,6 +57,9 @@ from offpolicy_jax import (
   sampling,
   sft,
   sharding,
+  study,
+  study_report,
+  study_stats,
   sweeps,
   tasks,
   tokenizers,
@@ -61,15 +73,18 @@ __version__ = "0.2.0"
 
 __all__ = [
   "advantages",
+  "bandit",
   "checkpointing",
   "data",
   "components",
   "evaluation",
   "lag",
+  "launchers",
   "loop",
   "losses",
   "metrics",
   "models",
+  "planner",
   "reductions",
   "replay",
   "rewards",
@@ -78,6 +93,9 @@ __all__ = [
   "sampling",
   "sft",
   "sharding",
+  "study",
+  "study_report",
+  "study_stats",
   "sweeps",
   "tasks",
   "tokenizers",

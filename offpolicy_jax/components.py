@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from offpolicy_jax import (
+  lag,
   losses,
   models,
   rewards,
@@ -148,7 +149,8 @@ def _model_constructor(config, mesh, tokenizer):
   return lambda seed: models.Decoder(mcfg, rngs=nnx.Rngs(params=step_key(seed, 0, INIT)))
 
 
-def _optimizer(config):
+def optimizer(config):
+  """The optax optimizer of `config.optimizer`."""
   opt = config.optimizer
   return train_step.make_optimizer(
     opt.learning_rate,
@@ -158,6 +160,32 @@ def _optimizer(config):
     b1=opt.b1,
     b2=opt.b2,
   )
+
+
+def step_options(config) -> train_step.StepOptions:
+  """The train step's static options: loss spec, batch splits, temperature."""
+  return train_step.StepOptions(
+    losses.get_spec(config.loss.name, **validation.loss_overrides(config)),
+    num_micro_batches=config.optimizer.micro_batches,
+    micro_batch_size=config.train.micro_batch_size or None,
+    num_minibatches=config.train.num_minibatches,
+    num_epochs=config.train.num_epochs,
+    temperature=config.temperature,
+  )
+
+
+def sizes(config) -> rollouts.Sizes:
+  """The static batch shape of `config`."""
+  return rollouts.Sizes(
+    config.prompts_per_step, config.group_size, config.max_prompt_len, config.max_new_tokens
+  )
+
+
+def snapshot_slots(lag_mode: str, sync_interval: int, sync_offset: int) -> int:
+  """Snapshot slots a run keeps: none on-policy or in async mode (the sampler gets live params)."""
+  if lag_mode != "sync" or (sync_interval, sync_offset) == (1, 0):
+    return 0
+  return lag.snapshot_capacity(sync_interval, sync_offset)
 
 
 def _reward(config, task) -> rollouts.Reward:
@@ -181,15 +209,7 @@ def _build_fns(config) -> rl_step.StepFns:
   tokenizer = _tokenizer(c)
   model_fn = _model_constructor(c, mesh, tokenizer)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_fn(0)))
-  spec = losses.get_spec(c.loss.name, **validation.loss_overrides(c))
-  options = train_step.StepOptions(
-    spec,
-    num_micro_batches=c.optimizer.micro_batches,
-    micro_batch_size=c.train.micro_batch_size or None,
-    num_minibatches=c.train.num_minibatches,
-    num_epochs=c.train.num_epochs,
-    temperature=c.temperature,
-  )
+  options = step_options(c)
   sample_kw = dict(
     max_new_tokens=c.max_new_tokens, top_p=c.top_p, top_k=c.top_k, eos_id=tokenizer.eos_id
   )
@@ -200,9 +220,9 @@ def _build_fns(config) -> rl_step.StepFns:
     task=task,
     model_fn=model_fn,
     options=options,
-    optimizer=_optimizer(c),
+    optimizer=optimizer(c),
     advantage=validation.advantage_name(c),
-    sizes=rollouts.Sizes(c.prompts_per_step, c.group_size, c.max_prompt_len, c.max_new_tokens),
+    sizes=sizes(c),
     sample_kw={**sample_kw, "temperature": c.temperature},
     sampler=sampling.make_sampler(
       graphdef, group_size=c.group_size, temperature=c.temperature, **sample_kw

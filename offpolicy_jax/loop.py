@@ -47,7 +47,7 @@ from offpolicy_jax import (
   sft,
 )
 from offpolicy_jax import workdir as workdir_lib
-from offpolicy_jax.components import Components, build_components
+from offpolicy_jax.components import Components, build_components, snapshot_slots
 from offpolicy_jax.rl_step import (
   EVAL,
   LagSchedule,
@@ -139,10 +139,7 @@ def _make_writer(comps: Components, config, workdir: str, start: int) -> metrics
 
 def _fresh_state(comps: Components, params) -> RunState:
   run = comps.run
-  on_policy = run.sync_interval == 1 and run.sync_offset == 0
-  slots = 0
-  if run.lag_mode == "sync" and not on_policy:
-    slots = (run.sync_offset + run.sync_interval - 1) // run.sync_interval + 1
+  slots = snapshot_slots(run.lag_mode, run.sync_interval, run.sync_offset)
   return init_state(
     comps.fns, params, capacity_batches=run.replay_capacity_batches, snapshots=slots
   )

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from offpolicy_jax import lag, losses, models, replay, rollouts, sharding, train_step, validation
+from offpolicy_jax import components, models, replay, rollouts, sharding, train_step, validation
 from offpolicy_jax.tokenizers import CharTokenizer
 
 GIB = 2**30
@@ -144,12 +144,6 @@ def _nbytes(tree: Any, shardings: Any) -> int:
   )
 
 
-def _optimizer(config):
-  o = config.optimizer
-  kw = dict(warmup_steps=o.warmup_steps, weight_decay=o.weight_decay, b1=o.b1, b2=o.b2)
-  return train_step.make_optimizer(o.learning_rate, max_grad_norm=o.grad_clip or None, **kw)
-
-
 def _micro_rows(config) -> int:
   """Rows of one accumulation micro-batch; ValueError naming the field if they do not split."""
   rows = config.prompts_per_step * config.group_size // config.train.num_minibatches
@@ -159,12 +153,6 @@ def _micro_rows(config) -> int:
     field = "train.micro_batch_size" if size else "optimizer.micro_batches"
     raise ValueError(f"{field}: {rows} rows per minibatch do not split into {m} micro-batches")
   return rows // m
-
-
-def _snapshot_slots(config) -> int:
-  """Snapshots the sync schedule keeps (as `loop` allocates them): none on-policy or async."""
-  m, n = config.lag.sync_interval, config.lag.sync_offset
-  return 0 if config.lag.mode != "sync" or (m, n) == (1, 0) else lag.snapshot_capacity(m, n)
 
 
 def _analytic_activations(config, mc, mesh, params_bytes: int) -> int:
@@ -184,20 +172,11 @@ def _analytic_activations(config, mc, mesh, params_bytes: int) -> int:
 def _abstract_run(config, mc: models.ModelConfig):
   """`(graphdef, params, opt_state, replay buffer, optimizer)`, arrays from `jax.eval_shape`."""
   graphdef, params = nnx.split(nnx.eval_shape(lambda: models.Decoder(mc, rngs=nnx.Rngs(0))))
-  optimizer, cap = _optimizer(config), config.prompts_per_step * config.replay.capacity_batches
-  init = lambda: replay.init(cap, rollouts.empty_batch(_sizes(config)), config.group_size)
+  optimizer = components.optimizer(config)
+  cap = config.prompts_per_step * config.replay.capacity_batches
+  init = lambda: replay.init(cap, rollouts.empty_batch(components.sizes(config)), config.group_size)
   opt_state = jax.eval_shape(optimizer.init, params)
   return graphdef, params, opt_state, jax.eval_shape(init), optimizer
-
-
-def _sizes(config) -> rollouts.Sizes:
-  return rollouts.Sizes(*(config[f] for f in rollouts.Sizes._fields))
-
-
-def _step_options(config) -> train_step.StepOptions:
-  t, spec = config.train, losses.get_spec(config.loss.name, **validation.loss_overrides(config))
-  m, size = config.optimizer.micro_batches, t.micro_batch_size or None
-  return train_step.StepOptions(spec, m, size, t.num_minibatches, t.num_epochs, config.temperature)
 
 
 def _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes) -> int:
@@ -209,9 +188,9 @@ def _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes)
   on_mesh = lambda t: jax.tree.map(place, t, sharding.tree_shardings(t, mesh), is_leaf=is_var)
   scalar: Any = sds(jax.ShapeDtypeStruct((), jnp.int32), sharding.replicated(mesh))
   state = train_step.TrainState(on_mesh(params), on_mesh(opt_state), scalar, scalar, scalar)
-  batch = rollouts.empty_batch(_sizes(config))
+  batch = rollouts.empty_batch(components.sizes(config))
   batch = jax.tree.map(lambda x: sds(x, sharding.batch_sharding(mesh, x.ndim)), batch)
-  options = _step_options(config)
+  options = components.step_options(config)
   fn = functools.partial(train_step.train_step, graphdef, optimizer, options)
   ref = state.params if options.spec.needs_ref else None
   with jax.set_mesh(mesh):
@@ -274,17 +253,19 @@ def plan(
     source = f"compiled (XLA memory_analysis on {local[0].platform})"
   else:
     act, source = _analytic_activations(config, mc, mesh, p_bytes), "analytic"
-  needs_ref = _step_options(config).spec.needs_ref
+  needs_ref = components.step_options(config).spec.needs_ref
+  lag_cfg = config.lag
+  slots = components.snapshot_slots(lag_cfg.mode, lag_cfg.sync_interval, lag_cfg.sync_offset)
   row_bytes = {
     "params": p_bytes,
     "optimizer state": _nbytes(opt_state, sharding.tree_shardings(opt_state, mesh)),
     "replay buffer": _nbytes(buffer, replay.shardings(buffer, mesh)),
-    "lag snapshots": _snapshot_slots(config) * p_bytes,
+    "lag snapshots": slots * p_bytes,
     "reference params": p_bytes if needs_ref else 0,
     ROWS[5]: _kv_cache_bytes(config, mc, sizes),
     ROWS[6]: act,
   }
-  g, k, p, n = _sizes(config)
+  g, k, p, n = components.sizes(config)
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   train = 6.0 * num_params * g * k * (p + n) * config.train.num_epochs * (1 + needs_ref)
   flops = train + 2.0 * num_params * (g * p + g * k * n)

@@ -141,7 +141,7 @@ def test_sweep_print_only_lists_lag_study_commands():
     .stdout.strip()
     .splitlines()
   )
-  assert len(out) == 12
+  assert len(out) == 16 * 5  # methods x lags of the study grid, one seed
   assert all("-m experiments.train" in line for line in out)
   assert sum("--config.lag.sync_offset=10" in line for line in out) == 3
 
@@ -206,9 +206,10 @@ def test_lag_study_sweep_covers_presets_and_lags():
   module = _load("lag_study")
   runs = module.get_sweep()
   lags = {(r["lag.sync_interval"], r["lag.sync_offset"]) for r in runs}
-  assert lags == {(1, 0), (20, 0), (1, 10), (1_000_000, 0)}
-  assert {r["loss.name"] for r in runs} == set(module.PRESETS)
   base = module.get_config()
+  assert lags == {(1, 0), (20, 0), (1, 10), (1, 32), (base.total_steps + 1, 0)}
+  assert {r["loss.name"] for r in runs} >= {"reinforce", "grpo", "rec_oneside_nois", "cispo"}
+  assert {"reinforce"} == {r["loss.name"] for r in runs if r.get("advantage.name") == "red_drop"}
   for r in runs:  # every override names a real field
     sweep.apply_overrides(base, r)
 

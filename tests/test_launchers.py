@@ -17,6 +17,7 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from configs import lag_study  # noqa: E402
 from offpolicy_jax import launchers  # noqa: E402
 
 HOSTS = 4
@@ -294,7 +295,8 @@ def test_sweep_binary_writes_slurm_scripts_and_runs_nothing(tmp_path):
   assert out.stdout.strip() == str(launch_dir / "index.tsv")
   rows = open(launch_dir / "index.tsv").read().splitlines()[1:]
   files = [row.split("\t")[2] for row in rows]
-  assert len(files) == 12 and len(set(files)) == 12
+  runs = len(lag_study.get_sweep())
+  assert len(files) == runs and len(set(files)) == runs
   assert sorted(os.listdir(launch_dir)) == sorted(["index.tsv", *files])
   for file in files:
     _bash_n(launch_dir / file)
@@ -306,4 +308,4 @@ def test_sweep_binary_writes_slurm_scripts_and_runs_nothing(tmp_path):
 def test_print_only_equals_the_local_launcher():
   local = _sweep_binary("--workdir=/w", "--launcher=local").stdout
   assert _sweep_binary("--workdir=/w", "--print_only").stdout == local
-  assert len(local.splitlines()) == 12
+  assert len(local.splitlines()) == len(lag_study.get_sweep())

@@ -1,0 +1,48 @@
+r"""Runs a seeded study (methods x lags x seeds) and writes its tables and plots.
+
+  python -m experiments.study --config=configs/lag_study.py --workdir=/tmp/lag_study
+
+Writes `workdir/study.md` (final accuracy with 95% bootstrap intervals, paired
+verdicts against the baseline, pass@k, area under the training curve,
+collapses, the bandit), `workdir/study.csv` (one row per run and metric) and
+`workdir/curves_<lag>.png`, `workdir/final.png`. Finished cells are kept in
+`workdir/cells/`; a rerun (after a kill, say) runs only the missing ones, and
+refuses a workdir holding a study with another config. `--report_only`
+rewrites the files from the finished cells without running anything.
+"""
+
+import sys
+import time
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from offpolicy_jax import study, study_report, workdir
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Study config (with a `study` block).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the study's cells and reports.")
+_REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rewrite the reports.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  config, path = _CONFIG.value, _WORKDIR.value
+  begin = time.perf_counter()
+  try:
+    if _REPORT_ONLY.value:
+      cells = study.load_cells(path, study.grid_from_config(config)[1])
+    else:
+      cells = study.run_study(config, path, log=lambda s: print(s, flush=True))
+    files = study_report.write_report(config, path, cells)
+  except (ValueError, workdir.WorkdirLocked) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  print(f"study: {len(cells)} cells, {time.perf_counter() - begin:.0f}s; wrote", *files, sep="\n  ")
+  return 0
+
+
+if __name__ == "__main__":
+  app.run(main)

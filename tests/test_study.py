@@ -1,0 +1,227 @@
+"""Tests for the seeded study: statistics, the grid, a 2 x 2 x 2 miniature, the bandit."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import lag_study  # noqa: E402
+from offpolicy_jax import bandit, study, study_report, study_stats, workdir  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bootstrap_interval_contains_the_mean_and_narrows_with_more_data():
+  rng = np.random.default_rng(0)
+  small = study_stats.bootstrap(rng.normal(0.5, 0.1, 5))
+  large = study_stats.bootstrap(rng.normal(0.5, 0.1, 500))
+  for iv in (small, large):
+    assert iv.low <= iv.mean <= iv.high
+  assert large.high - large.low < small.high - small.low
+  assert large.contains(0.5)
+  with pytest.raises(ValueError, match="non-finite"):
+    study_stats.bootstrap([0.1, float("nan")])
+
+
+def test_paired_verdict_sees_through_seed_spread():
+  seeds = np.array([0.2, 0.5, 0.8, 0.35, 0.65])  # a wide spread of warm starts
+  worse = seeds - np.array([0.05, 0.04, 0.06, 0.05, 0.05])
+  assert study_stats.paired_verdict(worse, seeds)[1] == study_stats.WORSE
+  assert study_stats.paired_verdict(seeds + 0.05, seeds)[1] == study_stats.BETTER
+  diff, verdict = study_stats.paired_verdict(seeds, seeds)
+  assert verdict == study_stats.SAME and diff.mean == diff.low == diff.high == 0
+  # Unpaired, the same shift is buried in the spread.
+  assert study_stats.bootstrap(worse).contains(study_stats.bootstrap(seeds).mean)
+  with pytest.raises(ValueError, match="same seeds"):
+    study_stats.paired_verdict(seeds, seeds[:3])
+
+
+def test_run_summary_flags_collapse_and_skips():
+  steps, reward = [0, 10, 20, 30], [0.5] * 30
+  ok = study_stats.run_summary(steps, [0.4, 0.5, 0.55, 0.6], reward, last=2)
+  assert ok["final_accuracy"] == pytest.approx(0.575) and not ok["collapsed"]
+  assert ok["auc"] == pytest.approx(0.5) and ok["start_accuracy"] == 0.4
+  assert study_stats.run_summary(steps, [0.4, 0.5, 0.3, 0.2], reward, last=2)["collapsed"]
+  assert not study_stats.run_summary(steps, [0.4, 0.1, 0.3, 0.5], reward, last=2)["collapsed"]
+  assert study_stats.run_summary(steps, [0.4] * 4, reward, last=2, skipped=1)["collapsed"]
+  with pytest.raises(ValueError, match="warm-start"):
+    study_stats.run_summary([10, 20], [0.1, 0.2], reward, last=1)
+
+
+def test_grid_parsing_names_the_bad_field():
+  methods = study.parse_methods("grpo,red_drop=reinforce+red_drop")
+  assert methods["red_drop"] == {"loss.name": "reinforce", "advantage.name": "red_drop"}
+  assert methods["grpo"] == {"loss.name": "grpo"}
+  assert study.parse_lags("a=1/0,b=20/0,off=offline", 100) == {
+    "a": (1, 0),
+    "b": (20, 0),
+    "off": (101, 0),
+  }
+  for spec, match in (("a=1", "config.study.lags"), ("a=0/1", "config.study.lags"), ("", "empty")):
+    with pytest.raises(ValueError, match=match):
+      study.parse_lags(spec, 10)
+  with pytest.raises(ValueError, match="duplicate"):
+    study.parse_methods("grpo,grpo")
+  c = lag_study.get_config()
+  _, grid = study.grid_from_config(c)
+  assert len(grid.methods) >= 16 and len(grid.lags) >= 5 and len(grid.seeds) >= 5
+  c.unlock()
+  c.study.baseline = "grpo@nowhere"
+  with pytest.raises(ValueError, match="config.study.baseline"):
+    study.grid_from_config(c)
+
+
+def mini_config(**study_overrides):
+  """2 methods (grpo and an identical twin) x 2 lags x 2 seeds, 4 steps each, tiny shapes."""
+  c = lag_study.get_config()
+  c.unlock()
+  c.total_steps = 4
+  c.eval_every = 2
+  c.prompts_per_step = 2
+  c.group_size = 4
+  c.max_new_tokens = 6
+  c.max_prompt_len = 12
+  c.replay.capacity_batches = 1
+  c.sft.steps = 3
+  c.sft.batch_size = 8
+  c.task_kwargs.num_eval = 16
+  c.eval_prompts = 16
+  c.eval_samples = 2
+  c.study.methods = "grpo,twin=grpo"
+  c.study.lags = "onpolicy=1/0,offline=offline"
+  c.study.seeds = 2
+  c.study.eval_last = 1
+  c.study.bandit_steps = 20
+  for k, v in study_overrides.items():
+    c.study[k] = v
+  c.lock()
+  return c
+
+
+@pytest.fixture(scope="module")
+def mini(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("study"))
+  config = mini_config()
+  cells = study.run_study(config, path, log=lambda s: None)
+  files = study_report.write_report(config, path, cells)
+  return config, path, cells, files
+
+
+def test_miniature_study_writes_tables_csv_and_plots(mini):
+  config, path, cells, files = mini
+  names = {os.path.basename(f) for f in files}
+  assert names == {
+    "study.csv",
+    "study.md",
+    "curves_onpolicy.png",
+    "curves_offline.png",
+    "final.png",
+  }
+  assert all(os.path.getsize(f) > 0 for f in files)
+  rows = study_report.read_csv(os.path.join(path, "study.csv"))
+  finals = [r for r in rows if r["metric"] == "final_accuracy"]
+  assert len(finals) == 2 * 2 * 2  # methods x lags x seeds
+  curve = [r for r in rows if r["metric"] == "eval_accuracy" and r["method"] == "grpo"]
+  assert sorted({r["step"] for r in curve}) == [0, 2, 4]
+  assert {r["metric"] for r in rows} >= {"auc", "collapsed", "start_accuracy", "pass@2"}
+  text = open(os.path.join(path, "study.md")).read()
+  # The twin's runs equal grpo's: marked indistinguishable, difference exactly 0.
+  line = next(x for x in text.splitlines() if x.startswith("| twin |"))
+  assert line.count(" ~ ") == 2
+  assert "+0.000 [+0.000, +0.000]" in text.split("## Paired difference")[1].split("##")[0]
+  assert "## Bandit" in text
+  for cell in cells.values():
+    assert {r["seed"] for r in cell["runs"]} == {0, 1}
+    offline = cell["lag"] == "offline"
+    stale = [max(r["staleness_mean"]) for r in cell["runs"]]
+    assert stale == ([3.0, 3.0] if offline else [0.0, 0.0])
+
+
+def test_interrupted_study_reruns_only_missing_cells_and_gets_the_same_numbers(mini):
+  config, path, cells, _ = mini
+  victim = study.cell_path(path, "twin", "offline")
+  before = {
+    f: os.path.getmtime(study.cell_path(path, *f)) for f in cells if f != ("twin", "offline")
+  }
+  os.remove(victim)
+  logs = []
+  again = study.run_study(config, path, log=logs.append)
+  assert "3/4 cells done, 1 to run" in logs[0]
+  assert {f: os.path.getmtime(study.cell_path(path, *f)) for f in before} == before
+  old, new = cells["twin", "offline"]["runs"], again["twin", "offline"]["runs"]
+  for a, b in zip(old, new, strict=True):
+    np.testing.assert_allclose(a["eval_accuracy"], b["eval_accuracy"])
+    np.testing.assert_allclose(a["train_reward"], b["train_reward"], rtol=1e-5)
+
+
+def test_changed_config_is_refused_and_corrupt_cell_is_named(mini):
+  _, path, _, _ = mini
+  with pytest.raises(workdir.ConfigChanged, match="study.seeds"):
+    study.run_study(mini_config(seeds=3), path, log=lambda s: None)
+  victim = study.cell_path(path, "grpo", "onpolicy")
+  with open(victim, "w") as f:
+    f.write("{not json")
+  _, grid = study.grid_from_config(mini_config())
+  with pytest.raises(ValueError, match="grpo@onpolicy.json"):
+    study.load_cells(path, grid)
+
+
+def test_plot_binary_redraws_from_the_csv(mini, tmp_path):
+  _, path, _, _ = mini
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.plot",
+      f"--study_csv={os.path.join(path, 'study.csv')}",
+      f"--out={tmp_path}",
+      "--baseline=grpo@onpolicy",
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode == 0, out.stderr
+  assert sorted(os.listdir(tmp_path)) == ["curves_offline.png", "curves_onpolicy.png", "final.png"]
+
+
+def test_study_binary_refuses_bad_grid_in_one_line(tmp_path):
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.study",
+      "--config=configs/lag_study.py",
+      f"--workdir={tmp_path}",
+      "--config.study.lags=onpolicy=1/0,broken=7",
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode == 1
+  assert out.stderr.strip().splitlines() == [
+    next(x for x in out.stderr.splitlines() if x.startswith("error: config.study.lags"))
+  ]
+
+
+def test_bandit_fixed_behaviour_reinforce_takes_the_trap_on_policy_finds_the_best():
+  methods = study.parse_methods("reinforce,rec_oneside_nois")
+  res = {(r["method"], r["setting"]): r for r in bandit.run_bandit(methods, (0, 1, 2), steps=300)}
+  assert res["reinforce", "fixed"]["trap_frac"] == 1.0
+  assert res["reinforce", "onpolicy"]["best_frac"] == 1.0
+  assert all(r["finite"] for r in res.values())
+  # The one-sided mask keeps the policy near the behaviour: the trap gains far less.
+  assert (
+    res["rec_oneside_nois", "fixed"]["pi_trap"].mean < res["reinforce", "fixed"]["pi_trap"].mean
+  )
+  lines = bandit.table(list(res.values()), steps=300, group_size=8, seeds=3)
+  assert sum(x.startswith("| reinforce |") for x in lines) == 2
+  assert json.dumps([str(r["pi_best"]) for r in res.values()])
