@@ -13,7 +13,6 @@ same on every process. With one process the global batch is the local one.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -143,20 +142,54 @@ def prompt_iterator(fns, seed: int, split: str = "train", batch_size: int | None
   return ProcessRows(it, jax.process_index(), jax.process_count()) if rows else it
 
 
-def _host_tokens(rollout) -> tuple[np.ndarray, np.ndarray]:
-  """Rollout tokens and lengths on the host (gathered across processes)."""
-  if jax.process_count() > 1:
-    gather = functools.partial(multihost_utils.process_allgather, tiled=True)
-    return np.asarray(gather(rollout.tokens)), np.asarray(gather(rollout.lengths))
-  return jax.device_get((rollout.tokens, rollout.lengths))
+def _local_rows(x: jax.Array) -> tuple[np.ndarray, int]:
+  """(this process's block of rows of `x`, its first row).
+
+  Process `p` of `n` owns rows `[p * R / n, (p + 1) * R / n)` (the prompts it
+  read, `assemble_global`). When its devices hold exactly those rows they are
+  read locally; otherwise the whole array is gathered and sliced.
+  """
+  rows = x.shape[0] // jax.process_count()
+  lo = jax.process_index() * rows
+  shards: dict[int, Any] = {}
+  for shard in x.addressable_shards:
+    start = shard.index[0].start or 0
+    shards.setdefault(start, shard)
+  blocks, at = [], lo
+  while at < lo + rows and at in shards:
+    block = np.asarray(shards[at].data)
+    blocks.append(block)
+    at += block.shape[0]
+  if at == lo + rows:
+    return np.concatenate(blocks), lo
+  full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return full[lo : lo + rows], lo
+
+
+def _gather_stats(stats: dict[str, Any]) -> dict[str, Any]:
+  """Reward statistics summed over processes (time: the slowest), with each process's time."""
+  local = np.array([stats[k] for k in REWARD_STATS], np.float64)
+  every = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(REWARD_STATS))
+  out: dict[str, Any] = {k: int(every[:, i].sum()) for i, k in enumerate(REWARD_STATS[:3])}
+  out["reward_time_s"] = float(every[:, 3].max())
+  out |= {f"reward_time_s/process{p}": float(t) for p, t in enumerate(every[:, 3])}
+  return out
 
 
 def score_on_host(fns, prompts: dict, rollout, *, split: str, group_size: int):
-  """Host rewards [B] (a device array) and their statistics (`REWARD_STATS` keys)."""
-  reward = fns.reward
-  examples = data.examples(fns.task, split, prompts["index"])
+  """Host rewards [B] (a device array) and their statistics (`REWARD_STATS` keys).
+
+  Each process scores the rows of its own prompts in its verifier workers; the
+  scores become one global array with rows over `(data, fsdp)` like the
+  prompts, and the statistics are summed over processes (`reward_time_s` is
+  the slowest process's, `reward_time_s/process<i>` each one's).
+  """
+  reward, procs = fns.reward, jax.process_count()
+  tokens, lo = _local_rows(rollout.tokens) if procs > 1 else (np.asarray(rollout.tokens), 0)
+  lengths = _local_rows(rollout.lengths)[0] if procs > 1 else np.asarray(rollout.lengths)
+  index = np.asarray(prompts["index"])[lo // group_size : (lo + len(tokens)) // group_size]
+  examples = data.examples(fns.task, split, index.tolist())
   examples = [ex for ex in examples for _ in range(group_size)]
-  tokens, lengths = _host_tokens(rollout)
   texts = [fns.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
   res = rewards.score_batch(
     reward.host,
@@ -172,7 +205,16 @@ def score_on_host(fns, prompts: dict, rollout, *, split: str, group_size: int):
     "reward_worker_restarts": res.restarts,
     "reward_time_s": res.seconds,
   }
-  return jnp.asarray(res.scores), stats
+  if procs == 1:
+    return jnp.asarray(res.scores), stats
+  scores, rows = np.asarray(res.scores, np.float32), rollout.tokens.sharding
+  if isinstance(rows, NamedSharding) and rows.spec and rows.spec[0] is not None:
+    out = jax.make_array_from_process_local_data(
+      NamedSharding(rows.mesh, P(rows.spec[0])), scores, (rollout.tokens.shape[0],)
+    )
+  else:  # rows not split over processes: every process passes all scores
+    out = np.asarray(multihost_utils.process_allgather(scores, tiled=True))
+  return out, _gather_stats(stats)
 
 
 def score(fns, prompts: dict, rollout, *, split: str = "train", group_size: int | None = None):

@@ -8,9 +8,11 @@ same, so the metrics agree up to the order of floating-point reductions.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -19,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from configs import default  # noqa: E402
-from offpolicy_jax import loop  # noqa: E402
+from offpolicy_jax import data, loop, tasks  # noqa: E402
+from offpolicy_jax.checkpoint_integrity import MANIFEST  # noqa: E402
 
 OVERRIDES = {
   # Partial credit: rewards vary within groups from the first step, so losses
@@ -138,19 +141,32 @@ def _train_rows(rows):
   ]
 
 
-def test_two_processes_match_one_process(tmp_path):
-  workdir = str(tmp_path / "mp" / "run")
-  os.makedirs(os.path.dirname(workdir))
+def _rows(workdir: str) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+  """The workdir of an uninterrupted 2-process run."""
+  workdir = str(tmp_path_factory.mktemp("mp") / "run")
+  os.makedirs(os.path.dirname(workdir), exist_ok=True)
   codes = _wait(_launch(workdir), workdir)
   assert codes == [0, 0], _logs(workdir)
+  return workdir
 
+
+def test_two_processes_match_one_process(two_process_run, tmp_path):
+  workdir = two_process_run
   # Only process 0 writes metrics: one row per train step and the two evaluations.
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
+  rows = _rows(workdir)
   train = _train_rows(rows)
   assert [r["step"] for r in train] == list(range(1, 13))
   assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 12]
-  assert not [p for p in os.listdir(tmp_path / "mp") if p.startswith("metrics")]
+  assert not [p for p in os.listdir(os.path.dirname(workdir)) if p.startswith("metrics")]
+  # Both processes took part in the orbax checkpoints; process 0 wrote the manifests.
+  for step in (6, 12):
+    assert os.path.exists(os.path.join(workdir, "checkpoints", str(step), MANIFEST))
 
   reference = _train_rows(loop.train_and_evaluate(_config(), str(tmp_path / "ref")))
   assert sum(r["reward_mean"] for r in reference) > 0  # the comparison covers a learning signal
@@ -160,3 +176,111 @@ def test_two_processes_match_one_process(tmp_path):
       np.testing.assert_allclose(
         got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=f"{k}, {got['step']}"
       )
+
+
+def test_killing_one_process_then_resuming_both_continues_exactly(two_process_run, tmp_path):
+  """SIGKILL process 1 right after the step-6 checkpoint; both restarted finish like no kill."""
+  workdir = str(tmp_path / "mp" / "run")
+  os.makedirs(os.path.dirname(workdir))
+  procs = _launch(workdir)
+  manifest = os.path.join(workdir, "checkpoints", "6", MANIFEST)
+  deadline = time.monotonic() + TIMEOUT_S
+  while not os.path.exists(manifest):
+    if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+      for p in procs:
+        p.kill()
+      pytest.fail(f"no step-6 checkpoint before the processes ended:\n{_logs(workdir)}")
+    time.sleep(0.02)
+  for p in procs:  # freeze both, so neither gets far past the checkpoint
+    p.send_signal(signal.SIGSTOP)
+  procs[1].kill()
+  procs[0].kill()  # its peer is gone: it could only wait in a collective
+  for p in procs:
+    p.wait()
+  assert not os.path.exists(os.path.join(workdir, "checkpoints", "12"))
+
+  codes = _wait(_launch(workdir), workdir)
+  assert codes == [0, 0], _logs(workdir)
+  with open(os.path.join(os.path.dirname(workdir), "process0.log")) as f:
+    assert "resumed from step 6" in f.read()
+  got, want = _train_rows(_rows(workdir)), _train_rows(_rows(two_process_run))
+  assert [r["step"] for r in got] == list(range(1, 13))
+  for a, b in zip(got, want, strict=True):
+    assert a.keys() == b.keys()
+    for k in b:
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-6, atol=1e-7, err_msg=f"{k}, {a['step']}")
+
+
+# Each process scores its own rows of a global batch of 4 prompts x 2 responses.
+SCORE_SCRIPT = """
+import json, sys
+
+
+def main():
+  import jax
+  jax.distributed.initialize(
+      coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+  import numpy as np
+  from jax.experimental import multihost_utils
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from types import SimpleNamespace
+  from offpolicy_jax import data, rewards, rollouts, sharding, tasks, tokenizers
+
+  task, tok = tasks.get_task("reverse"), tokenizers.CharTokenizer()
+  examples = data.examples(task, "eval", range(4))
+  texts = [ex["answer"] if row % 3 == 0 else "9" for row, ex in enumerate(
+      [ex for ex in examples for _ in range(2)])]
+  ids = np.zeros((8, 8), np.int32)
+  for row, text in enumerate(texts):
+    t = tok.encode(text)
+    ids[row, : len(t)] = t
+  lengths = np.asarray([len(tok.encode(t)) for t in texts], np.int32)
+  mesh = sharding.make_mesh(8, 1, 1)
+  rows = NamedSharding(mesh, P(sharding.BATCH_AXES))
+  p = jax.process_index()
+  out = SimpleNamespace(
+      tokens=jax.make_array_from_process_local_data(rows, ids[p * 4 : p * 4 + 4], (8, 8)),
+      lengths=jax.make_array_from_process_local_data(rows, lengths[p * 4 : p * 4 + 4], (8,)))
+  seen = []
+  score_batch = rewards.score_batch
+  rewards.score_batch = lambda fn, ex, t, **kw: (seen.extend(t), score_batch(fn, ex, t, **kw))[1]
+  fns = SimpleNamespace(task=task, tokenizer=tok, reward=rollouts.Reward(
+      host=task.reward, pool=rewards.get_pool(1, 1024, "warn")))
+  scores, stats = rollouts.score_on_host(
+      fns, {"index": np.arange(4)}, out, split="eval", group_size=2)
+  full = np.asarray(multihost_utils.process_allgather(scores, tiled=True))
+  print("RESULT " + json.dumps({"scored": seen, "scores": full.tolist(), "stats": stats}))
+
+
+if __name__ == "__main__":  # the verifier workers re-import this file
+  main()
+"""
+
+
+def test_each_process_scores_only_its_own_rows(tmp_path):
+  script = tmp_path / "score.py"
+  script.write_text(SCORE_SCRIPT)
+  env = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    "JAX_PLATFORMS": "cpu",
+    "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+  }
+  port = _free_port()
+  cmd = lambda i: [sys.executable, str(script), f"localhost:{port}", str(i)]
+  procs = [
+    subprocess.Popen(cmd(i), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for i in range(2)
+  ]
+  outs = [p.communicate(timeout=TIMEOUT_S)[0].decode() for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs
+  results = [json.loads(o.split("RESULT ", 1)[1].splitlines()[0]) for o in outs]
+  task = tasks.get_task("reverse")
+  answers = [ex["answer"] for ex in data.examples(task, "eval", range(4)) for _ in range(2)]
+  texts = [a if row % 3 == 0 else "9" for row, a in enumerate(answers)]
+  want = [float(row % 3 == 0) for row in range(8)]
+  for p, res in enumerate(results):
+    assert res["scored"] == texts[p * 4 : p * 4 + 4]  # its own block of rows, nothing else
+    assert res["scores"] == want  # the global array holds every process's scores
+    assert res["stats"]["reward_failures"] == 0
+    assert set(res["stats"]) >= {"reward_time_s/process0", "reward_time_s/process1"}
