@@ -35,6 +35,8 @@ EXTRAS_REQUIRE = {
     "test": [
         "pytest>=8",
         "pytest-xdist>=3.5",
+        # The launcher tests parse the generated JobSet YAML.
+        "pyyaml>=6",
         # Tree and shape assertions in the tests (the library does not import it).
         "chex==0.1.92",
         # The CPU wheel of this exact release is what the parity tests use.

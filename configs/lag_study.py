@@ -9,22 +9,25 @@ only. Every run with a given seed starts from the same supervised warm start
 and reads the same prompts; the seeds of a cell run together under `jax.vmap`.
 
 Cost on a 2-core CPU (the default, toy scale): the `reverse` task with the
-tiny decoder, 8 prompts x 8 samples, 150 steps per run, 16 methods x 6 lags x
-5 seeds = 480 runs in about 50 minutes (see the README for the measured time).
-150 steps is where on-policy REC/GRPO have clearly moved off the warm start on
-this task; 640 held-out prompts put the standard error of one run's greedy
-accuracy near 0.02 (sqrt(0.25 / 640)), and the last two evaluations are
-averaged.
+tiny decoder, 8 prompts x 8 samples, 200 steps per run, 16 methods x 5 lags x
+5 seeds = 400 runs in 52 minutes (measured; see the README). The step count is
+what fits the 60-minute budget with 5 lags: enough for lag to separate the
+methods (REINFORCE collapses within 50 steps of stale data), not enough for
+on-policy training to move greedy accuracy much above the warm start (the main
+job needs about 1000 steps). 640 held-out prompts put the standard error of
+one run's greedy accuracy at most 0.0198 (sqrt(0.25 / 640)); a run's final
+accuracy averages its last two evaluations (steps 150 and 200).
 
 `--config=configs/lag_study.py:gsm8k` swaps in the GSM8K / Qwen2.5 setting of
 configs/gsm8k_qwen25_1p5b.py (for a GPU/TPU, with a local checkpoint): the same
 grid and code, host-scored rewards in the sandboxed verifier workers.
 
-The async settings are simulated exactly, as in the paper: `stale16` and
-`stale64` train every batch on data from the version 16 (64) optimizer steps
-old, the steady state of an asynchronous sampler that runs that far ahead (the
-M2PO paper's staleness 256 needs a run much longer than 150 steps to differ
-from `offline`).
+The async setting is simulated exactly, as in the paper: `stale32` trains
+every batch on data from the version 32 optimizer steps old, the steady state
+of an asynchronous sampler running 32 steps ahead (`lag.mode=async` is a real
+sampler thread whose staleness depends on timing, so its seeds would not be
+paired). The M2PO paper's staleness 256 would need runs much longer than 200
+steps to differ from `offline`.
 
 `python -m experiments.sweep --config=configs/lag_study.py --workdir=DIR`
 still runs the grid's first seed as separate single runs (`get_sweep`).
@@ -87,6 +90,10 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   c.study.lags = LAGS
   # Seeds per cell (seed, seed + 1, ...): each has its own warm start and prompt order.
   c.study.seeds = 5
+  # Seeds per vmapped program (0: every seed of a cell at once; 1 for large models).
+  c.study.vmap_seeds = 0 if scale == "toy" else 1
+  # Held-out prompts per sampler call (0: all at once).
+  c.study.eval_batch = 0 if scale == "toy" else 64
   # A run's final accuracy is the mean of its last `eval_last` evaluations.
   c.study.eval_last = 2
   # Every cell is compared with this one on the same seeds: <method>@<lag>.

@@ -11,7 +11,7 @@ offpolicy_jax/planner.py for what is counted and how.
 
 import math
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from offpolicy_jax import planner
@@ -70,6 +70,7 @@ def format_plan(result) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
   try:
     device_type, count = parse_devices(_DEVICES.value, planner.DEVICES)
     if _MEMORY_GIB.value is not None and _MEMORY_GIB.value <= 0:

@@ -20,15 +20,15 @@ import numpy as np
 from offpolicy_jax import rollouts
 
 
-def eval_prompts(fns, num_prompts: int) -> list[dict[str, Any]]:
-  """The first `num_prompts` eval prompts, in batches of `prompts_per_step` (cached on `fns`).
+def eval_prompts(fns, num_prompts: int, batch_size: int = 0) -> list[dict[str, Any]]:
+  """The first `num_prompts` eval prompts, in batches of `batch_size` (cached on `fns`).
 
-  Rows past `num_prompts` (and filler rows of a final partial batch) have
-  `valid=False`.
+  `batch_size` 0 means `prompts_per_step`. Rows past `num_prompts` (and filler
+  rows of a final partial batch) have `valid=False`.
   """
-  key = ("eval_prompts", num_prompts)
+  size = min(num_prompts, batch_size or fns.sizes.prompts_per_step)
+  key = ("eval_prompts", num_prompts, size)
   if key not in fns.cache:
-    size = min(num_prompts, fns.sizes.prompts_per_step)
     it = rollouts.prompt_iterator(fns, 0, "eval", batch_size=size)
     batches, seen = [], 0
     for batch in it:

@@ -30,10 +30,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from offpolicy_jax import components, lag, rl_step, rollouts, sft, sweeps, workdir
+from offpolicy_jax import components, evaluation, lag, rl_step, rollouts, sft, sweeps, workdir
 
 CELLS_DIR = "cells"
 CONFIG_FILE = "study_config.json"
+# `config.study` fields a finished cell does not depend on (how seeds are batched,
+# the bandit of the report): changing them does not stop a resume.
+NO_EFFECT_ON_CELLS = ("vmap_seeds", "eval_batch", "bandit_steps", "bandit_group_size", "bandit_lr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,8 @@ class Grid:
   seeds: tuple[int, ...]
   eval_last: int
   baseline: tuple[str, str]
+  vmap_seeds: int = 0  # seeds per vmapped program (0: all)
+  eval_batch: int = 0  # held-out prompts per sampler call (0: all at once)
 
   def cells(self) -> list[tuple[str, str]]:
     return [(m, g) for m in self.methods for g in self.lags]
@@ -128,7 +133,11 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     )
   base = ml_collections.ConfigDict({k: v for k, v in config.items() if k != "study"})
   seeds = tuple(range(config.seed, config.seed + st.seeds))
-  return base, Grid(methods, lags, seeds, st.eval_last, (method, lag_name))
+  for field in ("vmap_seeds", "eval_batch"):
+    if st[field] < 0:
+      raise ValueError(f"config.study.{field}: must be >= 0, got {st[field]}")
+  grid = Grid(methods, lags, seeds, st.eval_last, (method, lag_name), st.vmap_seeds, st.eval_batch)
+  return base, grid
 
 
 def _stack(trees: list) -> Any:
@@ -171,14 +180,6 @@ def _pass(fns: rl_step.StepFns, k: int) -> Callable:
   return fns.cache[key]
 
 
-def _eval_batch(fns: rl_step.StepFns, num_prompts: int) -> dict[str, Any]:
-  key = ("study", "eval_batch", num_prompts)
-  if key not in fns.cache:
-    batch = next(iter(rollouts.prompt_iterator(fns, 0, "eval", batch_size=num_prompts)))
-    fns.cache[key] = batch
-  return fns.cache[key]
-
-
 def _scores(fns, prompts, out, s: int, k: int) -> np.ndarray:
   """Rewards of seed `s`'s rows of a vmapped sampler output (device or sandboxed host reward)."""
   one = jax.tree.map(lambda x: x[s], out)
@@ -186,25 +187,37 @@ def _scores(fns, prompts, out, s: int, k: int) -> np.ndarray:
   return np.asarray(r)
 
 
-def evaluate(fns: rl_step.StepFns, params, num_prompts: int, *, k: int = 0, step: int = 0):
-  """Greedy accuracy [S] (and pass@k [S] when k >= 2) of seed-stacked `params`."""
-  prompts = _eval_batch(fns, num_prompts)
-  valid = np.asarray(prompts["valid"], np.float64)
-  tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
-  seeds = jax.tree.leaves(params)[0].shape[0]
-  out = _greedy(fns)(params, tokens, lengths, jax.random.key(0))
-  acc = [
-    ((_scores(fns, prompts, out, s, 1) > 0.5) * valid).sum() / valid.sum() for s in range(seeds)
-  ]
-  if k < 2:
-    return np.asarray(acc), None
-  keys = jax.vmap(lambda s: rl_step.step_key(s, step, rl_step.EVAL))(jnp.arange(seeds))
-  out = _pass(fns, k)(params, tokens, lengths, keys)
-  solved = [
-    ((_scores(fns, prompts, out, s, k).reshape(-1, k) > 0.5).any(1) * valid).sum() / valid.sum()
-    for s in range(seeds)
-  ]
-  return np.asarray(acc), np.asarray(solved)
+def evaluate(
+  fns: rl_step.StepFns,
+  params,
+  seeds: tuple[int, ...],
+  num_prompts: int,
+  *,
+  k: int = 0,
+  step: int = 0,
+  batch_size: int = 0,
+):
+  """Greedy accuracy [S] (and pass@k [S] when k >= 2) of seed-stacked `params`.
+
+  The first `num_prompts` held-out prompts, `batch_size` at a time (0: all at
+  once); pass@k samples at the training temperature with each seed's EVAL key.
+  """
+  correct, solved, total = np.zeros(len(seeds)), np.zeros(len(seeds)), 0.0
+  keys = jax.vmap(lambda s: rl_step.step_key(s, step, rl_step.EVAL))(jnp.asarray(seeds))
+  for i, prompts in enumerate(evaluation.eval_prompts(fns, num_prompts, batch_size or num_prompts)):
+    valid = np.asarray(prompts["valid"], np.float64)
+    tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
+    total += valid.sum()
+    out = _greedy(fns)(params, tokens, lengths, jax.random.key(0))
+    for s in range(len(seeds)):
+      correct[s] += ((_scores(fns, prompts, out, s, 1) > 0.5) * valid).sum()
+    if k >= 2:
+      # The first batch uses each seed's key itself, later ones fold in their index.
+      batch_keys = keys if i == 0 else jax.vmap(lambda key, i=i: jax.random.fold_in(key, i))(keys)
+      out = _pass(fns, k)(params, tokens, lengths, batch_keys)
+      for s in range(len(seeds)):
+        solved[s] += ((_scores(fns, prompts, out, s, k).reshape(-1, k) > 0.5).any(1) * valid).sum()
+  return correct / total, (solved / total if k >= 2 else None)
 
 
 def _host_reward_steps(fns, opts, state, prompts_l, steps, seeds, schedule):
@@ -248,64 +261,72 @@ def run_cell(
 ) -> dict[str, Any]:
   """Runs every seed of one cell; returns its record (curves per seed, JSON-ready).
 
+  Seeds run `grid.vmap_seeds` at a time under one `vmap` (0: all at once).
   `starts` keeps the warm-started parameters of each seed between cells (filled here).
   """
   m, n = grid.lags[lag_name]
   overrides = {**grid.methods[method], "lag.sync_interval": m, "lag.sync_offset": n}
   comps = components.build_components(sweeps.apply_overrides(base, overrides))
-  fns, run = comps.fns, comps.run
   starts = {} if starts is None else starts
   for s in grid.seeds:
     if s not in starts:
       starts[s] = warm_start(comps, s)
+  size = grid.vmap_seeds or len(grid.seeds)
+  runs = []
+  for lo in range(0, len(grid.seeds), size):
+    seeds = grid.seeds[lo : lo + size]
+    runs += _run_seeds(comps, grid, seeds, [starts[s] for s in seeds], (m, n))
+  if any(r.pop("snapshot_missing") for r in runs):
+    raise RuntimeError(f"{method}@{lag_name}: a behaviour snapshot was missing (a bug)")
+  return {"method": method, "lag": lag_name, "schedule": [m, n], "runs": runs}
+
+
+def _run_seeds(comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule_mn) -> list[dict]:
+  """One vmapped run of `seeds` from their warm starts: per-seed curves."""
+  fns, run = comps.fns, comps.run
+  slots = snapshot_slots(grid)
   state = _stack(
     [
-      rl_step.init_state(
-        fns, starts[s], capacity_batches=run.replay_capacity_batches, snapshots=snapshot_slots(grid)
-      )
-      for s in grid.seeds
+      rl_step.init_state(fns, p, capacity_batches=run.replay_capacity_batches, snapshots=slots)
+      for p in starts
     ]
   )
-  iters = [rollouts.prompt_iterator(fns, s) for s in grid.seeds]
-  seeds = jnp.asarray(grid.seeds, jnp.int32)
-  schedule = rl_step.LagSchedule(jnp.int32(m), jnp.int32(n))
+  iters = [rollouts.prompt_iterator(fns, s) for s in seeds]
+  seeds_a = jnp.asarray(seeds, jnp.int32)
+  schedule = rl_step.LagSchedule(*(jnp.int32(x) for x in schedule_mn))
   device = fns.reward.device is not None
-  acc0, _ = evaluate(fns, state.train.params, run.eval_prompts)
-  eval_steps, accs, metrics_l = [0], [acc0], []
-  pass_k = None
+  ev = dict(batch_size=grid.eval_batch)
+  acc0, _ = evaluate(fns, state.train.params, seeds, run.eval_prompts, **ev)
+  eval_steps, accs, metrics_l, pass_k = [0], [acc0], [], None
   for start in range(0, run.total_steps, run.eval_every):
     prompts = _prompt_chunk(iters, run.eval_every, not device)
     steps = jnp.arange(start + 1, start + run.eval_every + 1, dtype=jnp.int32)
     if device:
-      state, out = _vmapped(fns, "rl_steps", run.replay)(state, prompts, steps, seeds, schedule)
+      state, out = _vmapped(fns, "rl_steps", run.replay)(state, prompts, steps, seeds_a, schedule)
     else:
-      state, out = _host_reward_steps(fns, run.replay, state, prompts, steps, seeds, schedule)
-    out = jax.device_get(out)
-    metrics_l.append(out)
+      state, out = _host_reward_steps(fns, run.replay, state, prompts, steps, seeds_a, schedule)
+    metrics_l.append(jax.device_get(out))
     end = start + run.eval_every
     k = run.eval_samples if end == run.total_steps else 0
-    acc, solved = evaluate(fns, state.train.params, run.eval_prompts, k=k, step=end)
+    acc, solved = evaluate(fns, state.train.params, seeds, run.eval_prompts, k=k, step=end, **ev)
     eval_steps.append(end)
     accs.append(acc)
     pass_k = solved if solved is not None else pass_k
   out = {key: np.concatenate([o[key] for o in metrics_l], axis=1) for key in metrics_l[0]}
-  if out["snapshot_missing"].any():
-    raise RuntimeError(f"{method}@{lag_name}: a behaviour snapshot was missing (a bug)")
   accs_sl = np.stack(accs, axis=1)
-  runs = []
-  for i, seed in enumerate(grid.seeds):
-    runs.append(
-      {
-        "seed": seed,
-        "eval_steps": eval_steps,
-        "eval_accuracy": accs_sl[i].tolist(),
-        "train_reward": out["reward_mean"][i].tolist(),
-        "staleness_mean": out["staleness_mean"][i].tolist(),
-        "skipped": float(out["skipped"][i].sum()),
-        f"pass@{run.eval_samples}": None if pass_k is None else float(pass_k[i]),
-      }
-    )
-  return {"method": method, "lag": lag_name, "schedule": [m, n], "runs": runs}
+  return [
+    {
+      "seed": seed,
+      "eval_steps": eval_steps,
+      "eval_accuracy": accs_sl[i].tolist(),
+      "train_reward": out["reward_mean"][i].tolist(),
+      "staleness_mean": out["staleness_mean"][i].tolist(),
+      "skipped": float(out["skipped"][i].sum()),
+      f"pass@{run.eval_samples}": None if pass_k is None else float(pass_k[i]),
+      "snapshot_missing": bool(out["snapshot_missing"][i].any()),
+    }
+    for i, seed in enumerate(seeds)
+  ]
 
 
 def warm_start(comps: components.Components, seed: int):
@@ -362,7 +383,11 @@ def _check_config(path: str, config: ml_collections.ConfigDict) -> None:
     return
   with open(file) as f:
     stored = json.load(f)
-  changes = workdir.config_changes(stored, cfg)
+  changes = {
+    k: v
+    for k, v in workdir.config_changes(stored, cfg).items()
+    if k.removeprefix("study.") not in NO_EFFECT_ON_CELLS
+  }
   if changes:
     listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
     raise workdir.ConfigChanged(
@@ -381,10 +406,8 @@ def run_study(
     _check_config(path, config)
     cells = load_cells(path, grid)
     todo = [c for c in grid.cells() if c not in cells]
-    total, begin = len(grid.cells()), time.perf_counter()
-    log(
-      f"study: {len(cells)}/{total} cells done, {len(todo)} to run ({len(grid.seeds)} seeds each)"
-    )
+    total, seeds, begin = len(grid.cells()), len(grid.seeds), time.perf_counter()
+    log(f"study: {len(cells)}/{total} cells done, {len(todo)} to run ({seeds} seeds each)")
     starts: dict[int, Any] = {}  # every cell of a seed starts from the same parameters
     for i, (method, lag_name) in enumerate(todo, start=1):
       cell_begin = time.perf_counter()
@@ -395,7 +418,7 @@ def run_study(
       elapsed = time.perf_counter() - begin
       eta = elapsed / i * (len(todo) - i)
       log(
-        f"[{len(cells)}/{total}] {method}@{lag_name}: {elapsed:.0f}s elapsed, "
-        f"ETA {math.ceil(eta / 60)} min"
+        f"[{len(cells)}/{total} cells, {len(cells) * seeds}/{total * seeds} runs] "
+        f"{method}@{lag_name}: {elapsed:.0f}s elapsed, ETA {math.ceil(eta / 60)} min"
       )
   return cells

@@ -81,7 +81,7 @@ def _table(rows: list[dict]) -> tuple[list[str], list[str], dict]:
   for r in rows:
     methods += [r["method"]] if r["method"] not in methods else []
     lags += [r["lag"]] if r["lag"] not in lags else []
-    if r["step"] is None:
+    if r["step"] in (None, ""):  # summaries (rows from `read_csv` or `cell_rows`)
       values[r["method"], r["lag"], r["metric"]][r["seed"]] = r["value"]
   return methods, lags, values
 
@@ -182,7 +182,7 @@ def _curve(rows: list[dict], metric: str) -> dict[tuple[str, str], dict[int, dic
   """{(method, lag): {step: {seed: value}}} of one curve metric."""
   out: dict = collections.defaultdict(lambda: collections.defaultdict(dict))
   for r in rows:
-    if r["metric"] == metric and r["step"] is not None:
+    if r["metric"] == metric and r["step"] not in (None, ""):
       out[r["method"], r["lag"]][r["step"]][r["seed"]] = r["value"]
   return out
 
@@ -195,6 +195,8 @@ def plot_study(rows: list[dict], out_dir: str, *, baseline: tuple[str, str]) -> 
   import matplotlib.pyplot as plt
 
   methods, lags, values = _table(rows)
+  if not any(metric == "final_accuracy" for (_, _, metric) in values):
+    raise ValueError("no final_accuracy summaries among the rows: nothing to plot in final.png")
   colors = plt.get_cmap("tab20")(np.linspace(0, 1, max(len(methods), 2)))
   curves = _curve(rows, "eval_accuracy")
   paths = []
@@ -244,8 +246,9 @@ def write_report(config, path: str, cells: Mapping) -> list[str]:
   kw = dict(steps=st.bandit_steps, group_size=st.bandit_group_size)
   results = bandit.run_bandit(grid.methods, grid.seeds, lr=st.bandit_lr, **kw)
   extra = bandit.table(results, seeds=len(grid.seeds), **kw)
+  rows = read_csv(csv_path)  # what `experiments.plot --study_csv` redraws from
   md = write_tables(
-    read_csv(csv_path),
+    rows,
     os.path.join(path, "study.md"),
     baseline=grid.baseline,
     title=f"Lag study: {len(grid.methods)} methods x {len(grid.lags)} lags x "

@@ -2,8 +2,11 @@
 
 import os
 
-# Must happen before jax is imported anywhere in the test session.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Must happen before jax is imported anywhere in the test session. The tests'
+# models are tiny, so compiling dominates their time: LLVM's backend optimisations
+# are off (about 25-30% less compile time; floating-point semantics unchanged).
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Implicit rank promotion ([B, T] op [T]) hides shape bugs: the whole suite, its
 # subprocesses and notebook kernels included (they inherit the environment),
@@ -40,3 +43,4 @@ def _numpy_init(config, scale=8.0, seed=0):
 def numpy_init():
   """The `_numpy_init(config, scale=8.0, seed=0)` factory, shared by model and sampler tests."""
   return _numpy_init
+

@@ -143,7 +143,7 @@ def test_sweep_print_only_lists_lag_study_commands():
   )
   assert len(out) == 16 * 5  # methods x lags of the study grid, one seed
   assert all("-m experiments.train" in line for line in out)
-  assert sum("--config.lag.sync_offset=10" in line for line in out) == 3
+  assert sum("--config.lag.sync_offset=10" in line for line in out) == 16  # one per method
 
 
 def test_evaluate_checkpoint(tmp_path):

@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)
 from configs import default  # noqa: E402
 from offpolicy_jax import data, loop, tasks  # noqa: E402
 from offpolicy_jax.checkpoint_integrity import MANIFEST  # noqa: E402
+from tests.conftest import FAST_COMPILE  # noqa: E402
 
 OVERRIDES = {
   # Partial credit: rewards vary within groups from the first step, so losses
@@ -86,7 +87,7 @@ def _launch(workdir: str, num_processes: int = 2) -> list[subprocess.Popen]:
   """Starts `experiments.train` as `num_processes` processes of 4 CPU devices each."""
   env = {
     **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
     "JAX_PLATFORMS": "cpu",
     "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
   }
@@ -262,7 +263,7 @@ def test_each_process_scores_only_its_own_rows(tmp_path):
   script.write_text(SCORE_SCRIPT)
   env = {
     **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
     "JAX_PLATFORMS": "cpu",
     "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
   }

@@ -1,5 +1,6 @@
 """Tests for the seeded study: statistics, the grid, a 2 x 2 x 2 miniature, the bandit."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -225,3 +226,24 @@ def test_bandit_fixed_behaviour_reinforce_takes_the_trap_on_policy_finds_the_bes
   lines = bandit.table(list(res.values()), steps=300, group_size=8, seeds=3)
   assert sum(x.startswith("| reinforce |") for x in lines) == 2
   assert json.dumps([str(r["pi_best"]) for r in res.values()])
+
+
+def test_seeds_one_at_a_time_and_batched_evaluation_give_the_same_cell(mini):
+  config, _, cells, _ = mini
+  base, grid = study.grid_from_config(config)
+  grid = dataclasses.replace(grid, vmap_seeds=1, eval_batch=5)  # 16 prompts: 5+5+5+1
+  cell = study.run_cell(base, grid, "grpo", "onpolicy")
+  for a, b in zip(cell["runs"], cells["grpo", "onpolicy"]["runs"], strict=True):
+    np.testing.assert_allclose(a["eval_accuracy"], b["eval_accuracy"])
+    np.testing.assert_allclose(a["train_reward"], b["train_reward"], rtol=1e-5)
+
+
+def test_plots_need_summaries_and_accept_rows_before_and_after_the_csv(mini, tmp_path):
+  config, path, cells, _ = mini
+  _, grid = study.grid_from_config(config)
+  fresh = [r for c in cells.values() for r in study_report.cell_rows(c, grid.eval_last)]
+  read = study_report.read_csv(os.path.join(path, "study.csv"))
+  assert study_report._table(fresh)[2] == study_report._table(read)[2]
+  curves = [r for r in read if r["step"] is not None]
+  with pytest.raises(ValueError, match="final_accuracy"):
+    study_report.plot_study(curves, str(tmp_path), baseline=grid.baseline)
