@@ -43,4 +43,3 @@ def _numpy_init(config, scale=8.0, seed=0):
 def numpy_init():
   """The `_numpy_init(config, scale=8.0, seed=0)` factory, shared by model and sampler tests."""
   return _numpy_init
-
