@@ -30,7 +30,18 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from offpolicy_jax import components, evaluation, lag, rl_step, rollouts, sft, sweeps, workdir
+from offpolicy_jax import (
+  advantages,
+  components,
+  evaluation,
+  lag,
+  losses,
+  rl_step,
+  rollouts,
+  sft,
+  sweeps,
+  workdir,
+)
 
 CELLS_DIR = "cells"
 CONFIG_FILE = "study_config.json"
@@ -124,6 +135,13 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
   if config.lag.mode != "sync":
     raise ValueError("config.lag.mode: a study simulates lag exactly; it must be 'sync'")
   methods = parse_methods(st.methods)
+  for name, overrides in methods.items():
+    loss, adv = overrides["loss.name"], overrides.get("advantage.name")
+    if loss not in losses.names() or (adv and adv not in advantages.names()):
+      raise ValueError(
+        f"config.study.methods: {name}={loss}{'+' + adv if adv else ''} names an unknown "
+        f"loss or advantage (losses.names(), advantages.names())"
+      )
   lags = parse_lags(st.lags, config.total_steps)
   method, _, lag_name = st.baseline.partition("@")
   if method not in methods or lag_name not in lags:
@@ -359,9 +377,13 @@ def load_cells(path: str, grid: Grid) -> dict[tuple[str, str], dict]:
       continue
     try:
       with open(file) as f:
-        cells[method, lag_name] = json.load(f)
-    except (OSError, ValueError) as e:
+        cell = json.load(f)
+      seeds = [r["seed"] for r in cell["runs"]]
+      if (cell["method"], cell["lag"]) != (method, lag_name) or seeds != list(grid.seeds):
+        raise ValueError(f"holds {cell['method']}@{cell['lag']} seeds {seeds}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
       raise ValueError(f"{file}: unreadable cell record ({e}); delete it to rerun the cell") from e
+    cells[method, lag_name] = cell
   return cells
 
 

@@ -60,6 +60,13 @@ def write_csv(path: str, rows: Iterable[Mapping[str, Any]]) -> str:
 
 def read_csv(path: str) -> list[dict[str, Any]]:
   """Rows of a `study.csv` with numeric `seed`, `step` (None for summaries) and `value`."""
+  try:
+    return _read_csv(path)
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not a study CSV ({e})") from None
+
+
+def _read_csv(path: str) -> list[dict[str, Any]]:
   with open(path, newline="") as f:
     reader = csv.DictReader(f)
     if reader.fieldnames is None or tuple(reader.fieldnames) != FIELDS:
@@ -144,8 +151,8 @@ def write_tables(
     "95% percentile bootstrap interval over seeds. The mark compares with the baseline "
     f"**{baseline[0]}@{baseline[1]}** on the same seeds (paired bootstrap of the mean per-seed "
     "difference, 95%): `worse` / `better` when the interval excludes 0, `~` when the two are "
-    "indistinguishable. With 5 seeds a bootstrap interval is optimistic (narrower than a t "
-    "interval): read `~` as 'no evidence of a difference', not as equality.",
+    f"indistinguishable. With {len(seeds)} seeds a bootstrap interval is optimistic (narrower "
+    "than a t interval): read `~` as 'no evidence of a difference', not as equality.",
     "",
   ]
   lines += _md(["method", *lags], grid_rows(lambda m, g: acc_cells.get((m, g), "-")))

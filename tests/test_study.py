@@ -247,3 +247,24 @@ def test_plots_need_summaries_and_accept_rows_before_and_after_the_csv(mini, tmp
   curves = [r for r in read if r["step"] is not None]
   with pytest.raises(ValueError, match="final_accuracy"):
     study_report.plot_study(curves, str(tmp_path), baseline=grid.baseline)
+
+
+def test_unknown_loss_and_wrong_shape_cells_are_refused_naming_them(mini, tmp_path):
+  with pytest.raises(ValueError, match="config.study.methods: foo=nosuchloss"):
+    study.grid_from_config(mini_config(methods="grpo,foo=nosuchloss"))
+  config, path, cells, _ = mini
+  _, grid = study.grid_from_config(config)
+  for key, cell in cells.items():  # undo what earlier tests did to the files
+    with open(study.cell_path(path, *key), "w") as f:
+      json.dump(cell, f)
+  victim = study.cell_path(path, "twin", "onpolicy")
+  with open(victim) as f:
+    cell = json.load(f)
+  cell["runs"] = cell["runs"][:1]
+  with open(victim, "w") as f:
+    json.dump(cell, f)
+  with pytest.raises(ValueError, match="twin@onpolicy.json"):
+    study.load_cells(path, grid)
+  with pytest.raises(ValueError, match="not a study CSV"):
+    (tmp_path / "x.png").write_bytes(b"\x89PNG\r\n")
+    study_report.read_csv(str(tmp_path / "x.png"))
