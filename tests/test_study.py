@@ -12,7 +12,15 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import lag_study  # noqa: E402
-from offpolicy_jax import bandit, study, study_report, study_stats, workdir  # noqa: E402
+from offpolicy_jax import (  # noqa: E402
+  bandit,
+  components,
+  study,
+  study_report,
+  study_stats,
+  tasks,
+  workdir,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -268,3 +276,25 @@ def test_unknown_loss_and_wrong_shape_cells_are_refused_naming_them(mini, tmp_pa
   with pytest.raises(ValueError, match="not a study CSV"):
     (tmp_path / "x.png").write_bytes(b"\x89PNG\r\n")
     study_report.read_csv(str(tmp_path / "x.png"))
+
+
+def test_host_scored_task_runs_the_same_cell_as_the_device_reward(mini, monkeypatch):
+  """The study's host-reward path (vmapped rollout, sandboxed scoring per seed, vmapped
+  learning) gives the device-reward path's numbers: the synthetic task's host twin."""
+  config, _, cells, _ = mini
+  base, grid = study.grid_from_config(config)
+  real_get_task = tasks.get_task
+  monkeypatch.setattr(
+    tasks,
+    "get_task",
+    lambda name, **kw: dataclasses.replace(real_get_task(name, **kw), device_reward=None),
+  )
+  components.clear_cache()
+  try:
+    cell = study.run_cell(base, grid, "grpo", "offline")
+  finally:
+    components.clear_cache()
+  for a, b in zip(cell["runs"], cells["grpo", "offline"]["runs"], strict=True):
+    np.testing.assert_allclose(a["eval_accuracy"], b["eval_accuracy"])
+    np.testing.assert_allclose(a["train_reward"], b["train_reward"], rtol=1e-5)
+    np.testing.assert_allclose(a["staleness_mean"], b["staleness_mean"])
