@@ -131,6 +131,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.num_epochs = 1
   # Rows per gradient-accumulation micro-batch (0 = use optimizer.micro_batches).
   c.train.micro_batch_size = 0
+  # Run each group's prompt once and let its K responses attend to it (same
+  # log-probs and gradients as K copies, within float tolerance; less work).
+  c.train.shared_prefix = True
+  # Leave rows whose advantages are all 0 out of the forward/backward pass where
+  # that is exact for the loss (losses.LossSpec.zero_advantage_inert; counted in
+  # the rows_skipped metric).
+  c.train.skip_zero_advantage = True
 
   c.optimizer = ml_collections.ConfigDict()
   # Peak learning rate (AdamW).

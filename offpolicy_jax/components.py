@@ -171,6 +171,9 @@ def step_options(config) -> train_step.StepOptions:
     num_minibatches=config.train.num_minibatches,
     num_epochs=config.train.num_epochs,
     temperature=config.temperature,
+    group_size=config.group_size,
+    shared_prefix=config.train.shared_prefix,
+    skip_zero_advantage=config.train.skip_zero_advantage,
   )
 
 

@@ -18,7 +18,9 @@ The sampler and the train step do not overlap: peak = state + max(KV cache, acti
 Activations: where the mesh fits on this machine's devices of the target's
 platform, XLA's own `memory_analysis().temp_size_in_bytes` of the train step
 compiled on abstract arguments ("compiled"); otherwise, per device, with
-t = micro-batch rows per device * (P + N) tokens ("analytic"):
+t = micro-batch rows per device * (P + N) tokens ("analytic"; with
+`train.skip_zero_advantage` the rows of one chunk of a micro-batch, with
+`train.shared_prefix` P / K + N tokens per row):
 
   t * layers * [isz * (4 D + (4 F + 3 N H + 3 N_kv H) / tensor) + 4 * 2 (N / tensor) (P + N)]
     * 4/3                                    (XLA copies; calibrated on CPU compiles)
@@ -160,11 +162,17 @@ def _analytic_activations(config, mc, mesh, params_bytes: int) -> int:
   t_len = config.max_prompt_len + config.max_new_tokens
   shards, tp = sharding.axis_size(mesh, sharding.BATCH_AXES), mesh.shape[sharding.TENSOR]
   rows = _micro_rows(config)
+  options = components.step_options(config)
+  if options.skips_rows:  # the forward runs one chunk of a micro-batch at a time
+    rows //= train_step.chunks_per_micro_batch(options, rows, shards)
   rows = rows // shards if rows % shards == 0 else rows
+  tokens = t_len  # per row; a shared prompt runs once per group: P / K + N
+  if options.shared_prefix:
+    tokens = config.max_prompt_len / config.group_size + config.max_new_tokens
   isz = jnp.dtype(mc.dtype).itemsize
   n, kv, h, d, f = mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.hidden_size, mc.intermediate_size
   per_token_layer = isz * (4 * d + (4 * f + 3 * n * h + 3 * kv * h) / tp) + 8 * n / tp * t_len
-  blocks = rows * t_len * mc.num_layers * per_token_layer * 4 / 3
+  blocks = rows * tokens * mc.num_layers * per_token_layer * 4 / 3
   logits = rows * min(config.max_new_tokens, 128) * mc.vocab_size * 4 * 2
   return int(blocks + logits + 2 * params_bytes)
 

@@ -59,6 +59,16 @@ class StepOptions(NamedTuple):
     num_minibatches: optimizer steps per epoch over the batch.
     num_epochs: passes over the batch, reshuffled each epoch.
     temperature: sampling temperature the log-probs are computed at.
+    group_size: K, rows per prompt; batches are group-major (row ``g * K + k``).
+    shared_prefix: run each group's prompt once and let its K responses attend
+      to it (`models.shared_prefix_logprobs`); micro-batches and minibatch
+      shuffles then move whole groups.
+    skip_zero_advantage: leave rows whose advantages are all 0 out of the
+      forward and backward passes when the loss makes that exact
+      (``spec.zero_advantage_inert``; ignored otherwise).
+    skip_chunks: with skipping, each micro-batch is cut into this many chunks
+      (fewer where they do not divide) and only chunks holding rows that move
+      the loss run.
   """
 
   spec: losses.LossSpec
@@ -67,16 +77,30 @@ class StepOptions(NamedTuple):
   num_minibatches: int = 1
   num_epochs: int = 1
   temperature: float = 1.0
+  group_size: int = 1
+  shared_prefix: bool = False
+  skip_zero_advantage: bool = False
+  skip_chunks: int = 4
 
   @property
   def updates(self) -> int:
     """Optimizer steps per batch, U."""
     return self.num_minibatches * self.num_epochs
 
+  @property
+  def unit(self) -> int:
+    """Rows that stay together in micro-batches and shuffles: a group with a shared prefix."""
+    return self.group_size if self.shared_prefix else 1
+
+  @property
+  def skips_rows(self) -> bool:
+    """Whether zero-advantage rows are left out (asked for, and exact for the loss)."""
+    return self.skip_zero_advantage and self.spec.zero_advantage_inert
+
 
 def check_options(options: StepOptions) -> None:
   """Raises ValueError naming the field for invalid settings."""
-  for name in ("num_micro_batches", "num_minibatches", "num_epochs"):
+  for name in ("num_micro_batches", "num_minibatches", "num_epochs", "group_size", "skip_chunks"):
     if getattr(options, name) < 1:
       raise ValueError(f"{name} must be >= 1, got {getattr(options, name)}")
   if options.micro_batch_size is not None and options.micro_batch_size < 1:
@@ -96,21 +120,44 @@ def _micro_batches(options: StepOptions, rows: int) -> int:
       f"into micro-batches (num_micro_batches={options.num_micro_batches}, "
       f"micro_batch_size={size})"
     )
+  if (mb_rows // m) % options.unit:
+    raise ValueError(
+      f"shared_prefix: micro-batches of {mb_rows // m} rows do not hold whole groups of "
+      f"group_size={options.group_size} (num_minibatches={options.num_minibatches}, "
+      f"num_micro_batches={m})"
+    )
   return m
 
 
-def _split_micro(batch: TrainBatch, m: int) -> TrainBatch:
-  # Strided split (row r goes to micro-batch r % m) keeps every micro-batch
-  # spread over all data-parallel devices.
+def _split_micro(batch: TrainBatch, m: int, unit: int = 1) -> TrainBatch:
+  # Strided split by units of `unit` rows (unit u goes to micro-batch u % m)
+  # keeps every micro-batch spread over all data-parallel devices.
   def split(x):
-    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+    units = x.reshape(x.shape[0] // (m * unit), m, unit, *x.shape[1:])
+    return jnp.swapaxes(units, 0, 1).reshape(m, x.shape[0] // m, *x.shape[1:])
 
   return jax.tree.map(split, batch)
 
 
-def token_logprobs(graphdef: nnx.GraphDef, params, mb: TrainBatch, temperature: float):
-  """Teacher-forced log-probs and entropies [B, N] of `mb`'s responses under `params`."""
+def token_logprobs(
+  graphdef: nnx.GraphDef, params, mb: TrainBatch, temperature: float, shared_group: int = 0
+):
+  """Teacher-forced log-probs and entropies [B, N] of `mb`'s responses under `params`.
+
+  With ``shared_group = K > 0`` the rows are groups of K sharing a prompt and
+  each prompt runs once (`models.shared_prefix_logprobs`).
+  """
   model = nnx.merge(graphdef, params)
+  if shared_group:
+    return models.shared_prefix_logprobs(
+      model,
+      mb.prompt_tokens[::shared_group],
+      mb.prompt_mask[::shared_group],
+      mb.tokens,
+      mb.mask,
+      shared_group,
+      temperature,
+    )
   return models.sequence_logprobs(
     model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask, temperature
   )
@@ -158,13 +205,14 @@ def micro_batch_loss(params, mb: TrainBatch, graphdef, options: StepOptions, ref
       current parameters are the anchor).
   """
   spec, tau = options.spec, options.temperature
+  shared = options.group_size if options.shared_prefix else 0
   sg = jax.lax.stop_gradient
-  logp, ent = token_logprobs(graphdef, params, mb, tau)
+  logp, ent = token_logprobs(graphdef, params, mb, tau, shared)
   extra = {}
   if spec.needs_ref:
-    extra["ref_logp"] = sg(token_logprobs(graphdef, ref_params, mb, tau)[0])
+    extra["ref_logp"] = sg(token_logprobs(graphdef, ref_params, mb, tau, shared)[0])
   if spec.needs_proximal:
-    prox = sg(logp) if anchor is None else token_logprobs(graphdef, anchor, mb, tau)[0]
+    prox = sg(logp) if anchor is None else token_logprobs(graphdef, anchor, mb, tau, shared)[0]
     extra["proximal_logp"] = sg(prox)
   if spec.entropy_coef > 0:
     extra["entropy"] = ent
@@ -188,12 +236,12 @@ def micro_batch_loss(params, mb: TrainBatch, graphdef, options: StepOptions, ref
 
 def _gradients(params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor):
   """Summed gradients and merged metrics over `m` micro-batches (scan from zeros)."""
-  micro = _split_micro(batch, m)
+  if options.skips_rows:
+    return _gradients_skipping(params, batch, m, graphdef, options, ref_params, anchor)
+  micro = _split_micro(batch, m, options.unit)
   grad_fn = jax.grad(micro_batch_loss, has_aux=True)
   args = (graphdef, options, ref_params, anchor)
-  first = jax.tree.map(lambda x: x[0], micro)
-  shapes = jax.eval_shape(lambda: grad_fn(params, first, *args)[1])
-  init = (jax.tree.map(jnp.zeros_like, params), red.identity(shapes))
+  init = _zero_accumulators(grad_fn, params, micro, args)
 
   def body(acc, mb):
     g, metrics = grad_fn(params, mb, *args)
@@ -201,6 +249,90 @@ def _gradients(params, batch: TrainBatch, m: int, graphdef, options, ref_params,
 
   (grads, metrics), _ = jax.lax.scan(body, init, micro)
   return grads, metrics
+
+
+def _zero_accumulators(grad_fn, params, micro: TrainBatch, args):
+  first = jax.tree.map(lambda x: x[0], micro)
+  shapes = jax.eval_shape(lambda: grad_fn(params, first, *args)[1])
+  return jax.tree.map(jnp.zeros_like, params), red.identity(shapes)
+
+
+def moving_rows(batch: TrainBatch) -> jax.Array:
+  """bool [B]: rows with a valid, weighted token whose advantage is not 0."""
+  valid = (batch.mask * batch.weights[:, None]) > 0
+  adv = batch.advantages if batch.advantages.ndim == 2 else batch.advantages[:, None]
+  return jnp.any(valid & (adv != 0), axis=1)
+
+
+def chunks_per_micro_batch(options: StepOptions, micro_rows: int, shards: int = 1) -> int:
+  """Chunks a micro-batch of `micro_rows` rows is cut into when skipping rows (static).
+
+  The largest count <= ``skip_chunks`` whose chunks hold whole units, the same
+  number of units on each of the `shards` data-parallel devices where possible.
+  """
+  for per_device in (shards, 1):
+    for c in range(min(options.skip_chunks, micro_rows), 0, -1):
+      if micro_rows % (c * options.unit * per_device) == 0:
+        return c
+  return 1
+
+
+def _batch_shards() -> int:
+  """Devices the batch rows are split over in the ambient mesh (1 without one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return 1
+  return sharding.axis_size(mesh, tuple(a for a in sharding.BATCH_AXES if a in mesh.shape))
+
+
+def _gradients_skipping(params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor):
+  """`_gradients` with the rows whose advantages are all 0 left out.
+
+  For a loss with ``zero_advantage_inert`` such rows add exactly 0 to the
+  loss sum and the gradient, and their share of the denominator depends on the
+  mask only. Units (rows, or groups with a shared prefix) that move the loss are
+  packed first, the batch is cut into equal chunks, and a loop with a traced
+  trip count runs only the chunks holding them (one compiled body; padding rows
+  in the last chunk get weight 0). The loss count and the ``tokens`` metric are
+  those of the whole batch; the other metrics are over the rows trained on.
+  """
+  rows, unit = batch.tokens.shape[0], options.unit
+  chunks = m * chunks_per_micro_batch(options, rows // m, _batch_shards())
+  chunk_rows = rows // chunks
+  moving = moving_rows(batch)
+  unit_moves = jnp.any(moving.reshape(-1, unit), axis=1)
+  unit_order = jnp.argsort(~unit_moves, stable=True)
+  order = (unit_order[:, None] * unit + jnp.arange(unit)[None, :]).reshape(-1)
+  packed = jax.tree.map(lambda x: x[order], batch)
+  packed = packed._replace(weights=jnp.where(moving[order], packed.weights, 0.0))
+  micro = jax.tree.map(lambda x: x.reshape(chunks, chunk_rows, *x.shape[1:]), packed)
+  grad_fn = jax.grad(micro_batch_loss, has_aux=True)
+  args = (graphdef, options, ref_params, anchor)
+  n_moving = jnp.sum(unit_moves.astype(jnp.int32)) * unit
+  # At least one chunk (all weights 0 if nothing moves) keeps every metric defined.
+  n_chunks = jnp.maximum((n_moving + chunk_rows - 1) // chunk_rows, 1)
+
+  def body(i, acc):
+    mb = jax.tree.map(lambda x: x[i], micro)
+    mb = jax.tree.map(lambda x: sharding.constrain(x, _batch_names(x)), mb)
+    g, metrics = grad_fn(params, mb, *args)
+    return jax.tree.map(jnp.add, acc[0], g), red.merge(acc[1], metrics)
+
+  grads, metrics = jax.lax.fori_loop(
+    0, n_chunks, body, _zero_accumulators(grad_fn, params, micro, args)
+  )
+  weighted = batch.mask * batch.weights[:, None]
+  _, count = losses.aggregate(
+    jnp.zeros_like(weighted), weighted, options.spec.agg, max_len=options.spec.max_len
+  )
+  metrics["loss"] = red.Mean(metrics["loss"].total, count)
+  metrics["tokens"] = red.Sum(jnp.sum((batch.mask > 0).astype(jnp.float32)))
+  metrics["rows_skipped"] = red.Sum(rows - jnp.sum(moving.astype(jnp.float32)))
+  return grads, metrics
+
+
+def _batch_names(x: jax.Array) -> tuple:
+  return (sharding.BATCH,) + (None,) * (x.ndim - 1)
 
 
 def optimizer_step(
@@ -279,8 +411,11 @@ def train_step(
     state, metrics = optimizer_step(state, batch, *args)
   else:
     mb_rows = rows // options.num_minibatches
+    unit = options.unit
     keys = jax.random.split(key, options.num_epochs)
-    perms = jax.vmap(lambda k: jax.random.permutation(k, rows))(keys)
+    perms = jax.vmap(lambda k: jax.random.permutation(k, rows // unit))(keys)
+    if unit > 1:  # whole groups move together
+      perms = (perms[..., None] * unit + jnp.arange(unit)[None, None]).reshape(-1, rows)
     order = perms.reshape(options.updates, mb_rows)
 
     def scan_step(st, idx):
@@ -313,6 +448,10 @@ def make_train_step(
   num_minibatches: int = 1,
   num_epochs: int = 1,
   temperature: float = 1.0,
+  group_size: int = 1,
+  shared_prefix: bool = False,
+  skip_zero_advantage: bool = False,
+  skip_chunks: int = 4,
   mesh: Mesh | None = None,
   donate: bool = True,
   jit: bool = True,
@@ -324,7 +463,8 @@ def make_train_step(
     graphdef, optimizer: as for :func:`train_step`.
     loss: loss preset name or ``losses.LossSpec``.
     num_micro_batches, micro_batch_size, num_minibatches, num_epochs,
-      temperature: the fields of :class:`StepOptions`.
+      temperature, group_size, shared_prefix, skip_zero_advantage,
+      skip_chunks: the fields of :class:`StepOptions`.
     mesh: mesh for explicit in/out shardings (params/opt state by logical
       names, batch rows over ``(data, fsdp)``); None runs on one device.
     donate: donate the input ``TrainState``.
@@ -341,7 +481,16 @@ def make_train_step(
   if loss_overrides and not isinstance(loss, str):
     spec = spec.replace(**loss_overrides)
   options = StepOptions(
-    spec, num_micro_batches, micro_batch_size, num_minibatches, num_epochs, temperature
+    spec,
+    num_micro_batches,
+    micro_batch_size,
+    num_minibatches,
+    num_epochs,
+    temperature,
+    group_size,
+    shared_prefix,
+    skip_zero_advantage,
+    skip_chunks,
   )
   check_options(options)
 

@@ -232,6 +232,25 @@ class LossSpec:
     """
     return self.adaptive != "none" or self.cov != "none"
 
+  @property
+  def zero_advantage_inert(self) -> bool:
+    """Whether a sequence whose advantages are all 0 has exactly zero loss and gradient.
+
+    True when every per-token term carries a factor of ``A`` (or ``|A|``) and
+    nothing couples sequences: no regulariser (``reg``, KL to a reference,
+    entropy bonus), no batch-level search or selection (``batch_dependent``),
+    and not OAPL's regression ``(beta log rho - A)^2``. Such sequences still
+    count in the aggregation's denominator, which depends on the mask only,
+    so the train step can leave them out of the forward pass exactly.
+    """
+    return (
+      self.shaping != "regression"
+      and self.reg == "none"
+      and self.kl_coef == 0
+      and self.entropy_coef == 0
+      and not self.batch_dependent
+    )
+
   def replace(self, **overrides) -> "LossSpec":
     """Returns a copy with ``overrides``; unknown names raise ValueError."""
     known = {f.name for f in dataclasses.fields(self)}

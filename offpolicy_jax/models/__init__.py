@@ -10,7 +10,7 @@ models.save_pretrained(model, "/tmp/out")                          # transformer
 from offpolicy_jax.models.config import ModelConfig, get_config, preset_names
 from offpolicy_jax.models.decoder import Decoder, KVCache, default_positions
 from offpolicy_jax.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
-from offpolicy_jax.models.logprobs import logprobs, sequence_logprobs
+from offpolicy_jax.models.logprobs import logprobs, sequence_logprobs, shared_prefix_logprobs
 
 __all__ = [
   "Decoder",
@@ -25,4 +25,5 @@ __all__ = [
   "preset_names",
   "save_pretrained",
   "sequence_logprobs",
+  "shared_prefix_logprobs",
 ]

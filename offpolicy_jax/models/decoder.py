@@ -131,7 +131,8 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(h, c.rms_norm_eps, ("head_dim",), c)
       self.k_norm = RMSNorm(h, c.rms_norm_eps, ("head_dim",), c)
 
-  def __call__(self, x_btd, cos_bth, sin_bth, allowed_bts, cache_kv=None, cache_index=None):
+  def _qkv(self, x_btd, cos_bth, sin_bth):
+    """Rotated queries [B,T,N,H], keys and values [B,T,N_kv,H] (compute dtype)."""
     c = self.config
     dt = jnp.dtype(c.dtype)
     q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dt))
@@ -143,7 +144,21 @@ class Attention(nnx.Module):
       v = v + jnp.broadcast_to(self.v_bias[...].astype(dt), v.shape)
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    q, k = _apply_rope(q, cos_bth, sin_bth), _apply_rope(k, cos_bth, sin_bth)
+    return _apply_rope(q, cos_bth, sin_bth), _apply_rope(k, cos_bth, sin_bth), v
+
+  def _out(self, out_btnh):
+    dt = jnp.dtype(self.config.dtype)
+    return jnp.einsum("btnh,nhd->btd", out_btnh, self.o_proj[...].astype(dt))
+
+  def _grouped(self, q_btnh):
+    """Queries [B,T,N,H] as [B,T,N_kv,N/N_kv,H] (the query heads sharing each kv head)."""
+    b, t, n, h = q_btnh.shape
+    kv = self.config.num_kv_heads
+    return q_btnh.reshape(b, t, kv, n // kv, h)
+
+  def __call__(self, x_btd, cos_bth, sin_bth, allowed_bts, cache_kv=None, cache_index=None):
+    dt = jnp.dtype(self.config.dtype)
+    q, k, v = self._qkv(x_btd, cos_bth, sin_bth)
     if cache_kv is not None:
       k_cache, v_cache = cache_kv
       start = (0, cache_index, 0, 0)
@@ -151,14 +166,52 @@ class Attention(nnx.Module):
       v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
       cache_kv = (k, v)
     b, t, n, h = q.shape
-    kv = c.num_kv_heads
-    q = q.reshape(b, t, kv, n // kv, h)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k.astype(dt), preferred_element_type=jnp.float32)
+    scores = jnp.einsum(
+      "btkgh,bskh->bkgts", self._grouped(q), k.astype(dt), preferred_element_type=jnp.float32
+    )
     scores = scores / math.sqrt(h)
     scores = jnp.where(allowed_bts[:, None, None], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dt)).reshape(b, t, n, h)
-    return jnp.einsum("btnh,nhd->btd", out, self.o_proj[...].astype(dt)), cache_kv
+    return self._out(out), cache_kv
+
+  def shared_prefix(self, x_p, x_s, rope_p, rope_s, prompt_mask_gp, group_size):
+    """Attention of G prompts [G,P,D] and their K continuations each [G*K,N,D].
+
+    Prompt queries attend causally within their prompt (real tokens only); a
+    continuation's queries attend to all real tokens of its group's prompt and
+    causally to its own tokens. The prompt keys/values are computed once per
+    group and shared by the K continuations; the softmax runs jointly over the
+    prompt and continuation keys, as in the concatenated sequence.
+    """
+    dt = jnp.dtype(self.config.dtype)
+    g, p = prompt_mask_gp.shape
+    qp, kp, vp = self._qkv(x_p, *rope_p)
+    qs, ks, vs = self._qkv(x_s, *rope_s)
+    n_len, h = qs.shape[1], qs.shape[-1]
+    root = math.sqrt(h)
+    causal_p = jnp.tril(jnp.ones((p, p), bool))[None] & prompt_mask_gp[:, None, :]
+    scores = jnp.einsum(
+      "btkgh,bskh->bkgts", self._grouped(qp), kp, preferred_element_type=jnp.float32
+    )
+    scores = jnp.where(causal_p[:, None, None], scores / root, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out_p = jnp.einsum("bkgts,bskh->btkgh", probs, vp).reshape(qp.shape)
+    # Continuations, grouped [G, K, ...] so the prompt keys are read, not copied, K times.
+    qs_g = self._grouped(qs).reshape(g, group_size, *self._grouped(qs).shape[1:])
+    to_prompt = jnp.einsum("gctkqh,gskh->gckqts", qs_g, kp, preferred_element_type=jnp.float32)
+    to_prompt = jnp.where(prompt_mask_gp[:, None, None, None, None, :], to_prompt / root, _NEG_INF)
+    to_self = jnp.einsum(
+      "btkqh,bskh->bkqts", self._grouped(qs), ks, preferred_element_type=jnp.float32
+    )
+    causal_s = jnp.tril(jnp.ones((n_len, n_len), bool))
+    to_self = jnp.where(causal_s, to_self / root, _NEG_INF)
+    to_self = to_self.reshape(g, group_size, *to_self.shape[1:])
+    probs = jax.nn.softmax(jnp.concatenate([to_prompt, to_self], axis=-1), axis=-1).astype(dt)
+    out_s = jnp.einsum("gckqts,gskh->gctkqh", probs[..., :p], vp) + jnp.einsum(
+      "gckqts,gcskh->gctkqh", probs[..., p:], vs.reshape(g, group_size, *vs.shape[1:])
+    )
+    return self._out(out_p), self._out(out_s.reshape(qs.shape))
 
 
 class MLP(nnx.Module):
@@ -194,9 +247,22 @@ class DecoderLayer(nnx.Module):
     attn, cache_kv = self.self_attn(
       self.input_layernorm(h_btd), cos_bth, sin_bth, allowed_bts, cache_kv, cache_index
     )
-    h_btd = h_btd + attn
-    h_btd = h_btd + self.mlp(self.post_attention_layernorm(h_btd))
-    return h_btd, cache_kv
+    return self._feed_forward(h_btd + attn), cache_kv
+
+  def _feed_forward(self, h_btd):
+    return h_btd + self.mlp(self.post_attention_layernorm(h_btd))
+
+  def shared_prefix(self, h_p, h_s, rope_p, rope_s, prompt_mask_gp, group_size):
+    """The block on prompts [G,P,D] and their continuations [G*K,N,D] (see `Attention`)."""
+    attn_p, attn_s = self.self_attn.shared_prefix(
+      self.input_layernorm(h_p),
+      self.input_layernorm(h_s),
+      rope_p,
+      rope_s,
+      prompt_mask_gp,
+      group_size,
+    )
+    return self._feed_forward(h_p + attn_p), self._feed_forward(h_s + attn_s)
 
 
 def _constrain(h_btd: jax.Array) -> jax.Array:
@@ -244,7 +310,6 @@ class Decoder(nnx.Module):
     self, tokens, positions=None, attention_mask=None, cache=None, cache_index=None
   ):
     """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache (or None)."""
-    c = self.config
     tokens = jnp.asarray(tokens)
     b, t = tokens.shape
     if cache is None:
@@ -259,45 +324,92 @@ class Decoder(nnx.Module):
       positions = default_positions(mask)
       if cache is not None:
         positions = jax.lax.dynamic_slice_in_dim(positions, q_offset, t, axis=1)
-    freqs = jnp.multiply.outer(jnp.asarray(positions, jnp.float32), rope_inv_freq(c))
-    freqs = jnp.concatenate([freqs, freqs], axis=-1)
-    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    cos, sin = self._rope(positions)
     q_idx = q_offset + jnp.arange(t)
     allowed = (jnp.arange(s)[None, :] <= q_idx[:, None])[None] & mask[:, None, :]
-    h = _constrain(jnp.take(self.embed_tokens[...], tokens, axis=0).astype(c.dtype))
-    if c.scan_layers and cache is None:
-      return self.norm(self._scan_layers(h, cos, sin, allowed)), None
+    h = self._embed(tokens)
+    if cache is None:
+      block = lambda layer, h: _constrain(layer(h, cos, sin, allowed)[0])
+      return self.norm(self._apply_layers(block, h)), None
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
-      kv = None if cache is None else (cache.k[i], cache.v[i])
-      if c.remat and cache is None:
-        graphdef, state = nnx.split(layer)
-
-        def run(state, h, cos, sin, allowed, graphdef=graphdef):
-          return nnx.merge(graphdef, state)(h, cos, sin, allowed)[0]
-
-        h = jax.checkpoint(run)(state, h, cos, sin, allowed)
-      else:
-        h, kv = layer(h, cos, sin, allowed, kv, cache_index)
+      h, kv = layer(h, cos, sin, allowed, (cache.k[i], cache.v[i]), cache_index)
       h = _constrain(h)
-      if kv is not None:
-        new_k.append(kv[0])
-        new_v.append(kv[1])
-    h = self.norm(h)
-    return h, (None if cache is None else KVCache(tuple(new_k), tuple(new_v)))
+      new_k.append(kv[0])
+      new_v.append(kv[1])
+    return self.norm(h), KVCache(tuple(new_k), tuple(new_v))
 
-  def _scan_layers(self, h_btd, cos, sin, allowed):
-    """The blocks as one `lax.scan` over their stacked states (one block compiled)."""
-    splits = [nnx.split(layer) for layer in self.layers]
-    graphdef = splits[0][0]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits))
+  def shared_prefix_hidden_states(self, prompt_tokens, prompt_mask, tokens, group_size: int):
+    """Final-norm hidden states of K continuations per prompt, each prompt run once.
 
-    def block(h, state):
-      return _constrain(nnx.merge(graphdef, state)(h, cos, sin, allowed)[0]), None
+    Equals `hidden_states` of the concatenations ``[prompt_g, tokens_b]`` with
+    attention mask ``[prompt_mask_g, 1...]`` for rows ``b = g * K + k``
+    (group-major), within float tolerance, with the prompt's share of the
+    work done once per group instead of K times.
 
-    if self.config.remat:
-      block = jax.checkpoint(block)
-    return jax.lax.scan(block, h_btd, stacked)[0]
+    Args:
+      prompt_tokens: int32 [G, P] left-padded prompts.
+      prompt_mask: [G, P] 1 on real prompt tokens.
+      tokens: int32 [G*K, N] continuations, group-major.
+      group_size: K.
+
+    Returns:
+      (h_prompt [G, P, D], h_tokens [G*K, N, D]).
+    """
+    prompt_tokens, tokens = jnp.asarray(prompt_tokens), jnp.asarray(tokens)
+    prompt_mask = jnp.asarray(prompt_mask) > 0
+    n = tokens.shape[1]
+    lengths = jnp.sum(prompt_mask, axis=-1).astype(jnp.int32)
+    suffix_positions = jnp.repeat(lengths, group_size)[:, None] + jnp.arange(n)[None, :]
+    rope_p = self._rope(default_positions(prompt_mask))
+    rope_s = self._rope(suffix_positions)
+
+    def block(layer, hs):
+      h_p, h_s = layer.shared_prefix(*hs, rope_p, rope_s, prompt_mask, group_size)
+      return _constrain(h_p), _constrain(h_s)
+
+    hs = (self._embed(prompt_tokens), self._embed(tokens))
+    h_p, h_s = self._apply_layers(block, hs)
+    return self.norm(h_p), self.norm(h_s)
+
+  def _embed(self, tokens):
+    return _constrain(jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.config.dtype))
+
+  def _rope(self, positions):
+    """(cos, sin) [B, T, H] of the rotary embedding at `positions` [B, T]."""
+    freqs = jnp.multiply.outer(jnp.asarray(positions, jnp.float32), rope_inv_freq(self.config))
+    freqs = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+  def _apply_layers(self, block, carry):
+    """``carry = block(layer, carry)`` over the layers (no cache), with remat / scan per config.
+
+    ``scan_layers`` runs the blocks as one `lax.scan` over their stacked states
+    (one block compiled); ``remat`` rematerialises each block in the backward pass.
+    """
+    c = self.config
+    if c.scan_layers:
+      splits = [nnx.split(layer) for layer in self.layers]
+      graphdef = splits[0][0]
+      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits))
+
+      def scanned(carry, state):
+        return block(nnx.merge(graphdef, state), carry), None
+
+      if c.remat:
+        scanned = jax.checkpoint(scanned)
+      return jax.lax.scan(scanned, carry, stacked)[0]
+    for layer in self.layers:
+      if c.remat:
+        layer_def, state = nnx.split(layer)
+
+        def run(state, carry, layer_def=layer_def):
+          return block(nnx.merge(layer_def, state), carry)
+
+        carry = jax.checkpoint(run)(state, carry)
+      else:
+        carry = block(layer, carry)
+    return carry
 
   def logits_from_hidden(self, h_btd: jax.Array) -> jax.Array:
     """float32 logits [..., V] from final hidden states [..., D]."""
