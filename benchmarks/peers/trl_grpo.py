@@ -78,8 +78,8 @@ def generate_only(args) -> None:
 class _StepTimer(transformers.TrainerCallback):
   """Times each optimizer step and the `generate` calls inside it; prints a row."""
 
-  def __init__(self, model, rows: int, wait: bool, system: str):
-    self.rows, self.wait, self.system = rows, wait, system
+  def __init__(self, model, wait: bool, system: str):
+    self.wait, self.system = wait, system
     self.gen_s = self.gen_tokens = 0.0
     self.round = 0
     generate = model.generate
@@ -150,7 +150,7 @@ def grpo(args) -> None:
       processing_class=tokenizer,
     )
     system = f"TRL GRPOTrainer (trl {trl.__version__}, torch {torch.__version__} CPU)"
-    trainer.add_callback(_StepTimer(trainer.model, g * k, args.wait, system))
+    trainer.add_callback(_StepTimer(trainer.model, args.wait, system))
     if args.wait:
       _emit({"ready": True})
     trainer.train()
