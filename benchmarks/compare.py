@@ -80,7 +80,9 @@ from offpolicy_jax import advantages, losses, models, sampling, train_step  # no
 from offpolicy_jax.types import TrainBatch  # noqa: E402
 
 # Our rows: "name:options;name:options". Edit to time new optimisations by default.
-DEFAULT_VARIANTS = "baseline:"
+# "baseline" is the plain train step; "optimized" runs each group's prompt once
+# and leaves zero-advantage rows out (both exact; the run layer's defaults).
+DEFAULT_VARIANTS = "baseline:;optimized:shared_prefix=True,skip_zero_advantage=True"
 PEERS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers")
 # (peer system prefix, column) -> speed-up of ours the issue asks for.
 TARGETS = {("tunix", "step_s"): 1.5, ("TRL", "step_s"): 2.5, ("tunix", "sampler_tok_s"): 1.3}
@@ -99,6 +101,9 @@ class Protocol:
   prompt_len: int = 64
   new_tokens: int = 128
   learning_rate: float = 1e-6
+  # Fraction of groups with equal rewards (zero advantage); our side only, the
+  # peer scripts draw every reward at random (the issue's protocol: 0).
+  uniform_groups: float = 0.0
   seed: int = 0
 
   @property
@@ -228,6 +233,9 @@ def check_train_options(name: str, options: dict[str, Any]) -> None:
 def _grpo_batch(out: sampling.SampleOutput, prompts, p: Protocol, key) -> TrainBatch:
   """The train batch of one sampled group, random rewards, GRPO advantages."""
   rewards = jax.random.uniform(key, (p.rows,))
+  # The first uniform_groups * G groups get one reward for all K responses: zero advantage.
+  flat = jnp.arange(p.rows) < round(p.uniform_groups * p.prompts) * p.group
+  rewards = jnp.where(flat, 1.0, rewards)
   adv = advantages.compute("grpo", rewards.reshape(p.prompts, p.group)).reshape(-1)
   return TrainBatch(
     prompt_tokens=jnp.repeat(prompts, p.group, axis=0),
@@ -247,6 +255,9 @@ def make_our_round(path: str, p: Protocol, options: dict[str, Any]) -> Callable[
   graphdef, params = nnx.split(models.from_pretrained(path, jnp.float32))
   sampler = sampling.make_sampler(graphdef, max_new_tokens=p.new_tokens, group_size=p.group)
   optimizer = train_step.make_optimizer(p.learning_rate)
+  options = {"group_size": p.group, **options}
+  if "group_size" not in inspect.signature(train_step.make_train_step).parameters:
+    options.pop("group_size")  # an older checkout, for before/after runs
   step = train_step.make_train_step(graphdef, optimizer, "grpo", **options)
   state = train_step.init_train_state(params, optimizer)
   prompts = jnp.asarray(_read_protocol(path)["prompt_ids"], jnp.int32)
@@ -512,7 +523,8 @@ def run(args) -> dict:
       f"checkpoint: Qwen3 {p.layers} layers, d={p.hidden}, vocab {p.vocab}, "
       f"{config.num_params() / 1e6:.1f}M parameters, float32; GRPO {p.prompts} prompts x "
       f"{p.group} samples, {p.prompt_len} prompt + {p.new_tokens} new tokens; "
-      f"median of {args.rounds} rounds after one warm-up; device {jax.devices()[0].platform}",
+      f"median of {args.rounds} rounds after one warm-up; device {jax.devices()[0].platform}"
+      + (f"; {p.uniform_groups:.0%} of our groups zero-advantage" if p.uniform_groups else ""),
       flush=True,
     )
     peers, skipped = start_peers(args, path, args.log_dir or path)

@@ -73,8 +73,22 @@ def _select(logits_bv, key, temperature, top_k, top_p):
   else:
     z = _truncate(logits_bv / temperature, top_k, top_p)
     logp_all = jax.nn.log_softmax(z, axis=-1)
-    token = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
+    token = _inverse_cdf(key, logp_all)
   return token, jnp.take_along_axis(logp_all, token[:, None], axis=-1)[:, 0]
+
+
+def _inverse_cdf(key, logp_bv):
+  """One draw per row from softmax: the first token whose running mass reaches u * total.
+
+  One uniform per row instead of `jax.random.categorical`'s Gumbel noise over
+  the whole vocabulary (a threefry hash of B x V words at every decode step, the
+  largest non-matmul cost of the loop). u is in (0, 1], so a token of
+  probability 0 (cut by top-k / top-p) is never drawn.
+  """
+  cdf = jnp.cumsum(jnp.exp(logp_bv), axis=-1)
+  u = 1.0 - jax.random.uniform(key, (logp_bv.shape[0], 1))
+  token = jnp.sum(cdf < u * cdf[:, -1:], axis=-1)
+  return jnp.minimum(token, logp_bv.shape[-1] - 1).astype(jnp.int32)
 
 
 def _hits_stop(tokens_bn, i, stop_sequences):

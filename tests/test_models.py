@@ -392,3 +392,30 @@ def test_decoder_constrains_activations_under_a_mesh(tiny):
   assert "sharding_constraint" not in plain
   # One after the embedding and one after each block.
   assert constrained.count("sharding_constraint") >= tiny.config.num_layers + 1
+
+
+def test_bfloat16_compute_with_float32_master_weights_keeps_logprobs_close():
+  """Mixed precision (config.model_dtype="bfloat16"): bf16 matmuls, fp32 params, log-softmax."""
+  import dataclasses
+
+  cfg32 = models.get_config("small", dtype="float32", param_dtype="float32")
+  m32 = models.Decoder(cfg32, rngs=nnx.Rngs(0))
+  graphdef16 = nnx.split(
+    models.Decoder(dataclasses.replace(cfg32, dtype="bfloat16"), rngs=nnx.Rngs(0))
+  )[0]
+  params = nnx.split(m32)[1]
+  m16 = nnx.merge(graphdef16, params)
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(1, cfg32.vocab_size, (4, 16))
+  tokens = rng.integers(1, cfg32.vocab_size, (4, 32))
+  args = (prompt, np.ones((4, 16)), tokens, np.ones((4, 32)))
+  ref = np.asarray(models.sequence_logprobs(m32, *args)[0])
+  low = models.sequence_logprobs(m16, *args)[0]
+  assert low.dtype == jnp.float32
+  # Measured 0.014 max / 0.0038 mean absolute error on log-probs of about -9.2.
+  assert np.abs(np.asarray(low) - ref).max() < 0.05
+  assert np.abs(np.asarray(low) - ref).mean() < 0.01
+  grads = jax.grad(lambda p: models.sequence_logprobs(nnx.merge(graphdef16, p), *args)[0].sum())(
+    params
+  )
+  assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}

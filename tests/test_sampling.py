@@ -197,3 +197,19 @@ def test_top_k_top_p_logprobs_are_renormalised(tiny, prompts, teacher):
       tok = int(out.tokens[b, t])
       assert np.isfinite(ref[tok]), "sampled a truncated token"
       np.testing.assert_allclose(out.logprobs[b, t], ref[tok], atol=1e-5)
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_skip_cut_tokens():
+  probs = np.array(
+    [[0.5, 0.3, 0.2, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0], [0.01, 0.0, 0.0, 0.0, 0.99]], np.float32
+  )
+  with np.errstate(divide="ignore"):
+    logp = jnp.asarray(np.log(probs))  # -inf where top-k / top-p cut the token
+  n = 20000
+  keys = jax.random.split(jax.random.key(0), n)
+  draws = np.asarray(jax.jit(jax.vmap(lambda k: sampling._inverse_cdf(k, logp)))(keys))
+  for row in range(3):
+    freq = np.bincount(draws[:, row], minlength=5) / n
+    assert np.all(freq[probs[row] == 0] == 0), (row, freq)
+    sigma = np.sqrt(probs[row] * (1 - probs[row]) / n)
+    np.testing.assert_array_less(np.abs(freq - probs[row]), 5 * sigma + 1e-9)

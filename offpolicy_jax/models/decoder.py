@@ -36,8 +36,8 @@ class KVCache(NamedTuple):
   """Per-layer key/value cache.
 
   Attributes:
-    k: tuple (one per layer) of [B, S, N_kv, H] keys (compute dtype).
-    v: tuple (one per layer) of [B, S, N_kv, H] values.
+    k: tuple (one per layer) of [B, N_kv, S, H] keys (compute dtype), head-major.
+    v: tuple (one per layer) of [B, N_kv, S, H] values.
   """
 
   k: tuple
@@ -84,6 +84,12 @@ def rope_inv_freq(config: ModelConfig) -> jax.Array:
   smoothed = (1 - smooth) * scaled / factor + smooth * scaled
   medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
   return jnp.where(medium, smoothed, scaled)
+
+
+def _project_heads(x_btd, w_dnh):
+  """``einsum("btd,dnh->btnh")`` as one 2-D matmul on free reshapes (no weight transpose)."""
+  d, n, h = w_dnh.shape
+  return jnp.dot(x_btd, w_dnh.reshape(d, n * h)).reshape(*x_btd.shape[:-1], n, h)
 
 
 def _apply_rope(x_btnh, cos_bth, sin_bth):
@@ -135,9 +141,9 @@ class Attention(nnx.Module):
     """Rotated queries [B,T,N,H], keys and values [B,T,N_kv,H] (compute dtype)."""
     c = self.config
     dt = jnp.dtype(c.dtype)
-    q = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dt))
-    k = jnp.einsum("btd,dnh->btnh", x_btd, self.k_proj[...].astype(dt))
-    v = jnp.einsum("btd,dnh->btnh", x_btd, self.v_proj[...].astype(dt))
+    q, k, v = (
+      _project_heads(x_btd, w[...].astype(dt)) for w in (self.q_proj, self.k_proj, self.v_proj)
+    )
     if c.qkv_bias:
       q = q + jnp.broadcast_to(self.q_bias[...].astype(dt), q.shape)
       k = k + jnp.broadcast_to(self.k_bias[...].astype(dt), k.shape)
@@ -147,8 +153,12 @@ class Attention(nnx.Module):
     return _apply_rope(q, cos_bth, sin_bth), _apply_rope(k, cos_bth, sin_bth), v
 
   def _out(self, out_btnh):
+    # One [B*T, N*H] x [N*H, D] matmul (a free reshape of both operands); as a
+    # 4-D einsum XLA's CPU backend transposed the weight at every decode step.
     dt = jnp.dtype(self.config.dtype)
-    return jnp.einsum("btnh,nhd->btd", out_btnh, self.o_proj[...].astype(dt))
+    b, t, n, h = out_btnh.shape
+    w = self.o_proj[...].astype(dt)
+    return jnp.dot(out_btnh.reshape(b, t, n * h), w.reshape(n * h, w.shape[-1]))
 
   def _grouped(self, q_btnh):
     """Queries [B,T,N,H] as [B,T,N_kv,N/N_kv,H] (the query heads sharing each kv head)."""
@@ -159,20 +169,24 @@ class Attention(nnx.Module):
   def __call__(self, x_btd, cos_bth, sin_bth, allowed_bts, cache_kv=None, cache_index=None):
     dt = jnp.dtype(self.config.dtype)
     q, k, v = self._qkv(x_btd, cos_bth, sin_bth)
+    # Keys and values head-major [B, N_kv, S, H], the cache's layout: both
+    # attention matmuls then read them as they lie (with [B, S, N_kv, H] XLA's
+    # CPU backend transposed the whole cache of every layer at every decode step).
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     if cache_kv is not None:
       k_cache, v_cache = cache_kv
-      start = (0, cache_index, 0, 0)
+      start = (0, 0, cache_index, 0)
       k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
       v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
       cache_kv = (k, v)
     b, t, n, h = q.shape
     scores = jnp.einsum(
-      "btkgh,bskh->bkgts", self._grouped(q), k.astype(dt), preferred_element_type=jnp.float32
+      "btkgh,bksh->bkgts", self._grouped(q), k.astype(dt), preferred_element_type=jnp.float32
     )
     scores = scores / math.sqrt(h)
     scores = jnp.where(allowed_bts[:, None, None], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(dt)).reshape(b, t, n, h)
+    out = jnp.einsum("bkgts,bksh->btkgh", probs, v.astype(dt)).reshape(b, t, n, h)
     return self._out(out), cache_kv
 
   def shared_prefix(self, x_p, x_s, rope_p, rope_s, prompt_mask_gp, group_size):
@@ -300,7 +314,7 @@ class Decoder(nnx.Module):
     """Zero KV cache of `max_len` slots for `batch` rows (compute dtype by default)."""
     c = self.config
     dtype = jnp.dtype(dtype or c.dtype)
-    shape = (batch, max_len, c.num_kv_heads, c.head_dim)
+    shape = (batch, c.num_kv_heads, max_len, c.head_dim)
     return KVCache(
       k=tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
       v=tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
