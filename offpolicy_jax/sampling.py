@@ -14,8 +14,9 @@ temperature)`. temperature = 0 means greedy decoding (argmax); the distribution 
 then a point mass, and the recorded log-probs are the untempered model
 log-probs log softmax(logits)(y_t) instead.
 
-Prompts are left-padded [G, P]; each prompt is prefilled once and its cache is
-repeated K = group_size times (rows are group-major: row g*K + k). Tokens after
+Prompts are left-padded [G, P]; each prompt is prefilled once and its keys and
+values are shared, not copied, by its K = group_size samples at every decode
+step (rows are group-major: row g*K + k). Tokens after
 EOS (or a stop sequence) are 0 and masked out; the mask is 1 up to and
 including the EOS token.
 """
@@ -154,15 +155,13 @@ def make_sampler(
     g, p = prompt_tokens.shape
     b = g * k_rep
     prompt_mask = jnp.arange(p)[None, :] >= p - jnp.asarray(prompt_lengths)[:, None]
-    kv_mask = jnp.concatenate([prompt_mask, jnp.ones((g, n), bool)], axis=1)
-    cache = model.init_cache(g, p + n)
-    h, cache = model.hidden_states(
-      prompt_tokens, attention_mask=kv_mask, cache=cache, cache_index=0
+    # The prompts' cache is filled once and read once per group at every step;
+    # each of the B rows has its own cache for the tokens it generates.
+    h, prefix = model.hidden_states(
+      prompt_tokens, attention_mask=prompt_mask, cache=model.init_cache(g, p), cache_index=0
     )
-    logits = model.logits_from_hidden(h[:, -1])
-    rep = lambda x: jnp.repeat(x, k_rep, axis=0)
-    cache = jax.tree.map(rep, cache)
-    logits, kv_mask = rep(logits), rep(kv_mask)
+    logits = jnp.repeat(model.logits_from_hidden(h[:, -1]), k_rep, axis=0)
+    cache = model.init_cache(b, n)
 
     def cond(carry):
       i, done = carry[0], carry[4]
@@ -182,10 +181,8 @@ def make_sampler(
       if stops:
         finished = finished | _hits_stop(tokens, i, stops)
       done = done | finished
-      h, cache = model.hidden_states(
-        token[:, None], attention_mask=kv_mask, cache=cache, cache_index=p + i
-      )
-      logits = model.logits_from_hidden(h[:, 0])
+      h, cache = model.decode_shared(token, prefix, cache, prompt_mask, i)
+      logits = model.logits_from_hidden(h)
       return i + 1, cache, logits, (tokens, logps, valid), done
 
     out = (jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n), bool))

@@ -199,33 +199,78 @@ class Attention(nnx.Module):
     prompt and continuation keys, as in the concatenated sequence.
     """
     dt = jnp.dtype(self.config.dtype)
-    g, p = prompt_mask_gp.shape
+    p = prompt_mask_gp.shape[1]
     qp, kp, vp = self._qkv(x_p, *rope_p)
     qs, ks, vs = self._qkv(x_s, *rope_s)
-    n_len, h = qs.shape[1], qs.shape[-1]
-    root = math.sqrt(h)
     causal_p = jnp.tril(jnp.ones((p, p), bool))[None] & prompt_mask_gp[:, None, :]
     scores = jnp.einsum(
       "btkgh,bskh->bkgts", self._grouped(qp), kp, preferred_element_type=jnp.float32
     )
-    scores = jnp.where(causal_p[:, None, None], scores / root, _NEG_INF)
+    scores = jnp.where(causal_p[:, None, None], scores / math.sqrt(qp.shape[-1]), _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     out_p = jnp.einsum("bkgts,bskh->btkgh", probs, vp).reshape(qp.shape)
-    # Continuations, grouped [G, K, ...] so the prompt keys are read, not copied, K times.
-    qs_g = self._grouped(qs).reshape(g, group_size, *self._grouped(qs).shape[1:])
-    to_prompt = jnp.einsum("gctkqh,gskh->gckqts", qs_g, kp, preferred_element_type=jnp.float32)
-    to_prompt = jnp.where(prompt_mask_gp[:, None, None, None, None, :], to_prompt / root, _NEG_INF)
-    to_self = jnp.einsum(
-      "btkqh,bskh->bkqts", self._grouped(qs), ks, preferred_element_type=jnp.float32
+    n_len = qs.shape[1]
+    head_major = lambda x: jnp.swapaxes(x, 1, 2)
+    out_s = self._grouped_attention(
+      qs,
+      (head_major(kp), head_major(vp)),
+      (head_major(ks), head_major(vs)),
+      prompt_mask_gp,
+      jnp.tril(jnp.ones((n_len, n_len), bool)),
     )
-    causal_s = jnp.tril(jnp.ones((n_len, n_len), bool))
-    to_self = jnp.where(causal_s, to_self / root, _NEG_INF)
+    return self._out(out_p), self._out(out_s)
+
+  def decode_shared(self, x_b1d, rope, prefix_kv, suffix_kv, prompt_mask_gp, index):
+    """One decode step of K continuations per prompt against a per-group prompt cache.
+
+    Args:
+      x_b1d: [G*K, 1, D] normalised hidden states of the new tokens (group-major).
+      rope: (cos, sin) [G*K, 1, H] at the new tokens' positions.
+      prefix_kv: (k, v) [G, N_kv, P, H] of the prompts, written once by the prefill.
+      suffix_kv: (k, v) [G*K, N_kv, S, H] of the continuations so far.
+      prompt_mask_gp: [G, P] real prompt tokens.
+      index: slot of the new token in the suffix cache (traced).
+
+    Returns:
+      (attention output [G*K, 1, D], updated suffix (k, v)).
+    """
+    q, k, v = self._qkv(x_b1d, *rope)
+    start = (0, 0, index, 0)
+    ks, vs = (
+      jax.lax.dynamic_update_slice(c, jnp.swapaxes(x, 1, 2).astype(c.dtype), start)
+      for c, x in zip(suffix_kv, (k, v), strict=True)
+    )
+    allowed = (jnp.arange(ks.shape[2]) <= index)[None, :]
+    out = self._grouped_attention(q, prefix_kv, (ks, vs), prompt_mask_gp, allowed)
+    return self._out(out), (ks, vs)
+
+  def _grouped_attention(self, q_btnh, prefix_kv, own_kv, prompt_mask_gp, own_allowed_ts):
+    """Continuations [G*K,T,N,H] attending to their group's prompt and to their own keys.
+
+    Keys/values are head-major: the prompt's [G, N_kv, P, H] are read once per
+    group (not copied K times), the continuations' own [G*K, N_kv, S, H] per
+    row; `own_allowed_ts` [T, S] masks the own keys; one softmax over both.
+    """
+    dt = jnp.dtype(self.config.dtype)
+    (kp, vp), (ks, vs) = prefix_kv, own_kv
+    g, p = prompt_mask_gp.shape
+    qg = self._grouped(q_btnh)
+    group_size = qg.shape[0] // g
+    root = math.sqrt(q_btnh.shape[-1])
+    qg_g = qg.reshape(g, group_size, *qg.shape[1:])
+    to_prompt = jnp.einsum(
+      "gctkqh,gksh->gckqts", qg_g, kp.astype(dt), preferred_element_type=jnp.float32
+    )
+    to_prompt = jnp.where(prompt_mask_gp[:, None, None, None, None, :], to_prompt / root, _NEG_INF)
+    to_self = jnp.einsum("btkqh,bksh->bkqts", qg, ks.astype(dt), preferred_element_type=jnp.float32)
+    to_self = jnp.where(own_allowed_ts, to_self / root, _NEG_INF)
     to_self = to_self.reshape(g, group_size, *to_self.shape[1:])
     probs = jax.nn.softmax(jnp.concatenate([to_prompt, to_self], axis=-1), axis=-1).astype(dt)
-    out_s = jnp.einsum("gckqts,gskh->gctkqh", probs[..., :p], vp) + jnp.einsum(
-      "gckqts,gcskh->gctkqh", probs[..., p:], vs.reshape(g, group_size, *vs.shape[1:])
+    vs_g = vs.astype(dt).reshape(g, group_size, *vs.shape[1:])
+    out = jnp.einsum("gckqts,gksh->gctkqh", probs[..., :p], vp.astype(dt)) + jnp.einsum(
+      "gckqts,gcksh->gctkqh", probs[..., p:], vs_g
     )
-    return self._out(out_p), self._out(out_s.reshape(qs.shape))
+    return out.reshape(q_btnh.shape)
 
 
 class MLP(nnx.Module):
@@ -277,6 +322,13 @@ class DecoderLayer(nnx.Module):
       group_size,
     )
     return self._feed_forward(h_p + attn_p), self._feed_forward(h_s + attn_s)
+
+  def decode_shared(self, h_b1d, rope, prefix_kv, suffix_kv, prompt_mask_gp, index):
+    """The block for one decode step against a per-group prompt cache (see `Attention`)."""
+    attn, suffix_kv = self.self_attn.decode_shared(
+      self.input_layernorm(h_b1d), rope, prefix_kv, suffix_kv, prompt_mask_gp, index
+    )
+    return self._feed_forward(h_b1d + attn), suffix_kv
 
 
 def _constrain(h_btd: jax.Array) -> jax.Array:
@@ -385,6 +437,44 @@ class Decoder(nnx.Module):
     hs = (self._embed(prompt_tokens), self._embed(tokens))
     h_p, h_s = self._apply_layers(block, hs)
     return self.norm(h_p), self.norm(h_s)
+
+  def decode_shared(self, tokens_b, prefix: KVCache, suffix: KVCache, prompt_mask, index):
+    """Final-norm hidden states [G*K, D] of one new token per row, prompts cached once per group.
+
+    Equals a decode step of `hidden_states` with the prompt's cache repeated K
+    times (within float tolerance), but reads each prompt's keys and values once
+    per group.
+
+    Args:
+      tokens_b: int32 [G*K] the new tokens (group-major rows).
+      prefix: the prompts' cache, [G, N_kv, P, H] per layer (the prefill's).
+      suffix: the continuations' cache, [G*K, N_kv, S, H] per layer.
+      prompt_mask: [G, P] 1 on real prompt tokens.
+      index: suffix slot of the new tokens (their position is prompt length + index).
+
+    Returns:
+      (h [G*K, D], updated suffix cache).
+    """
+    prompt_mask = jnp.asarray(prompt_mask) > 0
+    rows = tokens_b.shape[0]
+    lengths = jnp.sum(prompt_mask, axis=-1).astype(jnp.int32)
+    positions = jnp.repeat(lengths, rows // prompt_mask.shape[0])[:, None] + index
+    rope = self._rope(positions)
+    h = self._embed(tokens_b[:, None])
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      h, (k, v) = layer.decode_shared(
+        h,
+        rope,
+        (prefix.k[i], prefix.v[i]),
+        (suffix.k[i], suffix.v[i]),
+        prompt_mask,
+        index,
+      )
+      h = _constrain(h)
+      new_k.append(k)
+      new_v.append(v)
+    return self.norm(h)[:, 0], KVCache(tuple(new_k), tuple(new_v))
 
   def _embed(self, tokens):
     return _constrain(jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.config.dtype))
