@@ -133,6 +133,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.micro_batch_size = 0
   # Run each group's prompt once and let its K responses attend to it (same
   # log-probs and gradients as K copies, within float tolerance; less work).
+  # Applies when every micro-batch holds whole groups; otherwise the plain forward runs.
   c.train.shared_prefix = True
   # Leave rows whose advantages are all 0 out of the forward/backward pass where
   # that is exact for the loss (losses.LossSpec.zero_advantage_inert; counted in

@@ -172,9 +172,16 @@ def step_options(config) -> train_step.StepOptions:
     num_epochs=config.train.num_epochs,
     temperature=config.temperature,
     group_size=config.group_size,
-    shared_prefix=config.train.shared_prefix,
+    shared_prefix=config.train.shared_prefix and _whole_groups(config),
     skip_zero_advantage=config.train.skip_zero_advantage,
   )
+
+
+def _whole_groups(config) -> bool:
+  """Whether every micro-batch holds whole groups (what a shared prefix needs)."""
+  rows = config.prompts_per_step * config.group_size // config.train.num_minibatches
+  per_micro = config.train.micro_batch_size or rows // config.optimizer.micro_batches
+  return per_micro % config.group_size == 0
 
 
 def sizes(config) -> rollouts.Sizes:

@@ -292,9 +292,9 @@ def _gradients_skipping(params, batch: TrainBatch, m: int, graphdef, options, re
   loss sum and the gradient, and their share of the denominator depends on the
   mask only. Units (rows, or groups with a shared prefix) that move the loss are
   packed first, the batch is cut into equal chunks, and a loop with a traced
-  trip count runs only the chunks holding them (one compiled body; padding rows
-  in the last chunk get weight 0). The loss count and the ``tokens`` metric are
-  those of the whole batch; the other metrics are over the rows trained on.
+  trip count runs only the chunks holding them (one compiled body; at least
+  one). The loss count and the ``tokens`` metric are those of the whole batch;
+  the other metrics are over the rows of the chunks that ran.
   """
   rows, unit = batch.tokens.shape[0], options.unit
   chunks = m * chunks_per_micro_batch(options, rows // m, _batch_shards())
@@ -303,13 +303,13 @@ def _gradients_skipping(params, batch: TrainBatch, m: int, graphdef, options, re
   unit_moves = jnp.any(moving.reshape(-1, unit), axis=1)
   unit_order = jnp.argsort(~unit_moves, stable=True)
   order = (unit_order[:, None] * unit + jnp.arange(unit)[None, :]).reshape(-1)
+  # Rows that do not move the loss and fill the last chunk add exactly 0 to the sums.
   packed = jax.tree.map(lambda x: x[order], batch)
-  packed = packed._replace(weights=jnp.where(moving[order], packed.weights, 0.0))
   micro = jax.tree.map(lambda x: x.reshape(chunks, chunk_rows, *x.shape[1:]), packed)
   grad_fn = jax.grad(micro_batch_loss, has_aux=True)
   args = (graphdef, options, ref_params, anchor)
   n_moving = jnp.sum(unit_moves.astype(jnp.int32)) * unit
-  # At least one chunk (all weights 0 if nothing moves) keeps every metric defined.
+  # At least one chunk, so that every metric is defined when nothing moves.
   n_chunks = jnp.maximum((n_moving + chunk_rows - 1) // chunk_rows, 1)
 
   def body(i, acc):

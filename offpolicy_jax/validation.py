@@ -270,14 +270,6 @@ def _validate_train(c) -> None:
     "optimizer.micro_batches",
     f"must divide the minibatch of {mb_rows} rows, got {micro}",
   )
-  if t.shared_prefix and _is_int(micro) and micro >= 1:
-    per_micro = t.micro_batch_size or mb_rows // micro
-    _need(
-      per_micro % c.group_size == 0,
-      "train.shared_prefix",
-      f"needs micro-batches of whole groups: {per_micro} rows per micro-batch do not hold "
-      f"groups of group_size={c.group_size} (set it False or use fewer micro-batches)",
-    )
   _need(
     c.prompts_per_step % jax.process_count() == 0,
     "prompts_per_step",

@@ -76,7 +76,6 @@ BAD = [
   ("train.micro_batch_size", -1, "train.micro_batch_size"),
   ("train.micro_batch_size", 3, "train.micro_batch_size"),
   ("train.shared_prefix", "yes", "train.shared_prefix"),
-  ("optimizer.micro_batches", 16, "train.shared_prefix"),
   ("train.skip_zero_advantage", 1, "train.skip_zero_advantage"),
   ("optimizer.learning_rate", -1e-3, "optimizer.learning_rate"),
   ("optimizer.learning_rate", INF, "optimizer.learning_rate"),
