@@ -65,32 +65,26 @@ def split_devices(devices: Sequence[Any], sampler_count: int) -> Layout:
   Raises:
     ValueError: naming `mesh.sampler_devices` when k is not a positive int,
       leaves the trainer no device, does not split evenly over the processes,
-      or leaves a process without a device of one role; or when processes own
-      different numbers of devices.
+      or when processes own different numbers of devices.
   """
   k = sampler_count
   if not isinstance(k, int | np.integer) or isinstance(k, bool) or k < 1:
-    raise ValueError(f"{FIELD} must be an int >= 1 to split the devices, got {k!r}")
+    raise ValueError(f"{FIELD}: must be an int >= 1 to split the devices, got {k!r}")
   by_process: dict[int, list] = {}
   for d in devices:
     by_process.setdefault(int(d.process_index), []).append(d)
   n, procs = len(devices), sorted(by_process)
   if k >= n:
-    raise ValueError(f"{FIELD} = {k} leaves the trainer no device ({n} devices in all)")
+    raise ValueError(f"{FIELD}: {k} leaves the trainer no device ({n} devices in all)")
   if k % len(procs):
     raise ValueError(
-      f"{FIELD} = {k} does not split evenly over {len(procs)} processes: every process "
+      f"{FIELD}: {k} does not split evenly over {len(procs)} processes: every process "
       f"must own sampler and trainer devices (use a multiple of {len(procs)})"
     )
   counts = {p: len(by_process[p]) for p in procs}
   if len(set(counts.values())) > 1:
     raise ValueError(f"{FIELD}: processes own different numbers of devices: {counts}")
-  per = k // len(procs)
-  if per >= counts[procs[0]]:
-    raise ValueError(
-      f"{FIELD} = {k}: {per} sampler devices per process leave each process's "
-      f"{counts[procs[0]]} devices no trainer device"
-    )
+  per = k // len(procs)  # < every process's count, as k < n and the counts are equal
   local = [sorted(by_process[p], key=lambda d: d.id) for p in procs]
   return Layout([d for ds in local for d in ds[:per]], [d for ds in local for d in ds[per:]])
 
