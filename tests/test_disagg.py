@@ -189,21 +189,24 @@ print("RESULT " + json.dumps({
 """
 
 
-def test_two_processes_transfer_with_each_owning_both_roles(tmp_path):
-  script = tmp_path / "transfer.py"
-  script.write_text(TRANSFER_SCRIPT)
-  env = {
+def _env():
+  return {
     **os.environ,
     "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
     "JAX_PLATFORMS": "cpu",
     "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
   }
+
+
+def test_two_processes_transfer_with_each_owning_both_roles(tmp_path):
+  script = tmp_path / "transfer.py"
+  script.write_text(TRANSFER_SCRIPT)
   port = _free_port()
   procs = [
     subprocess.Popen(
       [sys.executable, str(script), f"localhost:{port}", str(i)],
       cwd=ROOT,
-      env=env,
+      env=_env(),
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
     )
@@ -253,13 +256,18 @@ def _fifths(rows, key="reward_mean"):
   return r[:n].mean(), r[-n:].mean()
 
 
-def test_sync_disaggregated_run_equals_the_shared_mesh_run(tmp_path):
-  steps = 60
-  got = _train_rows(
-    loop.train_and_evaluate(
-      _config(**RUN, total_steps=steps, **{"mesh.sampler_devices": 2}), str(tmp_path / "d")
-    )
-  )
+SYNC_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+  """Training rows of a one-process disaggregated sync-mode run (2 sampler + 6 trainer devices)."""
+  config = _config(**RUN, total_steps=SYNC_STEPS, **{"mesh.sampler_devices": 2})
+  return _train_rows(loop.train_and_evaluate(config, str(tmp_path_factory.mktemp("sync"))))
+
+
+def test_sync_disaggregated_run_equals_the_shared_mesh_run(sync_run, tmp_path):
+  steps, got = SYNC_STEPS, sync_run
   want = _train_rows(
     loop.train_and_evaluate(_config(**RUN, total_steps=steps), str(tmp_path / "s"))
   )
@@ -305,3 +313,54 @@ def test_async_disaggregated_run_learns_with_exact_staleness(tmp_path):
   first, last = _fifths(rows)
   print(f"reward over the first / last fifth of steps: {first:.4f} / {last:.4f}; step {step:.4f} s")
   assert last > first  # it learns
+
+
+# The two processes' config file: RUN, 8 steps, 1 sampler + 3 trainer devices on each process.
+CONFIG_FILE = """
+import json
+from configs import default
+
+def get_config():
+  c = default.base_config()
+  for key, value in json.loads({overrides!r}).items():
+    *parents, leaf = key.split(".")
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  c.lock()
+  return c
+"""
+
+
+def test_two_process_disaggregated_run_matches_one_process(sync_run, tmp_path):
+  steps = 8
+  overrides = {**RUN, "total_steps": steps, "mesh.sampler_devices": 2}
+  config_file = tmp_path / "config.py"
+  config_file.write_text(CONFIG_FILE.format(overrides=json.dumps(overrides)))
+  workdir, port = tmp_path / "run", _free_port()
+  procs = []
+  for i in range(2):
+    cmd = [
+      sys.executable,
+      "-m",
+      "experiments.train",
+      f"--config={config_file}",
+      f"--workdir={workdir}",
+      f"--coordinator_address=localhost:{port}",
+      "--num_processes=2",
+      f"--process_id={i}",
+    ]
+    procs.append(
+      subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    )
+  outs = [p.communicate(timeout=240)[0].decode()[-3000:] for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], outs
+  with open(workdir / "metrics.jsonl") as f:
+    got = _train_rows([json.loads(line) for line in f])
+  assert [r["step"] for r in got] == list(range(1, steps + 1))
+  for a, b in zip(got, sync_run[:steps], strict=True):
+    assert _numbers(a).keys() == _numbers(b).keys()
+    for k, v in _numbers(b).items():
+      np.testing.assert_allclose(a[k], v, rtol=1e-4, atol=1e-5, err_msg=f"{k}, step {a['step']}")
+    assert a["reshard_bytes"] == b["reshard_bytes"]  # resharded at the same steps
