@@ -8,8 +8,9 @@ it prompts, writes a metrics row per loop step, evaluates and checkpoints.
 Chunks. With a device reward, `log_every` steps run as one jitted `lax.scan`
 and their metrics reach the host once per chunk; the chunk length is
 `gcd(log_every, eval_every, checkpoint_every)`, so evaluations and
-checkpoints fall on chunk ends. With a host reward each step runs as two
-jitted halves around the sandboxed scoring. Every row carries per-phase wall
+checkpoints fall on chunk ends. With a host reward, or a disaggregated
+sampler (`disagg`, `mesh.sampler_devices`), each step runs as two jitted
+halves around the (sandboxed) scoring. Every row carries per-phase wall
 times (`time/sample_s`, `time/reward_s`, `time/train_s`, `time/device_s`,
 `time/other_s`) and the number of XLA compilations so far (`compiles`).
 
