@@ -7,6 +7,7 @@ fresh model with the task's partial-credit reward and a higher learning rate
 double the file's time).
 """
 
+import dataclasses
 import json
 import os
 import socket
@@ -24,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from configs import default  # noqa: E402
-from offpolicy_jax import disagg, lag, loop, sharding, validation  # noqa: E402
+from offpolicy_jax import components, disagg, lag, loop, sharding, tasks, validation  # noqa: E402
 from tests.conftest import FAST_COMPILE  # noqa: E402
 
 # Wall-clock metrics and the disaggregated run's own metrics.
@@ -313,6 +314,50 @@ def test_async_disaggregated_run_learns_with_exact_staleness(tmp_path):
   first, last = _fifths(rows)
   print(f"reward over the first / last fifth of steps: {first:.4f} / {last:.4f}; step {step:.4f} s")
   assert last > first  # it learns
+
+
+def _text_reward(example, text):
+  """A deterministic host reward: the fraction of the reference answer's characters in the text."""
+  answer = str(example["answer"])
+  return sum(ch in text for ch in answer) / max(len(answer), 1)
+
+
+@pytest.mark.slow  # 35-50 s (verifier workers, two more compilations); run with -m slow
+def test_host_reward_and_offset_schedule_match_the_shared_mesh(tmp_path, monkeypatch):
+  """Host rewards score the rollout on the trainer mesh; v(t) of sync_interval 2, offset 3
+  comes from the trainer's snapshots, resharded when it changes (t = 1, 6)."""
+  real_get_task = tasks.get_task
+
+  def get_task(name, **kw):
+    return dataclasses.replace(real_get_task(name, **kw), reward=_text_reward, device_reward=None)
+
+  monkeypatch.setattr(tasks, "get_task", get_task)
+  components.clear_cache()
+  base = {
+    **RUN,
+    "total_steps": 6,
+    "eval_prompts": 0,
+    "mesh.data": -1,
+    "mesh.tensor": 1,
+    "lag.sync_interval": 2,
+    "lag.sync_offset": 3,
+    "reward_workers": 1,
+  }
+  try:
+    got = _train_rows(
+      loop.train_and_evaluate(_config(**base, **{"mesh.sampler_devices": 4}), str(tmp_path / "d"))
+    )
+    want = _train_rows(loop.train_and_evaluate(_config(**base), str(tmp_path / "s")))
+  finally:
+    components.clear_cache()
+  assert [r["step"] for r in got if r["reshard_bytes"]] == [1, 6]
+  for a, b in zip(got, want, strict=True):
+    assert a["staleness_max"] == lag.staleness(a["step"], 2, 3)
+    assert _numbers(a).keys() == _numbers(b).keys()
+    for k, v in _numbers(b).items():
+      if k != "reward_time_s":
+        np.testing.assert_allclose(a[k], v, rtol=1e-5, atol=1e-6, err_msg=f"{k}, step {a['step']}")
+  assert any(r["reward_mean"] > 0 for r in got)
 
 
 # The two processes' config file: RUN, 8 steps, 1 sampler + 3 trainer devices on each process.
