@@ -163,6 +163,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.mesh.fsdp = 1
   # Tensor-parallel axis size.
   c.mesh.tensor = 1
+  # Disaggregated mode: devices of the sampler's own mesh (0 = sampler and trainer
+  # share the mesh). Each process gives its first sampler_devices / processes local
+  # devices to the sampler; data * fsdp * tensor above must then use all the others.
+  c.mesh.sampler_devices = 0
 
   c.sft = ml_collections.ConfigDict()
   # Supervised warm start on the task's reference answers before RL.

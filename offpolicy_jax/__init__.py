@@ -20,6 +20,7 @@ Submodules, one topic each:
   components    build_components(config): the only reader of the config
   loop          train_and_evaluate(config, workdir): restore, iterate, write
   producer      the async-mode sampler thread
+  disagg        disaggregated sampler/trainer meshes: device split, weight transfer
   observability compile counter and jax.profiler traces
   validation    start-up config checks that name the bad field
   evaluation    greedy accuracy and pass@k on held-out prompts
@@ -41,6 +42,7 @@ from offpolicy_jax import (
   checkpointing,
   components,
   data,
+  disagg,
   evaluation,
   lag,
   launchers,
@@ -77,6 +79,7 @@ __all__ = [
   "checkpointing",
   "data",
   "components",
+  "disagg",
   "evaluation",
   "lag",
   "launchers",

@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from offpolicy_jax import (
+  disagg,
   lag,
   losses,
   models,
@@ -105,8 +106,14 @@ class Components:
 
 
 def make_mesh(config) -> jax.sharding.Mesh:
-  """The `(data, fsdp, tensor)` mesh of `config.mesh` (-1 fills the remaining devices)."""
+  """The trainer's `(data, fsdp, tensor)` mesh of `config.mesh` (-1 fills the remaining devices).
+
+  With `mesh.sampler_devices > 0` it is the trainer's part of a
+  disaggregated layout (`disagg.make_meshes`).
+  """
   sizes = (config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  if config.mesh.sampler_devices:
+    return sampler_and_trainer_meshes(config)[1]
   devices = None
   if -1 not in sizes:
     n = int(np.prod(sizes))
@@ -115,6 +122,15 @@ def make_mesh(config) -> jax.sharding.Mesh:
     devices = jax.devices()[:n]
   try:
     return sharding.make_mesh(*sizes, devices=devices)
+  except ValueError as e:
+    raise ValueError(f"config.{e}") from e
+
+
+def sampler_and_trainer_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
+  """The disaggregated layout of `config.mesh` (`mesh.sampler_devices > 0`)."""
+  sizes = (config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  try:
+    return disagg.make_meshes(jax.devices(), config.mesh.sampler_devices, sizes)
   except ValueError as e:
     raise ValueError(f"config.{e}") from e
 
@@ -214,7 +230,9 @@ def _reward(config, task) -> rollouts.Reward:
 
 def _build_fns(config) -> rl_step.StepFns:
   c = config
-  mesh = make_mesh(c)
+  mesh, sampler_mesh = make_mesh(c), None
+  if c.mesh.sampler_devices:
+    sampler_mesh, mesh = sampler_and_trainer_meshes(c)
   task = tasks.get_task(c.task, **c.task_kwargs.to_dict())
   tokenizer = _tokenizer(c)
   model_fn = _model_constructor(c, mesh, tokenizer)
@@ -240,6 +258,7 @@ def _build_fns(config) -> rl_step.StepFns:
     greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
     reward=_reward(c, task),
     truncate_prompts=c.data.truncate_prompts,
+    sampler_mesh=sampler_mesh,
     model_key=json.dumps(
       [
         {f: c[f] for f in ("model", "model_dtype", "tokenizer", "task", "max_prompt_len")},

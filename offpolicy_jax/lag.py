@@ -215,7 +215,9 @@ class AsyncSampler:
   batches whose oldest token is too stale are discarded; with
   ``mode="weight"`` stale rows keep their place but their
   ``TrainBatch.weights`` are multiplied by ``stale_weight``. Both are counted
-  in :attr:`stats`.
+  in :attr:`stats`. ``place`` makes the sampler's copy of published
+  parameters (default: a device copy; a disaggregated run reshards them onto
+  the sampler's mesh, `disagg.SamplerParams.place`).
 
   Example::
 
@@ -237,6 +239,7 @@ class AsyncSampler:
     mode: str = "drop",
     stale_weight: float = 0.0,
     queue_size: int = 2,
+    place: Callable[[Any], Any] | None = None,
   ):
     if mode not in ("drop", "weight"):
       raise ValueError(f"mode must be 'drop' or 'weight', got {mode!r}")
@@ -245,7 +248,8 @@ class AsyncSampler:
     if queue_size < 1:
       raise ValueError(f"queue_size must be >= 1, got {queue_size}")
     self._sample_fn = sample_fn
-    self._latest = (jax.tree.map(jnp.copy, params), int(version))
+    self._place = place or (lambda p: jax.tree.map(jnp.copy, p))
+    self._latest = (self._place(params), int(version))
     self._lock = threading.Lock()
     self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
     self._stop = threading.Event()
@@ -260,9 +264,9 @@ class AsyncSampler:
   def publish(self, params: Any, version: int) -> None:
     """Makes ``params`` (at ``version``) the sampler's parameters from now on.
 
-    A device copy is taken, so the trainer may donate its state afterwards.
+    A device copy is taken (by `place`), so the trainer may donate its state afterwards.
     """
-    params = jax.tree.map(jnp.copy, params)
+    params = self._place(params)
     with self._lock:
       self._latest = (params, int(version))
 

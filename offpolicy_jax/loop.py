@@ -8,8 +8,9 @@ it prompts, writes a metrics row per loop step, evaluates and checkpoints.
 Chunks. With a device reward, `log_every` steps run as one jitted `lax.scan`
 and their metrics reach the host once per chunk; the chunk length is
 `gcd(log_every, eval_every, checkpoint_every)`, so evaluations and
-checkpoints fall on chunk ends. With a host reward each step runs as two
-jitted halves around the sandboxed scoring. Every row carries per-phase wall
+checkpoints fall on chunk ends. With a host reward, or a disaggregated
+sampler (`disagg`, `mesh.sampler_devices`), each step runs as two jitted
+halves around the (sandboxed) scoring. Every row carries per-phase wall
 times (`time/sample_s`, `time/reward_s`, `time/train_s`, `time/device_s`,
 `time/other_s`) and the number of XLA compilations so far (`compiles`).
 
@@ -38,6 +39,7 @@ import numpy as np
 
 from offpolicy_jax import (
   checkpointing,
+  disagg,
   evaluation,
   lag,
   metrics,
@@ -192,7 +194,11 @@ class _Loop:
     self.seed = put(run.seed)
     self.compiles = observability.CompileCounter()
     self.profiler = observability.Profiler(os.path.join(workdir, "profile"), run.profile_steps)
-    self._prefetched: tuple | None = None  # (step, dispatched rollout) of a host-reward run
+    self._prefetched: tuple | None = None  # (step, dispatched rollout) of a two-program run
+    # A disaggregated sync-mode run samples on its own mesh (`disagg`).
+    self.sampler = None
+    if comps.fns.sampler_mesh is not None and run.lag_mode == "sync":
+      self.sampler = disagg.Sampler(comps.fns, (run.sync_interval, run.sync_offset), run.seed)
 
   def close(self) -> None:
     self.profiler.stop()
@@ -217,7 +223,7 @@ class _Loop:
     program serves every chunk (only a shorter last chunk compiles another).
     """
     run = self.run_cfg
-    if run.lag_mode == "async" or self.fns.reward.device is None:
+    if run.lag_mode == "async" or self.fns.reward.device is None or self.sampler is not None:
       return 1
     length = math.gcd(run.log_every, run.eval_every, run.checkpoint_every)
     return min(length, run.total_steps - step)
@@ -239,7 +245,7 @@ class _Loop:
         self.profiler.before(step + 1, n, first=step == start)
         if prod is not None:
           state, rows = self._async_step(state, step + 1, prod)
-        elif self.fns.reward.device is not None:
+        elif self.fns.reward.device is not None and self.sampler is None:
           state, rows = self._device_chunk(state, step, n)
         else:
           state, rows = self._host_step(state, step + 1)
@@ -313,9 +319,11 @@ class _Loop:
     prompts = rollouts.assemble_global(self.comps.mesh, local)
     device = {k: prompts[k] for k in rollouts.DEVICE_FIELDS}
     step_a = jax.device_put(np.int32(step), self._rep)
+    if self.sampler is not None:  # on the sampler's mesh, moved back to the trainer's
+      return prompts, device, truncated, step_a, self.sampler.rollout(state, local, step)
     fn = jitted(self.fns, "rollout", self.run_cfg.replay, state)
     out, v, found = fn(state, device, step_a, self.seed, self.schedule)
-    return prompts, device, truncated, step_a, (out, v, found)
+    return prompts, device, truncated, step_a, disagg.Sampled(out, v, found, None, {})
 
   def _can_prefetch(self, step: int) -> bool:
     """Whether step `step + 1` may sample before step `step` has trained.
@@ -330,30 +338,36 @@ class _Loop:
     return lag.behavior_version(step + 1, run.sync_interval, run.sync_offset) < step
 
   def _host_step(self, state: RunState, step: int):
-    """One host-reward step: jitted rollout, sandboxed scoring, jitted learning.
+    """One step as two programs: jitted rollout, (sandboxed) scoring, jitted learning.
 
-    When the lag schedule allows (`_can_prefetch`), the next step's rollout is
-    dispatched before this step's scoring, so the device samples while the
-    verifier workers score.
+    Host-reward runs and disaggregated runs (`disagg`, whose device rewards
+    come with the rollout) take this path. When the lag schedule allows
+    (`_can_prefetch`), the next step's rollout is dispatched before this
+    step's scoring and learning, so the device samples while the verifier
+    workers score, and a disaggregated sampler samples while the trainer trains.
     """
     t0 = time.perf_counter()
     pending, self._prefetched = self._prefetched, None
     if pending is None or pending[0] != step:
       pending = (step, self._dispatch_rollout(state, step))
-    prompts, device, truncated, step_a, (out, v, found) = pending[1]
+    prompts, device, truncated, step_a, (out, v, found, rewards_b, info) = pending[1]
     jax.block_until_ready(out)
     t1 = time.perf_counter()
     if self._can_prefetch(step):
       self._prefetched = (step + 1, self._dispatch_rollout(state, step + 1))
-    rewards_b, stats = rollouts.score_on_host(
-      self.fns, prompts, out, split="train", group_size=self.fns.sizes.group_size
-    )
+    if rewards_b is None:
+      rewards_b, stats = rollouts.score_on_host(
+        self.fns, prompts, out, split="train", group_size=self.fns.sizes.group_size
+      )
+    else:
+      stats = rollouts.no_reward_stats()
     t2 = time.perf_counter()
     learn = jitted(self.fns, "learn_scored", self.run_cfg.replay, state)
     state, row = learn(state, device, out, rewards_b, v, step_a, self.seed, self.schedule)
     row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
     t3 = time.perf_counter()
     row.update(stats, prompts_truncated=truncated, snapshot_missing=int(not bool(found)))
+    row.update(info)
     row.update({"time/sample_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2})
     return state, [row]
 
@@ -364,13 +378,14 @@ class _Loop:
     fn = jitted(self.fns, "learn", self.run_cfg.replay, state)
     step_a = jax.device_put(np.int32(step), self._rep)
     state, row = fn(state, batch, step_a, self.seed, self.schedule)
-    prod.publish(state.train.params, step)
+    published = prod.publish(state.train.params, step)
     big = jnp.iinfo(jnp.int32).max
     oldest_a = jnp.min(jnp.where(batch.mask > 0, batch.versions, big))
     row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
     oldest = int(oldest_a)
     row["behavior_version"] = oldest if oldest != big else (step - 1) * self.fns.updates
     row.update(info)
+    row.update(published)
     row["time/sample_s"] = row.pop("sample_time_s")
     row["time/wait_s"] = t1 - t0
     row["time/train_s"] = time.perf_counter() - t1

@@ -85,6 +85,8 @@ class StepFns:
   reward: rollouts.Reward
   truncate_prompts: bool
   model_key: str  # what the warm start depends on: model, task, shapes, mesh
+  # The sampler's own mesh in a disaggregated run (`disagg`); None: it shares `mesh`.
+  sampler_mesh: jax.sharding.Mesh | None = None
   cache: dict = dataclasses.field(default_factory=dict)
 
   @property

@@ -134,6 +134,11 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     )
   if config.lag.mode != "sync":
     raise ValueError("config.lag.mode: a study simulates lag exactly; it must be 'sync'")
+  if config.mesh.sampler_devices:
+    raise ValueError(
+      "config.mesh.sampler_devices: a study runs every seed's step as one program on one "
+      "mesh; it must be 0"
+    )
   methods = parse_methods(st.methods)
   for name, overrides in methods.items():
     loss, adv = overrides["loss.name"], overrides.get("advantage.name")

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from offpolicy_jax import advantages, losses, models, replay, sharding, tasks
+from offpolicy_jax import advantages, disagg, losses, models, replay, sharding, tasks
 from offpolicy_jax.data_checks import (  # noqa: F401  (re-exported)
   CACHE_FILE,
   SCAN_LIMIT,
@@ -291,10 +291,12 @@ def mesh_shape(config, device_count: int | None = None) -> tuple[int, int, int]:
 
   Mirrors `components.make_mesh`: a -1 axis takes the devices left by the
   others; without one the mesh uses the first data * fsdp * tensor devices.
+  With `mesh.sampler_devices = k > 0` these are the trainer's sizes, over
+  the devices the sampler leaves.
 
   Args:
     config: the experiment config.
-    device_count: devices available; default `jax.device_count()`.
+    device_count: devices available (sampler's included); default `jax.device_count()`.
 
   Returns:
     The three axis sizes.
@@ -303,6 +305,7 @@ def mesh_shape(config, device_count: int | None = None) -> tuple[int, int, int]:
     ValueError: naming the mesh field that is invalid or does not fit the devices.
   """
   n = jax.device_count() if device_count is None else device_count
+  n -= config.mesh.get("sampler_devices", 0) or 0
   sizes = {a: config.mesh[a] for a in sharding.MESH_AXES}
   for a, s in sizes.items():
     _need(_is_int(s) and (s >= 1 or s == -1), f"mesh.{a}", f"must be an int >= 1 or -1, got {s!r}")
@@ -324,6 +327,9 @@ def mesh_shape(config, device_count: int | None = None) -> tuple[int, int, int]:
 
 def _validate_mesh(c) -> None:
   """The G*K training rows (and, across processes, the G prompts) split over data * fsdp."""
+  _int(c, "mesh.sampler_devices", 0, note=" (0 = the sampler shares the trainer's mesh)")
+  if c.mesh.sampler_devices:
+    _validate_disaggregated(c)
   data_size, fsdp_size, _ = mesh_shape(c)
   n = data_size * fsdp_size
   rows = c.prompts_per_step * c.group_size
@@ -339,6 +345,34 @@ def _validate_mesh(c) -> None:
     "prompts_per_step",
     f"{c.prompts_per_step} prompts must divide over the mesh's data * fsdp = {n} devices "
     f"when {procs} processes assemble the batch",
+  )
+
+
+def _validate_disaggregated(c) -> None:
+  """A sampler mesh of `mesh.sampler_devices` devices beside a trainer mesh using all the rest."""
+  k = c.mesh.sampler_devices
+  try:
+    disagg.split_devices(jax.devices(), k)
+  except ValueError as e:
+    raise ValueError(f"config.{e}") from e
+  trainer = jax.device_count() - k
+  shape = mesh_shape(c)
+  _need(
+    math.prod(shape) == trainer,
+    "mesh",
+    f"with mesh.sampler_devices = {k} the trainer's data * fsdp * tensor = {math.prod(shape)} "
+    f"must use exactly the other {trainer} devices (or set one axis to -1)",
+  )
+  _need(
+    c.prompts_per_step % k == 0,
+    "prompts_per_step",
+    f"{c.prompts_per_step} prompts must divide over the sampler's mesh.sampler_devices = {k}",
+  )
+  _need(
+    c.lag.mode == "sync" or jax.process_count() == 1,
+    "lag.mode",
+    "'async' with mesh.sampler_devices > 0 runs in one process only (each process's "
+    "sampler thread would pick its own parameter version)",
   )
 
 

@@ -83,6 +83,11 @@ def test_grid_parsing_names_the_bad_field():
   c.study.baseline = "grpo@nowhere"
   with pytest.raises(ValueError, match="config.study.baseline"):
     study.grid_from_config(c)
+  c = lag_study.get_config()
+  c.unlock()
+  c.mesh.sampler_devices = 2
+  with pytest.raises(ValueError, match="config.mesh.sampler_devices"):
+    study.grid_from_config(c)
 
 
 def mini_config(**study_overrides):

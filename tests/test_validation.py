@@ -94,6 +94,7 @@ BAD = [
   ("mesh.data", -2, "mesh.data"),
   ("mesh.fsdp", 3, "prompts_per_step"),  # 64 rows do not split over 3 devices
   ("mesh.tensor", 16, "mesh"),  # more devices than the 8 fake CPUs
+  ("mesh.sampler_devices", -1, "mesh.sampler_devices"),
   ("sft.enabled", "yes", "sft.enabled"),
   ("sft.steps", 0, "sft.steps"),
   ("sft.batch_size", 0, "sft.batch_size"),
