@@ -248,6 +248,7 @@ def _build_fns(config) -> rl_step.StepFns:
   model_fn = _model_constructor(c, mesh, tokenizer)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_fn(0)))
   options = step_options(c)
+  partial = _partial_sampler(c, graphdef, task, tokenizer)  # before the reward pool starts
   sample_kw = dict(
     max_new_tokens=c.max_new_tokens, top_p=c.top_p, top_k=c.top_k, eos_id=tokenizer.eos_id
   )
@@ -266,7 +267,7 @@ def _build_fns(config) -> rl_step.StepFns:
       graphdef, group_size=c.group_size, temperature=c.temperature, **sample_kw
     ),
     greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
-    partial=_partial_sampler(c, graphdef, task, tokenizer),
+    partial=partial,
     reward=_reward(c, task),
     truncate_prompts=c.data.truncate_prompts,
     model_key=json.dumps(

@@ -14,16 +14,17 @@ carried from step to step; each step
 A response may thus span several parameter versions, and every token keeps
 the version and the behaviour log-prob of the parameters that sampled it, so
 the losses see per-token behaviour versions (``TrainBatch.versions`` [B, N]).
-Partial Rollouts with Active Interruption (Zhou et al., "APRIL: Active Partial
-Rollouts in Reinforcement Learning to Tame Long-tail Generation",
-arXiv:2509.18521) continue such responses from their KV cache.
+After Zhou et al., "APRIL: Active Partial Rollouts in Reinforcement Learning to
+Tame Long-tail Generation" (arXiv:2509.18521), which ends a rollout phase once
+enough responses have finished and recycles the unfinished ones; here a fixed
+per-step token budget ends it, which keeps every shape static.
 
 Continuation by re-prefill. Here a resumed row is re-prefilled: prompt and
 generated tokens run through theta_v before decoding, so each new token's
 log-prob is exactly ``models.sequence_logprobs`` under theta_v at that position
 (the trainer can recompute it from a snapshot of version v). Keeping the KV
-cache instead (APRIL) saves the prefill (one forward over P + N tokens per
-row per step) but conditions the new tokens on keys and values computed by
+cache instead would save the prefill (one forward over about P + N tokens per
+row per step) but condition the new tokens on keys and values computed by
 older parameters: the recorded log-probs then belong to no single parameter
 version, and behaviour corrections mix that mismatch with staleness
 (SCIENCE.md s5). Re-prefill costs compute; it keeps the behaviour policy exact.

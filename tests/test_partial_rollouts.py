@@ -1,5 +1,8 @@
 """Tests for offpolicy_jax.partial_rollouts: per-token versions and log-probs, used by the loss."""
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +10,20 @@ import optax
 import pytest
 from flax import nnx
 
-from offpolicy_jax import losses, models, partial_rollouts, replay, sampling, train_step
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import default  # noqa: E402
+from offpolicy_jax import (  # noqa: E402
+  components,
+  loop,
+  losses,
+  metrics,
+  models,
+  partial_rollouts,
+  replay,
+  sampling,
+  train_step,
+)
 
 G, K, N, B_TOK = 2, 3, 8, 3  # prompts, group size, max_new_tokens, budget (L = 3 steps)
 TEMP = 0.7
@@ -59,36 +75,29 @@ def _rows(prompts):
   return t, mask
 
 
-@pytest.mark.parametrize("eos", [False, True])
-def test_budget_of_n_reproduces_the_ordinary_sampler(tiny, eos):
+@pytest.mark.parametrize("eos,budget", [(False, N), (True, N + 5)])
+def test_budget_of_n_reproduces_the_ordinary_sampler(tiny, eos, budget):
   graphdef, (params, *_) = tiny
   key = jax.random.key(3)
   prompts = _prompts()
-  plain = sampling.make_sampler(graphdef, max_new_tokens=N, group_size=K, temperature=TEMP)
-  eos_id = (
-    int(
-      np.asarray(plain(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key).tokens)[
-        0, 2
-      ]
-    )
-    if eos
-    else None
-  )
-  ref = sampling.make_sampler(
-    graphdef, max_new_tokens=N, group_size=K, temperature=TEMP, eos_id=eos_id
-  )(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
-  if eos:
-    assert int(ref.mask.sum()) < G * K * N  # some rows end early
-  for budget in (N, N + 5):
-    pool = partial_rollouts.init(prompts, slots=G, group_size=K, max_new_tokens=N)
-    pool, dropped = partial_rollouts.admit(pool, prompts, 1)
-    pool = _advance(graphdef, budget, eos_id)(params, pool, 0, key)
-    out = partial_rollouts.rollout(pool)
-    assert int(dropped) == 0
-    np.testing.assert_array_equal(out.tokens, ref.tokens)
-    np.testing.assert_array_equal(out.mask, ref.mask)
-    np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
-    assert bool(partial_rollouts.finished(pool).all())
+  args = (params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
+  ref = sampling.make_sampler(graphdef, max_new_tokens=N, group_size=K, temperature=TEMP)(*args)
+  eos_id = None
+  if eos:  # a token the first row samples third: some rows end early
+    eos_id = int(np.asarray(ref.tokens)[0, 2])
+    ref = sampling.make_sampler(
+      graphdef, max_new_tokens=N, group_size=K, temperature=TEMP, eos_id=eos_id
+    )(*args)
+    assert int(ref.mask.sum()) < G * K * N
+  pool = partial_rollouts.init(prompts, slots=G, group_size=K, max_new_tokens=N)
+  pool, dropped = partial_rollouts.admit(pool, prompts, 1)
+  pool = _advance(graphdef, budget, eos_id)(params, pool, 0, key)
+  out = partial_rollouts.rollout(pool)
+  assert int(dropped) == 0
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.mask, ref.mask)
+  np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+  assert bool(partial_rollouts.finished(pool).all())
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +214,70 @@ def test_the_loss_and_train_step_use_per_token_versions(tiny, three_steps, teach
   assert int(metrics["staleness_max"]) == 3
   np.testing.assert_allclose(metrics["ratio_mean"], rho.mean(), rtol=1e-4)
   np.testing.assert_allclose(metrics["ratio_max"], rho.max(), rtol=1e-4)
+
+
+def _run_config(**overrides):
+  """The default job made tiny: 2 prompts x 4 responses of 6 tokens, budget 2 (3 steps each).
+
+  No warm start: partial-credit rewards give a learning signal from the start.
+  """
+  c = default.base_config()
+  fields = {
+    "total_steps": 6,
+    "prompts_per_step": 2,
+    "group_size": 4,
+    "max_new_tokens": 6,
+    "max_prompt_len": 12,
+    "rollout.partial_budget": 2,
+    "lag.sync_interval": 1,
+    "sft.enabled": False,
+    "eval_every": 0,
+    "eval_prompts": 0,
+    "checkpoint_every": 3,
+    "log_every": 3,
+    "async_checkpoint": False,
+    "progress": False,
+    "tensorboard": False,
+    **overrides,
+  }
+  if "task" not in overrides:
+    fields["task_kwargs.partial_credit"] = True
+  for key, value in fields.items():
+    node = c
+    *parents, leaf = key.split(".")
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  c.lock()
+  return c
+
+
+def _strip(rows):
+  timing = ("tokens_per_s", "step_time_s", "compiles")
+  return [{k: v for k, v in r.items() if k not in timing and "time/" not in k} for r in rows]
+
+
+def test_partial_run_on_eight_devices_mixes_versions_and_resumes_exactly(tmp_path):
+  assert jax.device_count() == 8
+  mesh = {"mesh.data": 8}
+  full = loop.train_and_evaluate(_run_config(**mesh), str(tmp_path / "full"))
+  part = str(tmp_path / "part")
+  loop.train_and_evaluate(_run_config(total_steps=3, **mesh), part)
+  loop.train_and_evaluate(_run_config(**mesh), part)  # resumes from step 3, pool included
+  got, _ = metrics.split_rows(metrics.read_metrics(part))
+  want, _ = metrics.split_rows(full)
+  assert len(want) == 6 and _strip(got) == _strip(want)
+  assert all(r["partial_dropped_prompts"] == 0 for r in want)
+  # On-policy sync, yet responses span versions, and the trainer sees their older tokens.
+  assert max(r["partial_mixed_rows"] for r in want) > 0
+  assert max(r["staleness_max"] for r in want) >= 1
+  assert sum(r["partial_emitted_groups"] for r in want) >= 2 * (6 - 2)
+  assert any(r["grad_norm"] > 0 for r in want)
+
+
+def test_partial_rollouts_refuse_async_mode_and_host_rewards():
+  with pytest.raises(ValueError, match="^config.rollout.partial_budget: .*sync"):
+    components.build_components(_run_config(**{"lag.mode": "async"}))
+  cfg = _run_config(task="code", max_prompt_len=64)
+  with pytest.raises(ValueError, match="^config.rollout.partial_budget: .*device reward"):
+    components.build_components(cfg)
