@@ -527,6 +527,8 @@ def run(args) -> dict:
       + (f"; {p.uniform_groups:.0%} of our groups zero-advantage" if p.uniform_groups else ""),
       flush=True,
     )
+    if args.log_dir:
+      os.makedirs(args.log_dir, exist_ok=True)
     peers, skipped = start_peers(args, path, args.log_dir or path)
     try:
       systems = {f"offpolicy_jax {n}": make_our_round(path, p, o) for n, o in variants.items()}

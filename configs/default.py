@@ -45,6 +45,11 @@ def base_config() -> ml_collections.ConfigDict:
   # (validation.validate_data); True keeps their last max_prompt_len tokens (the
   # question and the generation prompt) and counts them in the prompts_truncated metric.
   c.data.truncate_prompts = False
+  c.rollout = ml_collections.ConfigDict()
+  # Partial rollouts (APRIL): decode at most this many tokens per response per loop
+  # step; unfinished responses continue at the next step under the newer parameters
+  # (re-prefilled), every token keeping its own version (0 = off: whole responses).
+  c.rollout.partial_budget = 0
   # Sampling temperature of the behaviour policy.
   c.temperature = 1.0
   # Nucleus sampling threshold (1.0 = off).

@@ -5,6 +5,7 @@ Submodules, one topic each:
   advantages    group-relative advantage estimators over [G, K] rewards
   models        Flax NNX decoder, size presets, HF safetensors import/export
   sampling      jitted KV-cache sampler with exact behaviour log-probs
+  partial_rollouts  APRIL: responses paused at a per-step token budget, resumed, versions per token
   tokenizers    HF tokenizers wrapper and a tiny built-in tokenizer
   tasks         prompts + template + reward
   data          grain prompt pipelines
@@ -50,6 +51,7 @@ from offpolicy_jax import (
   losses,
   metrics,
   models,
+  partial_rollouts,
   planner,
   reductions,
   replay,
@@ -87,6 +89,7 @@ __all__ = [
   "losses",
   "metrics",
   "models",
+  "partial_rollouts",
   "planner",
   "reductions",
   "replay",

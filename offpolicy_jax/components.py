@@ -32,6 +32,7 @@ from offpolicy_jax import (
   lag,
   losses,
   models,
+  partial_rollouts,
   rewards,
   rl_step,
   rollouts,
@@ -228,6 +229,43 @@ def _reward(config, task) -> rollouts.Reward:
   )
 
 
+def _partial_sampler(config, graphdef, task, tokenizer) -> partial_rollouts.Sampler | None:
+  """The partial-rollout sampler of `config.rollout.partial_budget` (None when 0)."""
+  c, budget = config, config.rollout.partial_budget
+  if not budget:
+    return None
+  if task.device_reward is None:
+    raise ValueError(
+      f"config.rollout.partial_budget: partial rollouts need a task with a device reward; "
+      f"{c.task!r} is scored on the host"
+    )
+  advance = partial_rollouts.make_advance(
+    graphdef,
+    max_new_tokens=c.max_new_tokens,
+    budget=budget,
+    group_size=c.group_size,
+    temperature=c.temperature,
+    top_p=c.top_p,
+    top_k=c.top_k,
+    eos_id=tokenizer.eos_id,
+  )
+  slots = partial_rollouts.steps_to_finish(c.max_new_tokens, budget) * c.prompts_per_step
+  return partial_rollouts.Sampler(advance, slots, c.group_size, c.max_new_tokens)
+
+
+def _replay_capacity(config) -> int:
+  """Buffer capacity in batches: at least `steps_to_finish` with partial rollouts.
+
+  Between emission and training, up to L = ceil(N / b) batches of finished
+  groups wait in the buffer (`partial_rollouts`); fewer slots would overwrite
+  some before they are trained on.
+  """
+  c, budget = config, config.rollout.partial_budget
+  if not budget:
+    return c.replay.capacity_batches
+  return max(c.replay.capacity_batches, partial_rollouts.steps_to_finish(c.max_new_tokens, budget))
+
+
 def _build_fns(config) -> rl_step.StepFns:
   c = config
   mesh, sampler_mesh = make_mesh(c), None
@@ -238,6 +276,7 @@ def _build_fns(config) -> rl_step.StepFns:
   model_fn = _model_constructor(c, mesh, tokenizer)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_fn(0)))
   options = step_options(c)
+  partial = _partial_sampler(c, graphdef, task, tokenizer)  # before the reward pool starts
   sample_kw = dict(
     max_new_tokens=c.max_new_tokens, top_p=c.top_p, top_k=c.top_k, eos_id=tokenizer.eos_id
   )
@@ -256,6 +295,7 @@ def _build_fns(config) -> rl_step.StepFns:
       graphdef, group_size=c.group_size, temperature=c.temperature, **sample_kw
     ),
     greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
+    partial=partial,
     reward=_reward(c, task),
     truncate_prompts=c.data.truncate_prompts,
     sampler_mesh=sampler_mesh,
@@ -285,7 +325,7 @@ def _run_settings(config) -> RunSettings:
     replay=rl_step.ReplayOptions(
       c.replay.policy, c.replay.max_reuse or None, float(c.replay.temperature)
     ),
-    replay_capacity_batches=c.replay.capacity_batches,
+    replay_capacity_batches=_replay_capacity(c),
     sft_enabled=c.sft.enabled,
     sft_steps=c.sft.steps,
     sft_batch_size=c.sft.batch_size,

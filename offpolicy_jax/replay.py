@@ -136,14 +136,17 @@ def init(capacity: int, example_batch: TrainBatch, group_size: int) -> ReplaySta
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def add(state: ReplayState, batch: TrainBatch) -> ReplayState:
+def add(state: ReplayState, batch: TrainBatch, keep: ArrayLike | None = None) -> ReplayState:
   """Writes the ``G`` groups of ``batch`` (``G*K`` rows) at the write pointer.
 
-  Overwrites the oldest slots when full. Jitted; ``state`` is donated.
+  Overwrites the oldest slots when full. Jitted; ``state`` is donated. With
+  ``keep``, only the kept groups are written, in order, to consecutive slots
+  (a variable number per call at static shapes, as partial rollouts emit).
 
   Args:
     state: the buffer.
     batch: ``TrainBatch`` of ``G * K`` group-major rows; ``G <= capacity``.
+    keep: optional bool [G], the groups to write (default: all).
 
   Returns:
     The new buffer state.
@@ -155,20 +158,24 @@ def add(state: ReplayState, batch: TrainBatch) -> ReplayState:
   num_groups = _check_batch(batch, group_size)
   if num_groups > capacity:
     raise ValueError(f"batch: {num_groups} groups exceed the buffer capacity {capacity}")
-  idx = (state.ptr + jnp.arange(num_groups, dtype=jnp.int32)) % capacity
+  keep = jnp.ones((num_groups,), bool) if keep is None else jnp.asarray(keep, bool)
+  rank = (jnp.cumsum(keep) - 1).astype(jnp.int32)
+  count = keep.sum().astype(jnp.int32)
+  # Groups not kept get an out-of-range slot, which the scatters drop.
+  idx = jnp.where(keep, (state.ptr + rank) % capacity, capacity)
 
   def write(buf, x):
     x = jnp.asarray(x, buf.dtype).reshape(num_groups, group_size, *buf.shape[2:])
-    return buf.at[idx].set(x)
+    return buf.at[idx].set(x, mode="drop")
 
   return ReplayState(
     data=jax.tree.map(write, state.data, batch),
-    version=state.version.at[idx].set(_group_version(batch, group_size)),
-    insert_index=state.insert_index.at[idx].set(state.num_added + jnp.arange(num_groups)),
-    reuse=state.reuse.at[idx].set(0),
-    valid=state.valid.at[idx].set(True),
-    ptr=((state.ptr + num_groups) % capacity).astype(jnp.int32),
-    num_added=state.num_added + num_groups,
+    version=state.version.at[idx].set(_group_version(batch, group_size), mode="drop"),
+    insert_index=state.insert_index.at[idx].set(state.num_added + rank, mode="drop"),
+    reuse=state.reuse.at[idx].set(0, mode="drop"),
+    valid=state.valid.at[idx].set(True, mode="drop"),
+    ptr=((state.ptr + count) % capacity).astype(jnp.int32),
+    num_added=state.num_added + count,
   )
 
 

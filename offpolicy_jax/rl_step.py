@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from offpolicy_jax import lag, replay, rollouts, sampling, sharding, train_step
+from offpolicy_jax import lag, partial_rollouts, replay, rollouts, sampling, sharding, train_step
 from offpolicy_jax.train_state import TrainState
 
 # Streams of per-step randomness: key(seed, t, stream).
@@ -88,6 +88,7 @@ class StepFns:
   # The sampler's own mesh in a disaggregated run (`disagg`); None: it shares `mesh`.
   sampler_mesh: jax.sharding.Mesh | None = None
   cache: dict = dataclasses.field(default_factory=dict)
+  partial: partial_rollouts.Sampler | None = None  # partial rollouts (rollout.partial_budget)
 
   @property
   def updates(self) -> int:
@@ -117,12 +118,14 @@ class RunState(NamedTuple):
     snapshots: parameter versions the lag schedule still needs (None on-policy
       or in async mode).
     ref_params: reference parameters of a KL-to-reference loss, or None.
+    inflight: the pool of unfinished generations of partial rollouts, or None.
   """
 
   train: TrainState
   replay: replay.ReplayState
   snapshots: lag.SnapshotState | None
   ref_params: Any
+  inflight: partial_rollouts.PartialState | None = None
 
 
 def init_state(fns: StepFns, params, *, capacity_batches: int, snapshots: int) -> RunState:
@@ -135,7 +138,21 @@ def init_state(fns: StepFns, params, *, capacity_batches: int, snapshots: int) -
     replay=buffer,
     snapshots=lag.snapshot_init(params, snapshots, 0) if snapshots else None,
     ref_params=jax.tree.map(jnp.copy, params) if fns.options.spec.needs_ref else None,
+    inflight=None if fns.partial is None else _empty_pool(fns),
   )
+
+
+def _empty_pool(fns: StepFns) -> partial_rollouts.PartialState:
+  """An empty in-flight pool for the run's prompt batches, placed on the mesh."""
+  assert fns.partial is not None
+  g, p = fns.sizes.prompts_per_step, fns.sizes.max_prompt_len
+  a = fns.task.max_answer_len + 1  # data.prompt_iterator's answer length
+  example = {
+    "prompt_tokens": jnp.zeros((g, p), jnp.int32),
+    "prompt_lengths": jnp.zeros((g,), jnp.int32),
+    "answer_tokens": jnp.zeros((g, a), jnp.int32),
+  }
+  return partial_rollouts.shard(fns.partial.init(example), fns.mesh)
 
 
 def state_items(state: RunState) -> dict[str, Any]:
@@ -148,6 +165,7 @@ def state_items(state: RunState) -> dict[str, Any]:
     "replay": state.replay,
     "snapshots": state.snapshots,
     "ref_params": state.ref_params,
+    "inflight": state.inflight,
   }
   return {k: v for k, v in items.items() if v is not None}
 
@@ -161,6 +179,7 @@ def state_from_items(items: dict[str, Any], like: RunState) -> RunState:
     replay=items["replay"],
     snapshots=items.get("snapshots") if like.snapshots is not None else None,
     ref_params=items.get("ref_params") if like.ref_params is not None else None,
+    inflight=items.get("inflight") if like.inflight is not None else None,
   )
 
 
@@ -181,10 +200,16 @@ def behaviour_params(state: RunState, step, schedule: LagSchedule):
   return params, v, own | found
 
 
-def learn(fns: StepFns, opts: ReplayOptions, state: RunState, batch, step, seed, schedule):
-  """Buffers `batch`, draws the step's training batch, takes U optimizer steps, snapshots."""
+def learn(
+  fns: StepFns, opts: ReplayOptions, state: RunState, batch, step, seed, schedule, keep=None
+):
+  """Buffers `batch`, draws the step's training batch, takes U optimizer steps, snapshots.
+
+  With `keep` (bool [G'] over the groups of `batch`), only the kept groups are
+  buffered (partial rollouts emit a variable number per step).
+  """
   buffer, sampled, info = replay.sample(
-    replay.add(state.replay, batch),
+    replay.add(state.replay, batch, keep),
     step_key(seed, step, REPLAY),
     batch_size=fns.sizes.prompts_per_step,
     policy=opts.policy,
@@ -210,7 +235,7 @@ def learn(fns: StepFns, opts: ReplayOptions, state: RunState, batch, step, seed,
       lambda s: s,
       snapshots,
     )
-  state = RunState(train, buffer, snapshots, state.ref_params)
+  state = state._replace(train=train, replay=buffer, snapshots=snapshots)
   return state, {**stats, **metrics, "replay_selected": info.num_selected}
 
 
@@ -239,11 +264,42 @@ def learn_scored(fns, opts, state, prompts, out, rewards_b, v, step, seed, sched
 
 def rl_step(fns: StepFns, opts: ReplayOptions, state: RunState, prompts, step, seed, schedule):
   """One whole step for a task with a device reward (traceable, vmappable over seeds)."""
+  if state.inflight is not None:
+    return partial_rl_step(fns, opts, state, prompts, step, seed, schedule)
   out, v, found = rollout(fns, state, prompts, step, seed, schedule)
   answers = jnp.repeat(prompts["answer_tokens"], fns.sizes.group_size, axis=0)
   assert fns.reward.device is not None, "rl_step needs a device reward"
   rewards_b = fns.reward.device(answers, out.tokens, out.mask)
   state, metrics = learn_scored(fns, opts, state, prompts, out, rewards_b, v, step, seed, schedule)
+  metrics["snapshot_missing"] = (~found).astype(jnp.int32)
+  return state, metrics
+
+
+def partial_rl_step(
+  fns: StepFns, opts: ReplayOptions, state: RunState, prompts, step, seed, schedule
+):
+  """A device-reward step with partial rollouts (`partial_rollouts`).
+
+  The step's prompts join the in-flight pool, every unfinished row decodes at
+  most `rollout.partial_budget` tokens with the behaviour parameters v(t) (its
+  tokens record version v(t) * U), and the groups that have finished are
+  scored, buffered and (FIFO) trained on.
+  """
+  params, v, found = behaviour_params(state, step, schedule)
+  assert fns.partial is not None and fns.reward.device is not None and state.inflight is not None
+  pool, dropped = partial_rollouts.admit(state.inflight, prompts, step)
+  version = v * fns.updates
+  pool = fns.partial.advance(params, pool, version, step_key(seed, step, SAMPLE))
+  out = partial_rollouts.rollout(pool)
+  answers = jnp.repeat(pool.prompts["answer_tokens"], fns.sizes.group_size, axis=0)
+  rewards_r = fns.reward.device(answers, out.tokens, out.mask)
+  key = step_key(seed, step, ADV)
+  batch, keep, pool = partial_rollouts.emit(pool, rewards_r, fns.advantage, key)
+  state, metrics = learn(
+    fns, opts, state._replace(inflight=pool), batch, step, seed, schedule, keep
+  )
+  metrics |= partial_rollouts.stats(batch, keep, pool, dropped)
+  metrics["behavior_version"] = version
   metrics["snapshot_missing"] = (~found).astype(jnp.int32)
   return state, metrics
 

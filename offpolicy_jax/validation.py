@@ -187,6 +187,13 @@ def _validate_sampling(c) -> None:
   _int(c, "top_k", 0, note=" (0 = off)")
   _int(c, "group_size", 2, note=" (group-relative advantages)")
   _int(c, "prompts_per_step", 1)
+  _int(c, "rollout.partial_budget", 0, note=" (0 = off)")
+  if c.rollout.partial_budget:
+    _need(
+      c.lag.mode == "sync",
+      "rollout.partial_budget",
+      f"partial rollouts run in lag.mode='sync' only, got {c.lag.mode!r}",
+    )
 
 
 def _validate_rewards(c) -> None:

@@ -71,6 +71,19 @@ def test_wrap_around_overwrites_oldest(key):
   assert _ids(batch) == [3, 4, 5]
 
 
+def test_add_keeps_only_the_kept_groups_in_order_across_the_wrap(key):
+  state = replay.init(4, _groups([0, 0]), K)
+  state = replay.add(state, _put(_groups([1, 2, 3])))
+  state = replay.add(state, _put(_groups([4, 5, 6, 7])), jnp.array([False, True, False, True]))
+  # 5 and 7 take slots 3 and 0 (the wrap); slots 1 and 2 keep 2 and 3; nothing else moves.
+  assert int(state.ptr) == 1 and int(state.num_added) == 5
+  assert np.asarray(state.data.tokens)[:, 0, 0].tolist() == [7, 2, 3, 5]
+  state, batch, _ = replay.sample(state, key, 4, "fifo", max_reuse=1)
+  assert _ids(batch) == [2, 3, 5, 7]
+  state = replay.add(state, _put(_groups([8, 9])), jnp.array([False, False]))
+  assert int(state.ptr) == 1 and int(state.num_added) == 5
+
+
 def test_only_valid_slots_sampled(key):
   state = replay.init(8, _groups([0]), K)
   state = replay.add(state, _put(_groups([7, 8, 9])))

@@ -50,6 +50,7 @@ BAD = [
   ("top_k", -1, "top_k"),
   ("group_size", 1, "group_size"),
   ("prompts_per_step", 0, "prompts_per_step"),
+  ("rollout.partial_budget", -1, "rollout.partial_budget"),
   ("reward_timeout", 0.0, "reward_timeout"),
   ("reward_timeout", INF, "reward_timeout"),
   ("reward_batch_timeout", -1.0, "reward_batch_timeout"),
