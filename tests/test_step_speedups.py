@@ -81,7 +81,12 @@ def _assert_same_update(a, b, atol=1e-5):
 
 
 @pytest.mark.parametrize(
-  "overrides", [{}, {"scan_layers": True, "remat": True}, {"remat": True}, {"qk_norm": False}]
+  "overrides",
+  [
+    {},
+    {"scan_layers": True, "remat": True, "qk_norm": False},
+    pytest.param({"remat": True}, marks=pytest.mark.slow),
+  ],
 )
 def test_shared_prefix_logprobs_and_gradients_equal_the_plain_forward(setup, overrides):
   graphdef, params = nnx.split(_model(**overrides))
