@@ -9,9 +9,8 @@ prompt stream, so they are paired (`study_stats`). The lag schedule is a traced
 argument and every cell has the same number of snapshot slots, so the lags of
 one method share one compiled program.
 
-A finished cell is written to `workdir/cells/<method>@<lag>.json` (atomically);
-a rerun skips finished cells, so an interrupted study resumes where it stopped.
-`report.write_report` turns the cells into tables and plots.
+Finished cells go to `workdir/cells/<method>@<lag>.json` (atomically); a rerun
+skips them, so an interrupted study resumes (`study_report` makes the tables).
 """
 
 from __future__ import annotations

@@ -37,8 +37,14 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from offpolicy_jax import losses, models, sharding
+from offpolicy_jax import batch_splits, losses, models, sharding
 from offpolicy_jax import reductions as red
+from offpolicy_jax.batch_splits import (  # noqa: F401  (chunks_per_micro_batch, moving_rows: public)
+  chunks_per_micro_batch,
+  moving_rows,
+)
+from offpolicy_jax.batch_splits import micro_batches as _micro_batches
+from offpolicy_jax.batch_splits import split_micro as _split_micro
 from offpolicy_jax.train_state import (  # noqa: F401  (the train step's public state API)
   TrainState,
   all_finite,
@@ -105,38 +111,6 @@ def check_options(options: StepOptions) -> None:
       raise ValueError(f"{name} must be >= 1, got {getattr(options, name)}")
   if options.micro_batch_size is not None and options.micro_batch_size < 1:
     raise ValueError(f"micro_batch_size must be >= 1, got {options.micro_batch_size}")
-
-
-def _micro_batches(options: StepOptions, rows: int) -> int:
-  """Micro-batches per optimizer step for a batch of `rows` rows (static)."""
-  if rows % options.num_minibatches:
-    raise ValueError(f"num_minibatches={options.num_minibatches} does not divide batch rows {rows}")
-  mb_rows = rows // options.num_minibatches
-  size = options.micro_batch_size
-  m = options.num_micro_batches if size is None else mb_rows // size
-  if m < 1 or mb_rows % m or (size is not None and mb_rows % size):
-    raise ValueError(
-      f"micro_batch_size/num_micro_batches: {mb_rows} rows per minibatch do not split "
-      f"into micro-batches (num_micro_batches={options.num_micro_batches}, "
-      f"micro_batch_size={size})"
-    )
-  if (mb_rows // m) % options.unit:
-    raise ValueError(
-      f"shared_prefix: micro-batches of {mb_rows // m} rows do not hold whole groups of "
-      f"group_size={options.group_size} (num_minibatches={options.num_minibatches}, "
-      f"num_micro_batches={m})"
-    )
-  return m
-
-
-def _split_micro(batch: TrainBatch, m: int, unit: int = 1) -> TrainBatch:
-  # Strided split by units of `unit` rows (unit u goes to micro-batch u % m)
-  # keeps every micro-batch spread over all data-parallel devices.
-  def split(x):
-    units = x.reshape(x.shape[0] // (m * unit), m, unit, *x.shape[1:])
-    return jnp.swapaxes(units, 0, 1).reshape(m, x.shape[0] // m, *x.shape[1:])
-
-  return jax.tree.map(split, batch)
 
 
 def token_logprobs(
@@ -257,82 +231,21 @@ def _zero_accumulators(grad_fn, params, micro: TrainBatch, args):
   return jax.tree.map(jnp.zeros_like, params), red.identity(shapes)
 
 
-def moving_rows(batch: TrainBatch) -> jax.Array:
-  """bool [B]: rows with a valid, weighted token whose advantage is not 0."""
-  valid = (batch.mask * batch.weights[:, None]) > 0
-  adv = batch.advantages if batch.advantages.ndim == 2 else batch.advantages[:, None]
-  return jnp.any(valid & (adv != 0), axis=1)
-
-
-def chunks_per_micro_batch(options: StepOptions, micro_rows: int, shards: int = 1) -> int:
-  """Chunks a micro-batch of `micro_rows` rows is cut into when skipping rows (static).
-
-  The largest count <= ``skip_chunks`` whose chunks hold whole units, the same
-  number of units on each of the `shards` data-parallel devices where possible.
-  """
-  for per_device in (shards, 1):
-    for c in range(min(options.skip_chunks, micro_rows), 0, -1):
-      if micro_rows % (c * options.unit * per_device) == 0:
-        return c
-  return 1
-
-
-def _batch_shards() -> int:
-  """Devices the batch rows are split over in the ambient mesh (1 without one)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty:
-    return 1
-  return sharding.axis_size(mesh, tuple(a for a in sharding.BATCH_AXES if a in mesh.shape))
-
-
 def _gradients_skipping(params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor):
-  """`_gradients` with the rows whose advantages are all 0 left out.
-
-  For a loss with ``zero_advantage_inert`` such rows add exactly 0 to the
-  loss sum and the gradient, and their share of the denominator depends on the
-  mask only. Units (rows, or groups with a shared prefix) that move the loss are
-  packed first, the batch is cut into equal chunks, and a loop with a traced
-  trip count runs only the chunks holding them (one compiled body; at least
-  one). The loss count and the ``tokens`` metric are those of the whole batch;
-  the other metrics are over the rows of the chunks that ran.
-  """
-  rows, unit = batch.tokens.shape[0], options.unit
-  chunks = m * chunks_per_micro_batch(options, rows // m, _batch_shards())
-  chunk_rows = rows // chunks
-  moving = moving_rows(batch)
-  unit_moves = jnp.any(moving.reshape(-1, unit), axis=1)
-  unit_order = jnp.argsort(~unit_moves, stable=True)
-  order = (unit_order[:, None] * unit + jnp.arange(unit)[None, :]).reshape(-1)
-  # Rows that do not move the loss and fill the last chunk add exactly 0 to the sums.
-  packed = jax.tree.map(lambda x: x[order], batch)
-  micro = jax.tree.map(lambda x: x.reshape(chunks, chunk_rows, *x.shape[1:]), packed)
+  """`_gradients` with the rows whose advantages are all 0 left out (`batch_splits`)."""
   grad_fn = jax.grad(micro_batch_loss, has_aux=True)
   args = (graphdef, options, ref_params, anchor)
-  n_moving = jnp.sum(unit_moves.astype(jnp.int32)) * unit
-  # At least one chunk, so that every metric is defined when nothing moves.
-  n_chunks = jnp.maximum((n_moving + chunk_rows - 1) // chunk_rows, 1)
-
-  def body(i, acc):
-    mb = jax.tree.map(lambda x: x[i], micro)
-    mb = jax.tree.map(lambda x: sharding.constrain(x, _batch_names(x)), mb)
-    g, metrics = grad_fn(params, mb, *args)
-    return jax.tree.map(jnp.add, acc[0], g), red.merge(acc[1], metrics)
-
-  grads, metrics = jax.lax.fori_loop(
-    0, n_chunks, body, _zero_accumulators(grad_fn, params, micro, args)
+  micro_rows = batch.tokens.shape[0] // m
+  chunks = m * chunks_per_micro_batch(options, micro_rows, batch_splits.batch_shards())
+  return batch_splits.gradients(
+    lambda p, mb: grad_fn(p, mb, *args),
+    lambda micro: _zero_accumulators(grad_fn, params, micro, args),
+    params,
+    batch,
+    chunks=chunks,
+    unit=options.unit,
+    spec=options.spec,
   )
-  weighted = batch.mask * batch.weights[:, None]
-  _, count = losses.aggregate(
-    jnp.zeros_like(weighted), weighted, options.spec.agg, max_len=options.spec.max_len
-  )
-  metrics["loss"] = red.Mean(metrics["loss"].total, count)
-  metrics["tokens"] = red.Sum(jnp.sum((batch.mask > 0).astype(jnp.float32)))
-  metrics["rows_skipped"] = red.Sum(rows - jnp.sum(moving.astype(jnp.float32)))
-  return grads, metrics
-
-
-def _batch_names(x: jax.Array) -> tuple:
-  return (sharding.BATCH,) + (None,) * (x.ndim - 1)
 
 
 def optimizer_step(

@@ -4,9 +4,8 @@
   h'  = h + Attn(RMSNorm(h)),   h_{l+1} = h' + W_down (silu(W_gate x) * W_up x),  x = RMSNorm(h')
   logits = RMSNorm(h_L) W_out   (W_out = E^T when embeddings are tied)
 
-Attention is grouped-query attention with rotary position embeddings (RoFormer,
-arXiv:2104.09864) in the "rotate half" layout used by HF checkpoints, optional
-q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and llama3 frequency scaling.
+Grouped-query attention with rotary embeddings (`attention_ops`), optional
+q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
 
 Every parameter carries logical axis names in its `out_sharding` metadata
 (`vocab`, `embed`, `mlp`, `heads`, `kv_heads`, `head_dim`), so
@@ -24,12 +23,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.typing import ArrayLike
 
 from offpolicy_jax import sharding
+from offpolicy_jax.models import attention_ops as ops
+from offpolicy_jax.models.attention_ops import _NEG_INF, default_positions  # noqa: F401
 from offpolicy_jax.models.config import ModelConfig
-
-_NEG_INF = -1e30
 
 
 class KVCache(NamedTuple):
@@ -52,54 +50,6 @@ def _param(key, shape, names, dtype, init="normal"):
   else:
     value = jnp.zeros(shape, dtype)
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
-
-
-def rope_inv_freq(config: ModelConfig) -> jax.Array:
-  """Inverse frequencies theta^(-2i/H), i < H/2, with optional llama3/linear scaling.
-
-  Args:
-    config: model config.
-
-  Returns:
-    float32 [H/2] inverse frequencies.
-  """
-  h = config.head_dim
-  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
-  scaling = config.rope_scaling_dict
-  if scaling is None:
-    return inv_freq
-  kind = scaling.get("rope_type", scaling.get("type", "default"))
-  if kind == "default":
-    return inv_freq
-  if kind == "linear":
-    return inv_freq / scaling["factor"]
-  if kind != "llama3":
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (llama3, linear)")
-  factor = scaling["factor"]
-  low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-  old_len = scaling["original_max_position_embeddings"]
-  wavelen = 2 * math.pi / inv_freq
-  scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-  smooth = (old_len / wavelen - low) / (high - low)
-  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-  medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-  return jnp.where(medium, smoothed, scaled)
-
-
-def _project_heads(x_btd, w_dnh):
-  """``einsum("btd,dnh->btnh")`` as one 2-D matmul on free reshapes (no weight transpose)."""
-  d, n, h = w_dnh.shape
-  return jnp.dot(x_btd, w_dnh.reshape(d, n * h)).reshape(*x_btd.shape[:-1], n, h)
-
-
-def _apply_rope(x_btnh, cos_bth, sin_bth):
-  half = x_btnh.shape[-1] // 2
-  rotated = jnp.concatenate([-x_btnh[..., half:], x_btnh[..., :half]], axis=-1)
-  cos, sin = (
-    cos_bth[:, :, None, :].astype(x_btnh.dtype),
-    sin_bth[:, :, None, :].astype(x_btnh.dtype),
-  )
-  return x_btnh * cos + rotated * sin
 
 
 class RMSNorm(nnx.Module):
@@ -138,11 +88,11 @@ class Attention(nnx.Module):
       self.k_norm = RMSNorm(h, c.rms_norm_eps, ("head_dim",), c)
 
   def _qkv(self, x_btd, cos_bth, sin_bth):
-    """Rotated queries [B,T,N,H], keys and values [B,T,N_kv,H] (compute dtype)."""
+    """Rotated queries [B,T,N,H], keys and values [B,N_kv,T,H] (compute dtype)."""
     c = self.config
     dt = jnp.dtype(c.dtype)
     q, k, v = (
-      _project_heads(x_btd, w[...].astype(dt)) for w in (self.q_proj, self.k_proj, self.v_proj)
+      ops.project_heads(x_btd, w[...].astype(dt)) for w in (self.q_proj, self.k_proj, self.v_proj)
     )
     if c.qkv_bias:
       q = q + jnp.broadcast_to(self.q_bias[...].astype(dt), q.shape)
@@ -150,7 +100,11 @@ class Attention(nnx.Module):
       v = v + jnp.broadcast_to(self.v_bias[...].astype(dt), v.shape)
     if c.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    return _apply_rope(q, cos_bth, sin_bth), _apply_rope(k, cos_bth, sin_bth), v
+    # Keys and values head-major [B, N_kv, T, H], the cache's layout: both attention
+    # matmuls read them as they lie (with [B, T, N_kv, H] XLA's CPU backend
+    # transposed every layer's whole cache at every decode step).
+    k = ops.apply_rope(k, cos_bth, sin_bth)
+    return ops.apply_rope(q, cos_bth, sin_bth), jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
   def _out(self, out_btnh):
     # One [B*T, N*H] x [N*H, D] matmul (a free reshape of both operands); as a
@@ -167,27 +121,28 @@ class Attention(nnx.Module):
     return q_btnh.reshape(b, t, kv, n // kv, h)
 
   def __call__(self, x_btd, cos_bth, sin_bth, allowed_bts, cache_kv=None, cache_index=None):
-    dt = jnp.dtype(self.config.dtype)
     q, k, v = self._qkv(x_btd, cos_bth, sin_bth)
-    # Keys and values head-major [B, N_kv, S, H], the cache's layout: both
-    # attention matmuls then read them as they lie (with [B, S, N_kv, H] XLA's
-    # CPU backend transposed the whole cache of every layer at every decode step).
-    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     if cache_kv is not None:
       k_cache, v_cache = cache_kv
       start = (0, 0, cache_index, 0)
       k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
       v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
       cache_kv = (k, v)
-    b, t, n, h = q.shape
+    return self._out(self._attend(q, k, v, allowed_bts)), cache_kv
+
+  def _attend(self, q_btnh, k_bksh, v_bksh, allowed_bts):
+    """softmax(q k^T / sqrt(H), allowed) v over head-major keys/values; [B, T, N, H]."""
+    dt = jnp.dtype(self.config.dtype)
     scores = jnp.einsum(
-      "btkgh,bksh->bkgts", self._grouped(q), k.astype(dt), preferred_element_type=jnp.float32
+      "btkgh,bksh->bkgts",
+      self._grouped(q_btnh),
+      k_bksh.astype(dt),
+      preferred_element_type=jnp.float32,
     )
-    scores = scores / math.sqrt(h)
+    scores = scores / math.sqrt(q_btnh.shape[-1])
     scores = jnp.where(allowed_bts[:, None, None], scores, _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bksh->btkgh", probs, v.astype(dt)).reshape(b, t, n, h)
-    return self._out(out), cache_kv
+    return jnp.einsum("bkgts,bksh->btkgh", probs, v_bksh.astype(dt)).reshape(q_btnh.shape)
 
   def shared_prefix(self, x_p, x_s, rope_p, rope_s, prompt_mask_gp, group_size):
     """Attention of G prompts [G,P,D] and their K continuations each [G*K,N,D].
@@ -198,27 +153,14 @@ class Attention(nnx.Module):
     group and shared by the K continuations; the softmax runs jointly over the
     prompt and continuation keys, as in the concatenated sequence.
     """
-    dt = jnp.dtype(self.config.dtype)
-    p = prompt_mask_gp.shape[1]
+    p, n_len = prompt_mask_gp.shape[1], x_s.shape[1]
     qp, kp, vp = self._qkv(x_p, *rope_p)
     qs, ks, vs = self._qkv(x_s, *rope_s)
     causal_p = jnp.tril(jnp.ones((p, p), bool))[None] & prompt_mask_gp[:, None, :]
-    scores = jnp.einsum(
-      "btkgh,bskh->bkgts", self._grouped(qp), kp, preferred_element_type=jnp.float32
-    )
-    scores = jnp.where(causal_p[:, None, None], scores / math.sqrt(qp.shape[-1]), _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out_p = jnp.einsum("bkgts,bskh->btkgh", probs, vp).reshape(qp.shape)
-    n_len = qs.shape[1]
-    head_major = lambda x: jnp.swapaxes(x, 1, 2)
     out_s = self._grouped_attention(
-      qs,
-      (head_major(kp), head_major(vp)),
-      (head_major(ks), head_major(vs)),
-      prompt_mask_gp,
-      jnp.tril(jnp.ones((n_len, n_len), bool)),
+      qs, (kp, vp), (ks, vs), prompt_mask_gp, jnp.tril(jnp.ones((n_len, n_len), bool))
     )
-    return self._out(out_p), self._out(out_s)
+    return self._out(self._attend(qp, kp, vp, causal_p)), self._out(out_s)
 
   def decode_shared(self, x_b1d, rope, prefix_kv, suffix_kv, prompt_mask_gp, index):
     """One decode step of K continuations per prompt against a per-group prompt cache.
@@ -237,7 +179,7 @@ class Attention(nnx.Module):
     q, k, v = self._qkv(x_b1d, *rope)
     start = (0, 0, index, 0)
     ks, vs = (
-      jax.lax.dynamic_update_slice(c, jnp.swapaxes(x, 1, 2).astype(c.dtype), start)
+      jax.lax.dynamic_update_slice(c, x.astype(c.dtype), start)
       for c, x in zip(suffix_kv, (k, v), strict=True)
     )
     allowed = (jnp.arange(ks.shape[2]) <= index)[None, :]
@@ -245,30 +187,9 @@ class Attention(nnx.Module):
     return self._out(out), (ks, vs)
 
   def _grouped_attention(self, q_btnh, prefix_kv, own_kv, prompt_mask_gp, own_allowed_ts):
-    """Continuations [G*K,T,N,H] attending to their group's prompt and to their own keys.
-
-    Keys/values are head-major: the prompt's [G, N_kv, P, H] are read once per
-    group (not copied K times), the continuations' own [G*K, N_kv, S, H] per
-    row; `own_allowed_ts` [T, S] masks the own keys; one softmax over both.
-    """
     dt = jnp.dtype(self.config.dtype)
-    (kp, vp), (ks, vs) = prefix_kv, own_kv
-    g, p = prompt_mask_gp.shape
-    qg = self._grouped(q_btnh)
-    group_size = qg.shape[0] // g
-    root = math.sqrt(q_btnh.shape[-1])
-    qg_g = qg.reshape(g, group_size, *qg.shape[1:])
-    to_prompt = jnp.einsum(
-      "gctkqh,gksh->gckqts", qg_g, kp.astype(dt), preferred_element_type=jnp.float32
-    )
-    to_prompt = jnp.where(prompt_mask_gp[:, None, None, None, None, :], to_prompt / root, _NEG_INF)
-    to_self = jnp.einsum("btkqh,bksh->bkqts", qg, ks.astype(dt), preferred_element_type=jnp.float32)
-    to_self = jnp.where(own_allowed_ts, to_self / root, _NEG_INF)
-    to_self = to_self.reshape(g, group_size, *to_self.shape[1:])
-    probs = jax.nn.softmax(jnp.concatenate([to_prompt, to_self], axis=-1), axis=-1).astype(dt)
-    vs_g = vs.astype(dt).reshape(g, group_size, *vs.shape[1:])
-    out = jnp.einsum("gckqts,gksh->gctkqh", probs[..., :p], vp.astype(dt)) + jnp.einsum(
-      "gckqts,gcksh->gctkqh", probs[..., p:], vs_g
+    out = ops.grouped_attention(
+      self._grouped(q_btnh), prefix_kv, own_kv, prompt_mask_gp, own_allowed_ts, dt
     )
     return out.reshape(q_btnh.shape)
 
@@ -334,12 +255,6 @@ class DecoderLayer(nnx.Module):
 def _constrain(h_btd: jax.Array) -> jax.Array:
   """Activations [B, T, D] with rows over the batch axes of the ambient mesh (if any)."""
   return sharding.constrain(h_btd, (sharding.BATCH, sharding.LENGTH, sharding.EMBED))
-
-
-def default_positions(attention_mask: ArrayLike) -> jax.Array:
-  """positions = cumsum(mask) - 1 clipped at 0, so left padding does not shift positions."""
-  mask = jnp.asarray(attention_mask).astype(jnp.int32)
-  return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
 
 
 class Decoder(nnx.Module):
@@ -481,7 +396,7 @@ class Decoder(nnx.Module):
 
   def _rope(self, positions):
     """(cos, sin) [B, T, H] of the rotary embedding at `positions` [B, T]."""
-    freqs = jnp.multiply.outer(jnp.asarray(positions, jnp.float32), rope_inv_freq(self.config))
+    freqs = jnp.multiply.outer(jnp.asarray(positions, jnp.float32), ops.rope_inv_freq(self.config))
     freqs = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(freqs), jnp.sin(freqs)
 
