@@ -47,6 +47,8 @@ EXTRAS_REQUIRE = {
         "ipykernel>=6",
         "ruff==0.17.6",
         "mypy==2.4.1",
+        # The layers contract of the wings (pyproject.toml), run in CI.
+        "import-linter==2.17",
         "reasoning-gym==0.1.25",
         "math-verify==0.9.0",
         "pyarrow>=15",

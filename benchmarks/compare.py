@@ -76,7 +76,12 @@ from tokenizers import models as tok_models
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from offpolicy_jax import advantages, losses, models, sampling, train_step  # noqa: E402
+from offpolicy_jax import advantages, losses, models  # noqa: E402
+from offpolicy_jax.run import (
+  train_state,  # noqa: E402
+  train_step,  # noqa: E402
+)
+from offpolicy_jax.sampling import sampler as sampling  # noqa: E402
 from offpolicy_jax.types import TrainBatch  # noqa: E402
 
 # Our rows: "name:options;name:options". Edit to time new optimisations by default.
@@ -254,12 +259,12 @@ def make_our_round(path: str, p: Protocol, options: dict[str, Any]) -> Callable[
   """`round(i) -> row` timing one GRPO step of our engine on the checkpoint in `path`."""
   graphdef, params = nnx.split(models.from_pretrained(path, jnp.float32))
   sampler = sampling.make_sampler(graphdef, max_new_tokens=p.new_tokens, group_size=p.group)
-  optimizer = train_step.make_optimizer(p.learning_rate)
+  optimizer = train_state.make_optimizer(p.learning_rate)
   options = {"group_size": p.group, **options}
   if "group_size" not in inspect.signature(train_step.make_train_step).parameters:
     options.pop("group_size")  # an older checkout, for before/after runs
   step = train_step.make_train_step(graphdef, optimizer, "grpo", **options)
-  state = train_step.init_train_state(params, optimizer)
+  state = train_state.init_train_state(params, optimizer)
   prompts = jnp.asarray(_read_protocol(path)["prompt_ids"], jnp.int32)
   lengths = jnp.full((p.prompts,), p.prompt_len, jnp.int32)
   make_batch = jax.jit(_grpo_batch, static_argnums=2)

@@ -35,7 +35,14 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
-from offpolicy_jax import loop, models, replay, sampling, train_step  # noqa: E402
+from offpolicy_jax import models  # noqa: E402
+from offpolicy_jax.run import (  # noqa: E402
+  loop,
+  replay,
+  train_state,  # noqa: E402
+  train_step,
+)
+from offpolicy_jax.sampling import sampler as sampling  # noqa: E402
 from offpolicy_jax.types import TrainBatch  # noqa: E402
 
 SHAPES = {  # preset: (groups G, group size K, prompt length P, response length N)
@@ -108,10 +115,10 @@ def main():
   g, k, p, n = SHAPES[args.preset]
   config = models.get_config(args.preset, dtype=jnp.float32, param_dtype=jnp.float32)
   graphdef, params = nnx.split(models.Decoder(config, rngs=nnx.Rngs(0)))
-  optimizer = train_step.make_optimizer(1e-4)
+  optimizer = train_state.make_optimizer(1e-4)
   step_fn = train_step.make_train_step(graphdef, optimizer, "rec_oneside_nois")
   sampler = sampling.make_sampler(graphdef, max_new_tokens=n, group_size=k)
-  state = train_step.init_train_state(params, optimizer)
+  state = train_state.init_train_state(params, optimizer)
 
   rng = np.random.default_rng(0)
   prompts = jnp.asarray(rng.integers(1, config.vocab_size, (g, p)), jnp.int32)

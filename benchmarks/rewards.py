@@ -23,8 +23,9 @@ import time
 
 import numpy as np
 
-from offpolicy_jax import rewards, verifiers
-from offpolicy_jax.tasks import math_data, synthetic
+from offpolicy_jax.rewards import scoring as rewards
+from offpolicy_jax.rewards import verifiers
+from offpolicy_jax.rewards.tasks import math_data, synthetic
 
 
 def _spin(example, text):
@@ -43,7 +44,7 @@ def _cases(batch: int):
   texts = [f"<think>x</think><answer>{i * 7}</answer>" for i in range(batch)]
   cases["math-verify"] = (math_data.math_reward, gold, texts)
   try:
-    from offpolicy_jax.tasks import code
+    from offpolicy_jax.rewards.tasks import code
   except ImportError:
     return cases
   task = code.make_task("code", seed=0)

@@ -17,7 +17,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from offpolicy_jax import models, sampling
+from offpolicy_jax import models
+from offpolicy_jax.sampling import sampler as sampling
 
 
 def _time(fn, repeats):

@@ -25,7 +25,7 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
-from offpolicy_jax import loop  # noqa: E402
+from offpolicy_jax.run import loop  # noqa: E402
 
 
 def _rss_mib() -> float:

@@ -42,7 +42,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.max_new_tokens = 8
   c.data = ml_collections.ConfigDict()
   # Prompts longer than max_prompt_len: False fails at start-up naming the row
-  # (validation.validate_data); True keeps their last max_prompt_len tokens (the
+  # (data_checks.validate_data); True keeps their last max_prompt_len tokens (the
   # question and the generation prompt) and counts them in the prompts_truncated metric.
   c.data.truncate_prompts = False
   c.rollout = ml_collections.ConfigDict()

@@ -36,7 +36,7 @@ still runs the grid's first seed as separate single runs (`get_sweep`).
 import ml_collections
 
 from configs import default
-from offpolicy_jax import study
+from offpolicy_jax.study import runner as study
 
 # Methods: name=loss_preset[+advantage] (no value: the preset of that name with its default
 # advantage). RED-Drop is REINFORCE with the red_drop advantage.

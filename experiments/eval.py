@@ -23,7 +23,7 @@ flags.mark_flag_as_required("config")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  from offpolicy_jax import loop
+  from offpolicy_jax.run import loop
 
   logging.set_verbosity(logging.WARNING)
   result = loop.evaluate_checkpoint(_CONFIG.value, _WORKDIR.value, _STEP.value)

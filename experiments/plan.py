@@ -14,7 +14,7 @@ import math
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from offpolicy_jax import planner
+from offpolicy_jax.run import planner
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _DEVICES = flags.DEFINE_string("devices", None, "<type>-<count> (e.g. v5e-8) or a device count.")

@@ -12,7 +12,8 @@ import sys
 
 from absl import app, flags
 
-from offpolicy_jax import metrics, study_report
+from offpolicy_jax.study import report as study_report
+from offpolicy_jax.study import reports
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Run directories holding metrics.jsonl.")
 _LABELS = flags.DEFINE_list("labels", None, "Curve labels (default: workdir basenames).")
@@ -46,7 +47,7 @@ def main(argv):
   labels = _LABELS.value or [os.path.basename(os.path.normpath(w)) for w in _WORKDIRS.value]
   if len(labels) != len(_WORKDIRS.value):
     raise app.UsageError("--labels must have one entry per --workdirs entry")
-  path = metrics.plot_runs(
+  path = reports.plot_runs(
     dict(zip(labels, _WORKDIRS.value, strict=True)), _OUT.value, smooth=_SMOOTH.value
   )
   print(path)

@@ -17,7 +17,9 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from offpolicy_jax import study, study_report, workdir
+from offpolicy_jax.store import workdir
+from offpolicy_jax.study import report as study_report
+from offpolicy_jax.study import runner as study
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Study config (with a `study` block).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the study's cells and reports.")

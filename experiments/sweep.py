@@ -22,13 +22,10 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from offpolicy_jax import launchers
-from offpolicy_jax.sweeps import (  # noqa: F401  (the binary's names, used by tests)
+from offpolicy_jax.study import launchers
+from offpolicy_jax.study.sweeps import (
   SweepError,
-  apply_overrides,
-  check_unique_names,
   load_sweep,
-  run_name,
   run_sweep,
 )
 

@@ -74,7 +74,8 @@ def main(argv):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**distributed)
 
-  from offpolicy_jax import loop, metrics
+  from offpolicy_jax.run import loop
+  from offpolicy_jax.study import reports
 
   logging.info(
     "JAX %s, process %d of %d, devices: %s",
@@ -85,7 +86,7 @@ def main(argv):
   )
   # Library progress goes to stdout; keep orbax's INFO chatter out of the way.
   logging.set_verbosity(logging.WARNING)
-  from offpolicy_jax import workdir
+  from offpolicy_jax.store import workdir
 
   try:
     loop.train_and_evaluate(
@@ -94,7 +95,7 @@ def main(argv):
   except (workdir.WorkdirLocked, workdir.ConfigChanged) as e:
     # Expected refusals: one line, exit code 1, no traceback.
     raise SystemExit(f"error: {e}") from None
-  summary = metrics.summarize_run(_WORKDIR.value)
+  summary = reports.summarize_run(_WORKDIR.value)
   fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
   print(" ".join(f"{k}={fmt(v)}" for k, v in summary.items()))
 

@@ -15,15 +15,12 @@ with ``m = sync_interval`` and ``n = sync_offset``; the lag is
 The snapshot store keeps device-resident copies of recent parameter versions
 so the trainer can sample with exactly the parameters the schedule names.
 Staleness has one measure, `row_staleness` (the trainer's version minus the
-oldest version in a row), and one bound, `AsyncSampler`'s ``max_staleness``:
+oldest version in a row), and one bound, `run.producer.SamplerThread`'s ``max_staleness``:
 batches beyond it are dropped, or their stale rows reweighted by
 `staleness_weights`.
 """
 
 import functools
-import queue
-import threading
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -202,129 +199,3 @@ def staleness_weights(
   """
   stale = row_staleness(versions, mask, current_version) > max_staleness
   return jnp.where(stale, jnp.float32(stale_weight), jnp.float32(1.0))
-
-
-class AsyncSampler:
-  """Runs a sampler on a background thread, ahead of the trainer.
-
-  The thread repeatedly calls ``sample_fn(params, version)`` with the most
-  recently published parameters and queues the resulting ``TrainBatch``
-  (whose ``versions`` record the producing version per token). The queue
-  bounds how far the sampler runs ahead. :meth:`get` enforces
-  ``max_staleness`` against the trainer's version: with ``mode="drop"`` whole
-  batches whose oldest token is too stale are discarded; with
-  ``mode="weight"`` stale rows keep their place but their
-  ``TrainBatch.weights`` are multiplied by ``stale_weight``. Both are counted
-  in :attr:`stats`. ``place`` makes the sampler's copy of published
-  parameters (default: a device copy; a disaggregated run reshards them onto
-  the sampler's mesh, `disagg.SamplerParams.place`).
-
-  Example::
-
-    sampler = AsyncSampler(sample_fn, params, 0, max_staleness=2)
-    for t in range(1, steps + 1):
-      batch = sampler.get(current_version=t - 1)
-      state, metrics = train_step(state, batch, key)
-      sampler.publish(state.params, t)
-    sampler.close()
-  """
-
-  def __init__(
-    self,
-    sample_fn: Callable[[Any, int], Any],
-    params: Any,
-    version: int,
-    *,
-    max_staleness: int,
-    mode: str = "drop",
-    stale_weight: float = 0.0,
-    queue_size: int = 2,
-    place: Callable[[Any], Any] | None = None,
-  ):
-    if mode not in ("drop", "weight"):
-      raise ValueError(f"mode must be 'drop' or 'weight', got {mode!r}")
-    if max_staleness < 0:
-      raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-    if queue_size < 1:
-      raise ValueError(f"queue_size must be >= 1, got {queue_size}")
-    self._sample_fn = sample_fn
-    self._place = place or (lambda p: jax.tree.map(jnp.copy, p))
-    self._latest = (self._place(params), int(version))
-    self._lock = threading.Lock()
-    self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
-    self._stop = threading.Event()
-    self._error: BaseException | None = None
-    self.max_staleness = max_staleness
-    self.mode = mode
-    self.stale_weight = stale_weight
-    self.stats = {"produced": 0, "consumed": 0, "dropped_batches": 0, "downweighted_rows": 0}
-    self._thread = threading.Thread(target=self._run, daemon=True)
-    self._thread.start()
-
-  def publish(self, params: Any, version: int) -> None:
-    """Makes ``params`` (at ``version``) the sampler's parameters from now on.
-
-    A device copy is taken (by `place`), so the trainer may donate its state afterwards.
-    """
-    params = self._place(params)
-    with self._lock:
-      self._latest = (params, int(version))
-
-  def _run(self) -> None:
-    try:
-      while not self._stop.is_set():
-        with self._lock:
-          params, version = self._latest
-        out = self._sample_fn(params, version)
-        batch, info = out if isinstance(out, tuple) and not hasattr(out, "_fields") else (out, None)
-        jax.block_until_ready(batch)
-        self.stats["produced"] += 1
-        while not self._stop.is_set():
-          try:
-            self._queue.put((batch, info), timeout=0.05)
-            break
-          except queue.Full:
-            continue
-    except BaseException as e:  # surfaced to the trainer by get()
-      self._error = e
-
-  def get(self, current_version: int, timeout: float | None = 60.0, with_info: bool = False):
-    """Next batch within the staleness bound relative to ``current_version``.
-
-    With ``with_info``, returns ``(batch, info)`` where ``info`` is what
-    ``sample_fn`` returned beside that batch (``sample_fn`` may return
-    ``(batch, info)``), or None.
-
-    Raises:
-      RuntimeError: if the sampler thread failed.
-      TimeoutError: if no batch arrives within ``timeout`` seconds.
-    """
-    while True:
-      if self._error is not None:
-        raise RuntimeError("AsyncSampler thread failed") from self._error
-      try:
-        batch, info = self._queue.get(timeout=0.05 if timeout is None else min(timeout, 0.05))
-      except queue.Empty:
-        if timeout is not None:
-          timeout -= 0.05
-          if timeout <= 0:
-            raise TimeoutError("AsyncSampler.get: no batch") from None
-        continue
-      stale = np.asarray(row_staleness(batch.versions, batch.mask, current_version))
-      too_old = stale > self.max_staleness
-      if self.mode == "drop" and too_old.any():
-        self.stats["dropped_batches"] += 1
-        continue
-      if too_old.any():
-        self.stats["downweighted_rows"] += int(too_old.sum())
-        w = staleness_weights(
-          batch.versions, batch.mask, current_version, self.max_staleness, self.stale_weight
-        )
-        batch = batch._replace(weights=batch.weights * w)
-      self.stats["consumed"] += 1
-      return (batch, info) if with_info else batch
-
-  def close(self) -> None:
-    """Stops the thread and waits for it."""
-    self._stop.set()
-    self._thread.join(timeout=30)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from offpolicy_jax.answer_gate import gate
+from offpolicy_jax.rewards.answer_gate import gate
 
 ACCEPTED = [
   ("literal", "[1, 2,3]", "[1, 2, 3]"),

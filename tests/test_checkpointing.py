@@ -17,7 +17,8 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from offpolicy_jax import checkpoint_integrity, checkpointing
+from offpolicy_jax.store import checkpointing
+from offpolicy_jax.store import integrity as checkpoint_integrity
 
 
 class _Buf(NamedTuple):

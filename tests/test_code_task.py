@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from offpolicy_jax.tasks import code, code_reward
-from offpolicy_jax.tokenizers import CharTokenizer
+from offpolicy_jax.models.tokenizers import CharTokenizer
+from offpolicy_jax.rewards.tasks import code, code_reward
 
 TOK = CharTokenizer()
 
@@ -117,7 +117,7 @@ def test_procedural_determinism_and_heldout_split():
 
 
 def test_io_reward_golden():
-  r = lambda text, partial=True: code.program_reward(IO_EX, text, partial_credit=partial)
+  r = lambda text, partial=True: code_reward.program_reward(IO_EX, text, partial_credit=partial)
   assert r("def f(a,b):return a+b") == 1.0
   # a*b+1 on (0,7) (1,1) (3,3) (9,0): 1 2 10 1 against 7 2 6 9.
   assert r("def f(a,b):return a*b+1") == 0.25
@@ -145,19 +145,19 @@ def test_io_reward_golden():
   ],
 )
 def test_io_reward_zero(text):
-  assert code.program_reward(IO_EX, text) == 0.0
+  assert code_reward.program_reward(IO_EX, text) == 0.0
 
 
 def test_extract_program():
-  assert code.extract_program("no fences") == "no fences"
-  assert code.extract_program("x <answer>a=1</answer> <answer>b=2</answer>") == "b=2"
+  assert code_reward.extract_program("no fences") == "no fences"
+  assert code_reward.extract_program("x <answer>a=1</answer> <answer>b=2</answer>") == "b=2"
   text = "```python\nA\n```\ntext\n```\nB\n```\n```bash\nls\n```\n<answer>C</answer>"
-  assert code.extract_program(text) == "B\n"
-  assert code.extract_program("```py\nx = 1\ny = 2\n```") == "x = 1\ny = 2\n"
-  assert code.extract_program("<answer>```python\nD\n```</answer>") == "D\n"
-  assert code.extract_program("```text\nE\n```") == "```text\nE\n```"
-  assert code.extract_program("Code: ```python\nF\n```, done.") == "F\n"
-  assert code.extract_program("```python\nunclosed") == "```python\nunclosed"
+  assert code_reward.extract_program(text) == "B\n"
+  assert code_reward.extract_program("```py\nx = 1\ny = 2\n```") == "x = 1\ny = 2\n"
+  assert code_reward.extract_program("<answer>```python\nD\n```</answer>") == "D\n"
+  assert code_reward.extract_program("```text\nE\n```") == "```text\nE\n```"
+  assert code_reward.extract_program("Code: ```python\nF\n```, done.") == "F\n"
+  assert code_reward.extract_program("```python\nunclosed") == "```python\nunclosed"
 
 
 def test_mbpp_references_wrong_programs_and_fake_equality(tmp_path):
@@ -278,7 +278,8 @@ _HOSTILE = {
 def test_hostile_programs_score_zero_in_the_sandbox_and_the_run_goes_on(tmp_path):
   import socket
 
-  from offpolicy_jax import rewards, tasks
+  from offpolicy_jax.rewards import scoring as rewards
+  from offpolicy_jax.rewards import tasks
 
   task = tasks.get_task("code")
   ex = {"prompt": "", "answer": _GOOD, "entry_point": "f", "io": [[[1, 2], 3], [[4, 4], 8]]}

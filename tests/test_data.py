@@ -6,9 +6,10 @@ import json
 import numpy as np
 import pytest
 
-from offpolicy_jax import data, tasks
-from offpolicy_jax.tasks import ListSource, Task
-from offpolicy_jax.tokenizers import CharTokenizer
+from offpolicy_jax.models.tokenizers import CharTokenizer
+from offpolicy_jax.rewards import tasks
+from offpolicy_jax.rewards.tasks import ListSource, Task
+from offpolicy_jax.run import data
 
 TOK = CharTokenizer()
 REVERSE = tasks.get_task("reverse", num_eval=50)
@@ -204,7 +205,7 @@ def test_bad_arguments():
 def test_hf_tokenizer_chat_pipeline(tmp_path):
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-  from offpolicy_jax.tokenizers import HFTokenizer
+  from offpolicy_jax.models.tokenizers import HFTokenizer
 
   tok = Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -25,7 +25,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from configs import default  # noqa: E402
-from offpolicy_jax import components, disagg, lag, loop, sharding, tasks, validation  # noqa: E402
+from offpolicy_jax import lag  # noqa: E402
+from offpolicy_jax.rewards import tasks  # noqa: E402
+from offpolicy_jax.run import components, loop, validation  # noqa: E402
+from offpolicy_jax.scale import disagg, sharding  # noqa: E402
 from tests.conftest import FAST_COMPILE  # noqa: E402
 
 # Wall-clock metrics and the disaggregated run's own metrics.

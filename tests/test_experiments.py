@@ -19,8 +19,10 @@ sys.path.insert(0, REPO)
 from test_loop import small_config, strip_timing  # noqa: E402
 
 from experiments import sweep  # noqa: E402
-from offpolicy_jax import loop, metrics  # noqa: E402
-from offpolicy_jax import workdir as workdir_lib  # noqa: E402
+from offpolicy_jax.run import loop  # noqa: E402
+from offpolicy_jax.store import metrics_files  # noqa: E402
+from offpolicy_jax.store import workdir as workdir_lib  # noqa: E402
+from offpolicy_jax.study import reports  # noqa: E402
 
 # The command-line twin of test_loop.small_config(total_steps=40, checkpoint_every=4, ...):
 # no warm start and no evaluation, so the subprocesses compile only the RL step.
@@ -54,7 +56,7 @@ def _train_cmd(workdir):
 
 
 def _last_step(workdir):
-  train, _ = metrics.split_rows(metrics.read_metrics(workdir))
+  train, _ = metrics_files.split_rows(metrics_files.read_metrics(workdir))
   return train[-1]["step"] if train else 0
 
 
@@ -98,8 +100,8 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
   assert resumed.returncode == 0, out.decode()[-3000:]
   assert "resumed from step" in out.decode()
 
-  got_train, got_eval = metrics.split_rows(metrics.read_metrics(workdir))
-  want_train, want_eval = metrics.split_rows(reference)
+  got_train, got_eval = metrics_files.split_rows(metrics_files.read_metrics(workdir))
+  want_train, want_eval = metrics_files.split_rows(reference)
   assert [r["step"] for r in got_train] == list(range(1, 41))  # no duplicates, no gaps
   assert strip_timing(got_train) == strip_timing(want_train)
   assert got_eval == want_eval
@@ -117,7 +119,7 @@ def test_sweep_runs_and_writes_summary(tmp_path):
   assert "eval/accuracy" in text
   assert os.path.getsize(tmp_path / "curves.png") > 1000
   assert os.path.exists(tmp_path / "summary.csv")
-  staleness = metrics.summarize_run(str(tmp_path / "offline"))["staleness_mean"]
+  staleness = reports.summarize_run(str(tmp_path / "offline"))["staleness_mean"]
   assert staleness == pytest.approx((0 + 1 + 2) / 3)
 
 
@@ -285,7 +287,7 @@ def test_paper_gsm8k_config_runs_at_toy_scale(tmp_path):
   }
   cfg = sweep.apply_overrides(cfg, overrides)
   out = loop.train_and_evaluate(cfg, str(tmp_path / "run"))
-  train, evals = metrics.split_rows(out)
+  train, evals = metrics_files.split_rows(out)
   assert [r["step"] for r in train] == [1, 2]
   assert all(r["reward_failures"] == 0 for r in train)
   # Untrained: wrong answers without the think/answer format score -0.1.
@@ -340,7 +342,7 @@ def test_code_config_learns_with_sandboxed_program_rewards(tmp_path):
   cfg.checkpoint_every = 0
   cfg.progress = False
   cfg.tensorboard = False
-  train, _ = metrics.split_rows(loop.train_and_evaluate(cfg, str(tmp_path)))
+  train, _ = metrics_files.split_rows(loop.train_and_evaluate(cfg, str(tmp_path)))
   assert [r["step"] for r in train] == list(range(1, 101))
   first = np.mean([r["reward_mean"] for r in train[:25]])
   last = np.mean([r["reward_mean"] for r in train[-25:]])
@@ -357,7 +359,7 @@ def _quick(**overrides):
 
 
 def _steps(workdir):
-  train, _ = metrics.split_rows(metrics.read_metrics(str(workdir)))
+  train, _ = metrics_files.split_rows(metrics_files.read_metrics(str(workdir)))
   return [r["step"] for r in train]
 
 
@@ -444,7 +446,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capl
     rows = loop.train_and_evaluate(_quick(total_steps=9), str(tmp_path / "run"))
   assert "checkpoint step 6 is corrupt" in caplog.text and "falling back to step 3" in caplog.text
   assert [r["step"] for r in rows] == [4, 5, 6, 7, 8, 9]  # redone from the intact step
-  assert strip_timing(metrics.read_metrics(str(tmp_path / "run"))) == strip_timing(full)
+  assert strip_timing(metrics_files.read_metrics(str(tmp_path / "run"))) == strip_timing(full)
 
 
 def test_fresh_start_moves_old_metrics_aside_instead_of_deleting_them(tmp_path):
@@ -470,8 +472,8 @@ def test_corrupt_config_record_names_the_file(tmp_path):
 
 def _long_prompt_task():
   """`reverse`-style rows; from row 47 on, prompts far longer than max_prompt_len."""
-  from offpolicy_jax import tasks
-  from offpolicy_jax.tasks import synthetic
+  from offpolicy_jax.rewards import tasks
+  from offpolicy_jax.rewards.tasks import synthetic
 
   rows = [{"prompt": f"rev:{i:03d}=", "answer": f"{i:03d}"[::-1]} for i in range(60)]
   for row in rows[47:]:
@@ -486,7 +488,7 @@ def _long_prompt_task():
 
 
 def test_prompt_too_long_deep_in_the_data_fails_at_start_up_or_is_truncated(tmp_path):
-  from offpolicy_jax import tasks
+  from offpolicy_jax.rewards import tasks
 
   if "test_long_prompts" not in tasks.task_names():
     tasks.register("test_long_prompts", _long_prompt_task)

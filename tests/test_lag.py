@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from offpolicy_jax import lag
+from offpolicy_jax.run import producer
 from offpolicy_jax.types import TrainBatch
 
 SCHEDULES = [(1, 0), (1, 3), (4, 0), (3, 2), (10**9, 0)]
@@ -115,7 +116,7 @@ def test_async_sampler_drop_counts_stale_batches():
       gate.wait(5)
     return _batch(version)
 
-  sampler = lag.AsyncSampler(sample_fn, None, 0, max_staleness=1, queue_size=2)
+  sampler = producer.SamplerThread(sample_fn, None, 0, max_staleness=1, queue_size=2)
   try:
     assert int(sampler.get(current_version=0).versions[0, 0]) == 0
     # Trainer jumps ahead: queued version-0 batches are now too stale and dropped.
@@ -132,7 +133,7 @@ def test_async_sampler_drop_counts_stale_batches():
 
 
 def test_async_sampler_weight_mode():
-  sampler = lag.AsyncSampler(
+  sampler = producer.SamplerThread(
     lambda p, v: _batch(0), None, 0, max_staleness=2, mode="weight", stale_weight=0.25
   )
   try:
@@ -149,7 +150,7 @@ def test_async_sampler_surfaces_errors():
   def bad(params, version):
     raise RuntimeError("boom")
 
-  sampler = lag.AsyncSampler(bad, None, 0, max_staleness=0)
+  sampler = producer.SamplerThread(bad, None, 0, max_staleness=0)
   try:
     with pytest.raises(RuntimeError, match="thread failed"):
       sampler.get(current_version=0, timeout=5)

@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from configs import lag_study  # noqa: E402
-from offpolicy_jax import launchers  # noqa: E402
+from offpolicy_jax.study import launchers  # noqa: E402
 
 HOSTS = 4
 PORT = 9123

@@ -15,7 +15,12 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
-from offpolicy_jax import components, loop, metrics, rollouts, tasks, validation  # noqa: E402
+from offpolicy_jax.rewards import tasks  # noqa: E402
+from offpolicy_jax.run import components, loop, rollouts, validation  # noqa: E402
+from offpolicy_jax.store import (
+  metrics,  # noqa: E402
+  metrics_files,  # noqa: E402
+)
 
 REQUIRED = (
   "step",
@@ -91,7 +96,7 @@ def reference_version(t, m, n):
 def test_short_run_writes_required_keys(tmp_path):
   workdir = str(tmp_path)
   loop.train_and_evaluate(small_config(total_steps=3), workdir)
-  train, evals = metrics.split_rows(metrics.read_metrics(workdir))
+  train, evals = metrics_files.split_rows(metrics_files.read_metrics(workdir))
   assert [r["step"] for r in train] == [1, 2, 3]
   for row in train:
     missing = [k for k in REQUIRED if k not in row]
@@ -163,8 +168,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
   part = str(tmp_path / "part")
   loop.train_and_evaluate(small_config(total_steps=5, **lag), part)  # stops after step 5
   loop.train_and_evaluate(small_config(total_steps=8, **lag), part)  # resumes from step 5
-  got_train, got_eval = metrics.split_rows(metrics.read_metrics(part))
-  want_train, want_eval = metrics.split_rows(full)
+  got_train, got_eval = metrics_files.split_rows(metrics_files.read_metrics(part))
+  want_train, want_eval = metrics_files.split_rows(full)
   assert strip_timing(got_train) == strip_timing(want_train)
   assert got_eval[0] == want_eval[0] and got_eval[-1] == want_eval[-1]
 
@@ -191,7 +196,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 def test_bad_config_fails_naming_the_field(tmp_path, overrides, field):
   with pytest.raises(ValueError, match=f"config.{field}"):
     loop.train_and_evaluate(small_config(**overrides), str(tmp_path))
-  assert not os.path.exists(tmp_path / metrics.METRICS_FILE)
+  assert not os.path.exists(tmp_path / metrics_files.METRICS_FILE)
 
 
 def test_missing_data_file_fails_naming_the_field(tmp_path):

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from offpolicy_jax import metrics
+from offpolicy_jax.store import metrics, metrics_files
+from offpolicy_jax.study import reports
 
 
 def _write_steps(workdir, steps, resume_step=None, **kw):
@@ -27,7 +28,7 @@ def test_rows_are_flushed_per_write(tmp_path):
   w = metrics.MetricsWriter(str(tmp_path), tensorboard=False, progress=False)
   w.write(1, {"reward_mean": jnp.asarray(0.5)})
   # Visible to another reader before close: the row was flushed.
-  rows = metrics.read_metrics(str(tmp_path))
+  rows = metrics_files.read_metrics(str(tmp_path))
   assert rows == [{"step": 1, "reward_mean": 0.5}]
   w.close()
 
@@ -44,7 +45,7 @@ def test_non_primary_process_writes_nothing(tmp_path):
 
 def test_values_become_python_scalars(tmp_path):
   _write_steps(str(tmp_path), [3])
-  (row,) = metrics.read_metrics(str(tmp_path))
+  (row,) = metrics_files.read_metrics(str(tmp_path))
   assert row == {"step": 3, "reward_mean": pytest.approx(0.3), "loss": -3.0, "n": 3}
   assert isinstance(row["n"], int) and isinstance(row["loss"], float)
 
@@ -52,16 +53,16 @@ def test_values_become_python_scalars(tmp_path):
 def test_resume_drops_rows_beyond_checkpoint_and_torn_line(tmp_path):
   d = str(tmp_path)
   _write_steps(d, range(1, 8))
-  with open(os.path.join(d, metrics.METRICS_FILE), "a") as f:
+  with open(os.path.join(d, metrics_files.METRICS_FILE), "a") as f:
     f.write('{"step": 8, "rew')  # a kill in the middle of a write
   with pytest.warns(UserWarning, match=r"dropped 1 unreadable line\(s\) \(line 8\)"):
     _write_steps(d, range(5, 9), resume_step=4)
-  steps = [r["step"] for r in metrics.read_metrics(d)]
+  steps = [r["step"] for r in metrics_files.read_metrics(d)]
   assert steps == list(range(1, 9))
 
 
 def _steps(path):
-  return [r["step"] for r in metrics.read_metrics(str(path))]
+  return [r["step"] for r in metrics_files.read_metrics(str(path))]
 
 
 def _rows_text(steps):
@@ -69,7 +70,7 @@ def _rows_text(steps):
 
 
 def test_torn_middle_line_keeps_later_rows_through_resume(tmp_path):
-  path = tmp_path / metrics.METRICS_FILE
+  path = tmp_path / metrics_files.METRICS_FILE
   torn = b'{"step": 4, "rew'
   garbage = b"\x00\x00\xff\xfe"  # zeroed / non-UTF-8 bytes left by a power cut
   path.write_bytes(
@@ -90,11 +91,13 @@ def test_torn_middle_line_keeps_later_rows_through_resume(tmp_path):
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # The rewritten file reads without a warning.
     assert _steps(path) == list(range(1, 25))
-  assert (tmp_path / (metrics.METRICS_FILE + ".bad")).read_bytes() == torn + b"\n" + garbage + b"\n"
+  assert (
+    tmp_path / (metrics_files.METRICS_FILE + ".bad")
+  ).read_bytes() == torn + b"\n" + garbage + b"\n"
 
 
 def test_replacing_file_with_torn_last_line_does_not_swallow_next_row(tmp_path):
-  path = tmp_path / metrics.METRICS_FILE
+  path = tmp_path / metrics_files.METRICS_FILE
   with metrics.MetricsWriter(str(tmp_path), tensorboard=False, progress=False) as w:
     w.write(1, {"reward_mean": 0.0})
     other = tmp_path / "other.jsonl"
@@ -107,7 +110,7 @@ def test_replacing_file_with_torn_last_line_does_not_swallow_next_row(tmp_path):
 
 
 def test_deleted_file_is_recreated_and_written_on(tmp_path):
-  path = tmp_path / metrics.METRICS_FILE
+  path = tmp_path / metrics_files.METRICS_FILE
   with metrics.MetricsWriter(str(tmp_path), tensorboard=False, progress=False) as w:
     w.write(1, {"reward_mean": 0.1})
     os.remove(path)
@@ -118,7 +121,7 @@ def test_deleted_file_is_recreated_and_written_on(tmp_path):
 
 
 def test_replaced_file_is_reopened_and_written_on(tmp_path):
-  path = tmp_path / metrics.METRICS_FILE
+  path = tmp_path / metrics_files.METRICS_FILE
   with metrics.MetricsWriter(str(tmp_path), tensorboard=False, progress=False) as w:
     w.write(1, {"reward_mean": 0.1})
     other = tmp_path / "other.jsonl"
@@ -206,14 +209,14 @@ def test_summary_and_plot(tmp_path):
         )
       w.write(10, {"eval/accuracy": 0.5})
     runs[name] = d
-  s = metrics.summarize_run(runs["a"])
+  s = reports.summarize_run(runs["a"])
   # First fifth = steps 1-2, last fifth = steps 9-10 (eval row excluded).
   assert s["steps"] == 10
   assert s["reward_first_fifth"] == pytest.approx(1.5)
   assert s["reward_last_fifth"] == pytest.approx(9.5)
   assert s["eval/accuracy"] == 0.5
-  md = metrics.write_summary_table(runs, str(tmp_path))
+  md = reports.write_summary_table(runs, str(tmp_path))
   text = open(md).read()
   assert "| a | 10 | 1.5000 | 9.5000" in text and "| b |" in text
-  png = metrics.plot_runs(runs, str(tmp_path / "c.png"))
+  png = reports.plot_runs(runs, str(tmp_path / "c.png"))
   assert os.path.getsize(png) > 1000

@@ -13,8 +13,9 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from offpolicy_jax import models, sharding
+from offpolicy_jax import models
 from offpolicy_jax.models import hf as hf_io
+from offpolicy_jax.scale import sharding
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

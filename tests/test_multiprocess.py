@@ -21,8 +21,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from configs import default  # noqa: E402
-from offpolicy_jax import data, loop, tasks  # noqa: E402
-from offpolicy_jax.checkpoint_integrity import MANIFEST  # noqa: E402
+from offpolicy_jax.rewards import tasks  # noqa: E402
+from offpolicy_jax.run import data, loop  # noqa: E402
+from offpolicy_jax.store.integrity import MANIFEST  # noqa: E402
 from tests.conftest import FAST_COMPILE  # noqa: E402
 
 OVERRIDES = {

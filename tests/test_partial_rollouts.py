@@ -13,17 +13,11 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
-from offpolicy_jax import (  # noqa: E402
-  components,
-  loop,
-  losses,
-  metrics,
-  models,
-  partial_rollouts,
-  replay,
-  sampling,
-  train_step,
-)
+from offpolicy_jax import losses, models
+from offpolicy_jax.run import components, loop, replay, train_state, train_step
+from offpolicy_jax.sampling import partial as partial_rollouts
+from offpolicy_jax.sampling import sampler as sampling
+from offpolicy_jax.store import metrics_files
 
 G, K, N, B_TOK = 2, 3, 8, 3  # prompts, group size, max_new_tokens, budget (L = 3 steps)
 TEMP = 0.7
@@ -207,7 +201,7 @@ def test_the_loss_and_train_step_use_per_token_versions(tiny, three_steps, teach
   np.testing.assert_allclose(out.metrics["ratio_mean"], rho.mean(), rtol=1e-5)
   np.testing.assert_allclose(out.metrics["ratio_max"], rho.max(), rtol=1e-5)
   step = train_step.make_train_step(graphdef, optax.sgd(0.0), "ppo", temperature=TEMP, donate=False)
-  state = train_step.init_train_state(theta, optax.sgd(0.0))._replace(version=jnp.int32(3))
+  state = train_state.init_train_state(theta, optax.sgd(0.0))._replace(version=jnp.int32(3))
   _, metrics = step(state, batch, jax.random.key(1))
   stale = (3 - versions)[mask > 0]
   np.testing.assert_allclose(metrics["staleness_mean"], stale.mean(), rtol=1e-6)
@@ -264,8 +258,8 @@ def test_partial_run_on_eight_devices_mixes_versions_and_resumes_exactly(tmp_pat
   part = str(tmp_path / "part")
   loop.train_and_evaluate(_run_config(total_steps=3, **mesh), part)
   loop.train_and_evaluate(_run_config(**mesh), part)  # resumes from step 3, pool included
-  got, _ = metrics.split_rows(metrics.read_metrics(part))
-  want, _ = metrics.split_rows(full)
+  got, _ = metrics_files.split_rows(metrics_files.read_metrics(part))
+  want, _ = metrics_files.split_rows(full)
   assert len(want) == 6 and _strip(got) == _strip(want)
   assert all(r["partial_dropped_prompts"] == 0 for r in want)
   # On-policy sync, yet responses span versions, and the trainer sees their older tokens.

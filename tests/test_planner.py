@@ -9,7 +9,9 @@ import jax
 import pytest
 
 from configs import default
-from offpolicy_jax import components, lag, planner, rl_step, rollouts, sharding, train_step
+from offpolicy_jax import lag
+from offpolicy_jax.run import components, planner, rl_step, rollouts, train_step
+from offpolicy_jax.scale import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 0.2  # the bar: estimates within 20% of what is measured

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from offpolicy_jax import replay, sharding
+from offpolicy_jax.run import replay
+from offpolicy_jax.scale import sharding
 from offpolicy_jax.types import TrainBatch
 
 K = 2  # rows per group

@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from offpolicy_jax import rewards, verifiers
+from offpolicy_jax.rewards import scoring as rewards
+from offpolicy_jax.rewards import verifiers
 
 
 def _verifier(example, text):
@@ -112,7 +113,7 @@ def test_sandboxed_reward_direct_call_and_errors(pool):
 
 
 def test_rebuild_reward_resolves_a_closure_in_the_worker(pool):
-  from offpolicy_jax import tasks
+  from offpolicy_jax.rewards import tasks
 
   ref = rewards.RebuildReward(tasks.get_task, {"name": "copy"}, "copy")
   fn = rewards.SandboxedReward(lambda ex, t: 0.0, ref, "copy")

@@ -27,8 +27,9 @@ from typing import NamedTuple
 
 import pytest
 
-from offpolicy_jax import answer_gate, rewards, tasks
-from offpolicy_jax.tasks import rgym
+from offpolicy_jax.rewards import answer_gate, tasks
+from offpolicy_jax.rewards import scoring as rewards
+from offpolicy_jax.rewards.tasks import rgym
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 

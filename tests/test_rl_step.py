@@ -11,7 +11,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from offpolicy_jax import components, lag, rl_step, rollouts  # noqa: E402
+from offpolicy_jax import lag  # noqa: E402
+from offpolicy_jax.run import components, rl_step, rollouts  # noqa: E402
 from tests.test_loop import small_config  # noqa: E402
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from offpolicy_jax import models, sampling
+from offpolicy_jax import models
+from offpolicy_jax.sampling import sampler as sampling
 
 N = 8  # max_new_tokens
 K = 3  # group_size

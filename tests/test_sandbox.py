@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from offpolicy_jax import rewards, sandbox, verifiers
+from offpolicy_jax.rewards import sandbox, verifiers
+from offpolicy_jax.rewards import scoring as rewards
 
 
 def _attack(example, text):

@@ -10,7 +10,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
-from offpolicy_jax import sft, tokenizers  # noqa: E402
+from offpolicy_jax.models import tokenizers  # noqa: E402
+from offpolicy_jax.run import sft  # noqa: E402
 
 
 def test_sft_targets_are_answer_then_eos_right_padded():
@@ -23,7 +24,7 @@ def test_sft_targets_are_answer_then_eos_right_padded():
 
 @pytest.fixture(scope="module")
 def sft_env():
-  from offpolicy_jax import components
+  from offpolicy_jax.run import components
 
   c = default.base_config()
   c.task, c.prompts_per_step, c.group_size = "reverse", 2, 2

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from offpolicy_jax import sharding
+from offpolicy_jax.scale import sharding
 from offpolicy_jax.types import TrainBatch
 
 

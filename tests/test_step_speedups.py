@@ -13,7 +13,13 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from offpolicy_jax import losses, models, sharding, train_step  # noqa: E402
+from offpolicy_jax import losses, models  # noqa: E402
+from offpolicy_jax.run import (
+  batch_splits,  # noqa: E402
+  train_state,  # noqa: E402
+  train_step,  # noqa: E402
+)
+from offpolicy_jax.scale import sharding  # noqa: E402
 from offpolicy_jax.types import TrainBatch  # noqa: E402
 
 G, K, P, N = 4, 4, 5, 6
@@ -67,7 +73,7 @@ def _update(setup, loss="grpo", batch=None, mesh=None, **options):
   step = train_step.make_train_step(
     setup["graphdef"], sgd, loss, donate=False, group_size=K, mesh=mesh, **options
   )
-  state = train_step.init_train_state(setup["params"], sgd, mesh=mesh)
+  state = train_state.init_train_state(setup["params"], sgd, mesh=mesh)
   new, metrics = step(state, setup["batch"] if batch is None else batch, jax.random.key(3))
   return new.params, metrics
 
@@ -129,7 +135,7 @@ def test_skipping_zero_advantage_rows_gives_the_same_update(setup, loss):
   full = _update(setup, loss)
   skipped = _update(setup, loss, skip_zero_advantage=True)
   _assert_same_update(skipped, full)
-  moving = np.asarray(train_step.moving_rows(setup["batch"]))
+  moving = np.asarray(batch_splits.moving_rows(setup["batch"]))
   assert float(skipped[1]["rows_skipped"]) == B - moving.sum() >= 2 * K
   assert float(skipped[1]["tokens"]) == float(full[1]["tokens"])
 

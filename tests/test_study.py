@@ -12,15 +12,13 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import lag_study  # noqa: E402
-from offpolicy_jax import (  # noqa: E402
-  bandit,
-  components,
-  study,
-  study_report,
-  study_stats,
-  tasks,
-  workdir,
-)
+from offpolicy_jax.rewards import tasks
+from offpolicy_jax.run import components
+from offpolicy_jax.store import workdir
+from offpolicy_jax.study import bandit
+from offpolicy_jax.study import report as study_report
+from offpolicy_jax.study import runner as study
+from offpolicy_jax.study import stats as study_stats
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,7 +13,8 @@ sys.path.insert(0, REPO)
 
 from configs import default  # noqa: E402
 from experiments import sweep  # noqa: E402
-from offpolicy_jax import loop, metrics  # noqa: E402
+from offpolicy_jax.run import loop  # noqa: E402
+from offpolicy_jax.store import metrics  # noqa: E402
 
 
 def _fake_run(workdir, steps=3):

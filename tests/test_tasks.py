@@ -9,9 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from offpolicy_jax import rewards, tasks
-from offpolicy_jax.tasks import synthetic
-from offpolicy_jax.tokenizers import CharTokenizer
+from offpolicy_jax.models.tokenizers import CharTokenizer
+from offpolicy_jax.rewards import scoring as rewards
+from offpolicy_jax.rewards import tasks
+from offpolicy_jax.rewards.tasks import synthetic
 
 TOK = CharTokenizer()
 
@@ -249,7 +250,7 @@ def test_data_file_errors(tmp_path):
 
 
 def test_last_boxed():
-  from offpolicy_jax.tasks.math_data import last_boxed
+  from offpolicy_jax.rewards.tasks.math_data import last_boxed
 
   assert last_boxed("a \\boxed{1} b \\boxed{\\frac{a}{b}} c") == "\\frac{a}{b}"
   assert last_boxed("\\fbox{7}") == "7"

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from offpolicy_jax import tokenizers as toks
+from offpolicy_jax.models import tokenizers as toks
 
 QWEN_TEMPLATE = (
   "{%- for message in messages %}"

@@ -13,7 +13,13 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from offpolicy_jax import lag, models, sft, sharding, train_step  # noqa: E402
+from offpolicy_jax import lag, models  # noqa: E402
+from offpolicy_jax.run import (  # noqa: E402
+  sft,
+  train_state,  # noqa: E402
+  train_step,
+)
+from offpolicy_jax.scale import sharding  # noqa: E402
 from offpolicy_jax.types import TrainBatch  # noqa: E402
 
 B, P, N = 8, 4, 6
@@ -62,7 +68,7 @@ def _delta(new, old):
 
 
 def _run(setup, step, state=None, batch=None):
-  state = state or train_step.init_train_state(setup["params"], setup["sgd"])
+  state = state or train_state.init_train_state(setup["params"], setup["sgd"])
   return step(state, setup["batch"] if batch is None else batch, jax.random.key(1))
 
 
@@ -70,7 +76,7 @@ def test_sharded_step_matches_single_device(setup):
   s1, m1 = _run(setup, setup["step"])
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   step8 = train_step.make_train_step(setup["graphdef"], setup["sgd"], LOSS, mesh=mesh)
-  state8 = train_step.init_train_state(setup["params"], setup["sgd"], mesh=mesh)
+  state8 = train_state.init_train_state(setup["params"], setup["sgd"], mesh=mesh)
   s8, m8 = step8(state8, sharding.shard_batch(setup["batch"], mesh), jax.random.key(1))
   assert float(m1["grad_norm"]) > 0
   np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5, atol=1e-6)
@@ -112,7 +118,7 @@ def test_metrics_against_numpy(setup):
 
 def test_nan_skips_update_and_run_continues(setup):
   step = setup["step"]
-  state = train_step.init_train_state(setup["params"], setup["sgd"])
+  state = train_state.init_train_state(setup["params"], setup["sgd"])
   bad = setup["batch"]._replace(advantages=setup["batch"].advantages.copy())
   bad.advantages[3] = np.nan
   s, m = step(state, bad, jax.random.key(0))
@@ -130,9 +136,9 @@ def test_nan_skips_update_and_run_continues(setup):
 @pytest.mark.parametrize("jit", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_nonfinite_update_skips_step(setup, jit):
   """Adam with lr=inf: loss and gradient are finite, the update is not: nothing changes."""
-  opt = train_step.make_optimizer(float("inf"))
+  opt = train_state.make_optimizer(float("inf"))
   step = train_step.make_train_step(setup["graphdef"], opt, LOSS, donate=False, jit=jit)
-  state = train_step.init_train_state(setup["params"], opt)
+  state = train_state.init_train_state(setup["params"], opt)
   s, m = step(state, setup["batch"], jax.random.key(0))
   assert np.isfinite(float(m["loss"])) and 0 < float(m["grad_norm"]) < np.inf
   assert int(m["skipped"]) == 1 and int(m["nonfinite"]) == 1 and int(m["num_skipped"]) == 1
@@ -148,11 +154,11 @@ def test_nonfinite_optimizer_state_skips_step(setup):
   """
   opt = optax.chain(optax.scale(1e30), optax.adam(1e-3))
   step = train_step.make_train_step(setup["graphdef"], opt, LOSS, donate=False)
-  state = train_step.init_train_state(setup["params"], opt)
+  state = train_state.init_train_state(setup["params"], opt)
   updates, new_opt_state = opt.update(
     jax.tree.map(jnp.ones_like, setup["params"]), state.opt_state, state.params
   )
-  assert bool(train_step.all_finite(updates)) and not train_step.all_finite(new_opt_state)
+  assert bool(train_state.all_finite(updates)) and not train_state.all_finite(new_opt_state)
   s, m = step(state, setup["batch"], jax.random.key(0))
   assert int(m["skipped"]) == 1 and int(m["nonfinite"]) == 1 and int(s.num_skipped) == 1
   jax.tree.map(np.testing.assert_array_equal, s.params, setup["params"])
@@ -161,10 +167,10 @@ def test_nonfinite_optimizer_state_skips_step(setup):
 
 def test_all_finite():
   tree = {"w": jnp.ones((2, 3)), "count": jnp.asarray(3, jnp.int32), "empty": ()}
-  assert bool(train_step.all_finite(tree)) and bool(train_step.all_finite(()))
+  assert bool(train_state.all_finite(tree)) and bool(train_state.all_finite(()))
   for bad in (jnp.nan, jnp.inf, -jnp.inf):
     tree["w"] = tree["w"].at[1, 2].set(bad)
-    assert not bool(jax.jit(train_step.all_finite)(tree))
+    assert not bool(jax.jit(train_state.all_finite)(tree))
 
 
 def test_zero_weights_drop_rows(setup):
@@ -183,7 +189,7 @@ def test_staleness_follows_lag_schedule(setup, m, n):
   """A sync-mode run: sample at snapshot v(t), train, record staleness = t - 1 - v(t)."""
   opt = setup["sgd"]
   step = setup["step"]
-  state = train_step.init_train_state(setup["params"], opt)
+  state = train_state.init_train_state(setup["params"], opt)
   store = lag.snapshot_init(state.params, lag.snapshot_capacity(m, n))
   b = setup["batch"]
   for t in range(1, 8):
@@ -212,11 +218,11 @@ def test_bad_config_names_field(setup):
   with pytest.raises(ValueError, match="ref_params"):
     _run(setup, step)
   with pytest.raises(ValueError, match="schedule"):
-    train_step.make_optimizer(1e-3, schedule="linear")
+    train_state.make_optimizer(1e-3, schedule="linear")
 
 
 def test_make_optimizer_schedule_clip_and_decay():
-  opt = train_step.make_optimizer(
+  opt = train_state.make_optimizer(
     0.1, warmup_steps=2, weight_decay=0.5, max_grad_norm=1.0, b1=0.0, b2=0.0, eps=0.0
   )
   params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
@@ -243,7 +249,7 @@ def test_proximal_params_minibatches_and_epochs(setup):
   step = train_step.make_train_step(
     setup["graphdef"], frozen, "decoupled_ppo", num_minibatches=2, num_epochs=2, donate=False
   )
-  state = train_step.init_train_state(setup["params"], frozen)
+  state = train_state.init_train_state(setup["params"], frozen)
   s, m = step(state, setup["batch"], jax.random.key(0), proximal_params=setup["params"])
   assert int(s.version) == 4 and int(s.step) == 1 and int(m["skipped"]) == 0
   assert np.isfinite(float(m["loss"])) and float(m["grad_norm"]) > 0
@@ -260,7 +266,7 @@ def test_default_proximal_anchor_is_the_starting_params(setup):
     step = train_step.make_train_step(
       setup["graphdef"], setup["sgd"], "decoupled_ppo", num_minibatches=minibatches, donate=False
     )
-    state = train_step.init_train_state(setup["params"], setup["sgd"])
+    state = train_state.init_train_state(setup["params"], setup["sgd"])
     key = jax.random.key(1)
     s1, m1 = step(state, setup["batch"], key)
     s2, m2 = step(state, setup["batch"], key, proximal_params=setup["params"])
@@ -275,7 +281,7 @@ def test_micro_batches_combine_metrics_by_type(setup):
   four = train_step.make_train_step(
     setup["graphdef"], setup["sgd"], LOSS, num_micro_batches=4, donate=False
   )
-  state = train_step.init_train_state(setup["params"], setup["sgd"])
+  state = train_state.init_train_state(setup["params"], setup["sgd"])
   _, m1 = one(state, setup["batch"], jax.random.key(0))
   _, m4 = four(state, setup["batch"], jax.random.key(0))
   for k in ("loss", "entropy", "ratio_mean", "ratio_max", "ratio_min", "clip_frac", "kl_k3"):

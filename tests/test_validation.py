@@ -11,9 +11,15 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import code, default, lag_study  # noqa: E402
-from offpolicy_jax import data, data_checks, models, tasks, validation  # noqa: E402
-from offpolicy_jax.tasks import ListSource, Task  # noqa: E402
-from offpolicy_jax.tokenizers import CharTokenizer  # noqa: E402
+from offpolicy_jax import models  # noqa: E402
+from offpolicy_jax.models.tokenizers import CharTokenizer  # noqa: E402
+from offpolicy_jax.rewards import tasks  # noqa: E402
+from offpolicy_jax.rewards.tasks import ListSource, Task  # noqa: E402
+from offpolicy_jax.run import (  # noqa: E402
+  data,
+  data_checks,  # noqa: E402
+  validation,
+)
 
 TOK = CharTokenizer()
 INF, NAN = math.inf, math.nan
@@ -207,15 +213,15 @@ def _fresh_scan_cache():
 
 
 def test_good_data_passes_and_reports_the_scan():
-  stats = validation.validate_data(_data_config(), _task(["ab=", "abcd="]), TOK)
+  stats = data_checks.validate_data(_data_config(), _task(["ab=", "abcd="]), TOK)
   assert stats["train"].scanned == stats["train"].size == 2
   assert stats["train"].counts == {4: 1, 6: 1}  # BOS + characters
 
 
 def test_procedural_task_is_checked_on_a_sample():
   task = tasks.get_task("reverse", num_eval=20)
-  stats = validation.validate_data(_data_config(), task, TOK)
-  assert stats["train"].size == 2**31 - 1 and stats["train"].scanned == validation.SCAN_SAMPLE
+  stats = data_checks.validate_data(_data_config(), task, TOK)
+  assert stats["train"].size == 2**31 - 1 and stats["train"].scanned == data_checks.SCAN_SAMPLE
   assert stats["eval"].scanned == stats["eval"].size == 20
 
 
@@ -228,7 +234,7 @@ def test_empty_prompt_fails_naming_split_file_and_row(tmp_path):
     ValueError,
     match=r"^config.task_kwargs.train_path: train split .*train\.jsonl.*example 3 has an empty",
   ):
-    validation.validate_data(cfg, task, TOK)
+    data_checks.validate_data(cfg, task, TOK)
 
 
 def test_long_prompt_fails_naming_the_row():
@@ -236,7 +242,7 @@ def test_long_prompt_fails_naming_the_row():
   with pytest.raises(
     ValueError, match=r"^config.max_prompt_len: train split .*example 5 has 21"
   ) as e:
-    validation.validate_data(_data_config(), task, TOK)
+    data_checks.validate_data(_data_config(), task, TOK)
   assert "2 of 7" in str(e.value) and "example 6, has 31" in str(e.value)
   assert "truncate_prompts" in str(e.value)
 
@@ -252,18 +258,18 @@ def test_long_prompt_in_a_data_file_names_the_file(tmp_path):
   with pytest.raises(
     ValueError, match=r"^config.max_prompt_len: train split .*train\.jsonl.*example 2"
   ):
-    validation.validate_data(cfg, task, TOK)
+    data_checks.validate_data(cfg, task, TOK)
 
 
 def test_truncation_allows_long_prompts():
   task = _task(["ab="] * 5 + ["a" * 20])
-  stats = validation.validate_data(_data_config(**{"data.truncate_prompts": True}), task, TOK)
+  stats = data_checks.validate_data(_data_config(**{"data.truncate_prompts": True}), task, TOK)
   assert max(stats["train"].counts) == 21
 
 
 def test_untokenizable_row_fails_naming_the_row():
   with pytest.raises(ValueError, match=r"^config.task: train example 1 .*'A'"):
-    validation.validate_data(_data_config(), _task(["ab=", "Ab="]), TOK)
+    data_checks.validate_data(_data_config(), _task(["ab=", "Ab="]), TOK)
 
 
 def test_tokenizer_larger_than_model_vocab_fails():
@@ -271,7 +277,7 @@ def test_tokenizer_larger_than_model_vocab_fails():
   with pytest.raises(
     ValueError, match="^config.model: the tokenizer has 57 ids .* vocab_size is 32"
   ):
-    validation.validate_data(_data_config(), _task(["ab="]), TOK, mcfg)
+    data_checks.validate_data(_data_config(), _task(["ab="]), TOK, mcfg)
 
 
 def test_token_id_past_model_vocab_fails_naming_the_row():
@@ -281,7 +287,7 @@ def test_token_id_past_model_vocab_fails_naming_the_row():
   with pytest.raises(
     ValueError, match=r"^config.model: train split .*example 1 has token id \d+ >= .* 20"
   ):
-    validation.validate_data(_data_config(), _task(["12", "1z"]), tok, mcfg)
+    data_checks.validate_data(_data_config(), _task(["12", "1z"]), tok, mcfg)
 
 
 def test_special_id_past_model_vocab_fails():
@@ -289,7 +295,7 @@ def test_special_id_past_model_vocab_fails():
   tok.vocab_size, tok.eos_id = 20, 40
   mcfg = models.get_config("tiny", vocab_size=20)
   with pytest.raises(ValueError, match="^config.model: tokenizer.eos_id = 40"):
-    validation.validate_data(_data_config(), _task(["1="]), tok, mcfg)
+    data_checks.validate_data(_data_config(), _task(["1="]), tok, mcfg)
 
 
 def test_context_longer_than_model_positions_fails():
@@ -297,39 +303,39 @@ def test_context_longer_than_model_positions_fails():
   with pytest.raises(
     ValueError, match=r"^config.max_prompt_len \+ config.max_new_tokens: .* 20 tokens .* 16"
   ):
-    validation.validate_data(_data_config(), _task(["ab="]), TOK, mcfg)
+    data_checks.validate_data(_data_config(), _task(["ab="]), TOK, mcfg)
 
 
 def test_top_k_larger_than_vocab_fails():
   with pytest.raises(ValueError, match="^config.top_k:"):
-    validation.validate_data(_data_config(top_k=100), _task(["ab="]), TOK)
+    data_checks.validate_data(_data_config(top_k=100), _task(["ab="]), TOK)
 
 
 def test_answer_too_long_fails_naming_the_row():
   task = _task(["a=", "b="], answers=["1", "12345"])
   with pytest.raises(ValueError, match="^config.task: train split .*example 1 has an answer of 6"):
-    validation.validate_data(_data_config(), task, TOK)
+    data_checks.validate_data(_data_config(), task, TOK)
 
 
 def test_warm_start_without_answers_fails():
   task = _task(["a="])
   task = Task(**{**task.__dict__, "answer": None})
   with pytest.raises(ValueError, match="^config.sft.enabled:"):
-    validation.validate_data(_data_config(), task, TOK)
-  validation.validate_data(_data_config(**{"sft.enabled": False}), task, TOK)
+    data_checks.validate_data(_data_config(), task, TOK)
+  data_checks.validate_data(_data_config(**{"sft.enabled": False}), task, TOK)
 
 
 def test_empty_eval_split_fails_only_when_evaluating():
   task = Task(**{**_task(["a="]).__dict__, "eval_source": ListSource([])})
   with pytest.raises(ValueError, match="^config.eval_prompts: eval split .* is empty"):
-    validation.validate_data(_data_config(), task, TOK)
-  validation.validate_data(_data_config(eval_prompts=0), task, TOK)
+    data_checks.validate_data(_data_config(), task, TOK)
+  data_checks.validate_data(_data_config(eval_prompts=0), task, TOK)
 
 
 def test_unsupported_hf_model_dir_fails(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
   with pytest.raises(ValueError, match="^config.model: .*config.json"):
-    validation.validate_data(_data_config(model=str(tmp_path)), _task(["a="]), TOK)
+    data_checks.validate_data(_data_config(model=str(tmp_path)), _task(["a="]), TOK)
 
 
 def test_scans_are_cached_in_process_and_on_disk(tmp_path, monkeypatch):
@@ -337,19 +343,19 @@ def test_scans_are_cached_in_process_and_on_disk(tmp_path, monkeypatch):
   real = data.scan_prompts
   monkeypatch.setattr(data, "scan_prompts", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
   cfg, task = _data_config(), _task(["ab=", "abcd="])
-  first = validation.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
+  first = data_checks.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
   assert calls == ["train", "eval"]
-  validation.validate_data(cfg, task, TOK)  # in process
+  data_checks.validate_data(cfg, task, TOK)  # in process
   assert len(calls) == 2
   data_checks._SCAN_CACHE.clear()  # a new process: the workdir's file answers
-  again = validation.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
+  again = data_checks.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
   assert len(calls) == 2 and again == first
-  assert (tmp_path / validation.CACHE_FILE).exists()
+  assert (tmp_path / data_checks.CACHE_FILE).exists()
   # A smaller max_prompt_len needs no rescan: the stats do not depend on it.
   with pytest.raises(ValueError, match="config.max_prompt_len"):
-    validation.validate_data(_data_config(max_prompt_len=5), task, TOK, cache_dir=str(tmp_path))
+    data_checks.validate_data(_data_config(max_prompt_len=5), task, TOK, cache_dir=str(tmp_path))
   assert len(calls) == 2
-  validation.validate_data(cfg, _task(["ab=", "xyz="]), TOK, cache_dir=str(tmp_path))
+  data_checks.validate_data(cfg, _task(["ab=", "xyz="]), TOK, cache_dir=str(tmp_path))
   assert len(calls) == 4  # other data: rescanned
 
 
@@ -360,8 +366,8 @@ def test_data_file_change_triggers_a_rescan(tmp_path, monkeypatch):
   path = tmp_path / "rows.txt"
   path.write_text("x\n")
   cfg, task = _data_config(task_kwargs={"train_path": str(path)}), _task(["ab="])
-  validation.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
+  data_checks.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
   data_checks._SCAN_CACHE.clear()
   path.write_text("xy\n")
-  validation.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
+  data_checks.validate_data(cfg, task, TOK, cache_dir=str(tmp_path))
   assert calls == ["train", "eval", "train", "eval"]

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from offpolicy_jax import metrics, workdir
+from offpolicy_jax.store import metrics, workdir
 
 _HOLD = textwrap.dedent(
   """

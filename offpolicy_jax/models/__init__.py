@@ -7,8 +7,9 @@ logp, entropy = models.sequence_logprobs(model, prompt, prompt_mask, tokens, mas
 models.save_pretrained(model, "/tmp/out")                          # transformers loads it
 """
 
+from offpolicy_jax.models.attention_ops import default_positions
 from offpolicy_jax.models.config import ModelConfig, get_config, preset_names
-from offpolicy_jax.models.decoder import Decoder, KVCache, default_positions
+from offpolicy_jax.models.decoder import Decoder, KVCache
 from offpolicy_jax.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
 from offpolicy_jax.models.logprobs import logprobs, sequence_logprobs, shared_prefix_logprobs
 

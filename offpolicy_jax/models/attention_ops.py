@@ -15,7 +15,7 @@ from jax.typing import ArrayLike
 
 from offpolicy_jax.models.config import ModelConfig
 
-_NEG_INF = -1e30
+NEG_INF = -1e30
 
 
 def rope_inv_freq(config: ModelConfig) -> jax.Array:
@@ -95,9 +95,9 @@ def grouped_attention(qg, prefix_kv, own_kv, prompt_mask_gp, own_allowed_ts, dt)
   to_prompt = jnp.einsum(
     "gctkqh,gksh->gckqts", qg_g, kp.astype(dt), preferred_element_type=jnp.float32
   )
-  to_prompt = jnp.where(prompt_mask_gp[:, None, None, None, None, :], to_prompt / root, _NEG_INF)
+  to_prompt = jnp.where(prompt_mask_gp[:, None, None, None, None, :], to_prompt / root, NEG_INF)
   to_self = jnp.einsum("btkqh,bksh->bkqts", qg, ks.astype(dt), preferred_element_type=jnp.float32)
-  to_self = jnp.where(own_allowed_ts, to_self / root, _NEG_INF)
+  to_self = jnp.where(own_allowed_ts, to_self / root, NEG_INF)
   to_self = to_self.reshape(g, group_size, *to_self.shape[1:])
   probs = jax.nn.softmax(jnp.concatenate([to_prompt, to_self], axis=-1), axis=-1).astype(dt)
   vs_g = vs.astype(dt).reshape(g, group_size, *vs.shape[1:])

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from offpolicy_jax import sharding
 from offpolicy_jax.models import attention_ops as ops
-from offpolicy_jax.models.attention_ops import _NEG_INF, default_positions  # noqa: F401
+from offpolicy_jax.models.attention_ops import NEG_INF, default_positions
 from offpolicy_jax.models.config import ModelConfig
+from offpolicy_jax.scale import sharding
 
 
 class KVCache(NamedTuple):
@@ -140,7 +140,7 @@ class Attention(nnx.Module):
       preferred_element_type=jnp.float32,
     )
     scores = scores / math.sqrt(q_btnh.shape[-1])
-    scores = jnp.where(allowed_bts[:, None, None], scores, _NEG_INF)
+    scores = jnp.where(allowed_bts[:, None, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     return jnp.einsum("bkgts,bksh->btkgh", probs, v_bksh.astype(dt)).reshape(q_btnh.shape)
 

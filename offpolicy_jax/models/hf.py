@@ -22,9 +22,10 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from offpolicy_jax import files, sharding
+from offpolicy_jax import files
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.models.decoder import Decoder
+from offpolicy_jax.scale import sharding
 
 _ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 _FAMILY_ARCH = {v: k for k, v in _ARCHS.items()}

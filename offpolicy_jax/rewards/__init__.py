@@ -1,0 +1,40 @@
+"""The rewards wing: tasks, and scoring model output where it cannot hurt the trainer.
+
+  scoring      `score_batch`: host rewards in sandboxed verifier workers; answer/format parsing
+  verifiers    the pool of killable verifier worker processes (forkserver, JSON replies, timeouts)
+  worker       what runs inside a verifier worker, and the messages on its pipes
+  sandbox      worker confinement: rlimits, dropped capabilities, Landlock, seccomp
+  answer_gate  the safe-grammar gate for answers a verifier would eval / sympify
+  tasks        prompts + template + reward: synthetic, reasoning-gym, GSM8K / MATH, code
+
+May import: the maths modules.
+"""
+
+from offpolicy_jax.rewards import answer_gate, sandbox, scoring, tasks, verifiers, worker
+from offpolicy_jax.rewards.scoring import (
+  RewardError,
+  SandboxedReward,
+  extract_answer,
+  follows_format,
+  score_batch,
+  score_with_timeout,
+)
+from offpolicy_jax.rewards.verifiers import RewardResult, VerifierPool, get_pool
+
+__all__ = [
+  "RewardError",
+  "RewardResult",
+  "SandboxedReward",
+  "VerifierPool",
+  "answer_gate",
+  "extract_answer",
+  "follows_format",
+  "get_pool",
+  "sandbox",
+  "score_batch",
+  "score_with_timeout",
+  "scoring",
+  "tasks",
+  "verifiers",
+  "worker",
+]

@@ -1,0 +1,389 @@
+"""A pool of sandboxed, killable verifier worker processes.
+
+Host rewards run third-party verifier code (math-verify, reasoning-gym, the
+code task's unit tests) on model output. None of it runs in the trainer:
+
+  pool = verifiers.get_pool(num_workers=4)
+  result = pool.score(task.reward, examples, texts, timeout_s=10.0)
+
+Each worker is a separate process, started from a `forkserver` (so it inherits
+no JAX runtime state, threads or device handles of the trainer) that has
+already imported the verifier libraries (a restart costs a fork, not an
+import), and confined by `sandbox.apply` before it sees any model output.
+
+Why `multiprocessing` directly rather than a pool library (pebble,
+`concurrent.futures`): the trainer must never unpickle what a worker sends,
+because code running in a worker (a hostile program of the code task) could
+write a crafted pickle to its pipe. Workers receive pickled calls from the
+trainer (trusted direction) and answer with bounded JSON lines parsed as data,
+so a worker taken over can at worst forge its own scores. A
+`ProcessPoolExecutor` also cannot stop a running call.
+
+Timeouts: a call that runs longer than `timeout_s` in its worker scores 0,
+is counted as a timeout, and its worker is killed (SIGKILL) and replaced; a
+batch that is not done `batch_timeout_s` after it started (default
+`2 * timeout_s`) kills every worker still busy and scores what never started
+as timeouts. Nothing keeps running after `score` returns.
+
+Rewards reach a worker by pickling: a module-level function, a
+`functools.partial` of one, or a `RebuildReward` that rebuilds a registered
+task in the worker from its factory and keyword arguments. `check` probes this
+at start-up, so a reward that cannot reach a worker fails there, naming it.
+
+This module is the trainer's side. What runs inside a worker (`worker_main`),
+the messages on its pipes and `RebuildReward` are in `verifier_worker`.
+"""
+
+import atexit
+import collections
+import importlib.util
+import logging
+import math
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import pickle
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from offpolicy_jax.rewards import sandbox
+from offpolicy_jax.rewards.worker import MAX_REPLY_BYTES, RebuildReward, parse_reply, worker_main
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_START_TIMEOUT_S = 120.0
+# Verifier libraries the forkserver imports once, when installed.
+_PRELOAD = ("offpolicy_jax.rewards.tasks", "sympy", "math_verify", "reasoning_gym")
+
+
+class RewardResult(NamedTuple):
+  """Scores of a batch of responses.
+
+  Attributes:
+    scores: float32 [B] rewards (0 where the reward failed).
+    failed: bool [B] True where the reward raised, timed out, crashed its
+      worker or returned a score that is not finite in float32.
+    timed_out: bool [B] the subset of `failed` that hit a timeout.
+    seconds: wall-clock time of the batch.
+    restarts: workers killed and replaced during the batch.
+    errors: the first few failure messages, for logs.
+  """
+
+  scores: np.ndarray
+  failed: np.ndarray
+  timed_out: np.ndarray | None = None
+  seconds: float = 0.0
+  restarts: int = 0
+  errors: tuple[str, ...] = ()
+
+
+class _Worker:
+  def __init__(self, ctx, limits: sandbox.Limits, strict: bool):
+    self.calls_r, self.calls = ctx.Pipe(duplex=False)
+    self.replies, replies_w = ctx.Pipe(duplex=False)
+    self.process = ctx.Process(
+      target=worker_main, args=(self.calls_r, replies_w, limits, strict), daemon=True
+    )
+    self.process.start()
+    replies_w.close()
+    self.calls_r.close()
+    self.known: set[int] = set()
+    self.busy: tuple[int, float] | None = None  # (row, start time)
+
+  def wait_ready(self) -> list[str]:
+    if not self.replies.poll(_START_TIMEOUT_S):
+      self.kill()
+      raise sandbox.SandboxError(f"verifier worker did not start within {_START_TIMEOUT_S} s")
+    msg = parse_reply(self.replies.recv_bytes(MAX_REPLY_BYTES))
+    if "fatal" in msg:
+      self.kill()
+      raise sandbox.SandboxError(str(msg["fatal"]))
+    return list(msg.get("ready", []))
+
+  def kill(self) -> None:
+    if self.process.is_alive():
+      self.process.kill()
+    self.process.join(5.0)
+    for conn in (self.calls, self.replies):
+      conn.close()
+
+
+def _context():
+  ctx = mp.get_context("forkserver")
+  # Takes effect when the forkserver starts (the first pool of the process).
+  ctx.set_forkserver_preload([m for m in _PRELOAD if importlib.util.find_spec(m) is not None])
+  return ctx
+
+
+class VerifierPool:
+  """`num_workers` sandboxed verifier processes (see the module docstring).
+
+  Args:
+    num_workers: worker processes (None: `os.cpu_count()`).
+    memory_mb: address-space limit of each worker in MiB.
+    sandbox_mode: "strict" (refuse to run verifiers unconfined) or "warn"
+      (run with what the platform offers, and log what is missing).
+  """
+
+  def __init__(self, num_workers: int | None = None, memory_mb: int = 2048, sandbox_mode="strict"):
+    if sandbox_mode not in ("strict", "warn"):
+      raise ValueError(f"sandbox_mode must be 'strict' or 'warn', got {sandbox_mode!r}")
+    self._ctx = _context()
+    self._limits = sandbox.Limits(memory_mb=int(memory_mb))
+    self._strict = sandbox_mode == "strict"
+    self._lock = threading.Lock()
+    self._fn_ids: dict[bytes, int] = {}
+    self.restarts = 0
+    n = int(num_workers or os.cpu_count() or 1)
+    self._workers: list[_Worker] = []
+    try:
+      for _ in range(n):
+        self._workers.append(self._start())
+    except BaseException:
+      self.close()
+      raise
+
+  def _start(self) -> _Worker:
+    w = _Worker(self._ctx, self._limits, self._strict)
+    missing = w.wait_ready()
+    if missing and not getattr(self, "_warned", False):
+      self._warned = True
+      logging.warning("verifier sandbox is incomplete: %s", "; ".join(missing))
+    return w
+
+  @property
+  def num_workers(self) -> int:
+    return len(self._workers)
+
+  def pids(self) -> list[int]:
+    """Process ids of the live workers."""
+    return [w.process.pid for w in self._workers if w.process.pid is not None]
+
+  def _fn_id(self, fn, name: str = "") -> tuple[int, bytes]:
+    try:
+      data = pickle.dumps(getattr(fn, "ref", fn), protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+      raise ValueError(_unreachable(name or getattr(fn, "name", ""), fn, e)) from e
+    return self._fn_ids.setdefault(data, len(self._fn_ids)), data
+
+  def check(self, fn, name: str = "", timeout_s: float = 60.0) -> None:
+    """Makes a worker load `fn`; raises ValueError naming `name` if it cannot."""
+    fn_id, data = self._fn_id(fn, name)
+    with self._lock:
+      w = self._send(self._workers[0], fn_id, data, ("load", -1, fn_id, None, "", timeout_s))
+      if not w.replies.poll(timeout_s):
+        self._replace(w)
+        raise ValueError(_unreachable(name, fn, f"loading took over {timeout_s} s"))
+      msg = parse_reply(w.replies.recv_bytes(MAX_REPLY_BYTES))
+      if msg.get("recycle"):
+        self._replace(w)
+    if "load_error" in msg or "error" in msg:
+      raise ValueError(_unreachable(name, fn, msg.get("load_error") or msg["error"]))
+
+  def _send(self, w: _Worker, fn_id: int, data: bytes, msg: tuple) -> _Worker:
+    """Sends `msg` (after the reward, if `w` lacks it); a dead worker is replaced first."""
+    for attempt in range(2):
+      try:
+        if fn_id not in w.known:
+          w.calls.send(("fn", fn_id, data))
+          w.known.add(fn_id)
+        w.calls.send(msg)
+        return w
+      except (OSError, EOFError):  # died while idle (e.g. SIGXCPU from a stray thread)
+        if attempt:
+          raise
+        w = self._replace(w)
+    return w
+
+  def _replace_dead(self) -> None:
+    for w in list(self._workers):
+      if not w.process.is_alive():
+        self._replace(w)
+
+  def _replace(self, w: _Worker) -> _Worker:
+    w.kill()
+    self.restarts += 1
+    new = self._start()
+    self._workers[self._workers.index(w)] = new
+    return new
+
+  def score(
+    self,
+    fn,
+    examples: Sequence[Any],
+    texts: Sequence[str],
+    timeout_s: float = 10.0,
+    batch_timeout_s: float | None = None,
+  ) -> RewardResult:
+    """Scores `fn(examples[b], texts[b])` for every b in the workers.
+
+    Args:
+      fn: host reward `fn(example, text) -> float` that pickles (see module docstring).
+      examples: B examples (picklable).
+      texts: B responses.
+      timeout_s: limit of one call, from the moment a worker starts it.
+      batch_timeout_s: limit of the whole batch (default `2 * timeout_s`).
+
+    Returns:
+      RewardResult (failures score 0).
+    """
+    if len(examples) != len(texts):
+      raise ValueError(f"examples ({len(examples)}) and texts ({len(texts)}) differ in length.")
+    if not (timeout_s > 0 and math.isfinite(timeout_s)):
+      raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s}")
+    fn_id, data = self._fn_id(fn)
+    with self._lock:
+      try:
+        return _Batch(self, fn_id, data, examples, texts, timeout_s, batch_timeout_s).run()
+      except _LoadError as e:
+        raise ValueError(_unreachable(getattr(fn, "name", ""), fn, e)) from None
+
+  def close(self) -> None:
+    """Stops every worker (idempotent)."""
+    for w in self._workers:
+      try:
+        w.calls.send(None)
+      except OSError:
+        pass
+    for w in self._workers:
+      w.process.join(1.0)
+      w.kill()
+    self._workers = []
+
+
+class _LoadError(Exception):
+  """A worker could not load the reward (not importable there)."""
+
+
+class _Batch:
+  """The dispatch loop of one `VerifierPool.score` call."""
+
+  def __init__(self, pool, fn_id, data, examples, texts, timeout_s, batch_timeout_s):
+    self.pool, self.fn_id, self.data = pool, fn_id, data
+    self.examples, self.texts, self.timeout_s = examples, texts, float(timeout_s)
+    n = len(texts)
+    self.scores = np.zeros(n, np.float32)
+    self.failed = np.zeros(n, bool)
+    self.timed_out = np.zeros(n, bool)
+    self.errors: list[str] = []
+    self.pending = collections.deque(range(n))
+    self.start = time.monotonic()
+    self.deadline = self.start + (batch_timeout_s or 2.0 * self.timeout_s)
+    self.restarts0 = pool.restarts
+
+  def _fail(self, i: int, why: str, timeout: bool = False) -> None:
+    self.failed[i], self.timed_out[i] = True, timeout
+    if len(self.errors) < 5:
+      self.errors.append(f"row {i}: {why}")
+
+  def _dispatch(self, w: _Worker, i: int) -> None:
+    msg = ("call", i, self.fn_id, self.examples[i], str(self.texts[i]), self.timeout_s)
+    w = self.pool._send(w, self.fn_id, self.data, msg)
+    w.busy = (i, time.monotonic())
+
+  def _receive(self, w: _Worker) -> None:
+    i = w.busy[0] if w.busy else -1
+    try:
+      msg = parse_reply(w.replies.recv_bytes(MAX_REPLY_BYTES))
+      if msg.get("i") != i:
+        raise ValueError(f"reply for row {msg.get('i')!r}, expected {i}")
+    except (EOFError, OSError, ValueError) as e:  # died (SIGXCPU, os._exit) or garbled its pipe
+      code = w.process.exitcode
+      self._fail(i, f"worker lost ({type(e).__name__}: {e}; exit code {code})")
+      self.pool._replace(w)
+      return
+    w.busy = None
+    if "load_error" in msg:
+      raise _LoadError(str(msg["load_error"]))
+    if msg.get("recycle"):
+      self.pool._replace(w)
+    score = msg.get("score")
+    if "error" in msg or not isinstance(score, (int, float)):
+      self._fail(i, str(msg.get("error", "no score")))
+    elif not (math.isfinite(score) and abs(score) <= _FLOAT32_MAX):
+      self._fail(i, f"score {score!r} is not finite in float32")
+    else:
+      self.scores[i] = score
+
+  def run(self) -> RewardResult:
+    pool = self.pool
+    pool._replace_dead()
+    try:
+      self._loop()
+    except _LoadError:
+      for w in list(pool._workers):  # drop the calls still in flight
+        if w.busy is not None:
+          pool._replace(w)
+      raise
+    return RewardResult(
+      self.scores,
+      self.failed,
+      self.timed_out,
+      time.monotonic() - self.start,
+      pool.restarts - self.restarts0,
+      tuple(self.errors),
+    )
+
+  def _loop(self) -> None:
+    pool = self.pool
+    while True:
+      for w in pool._workers:
+        if w.busy is None and self.pending:
+          self._dispatch(w, self.pending.popleft())
+      busy = [w for w in pool._workers if w.busy is not None]
+      if not busy:
+        break
+      now = time.monotonic()
+      wake = min(self.deadline, *(w.busy[1] + self.timeout_s for w in busy))
+      ready = set(mp_connection.wait([w.replies for w in busy], timeout=max(0.0, wake - now)))
+      for w in busy:
+        if w.replies in ready:
+          self._receive(w)
+      now = time.monotonic()
+      for w in list(pool._workers):
+        if w.busy is not None and (now >= w.busy[1] + self.timeout_s or now >= self.deadline):
+          self._fail(w.busy[0], f"timed out after {now - w.busy[1]:.1f} s", timeout=True)
+          pool._replace(w)
+      if now >= self.deadline:
+        for i in self.pending:
+          self._fail(i, "batch timed out before the call started", timeout=True)
+        break
+
+
+def _unreachable(name: str, fn, why) -> str:
+  what = f"task {name!r}" if name else f"reward {fn!r}"
+  return (
+    f"{what}: its reward cannot run in a sandboxed verifier worker ({why}). Make the reward a "
+    "module-level function (or functools.partial of one) of an importable module, or register "
+    "the task with a module-level factory of an importable module."
+  )
+
+
+_POOLS: dict[tuple, VerifierPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def get_pool(
+  num_workers: int | None = None, memory_mb: int = 2048, sandbox_mode: str = "strict"
+) -> VerifierPool:
+  """The process-wide pool with these settings (started on first use, stopped at exit)."""
+  key = (int(num_workers or os.cpu_count() or 1), int(memory_mb), sandbox_mode)
+  with _POOLS_LOCK:
+    if key not in _POOLS:
+      _POOLS[key] = VerifierPool(*key)
+    return _POOLS[key]
+
+
+@atexit.register
+def close_pools() -> None:
+  """Stops every pool made by `get_pool`."""
+  with _POOLS_LOCK:
+    for pool in _POOLS.values():
+      pool.close()
+    _POOLS.clear()
+
+
+__all__ = ["RebuildReward", "RewardResult", "VerifierPool", "close_pools", "get_pool"]

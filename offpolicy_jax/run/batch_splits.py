@@ -1,0 +1,139 @@
+"""How the train step cuts a batch: micro-batches, and chunks of the rows that move the loss.
+
+`micro_batches` / `split_micro` cut a minibatch into gradient-accumulation
+micro-batches (strided by units of rows, so every micro-batch spans all
+data-parallel devices; a unit is a group when the prompt is shared).
+
+For a loss with ``LossSpec.zero_advantage_inert``, a row whose advantages are
+all 0 adds exactly 0 to the loss sum and to the gradient, and its share of the
+denominator depends on the mask only. `gradients` packs the units (rows, or
+groups with a shared prefix) that move the loss first, cuts the batch into
+equal chunks and runs a loop with a traced trip count over only the chunks
+holding them: one compiled body, nothing recompiles, no host round trip, and
+still vmappable. The loss count and the ``tokens`` metric are those of the
+whole batch; the other metrics are over the rows of the chunks that ran.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from offpolicy_jax import losses
+from offpolicy_jax import reductions as red
+from offpolicy_jax.scale import sharding
+from offpolicy_jax.types import TrainBatch
+
+
+def micro_batches(options: Any, rows: int) -> int:
+  """Micro-batches per optimizer step for a batch of `rows` rows (static)."""
+  if rows % options.num_minibatches:
+    raise ValueError(f"num_minibatches={options.num_minibatches} does not divide batch rows {rows}")
+  mb_rows = rows // options.num_minibatches
+  size = options.micro_batch_size
+  m = options.num_micro_batches if size is None else mb_rows // size
+  if m < 1 or mb_rows % m or (size is not None and mb_rows % size):
+    raise ValueError(
+      f"micro_batch_size/num_micro_batches: {mb_rows} rows per minibatch do not split "
+      f"into micro-batches (num_micro_batches={options.num_micro_batches}, "
+      f"micro_batch_size={size})"
+    )
+  if (mb_rows // m) % options.unit:
+    raise ValueError(
+      f"shared_prefix: micro-batches of {mb_rows // m} rows do not hold whole groups of "
+      f"group_size={options.group_size} (num_minibatches={options.num_minibatches}, "
+      f"num_micro_batches={m})"
+    )
+  return m
+
+
+def split_micro(batch: TrainBatch, m: int, unit: int = 1) -> TrainBatch:
+  # Strided split by units of `unit` rows (unit u goes to micro-batch u % m)
+  # keeps every micro-batch spread over all data-parallel devices.
+  def split(x):
+    units = x.reshape(x.shape[0] // (m * unit), m, unit, *x.shape[1:])
+    return jnp.swapaxes(units, 0, 1).reshape(m, x.shape[0] // m, *x.shape[1:])
+
+  return jax.tree.map(split, batch)
+
+
+def moving_rows(batch: TrainBatch) -> jax.Array:
+  """bool [B]: rows with a valid, weighted token whose advantage is not 0."""
+  valid = (batch.mask * batch.weights[:, None]) > 0
+  adv = batch.advantages if batch.advantages.ndim == 2 else batch.advantages[:, None]
+  return jnp.any(valid & (adv != 0), axis=1)
+
+
+def chunks_per_micro_batch(options: Any, micro_rows: int, shards: int = 1) -> int:
+  """Chunks a micro-batch of `micro_rows` rows is cut into when skipping rows (static).
+
+  The largest count <= ``skip_chunks`` whose chunks hold whole units, the same
+  number of units on each of the `shards` data-parallel devices where possible.
+  """
+  for per_device in (shards, 1):
+    for c in range(min(options.skip_chunks, micro_rows), 0, -1):
+      if micro_rows % (c * options.unit * per_device) == 0:
+        return c
+  return 1
+
+
+def batch_shards() -> int:
+  """Devices the batch rows are split over in the ambient mesh (1 without one)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return 1
+  return sharding.axis_size(mesh, tuple(a for a in sharding.BATCH_AXES if a in mesh.shape))
+
+
+def gradients(
+  grad_fn: Callable,
+  zero_accumulators: Callable,
+  params,
+  batch: TrainBatch,
+  *,
+  chunks: int,
+  unit: int,
+  spec: losses.LossSpec,
+):
+  """Summed gradients and merged metrics over the chunks of `batch` that move the loss.
+
+  Args:
+    grad_fn: ``(params, chunk) -> (grads, typed metrics)`` of one chunk.
+    zero_accumulators: ``(chunks stacked) -> (zero grads, identity metrics)``.
+    params: the parameters.
+    batch: the minibatch, ``chunks`` times a whole number of units of rows.
+    chunks: static number of chunks.
+    unit: rows that stay together (a group with a shared prefix, else 1).
+    spec: the (inert) loss, for the denominator's aggregation.
+  """
+  rows = batch.tokens.shape[0]
+  chunk_rows = rows // chunks
+  moving = moving_rows(batch)
+  unit_moves = jnp.any(moving.reshape(-1, unit), axis=1)
+  unit_order = jnp.argsort(~unit_moves, stable=True)
+  order = (unit_order[:, None] * unit + jnp.arange(unit)[None, :]).reshape(-1)
+  # Rows that do not move the loss and fill the last chunk add exactly 0 to the sums.
+  packed = jax.tree.map(lambda x: x[order], batch)
+  micro = jax.tree.map(lambda x: x.reshape(chunks, chunk_rows, *x.shape[1:]), packed)
+  n_moving = jnp.sum(unit_moves.astype(jnp.int32)) * unit
+  # At least one chunk, so that every metric is defined when nothing moves.
+  n_chunks = jnp.maximum((n_moving + chunk_rows - 1) // chunk_rows, 1)
+
+  def body(i, acc):
+    mb = jax.tree.map(lambda x: x[i], micro)
+    mb = jax.tree.map(lambda x: sharding.constrain(x, _batch_names(x)), mb)
+    g, metrics = grad_fn(params, mb)
+    return jax.tree.map(jnp.add, acc[0], g), red.merge(acc[1], metrics)
+
+  grads, metrics = jax.lax.fori_loop(0, n_chunks, body, zero_accumulators(micro))
+  weighted = batch.mask * batch.weights[:, None]
+  _, count = losses.aggregate(jnp.zeros_like(weighted), weighted, spec.agg, max_len=spec.max_len)
+  metrics["loss"] = red.Mean(metrics["loss"].total, count)
+  metrics["tokens"] = red.Sum(jnp.sum((batch.mask > 0).astype(jnp.float32)))
+  metrics["rows_skipped"] = red.Sum(rows - jnp.sum(moving.astype(jnp.float32)))
+  return grads, metrics
+
+
+def _batch_names(x: jax.Array) -> tuple:
+  return (sharding.BATCH,) + (None,) * (x.ndim - 1)

@@ -1,0 +1,374 @@
+"""What a run is built from: `build_components(config) -> Components`.
+
+`build_components` is the only function that reads the experiment ConfigDict.
+It validates the config (and, once per workdir, the data), then returns a
+frozen `Components` record: the mesh, the model's graph, tokenizer, task, loss,
+optimizer and the jitted functions of the hot path (`rl_step.StepFns`), plus
+the run's plain settings (`RunSettings`). Nothing in it points back to the
+config, and it holds no run state.
+
+Compiled functions are shared: the part of a `Components` that compiles
+(`StepFns` and the eval prompt batches) is cached under exactly the config
+fields it is built from (`RUN_FIELDS` excluded), so runs of a sweep, a notebook
+or the tests that differ only in seed, length, lag, replay policy, warm start
+or logging compile once. The cached part contains nothing built from the run
+fields, so it cannot go stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from offpolicy_jax import lag, losses, models
+from offpolicy_jax.models import tokenizers
+from offpolicy_jax.rewards import scoring as rewards
+from offpolicy_jax.rewards import tasks
+from offpolicy_jax.run import data_checks, rl_step, rollouts, train_state, train_step, validation
+from offpolicy_jax.run.rl_step import INIT, step_key
+from offpolicy_jax.sampling import partial as partial_rollouts
+from offpolicy_jax.sampling import sampler as sampling
+from offpolicy_jax.scale import disagg, sharding
+from offpolicy_jax.store import workdir
+
+# Config fields a run reads as settings; every other field shapes what compiles.
+RUN_FIELDS = ("seed", "total_steps", "lag", "replay", "sft", *workdir.WATCH_FIELDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+  """The run's plain settings (seed, length, lag, replay, warm start, evaluation, logging)."""
+
+  seed: int
+  total_steps: int
+  lag_mode: str
+  sync_interval: int
+  sync_offset: int
+  max_staleness: int
+  replay: rl_step.ReplayOptions
+  replay_capacity_batches: int
+  sft_enabled: bool
+  sft_steps: int
+  sft_batch_size: int
+  sft_learning_rate: float
+  eval_every: int
+  eval_prompts: int
+  eval_samples: int
+  checkpoint_every: int
+  keep_checkpoints: int
+  async_checkpoint: bool
+  tensorboard: bool
+  wandb_project: str
+  progress: bool
+  log_every: int
+  profile_steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Components:
+  """Everything a run needs besides its state; built by `build_components`.
+
+  Attributes:
+    fns: the model, task, loss and jitted functions (`rl_step.StepFns`).
+    run: the run's settings.
+    task_name: the task's registry name (for messages).
+  """
+
+  fns: rl_step.StepFns
+  run: RunSettings
+  task_name: str
+
+  @property
+  def mesh(self) -> jax.sharding.Mesh:
+    return self.fns.mesh
+
+  @property
+  def task(self) -> tasks.Task:
+    return self.fns.task
+
+  @property
+  def tokenizer(self) -> Any:
+    return self.fns.tokenizer
+
+
+def make_mesh(config) -> jax.sharding.Mesh:
+  """The trainer's `(data, fsdp, tensor)` mesh of `config.mesh` (-1 fills the remaining devices).
+
+  With `mesh.sampler_devices > 0` it is the trainer's part of a
+  disaggregated layout (`disagg.make_meshes`).
+  """
+  sizes = (config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  if config.mesh.sampler_devices:
+    return sampler_and_trainer_meshes(config)[1]
+  devices = None
+  if -1 not in sizes:
+    n = int(np.prod(sizes))
+    if n > jax.device_count():
+      raise ValueError(f"config.mesh: {sizes} needs {n} devices, have {jax.device_count()}")
+    devices = jax.devices()[:n]
+  try:
+    return sharding.make_mesh(*sizes, devices=devices)
+  except ValueError as e:
+    raise ValueError(f"config.{e}") from e
+
+
+def sampler_and_trainer_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
+  """The disaggregated layout of `config.mesh` (`mesh.sampler_devices > 0`)."""
+  sizes = (config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+  try:
+    return disagg.make_meshes(jax.devices(), config.mesh.sampler_devices, sizes)
+  except ValueError as e:
+    raise ValueError(f"config.{e}") from e
+
+
+def _tokenizer(config):
+  if config.tokenizer:
+    return tokenizers.HFTokenizer.from_pretrained(config.tokenizer)
+  if os.path.isdir(config.model):
+    return tokenizers.HFTokenizer.from_pretrained(config.model)
+  return tokenizers.CharTokenizer()
+
+
+def _model_constructor(config, mesh, tokenizer):
+  """`seed -> model`: an HF checkpoint loaded onto the mesh, or a fresh preset."""
+  if os.path.isdir(config.model):
+    path, dtype = config.model, jnp.dtype(config.model_dtype)
+    scan = config.model_scan_layers
+    return lambda seed: models.from_pretrained(
+      path,
+      jnp.float32,
+      compute_dtype=dtype,
+      mesh=mesh,
+      rules=sharding.LOGICAL_AXIS_RULES,
+      scan_layers=scan,
+    )
+  mcfg = models.get_config(
+    config.model,
+    vocab_size=tokenizer.vocab_size,
+    dtype=config.model_dtype,
+    scan_layers=config.model_scan_layers,
+  )
+  return lambda seed: models.Decoder(mcfg, rngs=nnx.Rngs(params=step_key(seed, 0, INIT)))
+
+
+def optimizer(config):
+  """The optax optimizer of `config.optimizer`."""
+  opt = config.optimizer
+  return train_state.make_optimizer(
+    opt.learning_rate,
+    warmup_steps=opt.warmup_steps,
+    weight_decay=opt.weight_decay,
+    max_grad_norm=opt.grad_clip or None,
+    b1=opt.b1,
+    b2=opt.b2,
+  )
+
+
+def step_options(config) -> train_step.StepOptions:
+  """The train step's static options: loss spec, batch splits, temperature."""
+  return train_step.StepOptions(
+    losses.get_spec(config.loss.name, **validation.loss_overrides(config)),
+    num_micro_batches=config.optimizer.micro_batches,
+    micro_batch_size=config.train.micro_batch_size or None,
+    num_minibatches=config.train.num_minibatches,
+    num_epochs=config.train.num_epochs,
+    temperature=config.temperature,
+    group_size=config.group_size,
+    shared_prefix=config.train.shared_prefix and _whole_groups(config),
+    skip_zero_advantage=config.train.skip_zero_advantage,
+  )
+
+
+def _whole_groups(config) -> bool:
+  """Whether every micro-batch holds whole groups (what a shared prefix needs)."""
+  rows = config.prompts_per_step * config.group_size // config.train.num_minibatches
+  per_micro = config.train.micro_batch_size or rows // config.optimizer.micro_batches
+  return per_micro % config.group_size == 0
+
+
+def sizes(config) -> rollouts.Sizes:
+  """The static batch shape of `config`."""
+  return rollouts.Sizes(
+    config.prompts_per_step, config.group_size, config.max_prompt_len, config.max_new_tokens
+  )
+
+
+def snapshot_slots(lag_mode: str, sync_interval: int, sync_offset: int) -> int:
+  """Snapshot slots a run keeps: none on-policy or in async mode (the sampler gets live params)."""
+  if lag_mode != "sync" or (sync_interval, sync_offset) == (1, 0):
+    return 0
+  return lag.snapshot_capacity(sync_interval, sync_offset)
+
+
+def _reward(config, task) -> rollouts.Reward:
+  if task.device_reward is not None:
+    return rollouts.Reward(device=jax.jit(task.device_reward))
+  c = config
+  pool = rewards.get_pool(c.reward_workers or None, c.reward_memory_mb, c.reward_sandbox)
+  pool.check(task.reward, config.task)  # fails here if it cannot reach a worker
+  return rollouts.Reward(
+    host=task.reward,
+    pool=pool,
+    timeout_s=config.reward_timeout,
+    batch_timeout_s=config.reward_batch_timeout or None,
+  )
+
+
+def _partial_sampler(config, graphdef, task, tokenizer) -> partial_rollouts.PartialSampler | None:
+  """The partial-rollout sampler of `config.rollout.partial_budget` (None when 0)."""
+  c, budget = config, config.rollout.partial_budget
+  if not budget:
+    return None
+  if task.device_reward is None:
+    raise ValueError(
+      f"config.rollout.partial_budget: partial rollouts need a task with a device reward; "
+      f"{c.task!r} is scored on the host"
+    )
+  advance = partial_rollouts.make_advance(
+    graphdef,
+    max_new_tokens=c.max_new_tokens,
+    budget=budget,
+    group_size=c.group_size,
+    temperature=c.temperature,
+    top_p=c.top_p,
+    top_k=c.top_k,
+    eos_id=tokenizer.eos_id,
+  )
+  slots = partial_rollouts.steps_to_finish(c.max_new_tokens, budget) * c.prompts_per_step
+  return partial_rollouts.PartialSampler(advance, slots, c.group_size, c.max_new_tokens)
+
+
+def _replay_capacity(config) -> int:
+  """Buffer capacity in batches: at least `steps_to_finish` with partial rollouts.
+
+  Between emission and training, up to L = ceil(N / b) batches of finished
+  groups wait in the buffer (`partial_rollouts`); fewer slots would overwrite
+  some before they are trained on.
+  """
+  c, budget = config, config.rollout.partial_budget
+  if not budget:
+    return c.replay.capacity_batches
+  return max(c.replay.capacity_batches, partial_rollouts.steps_to_finish(c.max_new_tokens, budget))
+
+
+def _build_fns(config) -> rl_step.StepFns:
+  c = config
+  mesh, sampler_mesh = make_mesh(c), None
+  if c.mesh.sampler_devices:
+    sampler_mesh, mesh = sampler_and_trainer_meshes(c)
+  task = tasks.get_task(c.task, **c.task_kwargs.to_dict())
+  tokenizer = _tokenizer(c)
+  model_fn = _model_constructor(c, mesh, tokenizer)
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_fn(0)))
+  options = step_options(c)
+  partial = _partial_sampler(c, graphdef, task, tokenizer)  # before the reward pool starts
+  sample_kw = dict(
+    max_new_tokens=c.max_new_tokens, top_p=c.top_p, top_k=c.top_k, eos_id=tokenizer.eos_id
+  )
+  return rl_step.StepFns(
+    mesh=mesh,
+    graphdef=graphdef,
+    tokenizer=tokenizer,
+    task=task,
+    model_fn=model_fn,
+    options=options,
+    optimizer=optimizer(c),
+    advantage=validation.advantage_name(c),
+    sizes=sizes(c),
+    sample_kw={**sample_kw, "temperature": c.temperature},
+    sampler=sampling.make_sampler(
+      graphdef, group_size=c.group_size, temperature=c.temperature, **sample_kw
+    ),
+    greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
+    partial=partial,
+    reward=_reward(c, task),
+    truncate_prompts=c.data.truncate_prompts,
+    sampler_mesh=sampler_mesh,
+    model_key=json.dumps(
+      [
+        {f: c[f] for f in ("model", "model_dtype", "tokenizer", "task", "max_prompt_len")},
+        c.max_new_tokens,
+        c.task_kwargs.to_dict(),
+        c.mesh.to_dict(),
+        c.data.to_dict(),
+      ],
+      sort_keys=True,
+      default=str,
+    ),
+  )
+
+
+def _run_settings(config) -> RunSettings:
+  c = config
+  return RunSettings(
+    seed=c.seed,
+    total_steps=c.total_steps,
+    lag_mode=c.lag.mode,
+    sync_interval=c.lag.sync_interval,
+    sync_offset=c.lag.sync_offset,
+    max_staleness=c.lag.max_staleness,
+    replay=rl_step.ReplayOptions(
+      c.replay.policy, c.replay.max_reuse or None, float(c.replay.temperature)
+    ),
+    replay_capacity_batches=_replay_capacity(c),
+    sft_enabled=c.sft.enabled,
+    sft_steps=c.sft.steps,
+    sft_batch_size=c.sft.batch_size,
+    sft_learning_rate=c.sft.learning_rate,
+    eval_every=c.eval_every,
+    eval_prompts=c.eval_prompts,
+    eval_samples=c.eval_samples,
+    checkpoint_every=c.checkpoint_every,
+    keep_checkpoints=c.keep_checkpoints,
+    async_checkpoint=c.async_checkpoint,
+    tensorboard=c.tensorboard,
+    wandb_project=c.wandb_project,
+    progress=c.progress,
+    log_every=c.log_every,
+    profile_steps=c.profile_steps,
+  )
+
+
+_FNS_CACHE: dict[str, rl_step.StepFns] = {}
+_FNS_CACHE_SIZE = 4
+
+
+def compile_key(config) -> str:
+  """The config fields the compiled part is built from, as a canonical JSON string."""
+  d = config.to_dict()
+  kept = {k: v for k, v in d.items() if k not in RUN_FIELDS}
+  return json.dumps(kept, sort_keys=True, default=str)
+
+
+def build_components(config, *, data_cache_dir: str | None = None) -> Components:
+  """Validates `config` and its data, and builds the run's `Components`.
+
+  Args:
+    config: an experiment ConfigDict (configs/default.py lists every field).
+    data_cache_dir: where the data scan caches its result (e.g. the workdir).
+
+  Raises:
+    ValueError: naming the config field (or data file and row) that is wrong.
+  """
+  validation.validate_config(config)
+  key = compile_key(config)
+  if key not in _FNS_CACHE:
+    if len(_FNS_CACHE) >= _FNS_CACHE_SIZE:
+      _FNS_CACHE.pop(next(iter(_FNS_CACHE)))
+    _FNS_CACHE[key] = _build_fns(config)
+  fns = _FNS_CACHE[key]
+  # Every prompt checked once (cached under `data_cache_dir`), before anything compiles.
+  data_checks.validate_data(config, fns.task, fns.tokenizer, cache_dir=data_cache_dir)
+  return Components(fns=fns, run=_run_settings(config), task_name=config.task)
+
+
+def clear_cache() -> None:
+  """Drops the cached compiled parts (e.g. after monkeypatching a task in a test)."""
+  _FNS_CACHE.clear()

@@ -1,0 +1,293 @@
+"""Memory and step-time planner: per-device bytes of a run before anything is allocated.
+
+`plan(config, devices=8, bytes_per_device=16 * 2**30)` builds the run's state
+with `jax.eval_shape` (nothing is materialised), maps every array to its
+`PartitionSpec` on an abstract `(data, fsdp, tensor)` mesh of any size through
+the rules of `sharding.py`, and sums the shard shapes one device holds:
+
+  params, optimizer state     `sharding.tree_shardings` of the parameters / `optimizer.init`
+  replay buffer               `replay.shardings` (capacity axis over data * fsdp)
+  lag snapshots               slots * params (slots = ceil(n / m) + 1 in sync mode, m > 1 or n > 0)
+  reference params            params, when the loss has a KL to the reference policy
+  KV cache                    2 * layers * (B / shards) * (P + N) * N_kv * H * itemsize,
+                              B = prompts_per_step * group_size rows of the sampler
+  activations                 the train step's temporaries (below)
+
+The sampler and the train step do not overlap: peak = state + max(KV cache, activations).
+
+Activations: where the mesh fits on this machine's devices of the target's
+platform, XLA's own `memory_analysis().temp_size_in_bytes` of the train step
+compiled on abstract arguments ("compiled"); otherwise, per device, with
+t = micro-batch rows per device * (P + N) tokens ("analytic"; with
+`train.skip_zero_advantage` the rows of one chunk of a micro-batch, with
+`train.shared_prefix` P / K + N tokens per row):
+
+  t * layers * [isz * (4 D + (4 F + 3 N H + 3 N_kv H) / tensor) + 4 * 2 (N / tensor) (P + N)]
+    * 4/3                                    (XLA copies; calibrated on CPU compiles)
+  + t_chunk * V * 4 * 2                      (float32 logits and log-softmax of one chunk)
+  + 2 * params bytes                         (accumulated and micro-batch gradients)
+
+Step time, a rough lower bound: ``6 * params * tokens * epochs`` (training)
+plus ``2 * params * tokens`` (sampling) FLOPs over ``devices * peak FLOP/s``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from offpolicy_jax import models
+from offpolicy_jax.models.tokenizers import CharTokenizer
+from offpolicy_jax.run import (
+  batch_splits,
+  components,
+  replay,
+  rollouts,
+  train_state,
+  train_step,
+  validation,
+)
+from offpolicy_jax.scale import sharding
+
+GIB = 2**30
+
+
+class DeviceSpec(NamedTuple):
+  """An accelerator type: memory per device, dense bf16 peak FLOP/s, JAX platform name."""
+
+  hbm_bytes: int
+  peak_flops: float
+  platform: str
+
+
+DEVICES: dict[str, DeviceSpec] = {
+  "v4": DeviceSpec(32 * GIB, 275e12, "tpu"),
+  "v5e": DeviceSpec(16 * GIB, 197e12, "tpu"),
+  "v5p": DeviceSpec(95 * GIB, 459e12, "tpu"),
+  "v6e": DeviceSpec(32 * GIB, 918e12, "tpu"),
+  "a100-40": DeviceSpec(40 * GIB, 312e12, "gpu"),
+  "a100-80": DeviceSpec(80 * GIB, 312e12, "gpu"),
+  "h100-80": DeviceSpec(80 * GIB, 989e12, "gpu"),
+  # Host memory is shared by the fake CPU devices; peak is a rough 100 GFLOP/s per device.
+  "cpu": DeviceSpec(16 * GIB, 1e11, "cpu"),
+}
+STATE_ROWS = ("params", "optimizer state", "replay buffer", "lag snapshots", "reference params")
+ROWS = (*STATE_ROWS, "KV cache (sampler)", "activations (train step)")
+
+
+class Plan(NamedTuple):
+  """Per-device memory of a run on a mesh, and its FLOPs.
+
+  Attributes:
+    bytes: per-device bytes of each entry of `ROWS`.
+    mesh: `{"data": d, "fsdp": f, "tensor": t}`.
+    devices: devices available (the mesh uses `prod(mesh)` of them).
+    bytes_per_device: memory of one device, or None (no verdict).
+    activations_source: "compiled (...)" or "analytic".
+    step_flops: FLOPs of one loop step (6ND train + 2ND sample).
+    peak_flops: per-device peak FLOP/s of the device type, or None.
+    notes: where the model architecture came from, if not `config.model` itself.
+  """
+
+  bytes: dict[str, int]
+  mesh: dict[str, int]
+  devices: int
+  bytes_per_device: int | None
+  activations_source: str
+  step_flops: float
+  peak_flops: float | None
+  notes: tuple[str, ...]
+
+  @property
+  def state_bytes(self) -> int:
+    return sum(self.bytes[k] for k in STATE_ROWS)
+
+  @property
+  def peak_bytes(self) -> int:
+    """state + max(KV cache, activations): the sampler and the train step do not overlap."""
+    return self.state_bytes + max(self.bytes[ROWS[5]], self.bytes[ROWS[6]])
+
+  @property
+  def headroom(self) -> float | None:
+    """Fraction of device memory left at the peak (negative: does not fit)."""
+    return 1.0 - self.peak_bytes / self.bytes_per_device if self.bytes_per_device else None
+
+
+def model_config(config) -> tuple[models.ModelConfig, str]:
+  """The decoder's `ModelConfig` from `config.model` (and a note saying where it came from).
+
+  `config.model` may be a preset name, an HF directory with config.json, a
+  path to a config.json, or an absent checkpoint directory whose name starts
+  with a preset name (e.g. "Qwen2.5-1.5B-Instruct" -> "qwen2.5-1.5b").
+  """
+  m, kw = config.model, dict(dtype=config.model_dtype, scan_layers=config.model_scan_layers)
+  path = os.path.join(m, "config.json") if os.path.isdir(m) else m
+  if path.endswith(".json") and os.path.isfile(path):
+    with open(path) as f:
+      return models.config_from_hf(json.load(f), **kw), f"architecture from {path}"
+  base = os.path.basename(os.path.normpath(m)).lower()
+  match = [p for p in models.preset_names() if base.startswith(p)]
+  if not match:
+    raise ValueError(f"model: {m!r} is neither a preset, an HF directory nor a config.json")
+  preset = max(match, key=len)
+  vocab = models.get_config(preset).vocab_size
+  if preset == m and not config.tokenizer:  # a fresh preset takes the tokenizer's vocabulary
+    vocab = CharTokenizer().vocab_size
+  note = "" if preset == m else f"architecture of preset {preset!r} ({m!r} is not on disk)"
+  return models.get_config(preset, vocab_size=vocab, **kw), note
+
+
+def _nbytes(tree: Any, shardings: Any) -> int:
+  """Bytes one device holds of `tree` (abstract arrays) placed with `shardings`."""
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  value = lambda x: x.get_value() if is_var(x) else x
+  arrays = [value(x) for x in jax.tree.leaves(tree, is_leaf=is_var)]
+  specs = [value(s) for s in jax.tree.leaves(shardings, is_leaf=is_var)]
+  return sum(
+    math.prod(s.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+    for a, s in zip(arrays, specs, strict=True)
+  )
+
+
+def _micro_rows(config) -> int:
+  """Rows of one accumulation micro-batch; ValueError naming the field if they do not split."""
+  rows = config.prompts_per_step * config.group_size // config.train.num_minibatches
+  size = config.train.micro_batch_size
+  m = rows // size if size else config.optimizer.micro_batches
+  if m < 1 or rows % m:
+    field = "train.micro_batch_size" if size else "optimizer.micro_batches"
+    raise ValueError(f"{field}: {rows} rows per minibatch do not split into {m} micro-batches")
+  return rows // m
+
+
+def _analytic_activations(config, mc, mesh, params_bytes: int) -> int:
+  """The module docstring's analytic temporaries of one train step, per device."""
+  t_len = config.max_prompt_len + config.max_new_tokens
+  shards, tp = sharding.axis_size(mesh, sharding.BATCH_AXES), mesh.shape[sharding.TENSOR]
+  rows = _micro_rows(config)
+  options = components.step_options(config)
+  if options.skips_rows:  # the forward runs one chunk of a micro-batch at a time
+    rows //= batch_splits.chunks_per_micro_batch(options, rows, shards)
+  rows = rows // shards if rows % shards == 0 else rows
+  tokens = t_len  # per row; a shared prompt runs once per group: P / K + N
+  if options.shared_prefix:
+    tokens = config.max_prompt_len / config.group_size + config.max_new_tokens
+  isz = jnp.dtype(mc.dtype).itemsize
+  n, kv, h, d, f = mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.hidden_size, mc.intermediate_size
+  per_token_layer = isz * (4 * d + (4 * f + 3 * n * h + 3 * kv * h) / tp) + 8 * n / tp * t_len
+  blocks = rows * tokens * mc.num_layers * per_token_layer * 4 / 3
+  logits = rows * min(config.max_new_tokens, 128) * mc.vocab_size * 4 * 2
+  return int(blocks + logits + 2 * params_bytes)
+
+
+def _abstract_run(config, mc: models.ModelConfig):
+  """`(graphdef, params, opt_state, replay buffer, optimizer)`, arrays from `jax.eval_shape`."""
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: models.Decoder(mc, rngs=nnx.Rngs(0))))
+  optimizer = components.optimizer(config)
+  cap = config.prompts_per_step * config.replay.capacity_batches
+  init = lambda: replay.init(cap, rollouts.empty_batch(components.sizes(config)), config.group_size)
+  opt_state = jax.eval_shape(optimizer.init, params)
+  return graphdef, params, opt_state, jax.eval_shape(init), optimizer
+
+
+def _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes) -> int:
+  """XLA's temporaries of the train step lowered on abstract arguments on a local mesh."""
+  mesh = sharding.make_mesh(*sizes, devices=jax.devices()[: math.prod(sizes)])
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  place = lambda x, s: x.replace(sds(x.get_value(), s.get_value())) if is_var(x) else sds(x, s)
+  on_mesh = lambda t: jax.tree.map(place, t, sharding.tree_shardings(t, mesh), is_leaf=is_var)
+  scalar: Any = sds(jax.ShapeDtypeStruct((), jnp.int32), sharding.replicated(mesh))
+  state = train_state.TrainState(on_mesh(params), on_mesh(opt_state), scalar, scalar, scalar)
+  batch = rollouts.empty_batch(components.sizes(config))
+  batch = jax.tree.map(lambda x: sds(x, sharding.batch_sharding(mesh, x.ndim)), batch)
+  options = components.step_options(config)
+  fn = functools.partial(train_step.train_step, graphdef, optimizer, options)
+  ref = state.params if options.spec.needs_ref else None
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(fn, donate_argnums=0).lower(state, batch, jax.random.key(0), ref).compile()
+  stats = compiled.memory_analysis()
+  assert stats is not None, "this backend reports no memory analysis; use activations='analytic'"
+  return int(stats.temp_size_in_bytes)
+
+
+def _kv_cache_bytes(config, mc: models.ModelConfig, sizes: tuple[int, ...]) -> int:
+  """2 * layers * rows * (P + N) * N_kv * H * itemsize; rows over data * fsdp, heads over tensor."""
+  rows, shards, tp = config.prompts_per_step * config.group_size, sizes[0] * sizes[1], sizes[2]
+  rows = rows // shards if rows % shards == 0 else rows
+  heads = mc.num_kv_heads // tp if mc.num_kv_heads % tp == 0 else mc.num_kv_heads
+  length = config.max_prompt_len + config.max_new_tokens
+  return 2 * mc.num_layers * rows * length * heads * mc.head_dim * jnp.dtype(mc.dtype).itemsize
+
+
+def plan(
+  config,
+  *,
+  devices: int,
+  bytes_per_device: int | None,
+  mesh_shape: tuple[int, int, int] | None = None,
+  device_type: str | None = None,
+  activations: str = "auto",
+) -> Plan:
+  """Plans the per-device memory of `config`'s run on `devices` devices (module docstring).
+
+  Args:
+    config: an experiment ConfigDict (configs/default.py lists every field).
+    devices: number of devices; need not exist on this machine.
+    bytes_per_device: memory of one device (None: no verdict).
+    mesh_shape: `(data, fsdp, tensor)` replacing `config.mesh` (-1 allowed).
+    device_type: a key of `DEVICES` (peak FLOP/s, platform), or None.
+    activations: "auto" (compiled when the mesh fits here and the platform
+      matches), "compiled" or "analytic".
+
+  Returns:
+    The `Plan`.
+
+  Raises:
+    ValueError: naming the field (`devices`, `mesh.*`, `model`, ...) that is wrong.
+  """
+  if device_type is not None and device_type not in DEVICES:
+    raise ValueError(f"devices: unknown device type {device_type!r}; known: {list(DEVICES)}")
+  if mesh_shape is not None:
+    config = config.copy_and_resolve_references()
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape
+  sizes = validation.mesh_shape(config, devices)
+  mesh: Any = jax.sharding.AbstractMesh(sizes, sharding.MESH_AXES)  # tree_shardings accepts it
+  mc, note = model_config(config)
+  graphdef, params, opt_state, buffer, optimizer = _abstract_run(config, mc)
+  p_bytes = _nbytes(params, sharding.tree_shardings(params, mesh))
+  _micro_rows(config)  # fails naming the field before anything compiles
+  local = jax.devices()
+  same = device_type is None or DEVICES[device_type].platform == local[0].platform
+  if activations == "compiled" or (activations == "auto" and same and mesh.size <= len(local)):
+    act = _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes)
+    source = f"compiled (XLA memory_analysis on {local[0].platform})"
+  else:
+    act, source = _analytic_activations(config, mc, mesh, p_bytes), "analytic"
+  needs_ref = components.step_options(config).spec.needs_ref
+  lag_cfg = config.lag
+  slots = components.snapshot_slots(lag_cfg.mode, lag_cfg.sync_interval, lag_cfg.sync_offset)
+  row_bytes = {
+    "params": p_bytes,
+    "optimizer state": _nbytes(opt_state, sharding.tree_shardings(opt_state, mesh)),
+    "replay buffer": _nbytes(buffer, replay.shardings(buffer, mesh)),
+    "lag snapshots": slots * p_bytes,
+    "reference params": p_bytes if needs_ref else 0,
+    ROWS[5]: _kv_cache_bytes(config, mc, sizes),
+    ROWS[6]: act,
+  }
+  g, k, p, n = components.sizes(config)
+  num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  train = 6.0 * num_params * g * k * (p + n) * config.train.num_epochs * (1 + needs_ref)
+  flops = train + 2.0 * num_params * (g * p + g * k * n)
+  peak = DEVICES[device_type].peak_flops if device_type else None
+  axes = dict(zip(sharding.MESH_AXES, sizes, strict=True))
+  notes = (note,) if note else ()
+  return Plan(row_bytes, axes, devices, bytes_per_device, source, flops, peak, notes)

@@ -1,0 +1,249 @@
+"""`lag.mode="async"`: a sampler thread runs the rollout half ahead of the trainer.
+
+The thread samples with the latest published parameters (`SamplerThread`),
+scores and packs the batch; the trainer's `rl_step.learn` consumes it. In a
+disaggregated run (`disagg`) the thread samples on the sampler's own mesh,
+each publish reshards the parameters onto it, and each batch moves to the
+trainer mesh on the thread, so sampling overlaps training. Batches
+more than `lag.max_staleness` loop steps old are dropped (and counted). Not
+bit-reproducible (thread timing decides versions), and on resume the batches
+that were queued when the checkpoint was taken are not replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from offpolicy_jax import lag
+from offpolicy_jax.run import rl_step, rollouts
+from offpolicy_jax.scale import disagg, sharding
+
+
+class LockedIterator:
+  """A data iterator shared by the trainer (checkpoints) and a sampler thread."""
+
+  def __init__(self, it):
+    self._it = it
+    self._lock = threading.Lock()
+
+  def __next__(self):
+    with self._lock:
+      return next(self._it)
+
+  def get_state(self):
+    with self._lock:
+      return self._it.get_state()
+
+  def set_state(self, state):
+    with self._lock:
+      self._it.set_state(state)
+
+
+class AsyncProducer:
+  """Produces scored `TrainBatch`es on a thread with the latest published parameters.
+
+  Args:
+    fns: the run's step functions.
+    params: the parameters to start sampling with (copied).
+    step: the loop step the run is at (versions are in optimizer steps: step * U).
+    data_iter: the shared prompt iterator.
+    seed: the run's seed.
+    max_staleness: in loop steps; 0 for no bound.
+  """
+
+  def __init__(self, fns: rl_step.StepFns, params, step: int, data_iter, seed: int, max_staleness):
+    self._fns, self._data, self._seed = fns, data_iter, seed
+    self._produced = step
+    self._pack = jax.jit(rollouts.pack, static_argnums=(0, 1))
+    self._mesh = fns.sampler_mesh or fns.mesh
+    self._copy, place = None, None
+    if fns.sampler_mesh is not None:
+      self._copy = copy = disagg.SamplerParams(fns.sampler_mesh)
+      place = lambda p: jax.block_until_ready(copy.place(p))
+    bound = max_staleness * fns.updates or 2**30
+    self.sampler = SamplerThread(
+      self._sample, params, step * fns.updates, max_staleness=bound, place=place
+    )
+
+  def _sample(self, params, version: int):
+    fns = self._fns
+    self._produced += 1
+    step, start = self._produced, time.perf_counter()
+    local = next(self._data)
+    prompts = rollouts.assemble_global(self._mesh, local)
+    key = rl_step.step_key(self._seed, step, rl_step.SAMPLE)
+    own_mesh = jax.set_mesh(self._mesh) if self._copy else contextlib.nullcontext()
+    with own_mesh:
+      out = fns.sampler(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
+      rewards_b, info = rollouts.score(fns, prompts, out)
+      adv_key = rl_step.step_key(self._seed, step, rl_step.ADV)
+      batch = self._pack(fns.sizes, fns.advantage, prompts, out, rewards_b, version, adv_key)
+    if self._copy is not None:  # to the trainer mesh, on this thread
+      batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.mesh))
+    info["prompts_truncated"] = int((local["truncated"] & local["valid"]).sum())
+    info["sample_time_s"] = time.perf_counter() - start
+    return batch, info
+
+  def get(self, step: int) -> tuple[Any, dict[str, Any]]:
+    """The next batch within the staleness bound for loop step `step`, and its host info."""
+    current = (step - 1) * self._fns.updates
+    batch, info = self.sampler.get(current_version=current, timeout=600.0, with_info=True)
+    info["async_dropped_batches"] = self.sampler.stats["dropped_batches"]
+    return batch, info
+
+  def publish(self, params, step: int) -> dict[str, Any]:
+    """Hands the trainer's parameters after `step` to the sampler (copied: the state is donated).
+
+    Returns:
+      In a disaggregated run, `reshard_time_s` (from the trainer's step being
+      done to the copy being on the sampler's devices) and `reshard_bytes`;
+      else nothing.
+    """
+    if self._copy is None:
+      self.sampler.publish(params, step * self._fns.updates)
+      return {}
+    jax.block_until_ready(params)  # the trainer's step is done: time only the copy
+    begin = time.perf_counter()
+    self.sampler.publish(params, step * self._fns.updates)
+    return {
+      "reshard_time_s": time.perf_counter() - begin,
+      "reshard_bytes": disagg.tree_bytes(params),
+    }
+
+  def close(self) -> None:
+    self.sampler.close()
+
+
+class SamplerThread:
+  """Runs a sampler on a background thread, ahead of the trainer.
+
+  The thread repeatedly calls ``sample_fn(params, version)`` with the most
+  recently published parameters and queues the resulting ``TrainBatch``
+  (whose ``versions`` record the producing version per token). The queue
+  bounds how far the sampler runs ahead. :meth:`get` enforces
+  ``max_staleness`` against the trainer's version: with ``mode="drop"`` whole
+  batches whose oldest token is too stale are discarded; with
+  ``mode="weight"`` stale rows keep their place but their
+  ``TrainBatch.weights`` are multiplied by ``stale_weight``. Both are counted
+  in :attr:`stats`. ``place`` makes the sampler's copy of published
+  parameters (default: a device copy; a disaggregated run reshards them onto
+  the sampler's mesh, `disagg.SamplerParams.place`).
+
+  Example::
+
+    sampler = SamplerThread(sample_fn, params, 0, max_staleness=2)
+    for t in range(1, steps + 1):
+      batch = sampler.get(current_version=t - 1)
+      state, metrics = train_step(state, batch, key)
+      sampler.publish(state.params, t)
+    sampler.close()
+  """
+
+  def __init__(
+    self,
+    sample_fn: Callable[[Any, int], Any],
+    params: Any,
+    version: int,
+    *,
+    max_staleness: int,
+    mode: str = "drop",
+    stale_weight: float = 0.0,
+    queue_size: int = 2,
+    place: Callable[[Any], Any] | None = None,
+  ):
+    if mode not in ("drop", "weight"):
+      raise ValueError(f"mode must be 'drop' or 'weight', got {mode!r}")
+    if max_staleness < 0:
+      raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    if queue_size < 1:
+      raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+    self._sample_fn = sample_fn
+    self._place = place or (lambda p: jax.tree.map(jnp.copy, p))
+    self._latest = (self._place(params), int(version))
+    self._lock = threading.Lock()
+    self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+    self._stop = threading.Event()
+    self._error: BaseException | None = None
+    self.max_staleness = max_staleness
+    self.mode = mode
+    self.stale_weight = stale_weight
+    self.stats = {"produced": 0, "consumed": 0, "dropped_batches": 0, "downweighted_rows": 0}
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+
+  def publish(self, params: Any, version: int) -> None:
+    """Makes ``params`` (at ``version``) the sampler's parameters from now on.
+
+    A device copy is taken (by `place`), so the trainer may donate its state afterwards.
+    """
+    params = self._place(params)
+    with self._lock:
+      self._latest = (params, int(version))
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        with self._lock:
+          params, version = self._latest
+        out = self._sample_fn(params, version)
+        batch, info = out if isinstance(out, tuple) and not hasattr(out, "_fields") else (out, None)
+        jax.block_until_ready(batch)
+        self.stats["produced"] += 1
+        while not self._stop.is_set():
+          try:
+            self._queue.put((batch, info), timeout=0.05)
+            break
+          except queue.Full:
+            continue
+    except BaseException as e:  # surfaced to the trainer by get()
+      self._error = e
+
+  def get(self, current_version: int, timeout: float | None = 60.0, with_info: bool = False):
+    """Next batch within the staleness bound relative to ``current_version``.
+
+    With ``with_info``, returns ``(batch, info)`` where ``info`` is what
+    ``sample_fn`` returned beside that batch (``sample_fn`` may return
+    ``(batch, info)``), or None.
+
+    Raises:
+      RuntimeError: if the sampler thread failed.
+      TimeoutError: if no batch arrives within ``timeout`` seconds.
+    """
+    while True:
+      if self._error is not None:
+        raise RuntimeError("SamplerThread thread failed") from self._error
+      try:
+        batch, info = self._queue.get(timeout=0.05 if timeout is None else min(timeout, 0.05))
+      except queue.Empty:
+        if timeout is not None:
+          timeout -= 0.05
+          if timeout <= 0:
+            raise TimeoutError("SamplerThread.get: no batch") from None
+        continue
+      stale = np.asarray(lag.row_staleness(batch.versions, batch.mask, current_version))
+      too_old = stale > self.max_staleness
+      if self.mode == "drop" and too_old.any():
+        self.stats["dropped_batches"] += 1
+        continue
+      if too_old.any():
+        self.stats["downweighted_rows"] += int(too_old.sum())
+        w = lag.staleness_weights(
+          batch.versions, batch.mask, current_version, self.max_staleness, self.stale_weight
+        )
+        batch = batch._replace(weights=batch.weights * w)
+      self.stats["consumed"] += 1
+      return (batch, info) if with_info else batch
+
+  def close(self) -> None:
+    """Stops the thread and waits for it."""
+    self._stop.set()
+    self._thread.join(timeout=30)

@@ -1,0 +1,293 @@
+"""From prompts to a scored `TrainBatch`: prompt batches, rewards, packing, batch statistics.
+
+Multi-host data path: every process reads the same global prompt stream and
+keeps its own block of rows of each batch (`prompts_per_step / process_count`
+prompts, process `p` taking rows `[p * G_local, (p + 1) * G_local)`), and
+`assemble_global` builds global arrays from the blocks with
+`jax.make_array_from_process_local_data`, rows split over the mesh's
+`(data, fsdp)` axes. So the global batch, and with it every number of the run,
+does not depend on the number of processes, and the iterator state is the
+same on every process. With one process the global batch is the local one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from offpolicy_jax import advantages
+from offpolicy_jax.rewards import scoring as rewards
+from offpolicy_jax.run import data
+from offpolicy_jax.scale import sharding
+from offpolicy_jax.types import TrainBatch
+
+# Prompt fields that become global device arrays (the rest stay host-side).
+DEVICE_FIELDS = ("prompt_tokens", "prompt_lengths", "answer_tokens")
+# Host reward statistics of a batch (every metrics row carries them; zero for device rewards).
+REWARD_STATS = ("reward_failures", "reward_timeouts", "reward_worker_restarts", "reward_time_s")
+
+
+class Sizes(NamedTuple):
+  """Static batch shape: G prompts of K responses, P prompt and N response tokens."""
+
+  prompts_per_step: int
+  group_size: int
+  max_prompt_len: int
+  max_new_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Reward:
+  """A task's reward: a jitted device function, or a host function scored in sandboxed workers."""
+
+  device: Callable | None = None
+  host: Callable | None = None
+  pool: Any = None
+  timeout_s: float = 5.0
+  batch_timeout_s: float | None = None
+
+
+def no_reward_stats() -> dict[str, Any]:
+  return dict.fromkeys(REWARD_STATS[:3], 0) | {"reward_time_s": 0.0}
+
+
+def assemble_global(mesh, local: dict[str, Any], *, leading_axes: int = 0) -> dict[str, Any]:
+  """Per-process prompt batches -> global arrays with rows over `(data, fsdp)`.
+
+  Device fields (`DEVICE_FIELDS`) become global `jax.Array`s through
+  `jax.make_array_from_process_local_data`; the host fields (`index`,
+  `valid`, `truncated`) are gathered from every process in process order (the
+  row order of the global arrays). A global batch that does not split over
+  `data * fsdp` devices is replicated (one process only).
+
+  Args:
+    mesh: the run's mesh.
+    local: this process's batch, dict of numpy arrays with G_local rows.
+    leading_axes: unsharded axes before the row axis (1 for a stack of L
+      batches [L, G_local, ...]: device fields only).
+
+  Returns:
+    dict with the same keys and G_local * process_count rows.
+  """
+  procs = jax.process_count()
+  rows = local["prompt_tokens"].shape[leading_axes] * procs
+  split = rows % sharding.axis_size(mesh, sharding.BATCH_AXES) == 0
+  if not split and procs > 1:
+    raise ValueError(
+      f"config.prompts_per_step: {rows} prompts do not split over data*fsdp = "
+      f"{sharding.axis_size(mesh, sharding.BATCH_AXES)} devices across {procs} processes"
+    )
+  out = {}
+  for k, v in local.items():
+    if k in DEVICE_FIELDS:
+      lead = (None,) * leading_axes
+      rest = (None,) * (v.ndim - 1 - leading_axes)
+      spec = P(*lead, sharding.BATCH_AXES, *rest) if split else P()
+      out[k] = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), v)
+    elif procs > 1 and isinstance(v, np.ndarray):
+      out[k] = np.asarray(multihost_utils.process_allgather(v, tiled=True))
+    else:
+      out[k] = v
+  return out
+
+
+class ProcessRows:
+  """This process's block of rows of every batch of a global prompt iterator.
+
+  Process `index` of `count` keeps rows `[index * n, (index + 1) * n)`, `n =
+  G / count`; the state is the global iterator's, the same on every process.
+  """
+
+  def __init__(self, it, index: int, count: int):
+    self._it, self._index, self._count = it, index, count
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, Any]:
+    batch = next(self._it)
+    n = len(batch["index"]) // self._count
+    lo = self._index * n
+    return {k: v[lo : lo + n] for k, v in batch.items()}
+
+  def get_state(self):
+    return self._it.get_state()
+
+  def set_state(self, state) -> None:
+    self._it.set_state(state)
+
+
+def prompt_iterator(fns, seed: int, split: str = "train", batch_size: int | None = None):
+  """The grain iterator over tokenized prompts (shuffled by `seed` for training).
+
+  Training batches are this process's block of rows of the global batch; an
+  explicit `batch_size` (evaluation, warm start) reads the whole split on every
+  process.
+  """
+  rows = batch_size is None and jax.process_count() > 1
+  it = data.prompt_iterator(
+    fns.task,
+    fns.tokenizer,
+    batch_size=fns.sizes.prompts_per_step if batch_size is None else batch_size,
+    max_prompt_len=fns.sizes.max_prompt_len,
+    seed=seed,
+    split=split,
+    truncate=fns.truncate_prompts,
+  )
+  return ProcessRows(it, jax.process_index(), jax.process_count()) if rows else it
+
+
+def _local_rows(x: jax.Array) -> tuple[np.ndarray, int]:
+  """(this process's block of rows of `x`, its first row).
+
+  Process `p` of `n` owns rows `[p * R / n, (p + 1) * R / n)` (the prompts it
+  read, `assemble_global`). When its devices hold exactly those rows they are
+  read locally; otherwise the whole array is gathered and sliced.
+  """
+  rows = x.shape[0] // jax.process_count()
+  lo = jax.process_index() * rows
+  shards: dict[int, Any] = {}
+  for shard in x.addressable_shards:
+    start = shard.index[0].start or 0
+    shards.setdefault(start, shard)
+  blocks, at = [], lo
+  while at < lo + rows and at in shards:
+    block = np.asarray(shards[at].data)
+    blocks.append(block)
+    at += block.shape[0]
+  if at == lo + rows:
+    return np.concatenate(blocks), lo
+  full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return full[lo : lo + rows], lo
+
+
+def _gather_stats(stats: dict[str, Any]) -> dict[str, Any]:
+  """Reward statistics summed over processes (time: the slowest), with each process's time."""
+  local = np.array([stats[k] for k in REWARD_STATS], np.float64)
+  every = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(REWARD_STATS))
+  out: dict[str, Any] = {k: int(every[:, i].sum()) for i, k in enumerate(REWARD_STATS[:3])}
+  out["reward_time_s"] = float(every[:, 3].max())
+  out |= {f"reward_time_s/process{p}": float(t) for p, t in enumerate(every[:, 3])}
+  return out
+
+
+def score_on_host(fns, prompts: dict, rollout, *, split: str, group_size: int):
+  """Host rewards [B] (a device array) and their statistics (`REWARD_STATS` keys).
+
+  Each process scores the rows of its own prompts in its verifier workers; the
+  scores become one global array with rows over `(data, fsdp)` like the
+  prompts, and the statistics are summed over processes (`reward_time_s` is
+  the slowest process's, `reward_time_s/process<i>` each one's).
+  """
+  reward, procs = fns.reward, jax.process_count()
+  tokens, lo = _local_rows(rollout.tokens) if procs > 1 else (np.asarray(rollout.tokens), 0)
+  lengths = _local_rows(rollout.lengths)[0] if procs > 1 else np.asarray(rollout.lengths)
+  index = np.asarray(prompts["index"])[lo // group_size : (lo + len(tokens)) // group_size]
+  examples = data.examples(fns.task, split, index.tolist())
+  examples = [ex for ex in examples for _ in range(group_size)]
+  texts = [fns.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
+  res = rewards.score_batch(
+    reward.host,
+    examples,
+    texts,
+    timeout_s=reward.timeout_s,
+    pool=reward.pool,
+    batch_timeout_s=reward.batch_timeout_s,
+  )
+  stats = {
+    "reward_failures": int(res.failed.sum()),
+    "reward_timeouts": int(res.timed_out.sum()) if res.timed_out is not None else 0,
+    "reward_worker_restarts": res.restarts,
+    "reward_time_s": res.seconds,
+  }
+  if procs == 1:
+    return jnp.asarray(res.scores), stats
+  scores, rows = np.asarray(res.scores, np.float32), rollout.tokens.sharding
+  if isinstance(rows, NamedSharding) and rows.spec and rows.spec[0] is not None:
+    out = jax.make_array_from_process_local_data(
+      NamedSharding(rows.mesh, P(rows.spec[0])), scores, (rollout.tokens.shape[0],)
+    )
+  else:  # rows not split over processes: every process passes all scores
+    out = np.asarray(multihost_utils.process_allgather(scores, tiled=True))
+  return out, _gather_stats(stats)
+
+
+def score(fns, prompts: dict, rollout, *, split: str = "train", group_size: int | None = None):
+  """Rewards [B] and the host reward statistics, on device or in the verifier workers."""
+  k = group_size or fns.sizes.group_size
+  if fns.reward.device is not None:
+    answers = jnp.repeat(jnp.asarray(prompts["answer_tokens"]), k, axis=0)
+    return fns.reward.device(answers, rollout.tokens, rollout.mask), no_reward_stats()
+  return score_on_host(fns, prompts, rollout, split=split, group_size=k)
+
+
+def prompt_mask(prompt_lengths: jax.Array, width: int) -> jax.Array:
+  """float32 [G, P]: 1 on the real tokens of left-padded prompts."""
+  return (jnp.arange(width)[None, :] >= width - prompt_lengths[:, None]).astype(jnp.float32)
+
+
+def pack(
+  sizes: Sizes, advantage: str, prompts: dict, rollout, rewards_b, version, key
+) -> TrainBatch:
+  """Packs a scored rollout into a `TrainBatch` (traceable).
+
+  Args:
+    sizes: the static batch shape.
+    advantage: advantage estimator name (`advantages.compute`).
+    prompts: dict with `prompt_tokens` [G, P] and `prompt_lengths` [G].
+    rollout: the sampler's output for the G * K rows.
+    rewards_b: float32 [B]; a non-finite reward makes the loss non-finite and
+      the train step skips that update (failing host rewards score 0).
+    version: the behaviour parameters' optimizer-step count.
+    key: PRNG key of stochastic advantage estimators.
+  """
+  g, k = sizes.prompts_per_step, sizes.group_size
+  tokens_gp = jnp.asarray(prompts["prompt_tokens"])
+  rewards_b = jnp.asarray(rewards_b, jnp.float32)
+  adv = advantages.compute(advantage, rewards_b.reshape(g, k), key=key).reshape(g * k)
+  mask_gp = prompt_mask(jnp.asarray(prompts["prompt_lengths"]), tokens_gp.shape[1])
+  return TrainBatch(
+    prompt_tokens=jnp.repeat(tokens_gp, k, axis=0),
+    prompt_mask=jnp.repeat(mask_gp, k, axis=0),
+    tokens=rollout.tokens,
+    mask=rollout.mask,
+    behavior_logp=rollout.logprobs,
+    advantages=adv,
+    rewards=rewards_b,
+    versions=jnp.full(rollout.tokens.shape, version, jnp.int32),
+    weights=jnp.ones((g * k,), jnp.float32),
+  )
+
+
+def empty_batch(sizes: Sizes) -> TrainBatch:
+  """A zero `TrainBatch` of the run's shape (the replay buffer's template)."""
+  b, n, p = sizes.prompts_per_step * sizes.group_size, sizes.max_new_tokens, sizes.max_prompt_len
+  f = lambda *s: jnp.zeros(s, jnp.float32)
+  i = lambda *s: jnp.zeros(s, jnp.int32)
+  return TrainBatch(i(b, p), f(b, p), i(b, n), f(b, n), f(b, n), f(b), f(b), i(b, n), f(b))
+
+
+def batch_stats(batch: TrainBatch, group_size: int) -> dict[str, jax.Array]:
+  """Reward and length statistics of a batch's rows (filler rows, weight 0, excluded)."""
+  w = (batch.weights > 0).astype(jnp.float32)
+  n = jnp.maximum(w.sum(), 1.0)
+  r = batch.rewards
+  mean = (r * w).sum() / n
+  r_gk = r.reshape(-1, group_size)
+  return {
+    "reward_mean": mean,
+    "reward_std": jnp.sqrt(((r - mean) ** 2 * w).sum() / n),
+    "accuracy": ((r > 0.5) * w).sum() / n,
+    "response_len": (batch.mask.sum(1) * w).sum() / n,
+    "response_tokens": (batch.mask.sum(1) * w).sum(),
+    "groups_all_equal": (r_gk.max(1) == r_gk.min(1)).mean(),
+    "adv_abs_mean": (jnp.abs(batch.advantages.reshape(r.shape[0], -1)).mean(1) * w).sum() / n,
+  }

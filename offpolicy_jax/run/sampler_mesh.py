@@ -1,0 +1,108 @@
+"""The sampler side of a disaggregated sync-mode run: a parameter copy, rollouts, rewards.
+
+The device split, the weight transfer and the sampler's parameter copy live in
+`scale.disagg`; this module runs the schedule's rollouts on the sampler mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from offpolicy_jax import lag
+from offpolicy_jax.run import rl_step, rollouts
+from offpolicy_jax.scale import sharding
+from offpolicy_jax.scale.disagg import SamplerParams, row_shardings, transfer
+
+
+class Sampled(NamedTuple):
+  """A rollout dispatched on the sampler mesh and moved to the trainer mesh.
+
+  Attributes:
+    out: the `sampling.SampleOutput`, rows over the trainer's batch axes.
+    version: the behaviour loop step v (int32 scalar on the trainer mesh).
+    found: whether the behaviour snapshot was present.
+    rewards: float32 [B] device rewards on the trainer mesh, or None (host rewards).
+    info: host metrics (`reshard_time_s`, `reshard_bytes`; 0 without a sync).
+  """
+
+  out: Any
+  version: jax.Array
+  found: Any
+  rewards: jax.Array | None
+  info: dict[str, Any]
+
+
+class SamplerMesh:
+  """The sampler side of a disaggregated sync-mode run: a parameter copy, rollouts, rewards.
+
+  The copy holds the behaviour parameters of the schedule, v(t) (SCIENCE.md
+  s5); a step whose v(t) differs from the copy's version first reshards the
+  trainer's parameters (or its snapshot of v(t)) onto the sampler mesh.
+
+  Args:
+    fns: the run's step functions (`fns.sampler_mesh` set).
+    schedule: `(sync_interval, sync_offset)` as ints.
+    seed: the run's seed.
+  """
+
+  def __init__(self, fns: rl_step.StepFns, schedule: tuple[int, int], seed: int):
+    assert fns.sampler_mesh is not None
+    self.fns, self.schedule, self.seed = fns, schedule, seed
+    self.mesh: Mesh = fns.sampler_mesh
+    self.copy = SamplerParams(self.mesh)
+    self._rep = sharding.replicated(fns.mesh)
+
+  def _behaviour_loop_step(self, state: rl_step.RunState, step: int) -> int:
+    if state.snapshots is None:
+      return step - 1
+    return lag.behavior_version(step, *self.schedule)
+
+  def _sync(self, state: rl_step.RunState, step: int, v: int) -> tuple[bool, dict[str, Any]]:
+    if state.snapshots is None:  # on-policy: the trainer's own parameters
+      return True, self.copy.sync(state.train.params, v)
+    fn = _behaviour_fn(self.fns, state)
+    put = lambda a: sharding.put(np.int32(a), self._rep)
+    lag_a = rl_step.LagSchedule(put(self.schedule[0]), put(self.schedule[1]))
+    params, _, found = fn(state, put(step), lag_a)
+    # `params` is a fresh selection (never the state's own buffers): donate it.
+    return bool(found), self.copy.sync(params, v, donate=True)
+
+  def rollout(self, state: rl_step.RunState, local: dict[str, Any], step: int) -> Sampled:
+    """Samples (and scores, for a device reward) step `step`'s prompts on the sampler mesh.
+
+    Args:
+      state: the trainer's run state (read only at a sync).
+      local: this process's block of the step's prompts (numpy).
+      step: the loop step, 1-indexed.
+    """
+    v = self._behaviour_loop_step(state, step)
+    found, info = True, {"reshard_time_s": 0.0, "reshard_bytes": 0}
+    if v != self.copy.version:
+      found, info = self._sync(state, step, v)
+    prompts = rollouts.assemble_global(self.mesh, local)
+    key = rl_step.step_key(self.seed, step, rl_step.SAMPLE)
+    fns, trainer = self.fns, self.fns.mesh
+    with jax.set_mesh(self.mesh):
+      out = fns.sampler(self.copy.params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
+      rewards = None
+      if fns.reward.device is not None:
+        rewards, _ = rollouts.score(fns, prompts, out)
+    out = transfer(out, row_shardings(out, trainer))
+    if rewards is not None:
+      rewards = transfer(rewards, sharding.batch_sharding(trainer, 1))
+    version = sharding.put(np.int32(v), self._rep)
+    return Sampled(out, version, found, rewards, info)
+
+
+def _behaviour_fn(fns: rl_step.StepFns, state: rl_step.RunState):
+  """`rl_step.behaviour_params` jitted on the trainer mesh (cached on `fns`)."""
+  key = ("disagg_behaviour", jax.tree.structure(state))
+  if key not in fns.cache:
+    params_sh = jax.tree.map(lambda x: x.sharding, state.train.params)
+    rep = sharding.replicated(fns.mesh)
+    fns.cache[key] = jax.jit(rl_step.behaviour_params, out_shardings=(params_sh, rep, rep))
+  return fns.cache[key]

@@ -1,0 +1,257 @@
+"""Supervised warm start: teacher-forced cross-entropy on reference answers.
+
+  L(theta) = - sum_{b,t} m_{b,t} log pi_theta(y_{b,t} | x_b, y_{b,<t}) / sum_{b,t} m_{b,t}
+
+RL from a random tiny model on a synthetic task rarely sees a reward; a short
+supervised phase on the task's reference answers (ending in EOS) gives a policy
+with non-trivial success, as a pretrained instruct model would on a real task.
+The step is one jitted pure function over `(params, opt_state)`, guarded like
+the RL train step: a step whose loss, gradient norm, new parameters or new
+optimizer state is non-finite keeps the old ones and counts as skipped. A warm
+start that skipped every step, or ends with non-finite parameters, raises
+instead of handing RL a broken policy.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.typing import ArrayLike
+
+from offpolicy_jax import models
+from offpolicy_jax.run import data, rollouts, train_state
+
+
+class SFTBatch(NamedTuple):
+  """A supervised batch.
+
+  Attributes:
+    prompt_tokens: int32 [B, P] left-padded prompts.
+    prompt_mask: float32 [B, P] 1 on real prompt tokens.
+    tokens: int32 [B, N] target response tokens (reference answer + EOS, right-padded).
+    mask: float32 [B, N] 1 on target tokens.
+  """
+
+  # Host numpy arrays when built, device arrays inside the jitted step.
+  prompt_tokens: ArrayLike
+  prompt_mask: ArrayLike
+  tokens: ArrayLike
+  mask: ArrayLike
+
+
+def encode_targets(tokenizer: Any, texts: Sequence[str], max_len: int) -> tuple[np.ndarray, ...]:
+  """Encodes reference answers followed by EOS, right-padded/truncated to `max_len`.
+
+  Args:
+    tokenizer: has encode(str) -> list[int], pad_id, eos_id.
+    texts: B reference answers.
+    max_len: N, target length.
+
+  Returns:
+    (tokens int32 [B, N], mask float32 [B, N]).
+  """
+  tokens = np.full((len(texts), max_len), tokenizer.pad_id, np.int32)
+  mask = np.zeros((len(texts), max_len), np.float32)
+  for i, text in enumerate(texts):
+    ids = list(tokenizer.encode(text))
+    if tokenizer.eos_id is not None:
+      ids.append(tokenizer.eos_id)
+    ids = ids[:max_len]
+    tokens[i, : len(ids)] = ids
+    mask[i, : len(ids)] = 1.0
+  return tokens, mask
+
+
+def reference_batches(
+  task: Any, tokenizer: Any, prompts: Iterator[dict], max_len: int
+) -> Iterator[SFTBatch]:
+  """Supervised batches: each prompt of a `data.prompt_iterator` with its reference answer.
+
+  Args:
+    task: a `tasks.Task` with `answer(example) -> str`; the batches' `index`
+      field points into `task.train_source`.
+    tokenizer: the tokenizer the prompts were encoded with.
+    prompts: a training prompt iterator (dicts with prompt_tokens [G, P],
+      prompt_lengths [G], index [G]).
+    max_len: N, target length (reference answer + EOS, right-padded).
+
+  Yields:
+    SFTBatch of G rows.
+  """
+  if task.answer is None:
+    raise ValueError(f"task {task.name!r} has no reference answers for supervised warm start")
+  for batch in prompts:
+    texts = [task.answer(ex) for ex in data.examples(task, "train", batch["index"])]
+    tokens, mask = encode_targets(tokenizer, texts, max_len)
+    p = batch["prompt_tokens"].shape[1]
+    prompt_mask = (np.arange(p)[None] >= p - batch["prompt_lengths"][:, None]).astype(np.float32)
+    yield SFTBatch(batch["prompt_tokens"], prompt_mask, tokens, mask)
+
+
+class SFTResult(NamedTuple):
+  """The outcome of `run`.
+
+  Attributes:
+    params: the trained parameters (a skipped step leaves them as they were).
+    losses: the loss of every step, skipped ones included.
+    skipped_steps: 1-based indices of the steps skipped for non-finite values.
+  """
+
+  params: Any
+  losses: list[float]
+  skipped_steps: list[int]
+
+
+def make_sft_step(graphdef: Any, optimizer: optax.GradientTransformation) -> Callable:
+  """Builds the jitted step `(params, opt_state, batch) -> (params, opt_state, loss, skipped)`.
+
+  When the loss, the gradient norm, the new parameters or the new optimizer
+  state is non-finite, the step keeps `params` and `opt_state` and `skipped`
+  (int32 []) is 1; otherwise it is 0.
+  """
+
+  def loss_fn(params, batch: SFTBatch):
+    model = nnx.merge(graphdef, params)
+    logp, _ = models.sequence_logprobs(
+      model, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask
+    )
+    return -jnp.sum(logp * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
+
+  @jax.jit
+  def step(params, opt_state, batch: SFTBatch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    ok = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+    ok &= train_state.all_finite((new_params, new_opt_state))
+    keep = lambda new, old: jnp.where(ok, new, old)
+    params = jax.tree.map(keep, new_params, params)
+    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    return params, opt_state, loss, (~ok).astype(jnp.int32)
+
+  return step
+
+
+def run(
+  graphdef: Any,
+  params: Any,
+  batches: Iterator[SFTBatch],
+  *,
+  steps: int,
+  learning_rate: float,
+  log_fn: Callable[[int, float], None] | None = None,
+) -> SFTResult:
+  """Runs `steps` supervised AdamW steps (global-norm clip 1) from `params`.
+
+  Steps with non-finite values are skipped (see `make_sft_step`); `run` does
+  not raise for them: `warm_start` decides what a run can start from.
+
+  Args:
+    graphdef: the model's graph definition (`nnx.split(model)[0]`).
+    params: the model's parameter state.
+    batches: yields SFTBatch (static shapes, so the step compiles once).
+    steps: number of steps.
+    learning_rate: AdamW learning rate (cosine decay to 10%).
+    log_fn: optional callback `(step, loss)`.
+
+  Returns:
+    An `SFTResult`: trained params, per-step losses, skipped steps.
+  """
+  schedule = optax.cosine_decay_schedule(learning_rate, max(steps, 1), alpha=0.1)
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
+  opt_state = optimizer.init(params)
+  step_fn = make_sft_step(graphdef, optimizer)
+  losses: list[float] = []
+  skipped: list[int] = []
+  for i in range(steps):
+    params, opt_state, loss, skip = step_fn(params, opt_state, next(batches))
+    loss, skip = jax.device_get((loss, skip))
+    losses.append(float(loss))
+    if skip:
+      skipped.append(i + 1)
+    if log_fn is not None:
+      log_fn(i + 1, losses[-1])
+  return SFTResult(params, losses, skipped)
+
+
+def _check_warm_start(result: SFTResult, lr: float, log_fn: Callable) -> None:
+  """Raises unless `result` is a warm start RL can start from; logs skipped steps."""
+  steps, skipped = len(result.losses), result.skipped_steps
+  if not bool(train_state.all_finite(result.params)):
+    raise FloatingPointError(
+      f"config.sft: the parameters are non-finite after supervised step {steps} "
+      f"({len(skipped)} of {steps} steps skipped; config.sft.learning_rate={lr}); "
+      "refusing to start RL from a broken warm start"
+    )
+  if steps and len(skipped) == steps:
+    raise FloatingPointError(
+      f"config.sft: every supervised step (1 to {steps}) was skipped: the loss, gradient, "
+      f"update or optimizer state was non-finite (last loss {result.losses[-1]}, "
+      f"config.sft.learning_rate={lr}); refusing to start RL from a failed warm start"
+    )
+  if skipped:
+    shown = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+    log_fn(f"sft: skipped {len(skipped)} of {steps} steps with non-finite values (step {shown})")
+
+
+_WARM_START_CACHE: dict[str, Any] = {}
+
+
+def warm_start(
+  fns: Any,
+  params: Any,
+  *,
+  steps: int,
+  batch_size: int,
+  learning_rate: float,
+  seed: int,
+  log_fn: Callable = print,
+) -> Any:
+  """Supervised phase of a run on its task's reference answers (see `run`).
+
+  Results are cached per (model, task, shapes, mesh: `fns.model_key`), seed
+  and settings, so the runs of a sweep or notebook that share a warm start
+  (whatever their loss, optimizer or lag) compute it once.
+
+  Args:
+    fns: the run's `rl_step.StepFns` (task, tokenizer, graph, sizes).
+    params: initial parameters (those of `fns.init_params(seed)`).
+    steps, batch_size, learning_rate: the `config.sft` settings.
+    seed: seed of the supervised prompt stream.
+    log_fn: receives progress lines.
+
+  Returns:
+    The warm-started parameters (a copy the caller may donate).
+
+  Raises:
+    FloatingPointError: naming `config.sft` when every supervised step was
+      skipped for non-finite values or the final parameters are non-finite.
+  """
+  if fns.task.answer is None:
+    raise ValueError("config.sft.enabled: the task has no reference answers")
+  cache_key = json.dumps([fns.model_key, seed, steps, batch_size, learning_rate])
+  if cache_key not in _WARM_START_CACHE:
+    # Its own prompt stream (seed + 1): the RL iterator still starts from the beginning.
+    it = rollouts.prompt_iterator(fns, seed + 1, "train", batch_size=batch_size)
+    batches = reference_batches(fns.task, fns.tokenizer, it, fns.sizes.max_new_tokens)
+    every = max(1, steps // 5)
+    result = run(
+      fns.graphdef,
+      params,
+      batches,
+      steps=steps,
+      learning_rate=learning_rate,
+      log_fn=lambda i, loss: log_fn(f"sft step {i}: loss {loss:.4f}") if i % every == 0 else None,
+    )
+    _check_warm_start(result, learning_rate, log_fn)
+    if len(_WARM_START_CACHE) >= 2:
+      _WARM_START_CACHE.pop(next(iter(_WARM_START_CACHE)))
+    _WARM_START_CACHE[cache_key] = result.params
+  return jax.tree.map(jnp.copy, _WARM_START_CACHE[cache_key])

@@ -1,0 +1,160 @@
+"""The trainer's state and optimizer: `TrainState`, `make_optimizer`, `init_train_state`.
+
+`TrainState.version` counts optimizer steps, skipped ones included, so it
+follows the lag schedule of SCIENCE.md s5: version ``k`` is "the parameters
+after ``k`` optimizer steps". The step that updates it is in `train_step.py`.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from offpolicy_jax.scale import sharding
+
+
+class TrainState(NamedTuple):
+  """Everything the train step updates.
+
+  Attributes:
+    params: NNX parameter state (``nnx.split(model)[1]``).
+    opt_state: optax state of ``params``.
+    step: int32 [] train-step calls (batches consumed).
+    version: int32 [] optimizer steps taken, skipped ones included; version
+      ``k`` = "after ``k`` optimizer steps" (the lag schedule's unit).
+    num_skipped: int32 [] optimizer steps skipped (non-finite or empty).
+  """
+
+  params: Any
+  opt_state: Any
+  step: jax.Array
+  version: jax.Array
+  num_skipped: jax.Array
+
+
+def make_optimizer(
+  learning_rate: float,
+  *,
+  warmup_steps: int = 0,
+  total_steps: int | None = None,
+  schedule: str = "constant",
+  weight_decay: float = 0.0,
+  max_grad_norm: float | None = 1.0,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+) -> optax.GradientTransformation:
+  """Global-norm clipping followed by AdamW on a warmup + constant/cosine schedule.
+
+  Weight decay applies to parameters with two or more dimensions only.
+
+  Args:
+    learning_rate: peak learning rate.
+    warmup_steps: linear warmup from 0 over this many optimizer steps.
+    total_steps: length of the cosine decay (``schedule="cosine"``).
+    schedule: ``constant`` or ``cosine``.
+    weight_decay: decoupled weight decay (AdamW, Loshchilov & Hutter,
+      arXiv:1711.05101).
+    max_grad_norm: global-norm clip; None or 0 disables it.
+    b1, b2, eps: Adam constants.
+
+  Returns:
+    An ``optax.GradientTransformation``.
+
+  Raises:
+    ValueError: naming the field for invalid settings.
+  """
+  if learning_rate < 0:
+    raise ValueError(f"learning_rate must be >= 0, got {learning_rate}")
+  if warmup_steps < 0:
+    raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+  if schedule == "constant":
+    lr = (
+      optax.join_schedules(
+        [
+          optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
+          optax.constant_schedule(learning_rate),
+        ],
+        [warmup_steps],
+      )
+      if warmup_steps
+      else learning_rate
+    )
+  elif schedule == "cosine":
+    if total_steps is None or total_steps <= warmup_steps:
+      raise ValueError(f"total_steps must exceed warmup_steps for cosine, got {total_steps}")
+    lr = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, total_steps)
+  else:
+    raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
+  decay_mask = lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+  adam = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+  if max_grad_norm:
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), adam)
+  return adam
+
+
+def init_train_state(
+  params: Any,
+  optimizer: optax.GradientTransformation,
+  *,
+  mesh: Mesh | None = None,
+  version: int = 0,
+) -> TrainState:
+  """Creates a ``TrainState``, sharded over ``mesh`` by logical names when given.
+
+  Args:
+    params: NNX parameter state.
+    optimizer: the optax transformation.
+    mesh: optional mesh; parameters and optimizer state are placed by
+      :func:`offpolicy_jax.sharding.tree_shardings`.
+    version: initial version.
+
+  Returns:
+    The initial :class:`TrainState` (holding a copy of ``params``).
+  """
+  # A copy, so donating the state never deletes the caller's arrays.
+  params = jax.tree.map(jnp.copy, params)
+  if mesh is not None:
+    params = sharding.shard_params(params, mesh)
+    opt_sh = sharding.tree_shardings(jax.eval_shape(optimizer.init, params), mesh)
+    opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
+    rep = sharding.replicated(mesh)
+    zero = lambda v: sharding.put(jnp.asarray(v, jnp.int32), rep)
+  else:
+    opt_state = optimizer.init(params)
+    zero = lambda v: jnp.asarray(v, jnp.int32)
+  return TrainState(params, opt_state, zero(0), zero(version), zero(0))
+
+
+def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
+  """``NamedSharding`` tree of a ``TrainState`` (params/opt state by logical names)."""
+  rep: Any = sharding.replicated(mesh)  # a pytree of shardings mirrors the state
+  return TrainState(
+    params=sharding.tree_shardings(state.params, mesh),
+    opt_state=sharding.tree_shardings(state.opt_state, mesh),
+    step=rep,
+    version=rep,
+    num_skipped=rep,
+  )
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every floating-point leaf of ``tree`` is finite (no NaN, no +-inf).
+
+  One reduction per leaf, traced into the caller's jit (no host sync); integer
+  leaves (optimizer step counts) are ignored.
+
+  Args:
+    tree: a pytree of arrays, e.g. ``(params, opt_state)``.
+
+  Returns:
+    bool [] array.
+  """
+  oks = [
+    jnp.isfinite(x).all()
+    for x in jax.tree.leaves(tree)
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+  ]
+  return jnp.stack(oks).all() if oks else jnp.array(True)

@@ -1,0 +1,242 @@
+"""Jitted KV-cache sampler returning exact behaviour log-probabilities.
+
+Each step draws y_t ~ mu_t and records log mu_t(y_t), where mu_t is the
+distribution actually sampled from:
+
+  z = logits / temperature
+  top-k: keep z_v >= (k-th largest z)            (top_k = 0: keep all)
+  top-p: keep the smallest prefix of tokens sorted by softmax(z) whose mass
+         reaches top_p (nucleus sampling, Holtzman et al., arXiv:1904.09751)
+  mu_t = softmax(z restricted to the kept set)   (renormalised)
+
+With top_p = 1 and top_k = 0, log mu_t equals `models.sequence_logprobs(...,
+temperature)`. temperature = 0 means greedy decoding (argmax); the distribution is
+then a point mass, and the recorded log-probs are the untempered model
+log-probs log softmax(logits)(y_t) instead.
+
+Prompts are left-padded [G, P]; each prompt is prefilled once and its keys and
+values are shared, not copied, by its K = group_size samples at every decode
+step (rows are group-major: row g*K + k). Tokens after
+EOS (or a stop sequence) are 0 and masked out; the mask is 1 up to and
+including the EOS token.
+"""
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.typing import ArrayLike
+
+
+class SampleOutput(NamedTuple):
+  """Sampler output (rows group-major, B = G * K).
+
+  Attributes:
+    tokens: int32 [B, N] sampled tokens, 0 after EOS.
+    logprobs: float32 [B, N] log mu(y_t) of each sampled token, 0 where masked.
+    mask: float32 [B, N] 1 up to and including EOS.
+    lengths: int32 [B] number of valid tokens.
+  """
+
+  tokens: jax.Array
+  logprobs: jax.Array
+  mask: jax.Array
+  lengths: jax.Array
+
+
+def _truncate(z_bv, top_k, top_p):
+  """Masks logits outside the top-k / top-p set with -inf (static k, p)."""
+  if top_k and top_k < z_bv.shape[-1]:
+    kth = jax.lax.top_k(z_bv, top_k)[0][:, -1:]
+    z_bv = jnp.where(z_bv >= kth, z_bv, -jnp.inf)
+  if top_p < 1.0:
+    order = jnp.argsort(-z_bv, axis=-1)
+    z_sorted = jnp.take_along_axis(z_bv, order, axis=-1)
+    probs = jax.nn.softmax(z_sorted, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep_sorted = mass_before < top_p
+    keep = (
+      jnp.zeros_like(keep_sorted).at[jnp.arange(z_bv.shape[0])[:, None], order].set(keep_sorted)
+    )
+    z_bv = jnp.where(keep, z_bv, -jnp.inf)
+  return z_bv
+
+
+def select_token(logits_bv, key, temperature, top_k, top_p):
+  """Draws one token per row; returns (token [B] int32, log mu(token) [B] f32)."""
+  if temperature == 0.0:
+    token = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logp_all = jax.nn.log_softmax(logits_bv, axis=-1)
+  else:
+    z = _truncate(logits_bv / temperature, top_k, top_p)
+    logp_all = jax.nn.log_softmax(z, axis=-1)
+    token = _inverse_cdf(key, logp_all)
+  return token, jnp.take_along_axis(logp_all, token[:, None], axis=-1)[:, 0]
+
+
+def _inverse_cdf(key, logp_bv):
+  """One draw per row from softmax: the first token whose running mass reaches u * total.
+
+  One uniform per row instead of `jax.random.categorical`'s Gumbel noise over
+  the whole vocabulary (a threefry hash of B x V words at every decode step, the
+  largest non-matmul cost of the loop). u is in (0, 1], so a token of
+  probability 0 (cut by top-k / top-p) is never drawn.
+  """
+  cdf = jnp.cumsum(jnp.exp(logp_bv), axis=-1)
+  u = 1.0 - jax.random.uniform(key, (logp_bv.shape[0], 1))
+  token = jnp.sum(cdf < u * cdf[:, -1:], axis=-1)
+  return jnp.minimum(token, logp_bv.shape[-1] - 1).astype(jnp.int32)
+
+
+def _hits_stop(tokens_bn, i, stop_sequences):
+  """True for rows whose generated tokens end at step i with a stop sequence."""
+  hit = jnp.zeros(tokens_bn.shape[0], bool)
+  for seq in stop_sequences:
+    n = len(seq)
+    padded = jnp.pad(tokens_bn, ((0, 0), (n, 0)), constant_values=-1)
+    window = jax.lax.dynamic_slice_in_dim(padded, i + 1, n, axis=1)
+    hit = hit | jnp.all(window == jnp.asarray(seq, jnp.int32)[None, :], axis=1)
+  return hit
+
+
+def make_sampler(
+  graphdef: nnx.GraphDef,
+  *,
+  max_new_tokens: int,
+  group_size: int = 1,
+  temperature: float = 1.0,
+  top_p: float = 1.0,
+  top_k: int = 0,
+  eos_id: int | Sequence[int] | None = None,
+  stop_sequences: Sequence[Sequence[int]] | None = None,
+):
+  """Builds a jitted `fn(params, prompt_tokens[G,P], prompt_lengths[G], key) -> SampleOutput`.
+
+  The function compiles once per (G, P) shape. Decoding runs under
+  `lax.while_loop` and exits early once every row has finished.
+
+  Args:
+    graphdef: `nnx.split(model)[0]` of a `models.Decoder`.
+    max_new_tokens: N, response length.
+    group_size: K, samples per prompt (B = G * K, group-major).
+    temperature: softmax temperature; 0 for greedy decoding.
+    top_p: nucleus mass in (0, 1].
+    top_k: keep the k most likely tokens (0 = all).
+    eos_id: token id (or ids, e.g. Llama 3 instruct) that ends a response (kept, masked
+      in), or None.
+    stop_sequences: token-id sequences that also end a response (kept, masked in);
+      matched against generated tokens only.
+
+  Returns:
+    The jitted sampling function; `params` is the state from `nnx.split(model)`.
+  """
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if group_size < 1:
+    raise ValueError(f"group_size must be >= 1, got {group_size}")
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+  if top_k < 0:
+    raise ValueError(f"top_k must be >= 0, got {top_k}")
+  stops = tuple(tuple(int(t) for t in s) for s in (stop_sequences or ()) if len(s))
+  eos_ids = () if eos_id is None else tuple(int(t) for t in np.atleast_1d(eos_id))
+  n, k_rep = max_new_tokens, group_size
+  temperature, top_p = float(temperature), float(top_p)
+
+  def sample(params, prompt_tokens, prompt_lengths, key):
+    model = nnx.merge(graphdef, params)
+    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+    g, p = prompt_tokens.shape
+    b = g * k_rep
+    prompt_mask = jnp.arange(p)[None, :] >= p - jnp.asarray(prompt_lengths)[:, None]
+    # The prompts' cache is filled once and read once per group at every step;
+    # each of the B rows has its own cache for the tokens it generates.
+    h, prefix = model.hidden_states(
+      prompt_tokens, attention_mask=prompt_mask, cache=model.init_cache(g, p), cache_index=0
+    )
+    logits = jnp.repeat(model.logits_from_hidden(h[:, -1]), k_rep, axis=0)
+    cache = model.init_cache(b, n)
+
+    def cond(carry):
+      i, done = carry[0], carry[4]
+      return (i < n) & ~jnp.all(done)
+
+    def body(carry):
+      i, cache, logits, out, done = carry
+      tokens, logps, valid = out
+      token, logp = select_token(logits, jax.random.fold_in(key, i), temperature, top_k, top_p)
+      token = jnp.where(done, 0, token)
+      tokens = tokens.at[:, i].set(token)
+      logps = logps.at[:, i].set(jnp.where(done, 0.0, logp))
+      valid = valid.at[:, i].set(~done)
+      finished = (
+        jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros_like(done)
+      )
+      if stops:
+        finished = finished | _hits_stop(tokens, i, stops)
+      done = done | finished
+      h, cache = model.decode_shared(token, prefix, cache, prompt_mask, i)
+      logits = model.logits_from_hidden(h)
+      return i + 1, cache, logits, (tokens, logps, valid), done
+
+    out = (jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n), bool))
+    carry = (jnp.int32(0), cache, logits, out, jnp.zeros((b,), bool))
+    _, _, _, (tokens, logps, valid), _ = jax.lax.while_loop(cond, body, carry)
+    mask = valid.astype(jnp.float32)
+    return SampleOutput(tokens, logps, mask, valid.sum(axis=1).astype(jnp.int32))
+
+  return jax.jit(sample)
+
+
+_cached_sampler = functools.lru_cache(maxsize=32)(make_sampler)
+
+
+def generate(
+  model,
+  prompt_tokens: ArrayLike,
+  prompt_lengths: ArrayLike,
+  *,
+  key: jax.Array,
+  max_new_tokens: int,
+  temperature: float = 1.0,
+  top_p: float = 1.0,
+  top_k: int = 0,
+  eos_id: int | Sequence[int] | None = None,
+  stop_sequences: Sequence[Sequence[int]] | None = None,
+) -> SampleOutput:
+  """Samples one response per left-padded prompt (see the module docstring).
+
+  Args:
+    model: a `models.Decoder`.
+    prompt_tokens: int32 [B, P] left-padded prompts.
+    prompt_lengths: int32 [B] number of real prompt tokens (>= 1).
+    key: PRNG key.
+    max_new_tokens: N.
+    temperature: softmax temperature; 0 for greedy.
+    top_p: nucleus mass.
+    top_k: top-k truncation (0 = off).
+    eos_id: end-of-sequence id (or ids) or None.
+    stop_sequences: extra token-id sequences that end a response.
+
+  Returns:
+    SampleOutput with tokens, logprobs, mask [B, N] and lengths [B].
+  """
+  graphdef, params = nnx.split(model)
+  stops = None if not stop_sequences else tuple(tuple(int(t) for t in s) for s in stop_sequences)
+  fn = _cached_sampler(
+    graphdef,
+    max_new_tokens=max_new_tokens,
+    group_size=1,
+    temperature=float(temperature),
+    top_p=float(top_p),
+    top_k=int(top_k),
+    eos_id=None if eos_id is None else tuple(int(t) for t in np.atleast_1d(eos_id)),
+    stop_sequences=stops,
+  )
+  return fn(params, prompt_tokens, prompt_lengths, key)

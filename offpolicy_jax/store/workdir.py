@@ -1,0 +1,210 @@
+"""A run's directory: one writer at a time, and a config record that resumes are checked against.
+
+  with workdir.lock(path):                          # a second run refuses at once
+    workdir.check_config(path, config, resuming=True, allow_change=False, step=40)
+
+- **Lock.** `lock(path)` takes an exclusive `filelock` lock on `path/.lock`
+  (an OS-level lock: the kernel releases it when its holder dies, however it
+  dies). Who holds it (host, pid, start time, command) is written beside it in
+  `path/.lock.json`, so a second run fails at once with `WorkdirLocked` naming
+  the workdir and the holder, and a run that finds the record of a holder that
+  no longer holds the lock (killed) says that it takes the stale lock over.
+- **Config record.** On resume, the fields that change what a run means (loss,
+  advantage, lag, model, task, shapes, seed, optimizer, replay, ...: every
+  field but those in `RUN_CONTROL_FIELDS`) are compared with the run's
+  `config.json`. A change is refused (`ConfigChanged`, listing the fields)
+  unless `allow_change`, in which case it is appended, with the step it takes
+  effect at, to `config_history.jsonl`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import filelock
+
+from offpolicy_jax import files
+from offpolicy_jax.store import metrics
+
+LOCK_FILE = ".lock"
+HOLDER_FILE = ".lock.json"
+HISTORY_FILE = metrics.CONFIG_HISTORY_FILE
+# Fields that control how a run is watched: evaluation, checkpoints, logging.
+WATCH_FIELDS = (
+  "eval_every",
+  "eval_prompts",
+  "eval_samples",
+  "checkpoint_every",
+  "keep_checkpoints",
+  "async_checkpoint",
+  "tensorboard",
+  "wandb_project",
+  "progress",
+  "log_every",
+  "profile_steps",
+)
+# Fields that control how long a run goes, how it is watched and where it runs,
+# not what it computes: a resume may change them freely.
+RUN_CONTROL_FIELDS = (
+  "total_steps",
+  *WATCH_FIELDS,
+  "reward_timeout",
+  "reward_batch_timeout",
+  "reward_workers",
+  "reward_memory_mb",
+  "reward_sandbox",
+  "mesh",
+)
+
+
+class WorkdirLocked(RuntimeError):
+  """Another live run holds the workdir."""
+
+
+class ConfigChanged(ValueError):
+  """A resume's config differs from the run's record in fields that change its meaning."""
+
+
+def _holder_record() -> dict[str, Any]:
+  return {
+    "host": socket.gethostname(),
+    "pid": os.getpid(),
+    "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    "command": " ".join(sys.argv)[:500],
+  }
+
+
+def _read_json(path: str) -> Any:
+  try:
+    return files.read_json_object(path)
+  except FileNotFoundError:
+    return None
+
+
+def _describe(holder: Any) -> str:
+  if not isinstance(holder, dict):
+    return "an unknown process"
+  return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started')}"
+
+
+@contextlib.contextmanager
+def lock(path: str) -> Iterator[None]:
+  """Holds `path` exclusively for the duration of the block.
+
+  Raises:
+    WorkdirLocked: another live process holds it (the message names the
+      workdir and the holder).
+  """
+  os.makedirs(path, exist_ok=True)
+  holder_path = os.path.join(path, HOLDER_FILE)
+  file_lock = filelock.FileLock(os.path.join(path, LOCK_FILE))
+  try:
+    file_lock.acquire(timeout=0)
+  except filelock.Timeout:
+    try:
+      holder = _read_json(holder_path)
+    except ValueError:
+      holder = None
+    raise WorkdirLocked(
+      f"workdir {path} is in use by another run ({_describe(holder)}); wait for it to "
+      "finish, stop it, or choose another --workdir."
+    ) from None
+  try:
+    try:
+      stale = _read_json(holder_path)
+    except ValueError:
+      stale = None
+    if stale is not None:
+      print(f"workdir {path}: taking over the stale lock of {_describe(stale)}", flush=True)
+    with open(holder_path, "w") as f:
+      json.dump(_holder_record(), f)
+    yield
+  finally:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(holder_path)
+    file_lock.release()
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  out: dict[str, Any] = {}
+  for k, v in d.items():
+    if isinstance(v, Mapping) and v:
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def _normalise(value: Any) -> Any:
+  """The JSON form `metrics.save_config` stores, so stored and live values compare."""
+  return json.loads(json.dumps(value, default=str))
+
+
+def config_changes(stored: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, tuple]:
+  """`{field: (stored, new)}` for meaning fields that differ (added or removed ones too)."""
+  old, new = _flatten(stored), _flatten(_normalise(dict(config)))
+  changes = {}
+  for field in sorted(set(old) | set(new)):
+    if field.split(".")[0] in RUN_CONTROL_FIELDS:
+      continue
+    if old.get(field, "<absent>") != new.get(field, "<absent>"):
+      changes[field] = (old.get(field, "<absent>"), new.get(field, "<absent>"))
+  return changes
+
+
+def check_config(path: str, config: Any, *, step: int, allow_change: bool = False) -> None:
+  """Compares a resume's `config` with the run's `config.json`.
+
+  Args:
+    path: the workdir.
+    config: the resume's config (a ConfigDict or a dict).
+    step: the step the run resumes from (recorded with an allowed change).
+    allow_change: accept changed meaning fields, recording them in
+      `config_history.jsonl`.
+
+  Raises:
+    ConfigChanged: meaning fields differ and `allow_change` is False.
+    ValueError: `config.json` is missing or corrupt (naming the file).
+  """
+  record = os.path.join(path, metrics.CONFIG_FILE)
+  cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  try:
+    stored = _read_json(record)
+  except ValueError as e:
+    if not allow_change:
+      raise ValueError(
+        f"{e} Pass --allow_config_change to resume with the current config."
+      ) from None
+    os.replace(record, record + ".corrupt")
+    print(f"{record} was corrupt: kept as {record}.corrupt", flush=True)
+    stored = None
+  if not isinstance(stored, dict):
+    if not allow_change:
+      raise ValueError(
+        f"{record}: missing, so the config this run started with cannot be checked; pass "
+        "--allow_config_change to resume with the current config."
+      )
+    stored = {}
+  changes = config_changes(stored, cfg)
+  if not changes:
+    return
+  listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in changes.items()))
+  if not allow_change:
+    raise ConfigChanged(
+      f"workdir {path} holds a run started with another config ({record}): {listed}. "
+      "Use a new --workdir, restore the old values, or pass --allow_config_change to "
+      f"resume with the change (recorded in {HISTORY_FILE})."
+    )
+  entry = {"step": int(step), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "changes": changes}
+  with open(os.path.join(path, HISTORY_FILE), "a") as f:
+    f.write(json.dumps(entry, default=str) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+  print(f"workdir {path}: resuming at step {step} with a changed config: {listed}", flush=True)

@@ -1,0 +1,17 @@
+"""The study wing: many runs, compared.
+
+  runner     the lag study: a seeded grid of methods x lags, every cell's seeds under one
+             jax.vmap, resumable
+  stats      bootstrap intervals, paired verdicts against a baseline, run summaries
+  report     study.csv, study.md tables, curves and interval plots
+  bandit     the paper's 3-armed bandit as a seeded study of the losses
+  sweeps     run_sweep(config, sweep, workdir): runs of a get_sweep() list, summary table
+  launchers  a sweep as per-host scripts, SLURM scripts or GKE JobSets (written, not run)
+  reports    curves of several runs' metrics, run summaries, summary tables
+
+May import: every other wing.
+"""
+
+from offpolicy_jax.study import bandit, launchers, report, reports, runner, stats, sweeps
+
+__all__ = ["bandit", "launchers", "report", "reports", "runner", "stats", "sweeps"]

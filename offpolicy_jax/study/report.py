@@ -1,0 +1,268 @@
+"""A study's files: `study.csv` (one row per run and metric), `study.md` (tables), plots.
+
+The CSV is the source of everything else: `write_tables` and `plot_study`
+read rows, so `experiments.plot --study_csv=...` redraws the figures from it.
+Rows are `method, lag, seed, metric, step, value`; summaries have an empty
+`step`, curves (`eval_accuracy`, `train_reward`) one row per step.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from offpolicy_jax.study import bandit
+from offpolicy_jax.study import runner as study
+from offpolicy_jax.study import stats as study_stats
+
+FIELDS = ("method", "lag", "seed", "metric", "step", "value")
+CURVES = ("eval_accuracy", "train_reward")
+MARK = {study_stats.WORSE: "worse", study_stats.BETTER: "better", study_stats.SAME: "~"}
+
+
+def cell_rows(cell: Mapping[str, Any], eval_last: int) -> list[dict[str, Any]]:
+  """The CSV rows of one cell record (`study.run_cell`)."""
+  rows = []
+  base = {"method": cell["method"], "lag": cell["lag"]}
+  for run in cell["runs"]:
+    summary = study_stats.run_summary(
+      run["eval_steps"],
+      run["eval_accuracy"],
+      run["train_reward"],
+      last=eval_last,
+      skipped=run["skipped"],
+    )
+    summary |= {k: v for k, v in run.items() if k.startswith("pass@") and v is not None}
+    for metric, value in summary.items():
+      rows.append({**base, "seed": run["seed"], "metric": metric, "step": "", "value": value})
+    curves = {
+      "eval_accuracy": zip(run["eval_steps"], run["eval_accuracy"], strict=True),
+      "train_reward": enumerate(run["train_reward"], start=1),
+    }
+    for metric, points in curves.items():
+      for step, value in points:
+        rows.append({**base, "seed": run["seed"], "metric": metric, "step": step, "value": value})
+  return rows
+
+
+def write_csv(path: str, rows: Iterable[Mapping[str, Any]]) -> str:
+  tmp = path + ".tmp"
+  with open(tmp, "w", newline="") as f:
+    w = csv.DictWriter(f, FIELDS)
+    w.writeheader()
+    w.writerows(rows)
+  os.replace(tmp, path)
+  return path
+
+
+def read_csv(path: str) -> list[dict[str, Any]]:
+  """Rows of a `study.csv` with numeric `seed`, `step` (None for summaries) and `value`."""
+  try:
+    return _read_csv(path)
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not a study CSV ({e})") from None
+
+
+def _read_csv(path: str) -> list[dict[str, Any]]:
+  with open(path, newline="") as f:
+    reader = csv.DictReader(f)
+    if reader.fieldnames is None or tuple(reader.fieldnames) != FIELDS:
+      raise ValueError(f"{path}: not a study CSV (columns {reader.fieldnames}, want {FIELDS})")
+    rows = []
+    for i, r in enumerate(reader, start=2):
+      try:
+        step = int(r["step"]) if r["step"] else None
+        rows.append({**r, "seed": int(r["seed"]), "step": step, "value": float(r["value"])})
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}, row {i}: {e}") from None
+  return rows
+
+
+def _table(rows: list[dict]) -> tuple[list[str], list[str], dict]:
+  """(methods, lags in order of appearance, {(method, lag, metric): {seed: value}}) of summaries."""
+  methods, lags = [], []
+  values: dict = collections.defaultdict(dict)
+  for r in rows:
+    methods += [r["method"]] if r["method"] not in methods else []
+    lags += [r["lag"]] if r["lag"] not in lags else []
+    if r["step"] in (None, ""):  # summaries (rows from `read_csv` or `cell_rows`)
+      values[r["method"], r["lag"], r["metric"]][r["seed"]] = r["value"]
+  return methods, lags, values
+
+
+def _by_seed(d: Mapping[int, float], seeds: Sequence[int]) -> list[float]:
+  return [d[s] for s in seeds]
+
+
+def _md(header: Sequence[str], body: Iterable[Sequence[str]]) -> list[str]:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return lines + ["| " + " | ".join(row) + " |" for row in body]
+
+
+def write_tables(
+  rows: list[dict],
+  path: str,
+  *,
+  baseline: tuple[str, str],
+  title: str,
+  extra: Sequence[str] = (),
+) -> str:
+  """`study.md`: accuracy with intervals and paired verdicts, differences, pass@k, AUC, collapse."""
+  methods, lags, values = _table(rows)
+  ref = values[baseline[0], baseline[1], "final_accuracy"]
+  if not ref:
+    raise ValueError(f"the baseline {baseline[0]}@{baseline[1]} has no finished runs")
+  seeds = sorted(ref)
+  pass_metric = next((m for (_, _, m) in values if m.startswith("pass@")), None)
+  acc_cells, diff_cells = {}, {}
+  for m in methods:
+    for g in lags:
+      got = values.get((m, g, "final_accuracy"))
+      if not got:
+        continue
+      x = _by_seed(got, seeds)
+      diff, verdict = study_stats.paired_verdict(x, _by_seed(ref, seeds))
+      acc_cells[m, g] = f"{study_stats.bootstrap(x)} {MARK[verdict]}"
+      diff_cells[m, g] = f"{diff.mean:+.3f} [{diff.low:+.3f}, {diff.high:+.3f}]"
+
+  def grid_rows(fn):
+    return [[m, *(fn(m, g) for g in lags)] for m in methods]
+
+  def summary(metric, fmt):
+    def cell(m, g):
+      got = values.get((m, g, metric))
+      return fmt(_by_seed(got, seeds)) if got else "-"
+
+    return cell
+
+  start = study_stats.bootstrap(_by_seed(values[baseline[0], baseline[1], "start_accuracy"], seeds))
+  start_sd = float(np.std(_by_seed(values[baseline[0], baseline[1], "start_accuracy"], seeds)))
+  lines = [f"# {title}", ""]
+  lines += [
+    f"{len(seeds)} seeds per cell (seeds {seeds[0]}..{seeds[-1]}); the warm start's greedy "
+    f"accuracy is {start} (standard deviation over seeds {start_sd:.3f}).",
+    "",
+    "## Final greedy accuracy",
+    "",
+    "Mean over seeds of each run's final accuracy (the mean of its last evaluations), with a "
+    "95% percentile bootstrap interval over seeds. The mark compares with the baseline "
+    f"**{baseline[0]}@{baseline[1]}** on the same seeds (paired bootstrap of the mean per-seed "
+    "difference, 95%): `worse` / `better` when the interval excludes 0, `~` when the two are "
+    f"indistinguishable. With {len(seeds)} seeds a bootstrap interval is optimistic (narrower "
+    "than a t interval): read `~` as 'no evidence of a difference', not as equality.",
+    "",
+  ]
+  lines += _md(["method", *lags], grid_rows(lambda m, g: acc_cells.get((m, g), "-")))
+  lines += ["", f"## Paired difference to {baseline[0]}@{baseline[1]}", ""]
+  lines += _md(["method", *lags], grid_rows(lambda m, g: diff_cells.get((m, g), "-")))
+  if pass_metric:
+    lines += ["", f"## {pass_metric} at the end (sampled at the training temperature)", ""]
+    lines += _md(
+      ["method", *lags], grid_rows(summary(pass_metric, lambda x: str(study_stats.bootstrap(x))))
+    )
+  lines += ["", "## Mean training reward over the run (area under the training curve)", ""]
+  lines += _md(
+    ["method", *lags], grid_rows(summary("auc", lambda x: str(study_stats.bootstrap(x))))
+  )
+  lines += [
+    "",
+    "## Collapsed runs",
+    "",
+    "Runs whose last evaluations all fall more than "
+    f"{study_stats.COLLAPSE_MARGIN} below their warm start, or with an update skipped as "
+    "non-finite.",
+    "",
+  ]
+  lines += _md(
+    ["method", *lags], grid_rows(summary("collapsed", lambda x: f"{int(sum(x))}/{len(x)}"))
+  )
+  lines += ["", *extra] if extra else []
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  return path
+
+
+def _curve(rows: list[dict], metric: str) -> dict[tuple[str, str], dict[int, dict[int, float]]]:
+  """{(method, lag): {step: {seed: value}}} of one curve metric."""
+  out: dict = collections.defaultdict(lambda: collections.defaultdict(dict))
+  for r in rows:
+    if r["metric"] == metric and r["step"] not in (None, ""):
+      out[r["method"], r["lag"]][r["step"]][r["seed"]] = r["value"]
+  return out
+
+
+def plot_study(rows: list[dict], out_dir: str, *, baseline: tuple[str, str]) -> list[str]:
+  """`curves_<lag>.png` (mean eval accuracy, 95% band, per method) and `final.png`."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  methods, lags, values = _table(rows)
+  if not any(metric == "final_accuracy" for (_, _, metric) in values):
+    raise ValueError("no final_accuracy summaries among the rows: nothing to plot in final.png")
+  colors = plt.get_cmap("tab20")(np.linspace(0, 1, max(len(methods), 2)))
+  curves = _curve(rows, "eval_accuracy")
+  paths = []
+  for g in lags:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for color, m in zip(colors, methods, strict=False):
+      points = curves.get((m, g))
+      if not points:
+        continue
+      steps = sorted(points)
+      ivs = [study_stats.bootstrap(list(points[s].values())) for s in steps]
+      ax.plot(steps, [iv.mean for iv in ivs], color=color, label=m)
+      ax.fill_between(
+        steps, [iv.low for iv in ivs], [iv.high for iv in ivs], color=color, alpha=0.15
+      )
+    ax.set(title=f"lag: {g}", xlabel="step", ylabel="greedy held-out accuracy")
+    ax.legend(fontsize=7, ncol=2)
+    paths.append(os.path.join(out_dir, f"curves_{g}.png"))
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close(fig)
+  fig, axes = plt.subplots(1, len(lags), figsize=(3 * len(lags), 0.3 * len(methods) + 1.5))
+  axes = np.atleast_1d(axes)
+  ref = values.get((baseline[0], baseline[1], "final_accuracy"), {})
+  for ax, g in zip(axes, lags, strict=True):
+    for y, m in enumerate(methods):
+      got = values.get((m, g, "final_accuracy"))
+      if got:
+        iv = study_stats.bootstrap(list(got.values()))
+        ax.errorbar(iv.mean, y, xerr=[[iv.mean - iv.low], [iv.high - iv.mean]], fmt="o", ms=3)
+    if ref:
+      ax.axvline(float(np.mean(list(ref.values()))), color="grey", ls="--", lw=0.8)
+    ax.set(title=g, xlabel="final accuracy", yticks=range(len(methods)))
+    ax.set_yticklabels(methods if ax is axes[0] else [], fontsize=7)
+    ax.invert_yaxis()
+  paths.append(os.path.join(out_dir, "final.png"))
+  fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+  plt.close(fig)
+  return paths
+
+
+def write_report(config, path: str, cells: Mapping) -> list[str]:
+  """study.csv, study.md (with the bandit) and the plots of the finished `cells`."""
+  _, grid = study.grid_from_config(config)
+  rows = [r for c in cells.values() for r in cell_rows(c, grid.eval_last)]
+  csv_path = write_csv(os.path.join(path, "study.csv"), rows)
+  st = config.study
+  kw = dict(steps=st.bandit_steps, group_size=st.bandit_group_size)
+  results = bandit.run_bandit(grid.methods, grid.seeds, lr=st.bandit_lr, **kw)
+  extra = bandit.table(results, seeds=len(grid.seeds), **kw)
+  rows = read_csv(csv_path)  # what `experiments.plot --study_csv` redraws from
+  md = write_tables(
+    rows,
+    os.path.join(path, "study.md"),
+    baseline=grid.baseline,
+    title=f"Lag study: {len(grid.methods)} methods x {len(grid.lags)} lags x "
+    f"{len(grid.seeds)} seeds, {config.task}, {config.total_steps} steps",
+    extra=extra,
+  )
+  plots = plot_study(rows, path, baseline=grid.baseline)
+  return [csv_path, md, *plots]

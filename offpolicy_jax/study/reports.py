@@ -1,0 +1,146 @@
+"""Reports over run workdirs: curves of several runs, one-line summaries, summary tables."""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from offpolicy_jax.store.metrics_files import read_metrics, split_rows
+
+# Longest text a markdown summary cell shows (the CSV keeps it whole).
+_MD_CELL_CHARS = 300
+
+
+# Curves plot.py draws: (title, candidate keys; the first present in a run is used).
+PLOT_PANELS = (
+  ("reward", ("reward_mean",)),
+  ("accuracy", ("eval/accuracy", "accuracy")),
+  ("staleness", ("staleness_mean",)),
+  ("clip / mask fraction", ("clip_frac",)),
+  ("entropy", ("entropy",)),
+  ("KL(mu || theta) k3", ("kl_k3", "kl_k1")),
+)
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+  pairs = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+  return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def plot_runs(runs: Mapping[str, str], out_path: str, *, smooth: int = 5) -> str:
+  """Draws reward, accuracy, staleness, clip fraction, entropy and KL curves of runs.
+
+  Args:
+    runs: label -> workdir (or metrics.jsonl path).
+    out_path: PNG file to write.
+    smooth: moving-average window over steps for train curves (1 = raw).
+
+  Returns:
+    `out_path`.
+  """
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+  data = {label: read_metrics(path) for label, path in runs.items()}
+  cmap = plt.get_cmap("tab10" if len(data) <= 10 else "tab20")
+  colors = {label: cmap(i % cmap.N) for i, label in enumerate(data)}
+  for ax, (title, keys) in zip(axes.flat, PLOT_PANELS, strict=True):
+    for label, rows in data.items():
+      for key in keys:
+        steps, values = _series(rows, key)
+        if not steps:
+          continue
+        if smooth > 1 and not key.startswith("eval/") and len(values) >= smooth:
+          kernel = np.ones(smooth) / smooth
+          values = list(np.convolve(values, kernel, mode="valid"))
+          steps = steps[smooth - 1 :]
+        marker = "o" if key.startswith("eval/") else None
+        ax.plot(steps, values, label=label, color=colors[label], marker=marker)
+        break
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+  axes.flat[0].legend(fontsize=7)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+  fig.savefig(out_path, dpi=100)
+  plt.close(fig)
+  return out_path
+
+
+def summarize_run(path: str) -> dict[str, Any]:
+  """One summary row of a run: rewards of the first and last fifth of steps, final eval.
+
+  Args:
+    path: a workdir (or metrics.jsonl).
+
+  Returns:
+    dict with steps, reward_first_fifth, reward_last_fifth, staleness_mean,
+    clip_frac, and every `eval/` metric of the last evaluation.
+  """
+  train, evals = split_rows(read_metrics(path))
+  out: dict[str, Any] = {"steps": len(train)}
+  if train:
+    fifth = max(1, len(train) // 5)
+    rewards = [r.get("reward_mean", float("nan")) for r in train]
+    out["reward_first_fifth"] = float(np.mean(rewards[:fifth]))
+    out["reward_last_fifth"] = float(np.mean(rewards[-fifth:]))
+    for key in ("staleness_mean", "clip_frac"):
+      vals = [r[key] for r in train if isinstance(r.get(key), (int, float))]
+      out[key] = float(np.mean(vals)) if vals else float("nan")
+  if evals:
+    out.update({k: v for k, v in evals[-1].items() if k.startswith("eval/")})
+  return out
+
+
+def _md_cell(text: str) -> str:
+  if len(text) > _MD_CELL_CHARS:
+    text = text[: _MD_CELL_CHARS - 3] + "..."
+  return text.replace("|", "\\|")
+
+
+def write_summary_table(
+  runs: Mapping[str, str], out_dir: str, extra: Mapping[str, Mapping[str, str]] | None = None
+) -> str:
+  """Writes `summary.csv` and `summary.md` (one row per run) and returns the markdown path.
+
+  Args:
+    runs: run label -> workdir.
+    out_dir: where the two files go.
+    extra: run label -> {column: text} appended after the metric columns (e.g. a
+      sweep's `status` and `error`); the CSV keeps the text whole, the markdown
+      escapes `|` and cuts it at 300 characters.
+  """
+  extra = extra or {}
+  rows = {label: summarize_run(path) for label, path in runs.items()}
+  cols = ["steps", "reward_first_fifth", "reward_last_fifth", "staleness_mean", "clip_frac"]
+  cols += sorted({k for r in rows.values() for k in r if k.startswith("eval/")})
+  extra_cols = list(dict.fromkeys(k for e in extra.values() for k in e))
+  for label, r in rows.items():
+    r.update({k: extra.get(label, {}).get(k, "") for k in extra_cols})
+  cols += extra_cols
+
+  def fmt(v: Any) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, "summary.csv"), "w") as f:
+    writer = csv.writer(f, lineterminator="\n")
+    writer.writerow(["run", *cols])
+    for label, r in rows.items():
+      writer.writerow([label, *(fmt(r.get(c, "")) for c in cols)])
+  md_path = os.path.join(out_dir, "summary.md")
+  with open(md_path, "w") as f:
+    f.write("| run | " + " | ".join(cols) + " |\n")
+    f.write("|---" * (len(cols) + 1) + "|\n")
+    for label, r in rows.items():
+      cells = (_md_cell(fmt(r.get(c, ""))) for c in cols)
+      f.write(f"| {label} | " + " | ".join(cells) + " |\n")
+  return md_path

@@ -1,0 +1,442 @@
+"""A seeded grid of methods x lag schedules, run with `jax.vmap` over seeds.
+
+Every cell (method, lag) runs all seeds at once: the run states of the seeds
+are stacked on a leading axis and one jitted `vmap(rl_step.rl_steps)` advances
+them together, evaluating every `config.eval_every` steps with a vmapped
+greedy sampler on `config.eval_prompts` held-out prompts. Runs with the same
+seed share the warm start (`sft.warm_start`, computed once per seed) and the
+prompt stream, so they are paired (`study_stats`). The lag schedule is a traced
+argument and every cell has the same number of snapshot slots, so the lags of
+one method share one compiled program.
+
+Finished cells go to `workdir/cells/<method>@<lag>.json` (atomically); a rerun
+skips them, so an interrupted study resumes (`study_report` makes the tables).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from offpolicy_jax import advantages, lag, losses
+from offpolicy_jax.run import components, evaluation, rl_step, rollouts, sft
+from offpolicy_jax.store import workdir
+from offpolicy_jax.study import sweeps
+
+CELLS_DIR = "cells"
+CONFIG_FILE = "study_config.json"
+# `config.study` fields a finished cell does not depend on (how seeds are batched,
+# the bandit of the report): changing them does not stop a resume.
+NO_EFFECT_ON_CELLS = ("vmap_seeds", "eval_batch", "bandit_steps", "bandit_group_size", "bandit_lr")
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+  """What a study runs: methods (config overrides) x lags (m, n) x seeds."""
+
+  methods: Mapping[str, Mapping[str, Any]]
+  lags: Mapping[str, tuple[int, int]]
+  seeds: tuple[int, ...]
+  eval_last: int
+  baseline: tuple[str, str]
+  vmap_seeds: int = 0  # seeds per vmapped program (0: all)
+  eval_batch: int = 0  # held-out prompts per sampler call (0: all at once)
+
+  def cells(self) -> list[tuple[str, str]]:
+    return [(m, g) for m in self.methods for g in self.lags]
+
+
+def _parse_pairs(field: str, spec: str) -> list[tuple[str, str]]:
+  pairs = []
+  for item in (s.strip() for s in spec.split(",")):
+    if not item:
+      continue
+    name, _, value = item.partition("=")
+    if not name.isidentifier() and not name.replace("-", "_").isidentifier():
+      raise ValueError(f"config.study.{field}: {name!r} is not a name (letters, digits, _ and -)")
+    pairs.append((name, value or name))
+  if not pairs:
+    raise ValueError(f"config.study.{field} is empty")
+  names = [n for n, _ in pairs]
+  if len(set(names)) != len(names):
+    raise ValueError(f"config.study.{field}: duplicate names in {names}")
+  return pairs
+
+
+def parse_methods(spec: str) -> dict[str, dict[str, str]]:
+  """`"grpo,red_drop=reinforce+red_drop"` -> {name: {loss.name, advantage.name}} overrides."""
+  out = {}
+  for name, value in _parse_pairs("methods", spec):
+    loss, _, adv = value.partition("+")
+    out[name] = {"loss.name": loss} | ({"advantage.name": adv} if adv else {})
+  return out
+
+
+def parse_lags(spec: str, total_steps: int) -> dict[str, tuple[int, int]]:
+  """`"onpolicy=1/0,interval20=20/0,offline=offline"` -> {name: (m, n)}.
+
+  `offline` stands for m = total_steps + 1: every batch from version 0.
+  """
+  out = {}
+  for name, value in _parse_pairs("lags", spec):
+    if value == "offline":
+      out[name] = (total_steps + 1, 0)
+      continue
+    m, sep, n = value.partition("/")
+    try:
+      pair = (int(m), int(n))
+      if not sep:
+        raise ValueError
+      lag.validate_schedule(*pair)
+    except ValueError as e:
+      raise ValueError(
+        f"config.study.lags: {name}={value!r} is not 'm/n' (sync_interval >= 1 / "
+        f"sync_offset >= 0) or 'offline' ({e})"
+      ) from None
+    out[name] = pair
+  return out
+
+
+def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, Grid]:
+  """(the base run config without `study`, the grid of `config.study`)."""
+  st = config.study
+  if st.seeds < 2:
+    raise ValueError(f"config.study.seeds: need >= 2 seeds for intervals, got {st.seeds}")
+  if config.eval_every < 1 or config.total_steps % config.eval_every:
+    raise ValueError(
+      f"config.eval_every: {config.eval_every} must be >= 1 and divide total_steps "
+      f"{config.total_steps}"
+    )
+  if not 1 <= st.eval_last <= config.total_steps // config.eval_every:
+    raise ValueError(
+      f"config.study.eval_last: {st.eval_last} evaluations, the run has "
+      f"{config.total_steps // config.eval_every}"
+    )
+  if config.lag.mode != "sync":
+    raise ValueError("config.lag.mode: a study simulates lag exactly; it must be 'sync'")
+  if config.mesh.sampler_devices:
+    raise ValueError(
+      "config.mesh.sampler_devices: a study runs every seed's step as one program on one "
+      "mesh; it must be 0"
+    )
+  methods = parse_methods(st.methods)
+  for name, overrides in methods.items():
+    loss, adv = overrides["loss.name"], overrides.get("advantage.name")
+    if loss not in losses.names() or (adv and adv not in advantages.names()):
+      raise ValueError(
+        f"config.study.methods: {name}={loss}{'+' + adv if adv else ''} names an unknown "
+        f"loss or advantage (losses.names(), advantages.names())"
+      )
+  lags = parse_lags(st.lags, config.total_steps)
+  method, _, lag_name = st.baseline.partition("@")
+  if method not in methods or lag_name not in lags:
+    raise ValueError(
+      f"config.study.baseline: {st.baseline!r} must be <method>@<lag> of the grid "
+      f"(methods {list(methods)}, lags {list(lags)})"
+    )
+  base = ml_collections.ConfigDict({k: v for k, v in config.items() if k != "study"})
+  seeds = tuple(range(config.seed, config.seed + st.seeds))
+  for field in ("vmap_seeds", "eval_batch"):
+    if st[field] < 0:
+      raise ValueError(f"config.study.{field}: must be >= 0, got {st[field]}")
+  grid = Grid(methods, lags, seeds, st.eval_last, (method, lag_name), st.vmap_seeds, st.eval_batch)
+  return base, grid
+
+
+def _stack(trees: list) -> Any:
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def _vmapped(fns: rl_step.StepFns, name: str, opts: rl_step.ReplayOptions) -> Callable:
+  """A jitted vmap over seeds of an `rl_step` function (cached on `fns`)."""
+  key = ("study", name, opts)
+  axes: tuple[int | None, ...]
+  if key not in fns.cache:
+    if name == "rl_steps":
+      fn, axes, donate = functools.partial(rl_step.rl_steps, fns, opts), (0, 0, None, 0, None), 0
+    elif name == "rollout":
+      fn, axes, donate = functools.partial(rl_step.rollout, fns), (0, 0, None, 0, None), None
+    else:
+      fn = functools.partial(rl_step.learn_scored, fns, opts)
+      axes, donate = (0, 0, 0, 0, 0, None, 0, None), 0
+    jitted = jax.jit(jax.vmap(fn, in_axes=axes), donate_argnums=donate)
+
+    def call(*args):
+      with jax.set_mesh(fns.mesh):
+        return jitted(*args)
+
+    fns.cache[key] = call
+  return fns.cache[key]
+
+
+def _greedy(fns: rl_step.StepFns) -> Callable:
+  key = ("study", "greedy")
+  if key not in fns.cache:
+    fns.cache[key] = jax.jit(jax.vmap(fns.greedy, in_axes=(0, None, None, None)))
+  return fns.cache[key]
+
+
+def _pass(fns: rl_step.StepFns, k: int) -> Callable:
+  key = ("study", "pass", k)
+  if key not in fns.cache:
+    fns.cache[key] = jax.jit(jax.vmap(fns.pass_sampler(k), in_axes=(0, None, None, 0)))
+  return fns.cache[key]
+
+
+def _scores(fns, prompts, out, s: int, k: int) -> np.ndarray:
+  """Rewards of seed `s`'s rows of a vmapped sampler output (device or sandboxed host reward)."""
+  one = jax.tree.map(lambda x: x[s], out)
+  r, _ = rollouts.score(fns, prompts, one, split="eval", group_size=k)
+  return np.asarray(r)
+
+
+def evaluate(
+  fns: rl_step.StepFns,
+  params,
+  seeds: tuple[int, ...],
+  num_prompts: int,
+  *,
+  k: int = 0,
+  step: int = 0,
+  batch_size: int = 0,
+):
+  """Greedy accuracy [S] (and pass@k [S] when k >= 2) of seed-stacked `params`.
+
+  The first `num_prompts` held-out prompts, `batch_size` at a time (0: all at
+  once); pass@k samples at the training temperature with each seed's EVAL key.
+  """
+  correct, solved, total = np.zeros(len(seeds)), np.zeros(len(seeds)), 0.0
+  keys = jax.vmap(lambda s: rl_step.step_key(s, step, rl_step.EVAL))(jnp.asarray(seeds))
+  for i, prompts in enumerate(evaluation.eval_prompts(fns, num_prompts, batch_size or num_prompts)):
+    valid = np.asarray(prompts["valid"], np.float64)
+    tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
+    total += valid.sum()
+    out = _greedy(fns)(params, tokens, lengths, jax.random.key(0))
+    for s in range(len(seeds)):
+      correct[s] += ((_scores(fns, prompts, out, s, 1) > 0.5) * valid).sum()
+    if k >= 2:
+      # The first batch uses each seed's key itself, later ones fold in their index.
+      batch_keys = keys if i == 0 else jax.vmap(lambda key, i=i: jax.random.fold_in(key, i))(keys)
+      out = _pass(fns, k)(params, tokens, lengths, batch_keys)
+      for s in range(len(seeds)):
+        solved[s] += ((_scores(fns, prompts, out, s, k).reshape(-1, k) > 0.5).any(1) * valid).sum()
+  return correct / total, (solved / total if k >= 2 else None)
+
+
+def _host_reward_steps(fns, opts, state, prompts_l, steps, seeds, schedule):
+  """`rl_steps` for a host-scored task: vmapped rollout, per-seed scoring, vmapped learning."""
+  rows = []
+  for i, step in enumerate(steps):
+    prompts = {k: x[:, i] for k, x in prompts_l.items()}
+    device = {k: prompts[k] for k in rollouts.DEVICE_FIELDS}
+    out, v, found = _vmapped(fns, "rollout", opts)(state, device, step, seeds, schedule)
+    scored = []
+    for s in range(len(seeds)):
+      one = {k: x[s] for k, x in prompts.items()}
+      scored.append(rollouts.score(fns, one, jax.tree.map(lambda x, s=s: x[s], out))[0])
+    learn = _vmapped(fns, "learn_scored", opts)
+    state, m = learn(state, device, out, jnp.stack(scored), v, step, seeds, schedule)
+    rows.append({**m, "snapshot_missing": (~found).astype(jnp.int32)})
+  return state, jax.tree.map(lambda *x: jnp.stack(x, axis=1), *rows)
+
+
+def _prompt_chunk(iters: list, n: int, host_fields: bool) -> dict[str, Any]:
+  """[S, n, ...] prompts: n batches from each seed's iterator."""
+  fields = rollouts.DEVICE_FIELDS + (("index", "valid") if host_fields else ())
+  per_seed = []
+  for it in iters:
+    batches = [next(it) for _ in range(n)]
+    per_seed.append({k: np.stack([b[k] for b in batches]) for k in fields})
+  return {k: np.stack([p[k] for p in per_seed]) for k in fields}
+
+
+def snapshot_slots(grid: Grid) -> int:
+  """Snapshot slots enough for every lag of the grid (one state shape for all)."""
+  return max(lag.snapshot_capacity(m, n) for m, n in grid.lags.values())
+
+
+def run_cell(
+  base: ml_collections.ConfigDict,
+  grid: Grid,
+  method: str,
+  lag_name: str,
+  starts: dict[int, Any] | None = None,
+) -> dict[str, Any]:
+  """Runs every seed of one cell; returns its record (curves per seed, JSON-ready).
+
+  Seeds run `grid.vmap_seeds` at a time under one `vmap` (0: all at once).
+  `starts` keeps the warm-started parameters of each seed between cells (filled here).
+  """
+  m, n = grid.lags[lag_name]
+  overrides = {**grid.methods[method], "lag.sync_interval": m, "lag.sync_offset": n}
+  comps = components.build_components(sweeps.apply_overrides(base, overrides))
+  starts = {} if starts is None else starts
+  for s in grid.seeds:
+    if s not in starts:
+      starts[s] = warm_start(comps, s)
+  size = grid.vmap_seeds or len(grid.seeds)
+  runs = []
+  for lo in range(0, len(grid.seeds), size):
+    seeds = grid.seeds[lo : lo + size]
+    runs += _run_seeds(comps, grid, seeds, [starts[s] for s in seeds], (m, n))
+  if any(r.pop("snapshot_missing") for r in runs):
+    raise RuntimeError(f"{method}@{lag_name}: a behaviour snapshot was missing (a bug)")
+  return {"method": method, "lag": lag_name, "schedule": [m, n], "runs": runs}
+
+
+def _run_seeds(comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule_mn) -> list[dict]:
+  """One vmapped run of `seeds` from their warm starts: per-seed curves."""
+  fns, run = comps.fns, comps.run
+  slots = snapshot_slots(grid)
+  state = _stack(
+    [
+      rl_step.init_state(fns, p, capacity_batches=run.replay_capacity_batches, snapshots=slots)
+      for p in starts
+    ]
+  )
+  iters = [rollouts.prompt_iterator(fns, s) for s in seeds]
+  seeds_a = jnp.asarray(seeds, jnp.int32)
+  schedule = rl_step.LagSchedule(*(jnp.int32(x) for x in schedule_mn))
+  device = fns.reward.device is not None
+  ev = dict(batch_size=grid.eval_batch)
+  acc0, _ = evaluate(fns, state.train.params, seeds, run.eval_prompts, **ev)
+  eval_steps, accs, metrics_l, pass_k = [0], [acc0], [], None
+  for start in range(0, run.total_steps, run.eval_every):
+    prompts = _prompt_chunk(iters, run.eval_every, not device)
+    steps = jnp.arange(start + 1, start + run.eval_every + 1, dtype=jnp.int32)
+    if device:
+      state, out = _vmapped(fns, "rl_steps", run.replay)(state, prompts, steps, seeds_a, schedule)
+    else:
+      state, out = _host_reward_steps(fns, run.replay, state, prompts, steps, seeds_a, schedule)
+    metrics_l.append(jax.device_get(out))
+    end = start + run.eval_every
+    k = run.eval_samples if end == run.total_steps else 0
+    acc, solved = evaluate(fns, state.train.params, seeds, run.eval_prompts, k=k, step=end, **ev)
+    eval_steps.append(end)
+    accs.append(acc)
+    pass_k = solved if solved is not None else pass_k
+  out = {key: np.concatenate([o[key] for o in metrics_l], axis=1) for key in metrics_l[0]}
+  accs_sl = np.stack(accs, axis=1)
+  return [
+    {
+      "seed": seed,
+      "eval_steps": eval_steps,
+      "eval_accuracy": accs_sl[i].tolist(),
+      "train_reward": out["reward_mean"][i].tolist(),
+      "staleness_mean": out["staleness_mean"][i].tolist(),
+      "skipped": float(out["skipped"][i].sum()),
+      f"pass@{run.eval_samples}": None if pass_k is None else float(pass_k[i]),
+      "snapshot_missing": bool(out["snapshot_missing"][i].any()),
+    }
+    for i, seed in enumerate(seeds)
+  ]
+
+
+def warm_start(comps: components.Components, seed: int):
+  """Seed `seed`'s warm-started parameters (shared by every cell through the sft cache)."""
+  fns, run = comps.fns, comps.run
+  params = fns.init_params(seed)
+  if not run.sft_enabled:
+    return params
+  return sft.warm_start(
+    fns,
+    params,
+    steps=run.sft_steps,
+    batch_size=run.sft_batch_size,
+    learning_rate=run.sft_learning_rate,
+    seed=seed,
+    log_fn=lambda *_: None,
+  )
+
+
+def cell_path(path: str, method: str, lag_name: str) -> str:
+  return os.path.join(path, CELLS_DIR, f"{method}@{lag_name}.json")
+
+
+def load_cells(path: str, grid: Grid) -> dict[tuple[str, str], dict]:
+  """The finished cells of the grid in `path` (a corrupt cell file raises, naming it)."""
+  cells = {}
+  for method, lag_name in grid.cells():
+    file = cell_path(path, method, lag_name)
+    if not os.path.exists(file):
+      continue
+    try:
+      with open(file) as f:
+        cell = json.load(f)
+      seeds = [r["seed"] for r in cell["runs"]]
+      if (cell["method"], cell["lag"]) != (method, lag_name) or seeds != list(grid.seeds):
+        raise ValueError(f"holds {cell['method']}@{cell['lag']} seeds {seeds}")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"{file}: unreadable cell record ({e}); delete it to rerun the cell") from e
+    cells[method, lag_name] = cell
+  return cells
+
+
+def _write_json(file: str, record: Any) -> None:
+  tmp = file + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(record, f)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, file)
+
+
+def _check_config(path: str, config: ml_collections.ConfigDict) -> None:
+  """Records the study's config, or refuses to resume one started with another config."""
+  file = os.path.join(path, CONFIG_FILE)
+  cfg = json.loads(config.to_json_best_effort())
+  if not os.path.exists(file):
+    _write_json(file, cfg)
+    return
+  with open(file) as f:
+    stored = json.load(f)
+  changes = {
+    k: v
+    for k, v in workdir.config_changes(stored, cfg).items()
+    if k.removeprefix("study.") not in NO_EFFECT_ON_CELLS
+  }
+  if changes:
+    listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+    raise workdir.ConfigChanged(
+      f"{path} holds a study started with another config ({file}): {listed}. "
+      "Use a new --workdir or restore the old values."
+    )
+
+
+def run_study(
+  config: ml_collections.ConfigDict, path: str, *, log: Callable[[str], None] = print
+) -> dict[tuple[str, str], dict]:
+  """Runs the cells of `config`'s grid not yet in `path`; returns every cell's record."""
+  base, grid = grid_from_config(config)
+  os.makedirs(os.path.join(path, CELLS_DIR), exist_ok=True)
+  with workdir.lock(path):
+    _check_config(path, config)
+    cells = load_cells(path, grid)
+    todo = [c for c in grid.cells() if c not in cells]
+    total, seeds, begin = len(grid.cells()), len(grid.seeds), time.perf_counter()
+    log(f"study: {len(cells)}/{total} cells done, {len(todo)} to run ({seeds} seeds each)")
+    starts: dict[int, Any] = {}  # every cell of a seed starts from the same parameters
+    for i, (method, lag_name) in enumerate(todo, start=1):
+      cell_begin = time.perf_counter()
+      record = run_cell(base, grid, method, lag_name, starts)
+      record["seconds"] = time.perf_counter() - cell_begin
+      _write_json(cell_path(path, method, lag_name), record)
+      cells[method, lag_name] = record
+      elapsed = time.perf_counter() - begin
+      eta = elapsed / i * (len(todo) - i)
+      log(
+        f"[{len(cells)}/{total} cells, {len(cells) * seeds}/{total * seeds} runs] "
+        f"{method}@{lag_name}: {elapsed:.0f}s elapsed, ETA {math.ceil(eta / 60)} min"
+      )
+  return cells
