@@ -160,7 +160,7 @@ jax.distributed.initialize(
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
-from offpolicy_jax import disagg, sharding
+from offpolicy_jax.scale import disagg, sharding
 
 sampler_mesh, trainer_mesh = disagg.make_meshes(jax.devices(), 2, (2, 1, 3))
 p = jax.process_index()

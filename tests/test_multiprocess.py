@@ -226,7 +226,10 @@ def main():
   from jax.experimental import multihost_utils
   from jax.sharding import NamedSharding, PartitionSpec as P
   from types import SimpleNamespace
-  from offpolicy_jax import data, rewards, rollouts, sharding, tasks, tokenizers
+  from offpolicy_jax.models import tokenizers
+  from offpolicy_jax.rewards import scoring as rewards, tasks
+  from offpolicy_jax.run import data, rollouts
+  from offpolicy_jax.scale import sharding
 
   task, tok = tasks.get_task("reverse"), tokenizers.CharTokenizer()
   examples = data.examples(task, "eval", range(4))

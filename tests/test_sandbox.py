@@ -112,7 +112,7 @@ def test_every_attack_is_contained(pool, tmp_path):
 
 
 _FAIL_CLOSED = """
-from offpolicy_jax import sandbox
+from offpolicy_jax.rewards import sandbox
 sandbox.landlock_abi = lambda: 0  # a kernel without Landlock
 try:
   sandbox.apply(strict=True)

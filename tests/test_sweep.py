@@ -84,7 +84,8 @@ import sys
 from absl import app
 
 from experiments import sweep
-from offpolicy_jax import loop, metrics
+from offpolicy_jax.run import loop
+from offpolicy_jax.store import metrics
 
 
 def train_and_evaluate(config, workdir):
