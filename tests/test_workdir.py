@@ -13,7 +13,7 @@ from offpolicy_jax.store import metrics, workdir
 _HOLD = textwrap.dedent(
   """
   import sys, time
-  from offpolicy_jax import workdir
+  from offpolicy_jax.store import workdir
   with workdir.lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(60)
