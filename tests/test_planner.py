@@ -10,7 +10,7 @@ import pytest
 
 from configs import default
 from offpolicy_jax import lag
-from offpolicy_jax.run import components, planner, rl_step, rollouts, train_step
+from offpolicy_jax.run import components, pipeline, planner, rl_step, train_step
 from offpolicy_jax.scale import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +44,7 @@ def _measured(variant: str):
   state = rl_step.init_state(
     fns, fns.init_params(0), capacity_batches=config.replay.capacity_batches, snapshots=slots
   )
-  batch = sharding.shard_batch(rollouts.empty_batch(fns.sizes), fns.mesh)
+  batch = sharding.shard_batch(pipeline.empty_batch(fns.sizes), fns.mesh)
   step = functools.partial(train_step.train_step, fns.graphdef, fns.optimizer, fns.options)
   with jax.set_mesh(fns.mesh):
     compiled = (

@@ -31,8 +31,8 @@ from offpolicy_jax import lag, losses, models
 from offpolicy_jax.models import tokenizers
 from offpolicy_jax.rewards import scoring as rewards
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.run import data_checks, rl_step, rollouts, train_state, train_step, validation
-from offpolicy_jax.run.rl_step import INIT, step_key
+from offpolicy_jax.run import data_checks, pipeline, rl_step, train_state, train_step, validation
+from offpolicy_jax.run.pipeline import INIT, step_key
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.scale import disagg, sharding
@@ -193,9 +193,9 @@ def _whole_groups(config) -> bool:
   return per_micro % config.group_size == 0
 
 
-def sizes(config) -> rollouts.Sizes:
+def sizes(config) -> pipeline.Sizes:
   """The static batch shape of `config`."""
-  return rollouts.Sizes(
+  return pipeline.Sizes(
     config.prompts_per_step, config.group_size, config.max_prompt_len, config.max_new_tokens
   )
 
@@ -207,13 +207,13 @@ def snapshot_slots(lag_mode: str, sync_interval: int, sync_offset: int) -> int:
   return lag.snapshot_capacity(sync_interval, sync_offset)
 
 
-def _reward(config, task) -> rollouts.Reward:
+def _reward(config, task) -> pipeline.Reward:
   if task.device_reward is not None:
-    return rollouts.Reward(device=jax.jit(task.device_reward))
+    return pipeline.Reward(device=jax.jit(task.device_reward))
   c = config
   pool = rewards.get_pool(c.reward_workers or None, c.reward_memory_mb, c.reward_sandbox)
   pool.check(task.reward, config.task)  # fails here if it cannot reach a worker
-  return rollouts.Reward(
+  return pipeline.Reward(
     host=task.reward,
     pool=pool,
     timeout_s=config.reward_timeout,

@@ -48,8 +48,8 @@ from offpolicy_jax.models.tokenizers import CharTokenizer
 from offpolicy_jax.run import (
   batch_splits,
   components,
+  pipeline,
   replay,
-  rollouts,
   train_state,
   train_step,
   validation,
@@ -192,7 +192,7 @@ def _abstract_run(config, mc: models.ModelConfig):
   graphdef, params = nnx.split(nnx.eval_shape(lambda: models.Decoder(mc, rngs=nnx.Rngs(0))))
   optimizer = components.optimizer(config)
   cap = config.prompts_per_step * config.replay.capacity_batches
-  init = lambda: replay.init(cap, rollouts.empty_batch(components.sizes(config)), config.group_size)
+  init = lambda: replay.init(cap, pipeline.empty_batch(components.sizes(config)), config.group_size)
   opt_state = jax.eval_shape(optimizer.init, params)
   return graphdef, params, opt_state, jax.eval_shape(init), optimizer
 
@@ -206,7 +206,7 @@ def _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes)
   on_mesh = lambda t: jax.tree.map(place, t, sharding.tree_shardings(t, mesh), is_leaf=is_var)
   scalar: Any = sds(jax.ShapeDtypeStruct((), jnp.int32), sharding.replicated(mesh))
   state = train_state.TrainState(on_mesh(params), on_mesh(opt_state), scalar, scalar, scalar)
-  batch = rollouts.empty_batch(components.sizes(config))
+  batch = pipeline.empty_batch(components.sizes(config))
   batch = jax.tree.map(lambda x: sds(x, sharding.batch_sharding(mesh, x.ndim)), batch)
   options = components.step_options(config)
   fn = functools.partial(train_step.train_step, graphdef, optimizer, options)
