@@ -4,7 +4,7 @@ The package is a stack of wings, each importing only from the ones below it
 (checked in CI by the layers contract in `pyproject.toml`):
 
   study      the lag study, its statistics and reports, the bandit, sweeps, launchers
-  run        components (the config's one reader), rollouts, rl_step, train step, replay,
+  run        components (the config's one reader), pipeline, rl_step, train step, replay,
              loop, producer, evaluation, warm start, validation, planner
   store      checkpoints, the workdir record, metrics files
   rewards    tasks, host scoring in sandboxed verifier workers

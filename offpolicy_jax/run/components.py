@@ -78,12 +78,10 @@ class Components:
   Attributes:
     fns: the model, task, loss and jitted functions (`rl_step.StepFns`).
     run: the run's settings.
-    task_name: the task's registry name (for messages).
   """
 
   fns: rl_step.StepFns
   run: RunSettings
-  task_name: str
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
@@ -98,7 +96,7 @@ class Components:
     return self.fns.tokenizer
 
 
-def make_mesh(config) -> jax.sharding.Mesh:
+def trainer_mesh(config) -> jax.sharding.Mesh:
   """The trainer's `(data, fsdp, tensor)` mesh of `config.mesh` (-1 fills the remaining devices).
 
   With `mesh.sampler_devices > 0` it is the trainer's part of a
@@ -260,7 +258,7 @@ def _replay_capacity(config) -> int:
 
 def _build_fns(config) -> rl_step.StepFns:
   c = config
-  mesh, sampler_mesh = make_mesh(c), None
+  mesh, sampler_mesh = trainer_mesh(c), None
   if c.mesh.sampler_devices:
     sampler_mesh, mesh = sampler_and_trainer_meshes(c)
   task = tasks.get_task(c.task, **c.task_kwargs.to_dict())
@@ -366,7 +364,7 @@ def build_components(config, *, data_cache_dir: str | None = None) -> Components
   fns = _FNS_CACHE[key]
   # Every prompt checked once (cached under `data_cache_dir`), before anything compiles.
   data_checks.validate_data(config, fns.task, fns.tokenizer, cache_dir=data_cache_dir)
-  return Components(fns=fns, run=_run_settings(config), task_name=config.task)
+  return Components(fns=fns, run=_run_settings(config))
 
 
 def clear_cache() -> None:

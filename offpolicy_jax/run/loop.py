@@ -312,7 +312,7 @@ class _Loop:
     device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
     step_a = jax.device_put(np.int32(step), self._rep)
     if self.sampler is not None:  # on the sampler's mesh, moved back to the trainer's
-      return prompts, device, truncated, step_a, self.sampler.rollout(state, local, step)
+      return prompts, device, truncated, step_a, self.sampler.sample(state, local, step)
     fn = programs(self.fns, self.run_cfg.replay, state).rollout
     out, v, found = fn(state, device, step_a, self.seed, self.schedule)
     return prompts, device, truncated, step_a, sampler_mesh.Sampled(out, v, found, None, {})

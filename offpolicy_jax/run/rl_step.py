@@ -278,7 +278,7 @@ def partial_rl_step(
   pool, dropped = partial_rollouts.admit(state.inflight, prompts, step)
   version = fns.version(v)
   pool = fns.partial.advance(params, pool, version, pipeline.step_key(seed, step, pipeline.SAMPLE))
-  out = partial_rollouts.rollout(pool)
+  out = partial_rollouts.as_output(pool)
   rewards_r = pipeline.score_on_device(fns, pool.prompts, out)
   key = pipeline.step_key(seed, step, pipeline.ADV)
   batch, keep, pool = partial_rollouts.emit(pool, rewards_r, fns.advantage, key)

@@ -74,7 +74,7 @@ class SamplerMesh:
     # `params` is a fresh selection (never the state's own buffers): donate it.
     return bool(found), self.copy.sync(params, v, donate=True)
 
-  def rollout(self, state: rl_step.RunState, local: dict[str, Any], step: int) -> Sampled:
+  def sample(self, state: rl_step.RunState, local: dict[str, Any], step: int) -> Sampled:
     """Samples (and scores, for a device reward) step `step`'s prompts on the sampler mesh.
 
     Args:

@@ -292,7 +292,7 @@ def _validate_optimizer(c) -> None:
 def mesh_shape(config, device_count: int | None = None) -> tuple[int, int, int]:
   """`(data, fsdp, tensor)` sizes of `config.mesh`, with a -1 resolved.
 
-  Mirrors `components.make_mesh`: a -1 axis takes the devices left by the
+  Mirrors `components.trainer_mesh`: a -1 axis takes the devices left by the
   others; without one the mesh uses the first data * fsdp * tensor devices.
   With `mesh.sampler_devices = k > 0` these are the trainer's sizes, over
   the devices the sampler leaves.

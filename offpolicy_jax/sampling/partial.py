@@ -291,7 +291,7 @@ def finished(state: PartialState) -> jax.Array:
   return state.active & state.done.reshape(-1, k).all(axis=1)
 
 
-def rollout(state: PartialState) -> SampleOutput:
+def as_output(state: PartialState) -> SampleOutput:
   """The pool's rows as a `SampleOutput` (tokens, behaviour log-probs, mask, lengths)."""
   return SampleOutput(
     state.tokens,

@@ -214,7 +214,7 @@ def _prompt_chunk(iters: list, n: int, host_fields: bool) -> dict[str, Any]:
   return {k: np.stack([p[k] for p in per_seed]) for k in fields}
 
 
-def snapshot_slots(grid: Grid) -> int:
+def grid_snapshot_slots(grid: Grid) -> int:
   """Snapshot slots enough for every lag of the grid (one state shape for all)."""
   return max(lag.snapshot_capacity(m, n) for m, n in grid.lags.values())
 
@@ -251,7 +251,7 @@ def run_cell(
 def _run_seeds(comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule_mn) -> list[dict]:
   """One vmapped run of `seeds` from their warm starts: per-seed curves."""
   fns, run = comps.fns, comps.run
-  slots = snapshot_slots(grid)
+  slots = grid_snapshot_slots(grid)
   state = _stack(
     [
       rl_step.init_state(fns, p, capacity_batches=run.replay_capacity_batches, snapshots=slots)
