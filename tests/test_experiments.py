@@ -22,7 +22,7 @@ from experiments import sweep  # noqa: E402
 from offpolicy_jax.run import loop  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from offpolicy_jax.store import workdir as workdir_lib  # noqa: E402
-from offpolicy_jax.study import reports  # noqa: E402
+from offpolicy_jax.study import reports, sweeps  # noqa: E402
 
 # The command-line twin of test_loop.small_config(total_steps=40, checkpoint_every=4, ...):
 # no warm start and no evaluation, so the subprocesses compile only the RL step.
@@ -213,7 +213,7 @@ def test_lag_study_sweep_covers_presets_and_lags():
   assert {r["loss.name"] for r in runs} >= {"reinforce", "grpo", "rec_oneside_nois", "cispo"}
   assert {"reinforce"} == {r["loss.name"] for r in runs if r.get("advantage.name") == "red_drop"}
   for r in runs:  # every override names a real field
-    sweep.apply_overrides(base, r)
+    sweeps.apply_overrides(base, r)
 
 
 QWEN_TEMPLATE = (
@@ -285,7 +285,7 @@ def test_paper_gsm8k_config_runs_at_toy_scale(tmp_path):
     "progress": False,
     "tensorboard": False,
   }
-  cfg = sweep.apply_overrides(cfg, overrides)
+  cfg = sweeps.apply_overrides(cfg, overrides)
   out = loop.train_and_evaluate(cfg, str(tmp_path / "run"))
   train, evals = metrics_files.split_rows(out)
   assert [r["step"] for r in train] == [1, 2]
