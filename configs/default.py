@@ -134,7 +134,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.num_minibatches = 1
   # Passes over each sampled batch (reshuffled each epoch).
   c.train.num_epochs = 1
-  # Rows per gradient-accumulation micro-batch (0 = use optimizer.micro_batches).
+  # Rows per gradient-accumulation micro-batch (divides the minibatch of
+  # G * K / num_minibatches rows; 0 = the whole minibatch, no accumulation).
   c.train.micro_batch_size = 0
   # Run each group's prompt once and let its K responses attend to it (same
   # log-probs and gradients as K copies, within float tolerance; less work).
@@ -158,8 +159,6 @@ def base_config() -> ml_collections.ConfigDict:
   c.optimizer.weight_decay = 0.0
   # Global gradient-norm clip (0 = off).
   c.optimizer.grad_clip = 1.0
-  # Gradient-accumulation micro-batches per optimizer step (divides the minibatch).
-  c.optimizer.micro_batches = 1
 
   c.mesh = ml_collections.ConfigDict()
   # Data-parallel mesh axis size (-1 fills the remaining devices).

@@ -57,7 +57,7 @@ def format_plan(result) -> str:
     lines.append(f"verdict: {fits} in {cap:.1f} GiB per device, headroom {result.headroom:+.0%}")
     if result.headroom < 0:
       top = max(result.bytes, key=result.bytes.__getitem__)
-      lines.append(f"largest: {top} (activations shrink with optimizer.micro_batches)")
+      lines.append(f"largest: {top} (activations shrink with a smaller train.micro_batch_size)")
   if result.peak_flops:
     seconds = result.step_flops / (result.peak_flops * n)
     lines.append(

@@ -23,7 +23,7 @@ def _config(variant: str):
   if variant == "sharded":  # more prompts and tokens, rows over data=2 x fsdp=2, 2 micro-batches
     c.prompts_per_step, c.max_prompt_len, c.max_new_tokens = 16, 24, 24
     c.mesh.data, c.mesh.fsdp = 2, 2
-    c.optimizer.micro_batches = 2
+    c.train.micro_batch_size = 64
   c.lock()
   return c
 

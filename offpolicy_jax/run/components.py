@@ -173,10 +173,10 @@ def optimizer(config):
 
 def step_options(config) -> train_step.StepOptions:
   """The train step's static options: loss spec, batch splits, temperature."""
+  micro_batches = validation.minibatch_rows(config) // validation.micro_batch_rows(config)
   return train_step.StepOptions(
     losses.get_spec(config.loss.name, **validation.loss_overrides(config)),
-    num_micro_batches=config.optimizer.micro_batches,
-    micro_batch_size=config.train.micro_batch_size or None,
+    num_micro_batches=micro_batches,
     num_minibatches=config.train.num_minibatches,
     num_epochs=config.train.num_epochs,
     temperature=config.temperature,
@@ -188,9 +188,7 @@ def step_options(config) -> train_step.StepOptions:
 
 def _whole_groups(config) -> bool:
   """Whether every micro-batch holds whole groups (what a shared prefix needs)."""
-  rows = config.prompts_per_step * config.group_size // config.train.num_minibatches
-  per_micro = config.train.micro_batch_size or rows // config.optimizer.micro_batches
-  return per_micro % config.group_size == 0
+  return validation.micro_batch_rows(config) % config.group_size == 0
 
 
 def sizes(config) -> rollouts.Sizes:

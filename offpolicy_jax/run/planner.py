@@ -156,22 +156,11 @@ def _nbytes(tree: Any, shardings: Any) -> int:
   )
 
 
-def _micro_rows(config) -> int:
-  """Rows of one accumulation micro-batch; ValueError naming the field if they do not split."""
-  rows = config.prompts_per_step * config.group_size // config.train.num_minibatches
-  size = config.train.micro_batch_size
-  m = rows // size if size else config.optimizer.micro_batches
-  if m < 1 or rows % m:
-    field = "train.micro_batch_size" if size else "optimizer.micro_batches"
-    raise ValueError(f"{field}: {rows} rows per minibatch do not split into {m} micro-batches")
-  return rows // m
-
-
 def _analytic_activations(config, mc, mesh, params_bytes: int) -> int:
   """The module docstring's analytic temporaries of one train step, per device."""
   t_len = config.max_prompt_len + config.max_new_tokens
   shards, tp = sharding.axis_size(mesh, sharding.BATCH_AXES), mesh.shape[sharding.TENSOR]
-  rows = _micro_rows(config)
+  rows = validation.micro_batch_rows(config)
   options = components.step_options(config)
   if options.skips_rows:  # the forward runs one chunk of a micro-batch at a time
     rows //= batch_splits.chunks_per_micro_batch(options, rows, shards)
@@ -263,7 +252,7 @@ def plan(
   mc, note = model_config(config)
   graphdef, params, opt_state, buffer, optimizer = _abstract_run(config, mc)
   p_bytes = _nbytes(params, sharding.tree_shardings(params, mesh))
-  _micro_rows(config)  # fails naming the field before anything compiles
+  validation.micro_batch_rows(config)  # fails naming the field before anything compiles
   local = jax.devices()
   same = device_type is None or DEVICES[device_type].platform == local[0].platform
   if activations == "compiled" or (activations == "auto" and same and mesh.size <= len(local)):

@@ -57,6 +57,41 @@ def updates_per_batch(config) -> int:
   return config.train.num_minibatches * config.train.num_epochs
 
 
+def minibatch_rows(config) -> int:
+  """Rows of one minibatch: G * K / train.num_minibatches.
+
+  Raises:
+    ValueError: naming `train.num_minibatches` when it does not divide G * K.
+  """
+  rows, n = config.group_size * config.prompts_per_step, config.train.num_minibatches
+  _need(
+    _is_int(n) and n >= 1 and rows % n == 0,
+    "train.num_minibatches",
+    f"must be >= 1 and divide the batch of {rows} rows, got {n}",
+  )
+  return rows // n
+
+
+def micro_batch_rows(config) -> int:
+  """Rows of one gradient-accumulation micro-batch (the one rule of `train.micro_batch_size`).
+
+  `train.micro_batch_size` rows, or the whole minibatch when it is 0; the
+  train step accumulates `minibatch_rows // micro_batch_rows` micro-batches
+  per optimizer step. Components and the planner both read it from here.
+
+  Raises:
+    ValueError: naming the field when the minibatch does not split.
+  """
+  rows, size = minibatch_rows(config), config.train.micro_batch_size
+  _int(config, "train.micro_batch_size", 0, note=" (0 = the whole minibatch)")
+  _need(
+    size == 0 or rows % size == 0,
+    "train.micro_batch_size",
+    f"must divide the minibatch of {rows} rows, got {size}",
+  )
+  return size or rows
+
+
 # ----------------------------------------------------------------- helpers
 
 
@@ -244,35 +279,10 @@ def _validate_replay(c) -> None:
 
 def _validate_train(c) -> None:
   """The batch of G*K rows must split into minibatches, micro-batches and processes."""
-  t = c.train
-  rows = c.group_size * c.prompts_per_step
   _int(c, "train.num_epochs", 1)
-  _need(
-    _is_int(t.num_minibatches) and t.num_minibatches >= 1 and rows % t.num_minibatches == 0,
-    "train.num_minibatches",
-    f"must be >= 1 and divide the batch of {rows} rows, got {t.num_minibatches}",
-  )
-  mb_rows = rows // t.num_minibatches
-  micro = c.optimizer.micro_batches
   _bool(c, "train.shared_prefix")
   _bool(c, "train.skip_zero_advantage")
-  _int(c, "train.micro_batch_size", 0, note=" (0 = use optimizer.micro_batches)")
-  if t.micro_batch_size:
-    _need(
-      micro == 1,
-      "train.micro_batch_size",
-      f"set either it or optimizer.micro_batches (= {micro}), not both",
-    )
-    _need(
-      mb_rows % t.micro_batch_size == 0,
-      "train.micro_batch_size",
-      f"must divide the minibatch of {mb_rows} rows, got {t.micro_batch_size}",
-    )
-  _need(
-    _is_int(micro) and micro >= 1 and mb_rows % micro == 0,
-    "optimizer.micro_batches",
-    f"must divide the minibatch of {mb_rows} rows, got {micro}",
-  )
+  micro_batch_rows(c)
   _need(
     c.prompts_per_step % jax.process_count() == 0,
     "prompts_per_step",
