@@ -1,11 +1,13 @@
 """What a run is built from: `build_components(config) -> Components`.
 
-`build_components` is the only function that reads the experiment ConfigDict.
-It validates the config (and, once per workdir, the data), then returns a
-frozen `Components` record: the mesh, the model's graph, tokenizer, task, loss,
-optimizer and the jitted functions of the hot path (`rl_step.StepFns`), plus
-the run's plain settings (`RunSettings`). Nothing in it points back to the
-config, and it holds no run state.
+`build_components` is the one function that reads the experiment ConfigDict
+(with its cheap parts, which the planner and the study call too: `run_settings`,
+`sizes`, `step_options`, `replay_capacity`, `snapshot_slots`). It validates the
+config (and, once per workdir, the data), then returns a frozen `Components`
+record: the mesh, the model's graph, tokenizer, task, loss, optimizer and the
+jitted functions of the hot path (`rl_step.StepFns`), plus the run's plain
+settings (`RunSettings`). Nothing in it points back to the config, and it
+holds no run state.
 
 Compiled functions are shared: the part of a `Components` that compiles
 (`StepFns` and the eval prompt batches) is cached under exactly the config
