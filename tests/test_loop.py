@@ -185,7 +185,6 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     ({"advantage.name": "nope"}, "advantage.name"),
     ({"model": "no-such-preset"}, "model"),
     ({"task": "no_such_task"}, "task"),
-    ({"optimizer.micro_batches": 3}, "optimizer.micro_batches"),
     ({"train.num_minibatches": 3}, "train.num_minibatches"),
     ({"train.num_epochs": 0}, "train.num_epochs"),
     ({"train.micro_batch_size": 3}, "train.micro_batch_size"),

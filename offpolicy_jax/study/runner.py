@@ -10,7 +10,10 @@ argument and every cell has the same number of snapshot slots, so the lags of
 one method share one compiled program.
 
 Finished cells go to `workdir/cells/<method>@<lag>.json` (atomically); a rerun
-skips them, so an interrupted study resumes (`study_report` makes the tables).
+skips them, so an interrupted study resumes (`study_report` makes the tables),
+unless a field a finished cell depends on has changed (`config_schema`: every
+field whose role reaches a study cell; not how seeds are batched, the report's
+settings, checkpoints, logging, the mesh or the reward workers).
 """
 
 from __future__ import annotations
@@ -28,16 +31,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from offpolicy_jax import advantages, lag, losses
+from offpolicy_jax import advantages, config_schema, lag, losses
 from offpolicy_jax.run import components, evaluation, pipeline, rl_step, sft
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweeps
 
 CELLS_DIR = "cells"
 CONFIG_FILE = "study_config.json"
-# `config.study` fields a finished cell does not depend on (how seeds are batched,
-# the bandit of the report): changing them does not stop a resume.
-NO_EFFECT_ON_CELLS = ("vmap_seeds", "eval_batch", "bandit_steps", "bandit_group_size", "bandit_lr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,22 +109,22 @@ def parse_lags(spec: str, total_steps: int) -> dict[str, tuple[int, int]]:
 
 def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, Grid]:
   """(the base run config without `study`, the grid of `config.study`)."""
+  config_schema.check(config, config_schema.STUDY_FIELDS)
   st = config.study
-  if st.seeds < 2:
-    raise ValueError(f"config.study.seeds: need >= 2 seeds for intervals, got {st.seeds}")
-  if config.eval_every < 1 or config.total_steps % config.eval_every:
+  base = ml_collections.ConfigDict({k: v for k, v in config.items() if k != "study"})
+  run = components.run_settings(base)
+  if run.eval_every < 1 or run.total_steps % run.eval_every:
     raise ValueError(
-      f"config.eval_every: {config.eval_every} must be >= 1 and divide total_steps "
-      f"{config.total_steps}"
+      f"config.eval_every: {run.eval_every} must be >= 1 and divide total_steps {run.total_steps}"
     )
-  if not 1 <= st.eval_last <= config.total_steps // config.eval_every:
+  if not st.eval_last <= run.total_steps // run.eval_every:
     raise ValueError(
       f"config.study.eval_last: {st.eval_last} evaluations, the run has "
-      f"{config.total_steps // config.eval_every}"
+      f"{run.total_steps // run.eval_every}"
     )
-  if config.lag.mode != "sync":
+  if run.lag_mode != "sync":
     raise ValueError("config.lag.mode: a study simulates lag exactly; it must be 'sync'")
-  if config.mesh.sampler_devices:
+  if base.mesh.sampler_devices:
     raise ValueError(
       "config.mesh.sampler_devices: a study runs every seed's step as one program on one "
       "mesh; it must be 0"
@@ -137,18 +137,14 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
         f"config.study.methods: {name}={loss}{'+' + adv if adv else ''} names an unknown "
         f"loss or advantage (losses.names(), advantages.names())"
       )
-  lags = parse_lags(st.lags, config.total_steps)
+  lags = parse_lags(st.lags, run.total_steps)
   method, _, lag_name = st.baseline.partition("@")
   if method not in methods or lag_name not in lags:
     raise ValueError(
       f"config.study.baseline: {st.baseline!r} must be <method>@<lag> of the grid "
       f"(methods {list(methods)}, lags {list(lags)})"
     )
-  base = ml_collections.ConfigDict({k: v for k, v in config.items() if k != "study"})
-  seeds = tuple(range(config.seed, config.seed + st.seeds))
-  for field in ("vmap_seeds", "eval_batch"):
-    if st[field] < 0:
-      raise ValueError(f"config.study.{field}: must be >= 0, got {st[field]}")
+  seeds = tuple(range(run.seed, run.seed + st.seeds))
   grid = Grid(methods, lags, seeds, st.eval_last, (method, lag_name), st.vmap_seeds, st.eval_batch)
   return base, grid
 
@@ -355,11 +351,7 @@ def _check_config(path: str, config: ml_collections.ConfigDict) -> None:
     return
   with open(file) as f:
     stored = json.load(f)
-  changes = {
-    k: v
-    for k, v in workdir.config_changes(stored, cfg).items()
-    if k.removeprefix("study.") not in NO_EFFECT_ON_CELLS
-  }
+  changes = workdir.config_changes(stored, cfg, matters=lambda role: role.cell)
   if changes:
     listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
     raise workdir.ConfigChanged(
