@@ -16,7 +16,7 @@ from offpolicy_jax.store import metrics, workdir  # noqa: E402
 _HOLD = textwrap.dedent(
   """
   import sys, time
-  from offpolicy_jax import workdir
+  from offpolicy_jax.store import workdir
   with workdir.lock(sys.argv[1]):
     print("held", flush=True)
     time.sleep(60)
