@@ -1,4 +1,4 @@
-"""Parameter versions, the sync schedule, snapshots and a bounded-staleness sampler.
+"""Parameter versions, the sync schedule v(t), staleness and parameter snapshots.
 
 Version ``k`` means "the parameters after ``k`` optimizer steps". The paper's
 simulated asynchronous system (Yao et al., "Group-relative REINFORCE is secretly

@@ -253,7 +253,7 @@ def replay_capacity(config) -> int:
   """Buffer capacity in batches: at least `steps_to_finish` with partial rollouts.
 
   Between emission and training, up to L = ceil(N / b) batches of finished
-  groups wait in the buffer (`partial_rollouts`); fewer slots would overwrite
+  groups wait in the buffer (`sampling.partial`); fewer slots would overwrite
   some before they are trained on.
   """
   c, budget = config, config.rollout.partial_budget

@@ -5,12 +5,12 @@ are stacked on a leading axis and one jitted `vmap(rl_step.rl_steps)` advances
 them together, evaluating every `config.eval_every` steps with a vmapped
 greedy sampler on `config.eval_prompts` held-out prompts. Runs with the same
 seed share the warm start (`sft.warm_start`, computed once per seed) and the
-prompt stream, so they are paired (`study_stats`). The lag schedule is a traced
+prompt stream, so they are paired (`study.stats`). The lag schedule is a traced
 argument and every cell has the same number of snapshot slots, so the lags of
 one method share one compiled program.
 
 Finished cells go to `workdir/cells/<method>@<lag>.json` (atomically); a rerun
-skips them, so an interrupted study resumes (`study_report` makes the tables),
+skips them, so an interrupted study resumes (`study.report` makes the tables),
 unless a field a finished cell depends on has changed (`config_schema`: every
 field whose role reaches a study cell; not how seeds are batched, the report's
 settings, checkpoints, logging, the mesh or the reward workers).
