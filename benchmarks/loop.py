@@ -35,7 +35,10 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
-from offpolicy_jax import models  # noqa: E402
+from offpolicy_jax import (
+  models,  # noqa: E402
+  types,  # noqa: E402
+)
 from offpolicy_jax.run import (  # noqa: E402
   loop,
   replay,
@@ -85,21 +88,11 @@ def _timed(fn, *args):
 
 
 def _batch(out: sampling.SampleOutput, prompts, lengths, k, version, rewards) -> TrainBatch:
-  prompt_tokens = jnp.repeat(prompts, k, axis=0)
-  p = prompts.shape[1]
-  prompt_mask = (jnp.arange(p)[None] >= p - jnp.repeat(lengths, k)[:, None]).astype(jnp.float32)
   r = rewards.reshape(-1, k)
   adv = (r - r.mean(1, keepdims=True)).reshape(-1)
-  return TrainBatch(
-    prompt_tokens,
-    prompt_mask,
-    out.tokens,
-    out.mask,
-    out.logprobs,
-    adv,
-    rewards,
-    jnp.full(out.tokens.shape, version, jnp.int32),
-    jnp.ones(out.tokens.shape[0], jnp.float32),
+  versions = jnp.full(out.tokens.shape, version, jnp.int32)
+  return types.pack_groups(
+    prompts, lengths, out.tokens, out.mask, out.logprobs, versions, rewards, adv
   )
 
 

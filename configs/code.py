@@ -3,7 +3,7 @@
 Run:
   python -m experiments.train --config=configs/code.py --workdir=/tmp/opj_code
 
-Task "code" (offpolicy_jax.tasks.code): the prompt shows three calls of a hidden
+Task "code" (offpolicy_jax.rewards.tasks.code): the prompt shows three calls of a hidden
 function of two digits, `f(2,3)=5 f(4,1)=5 f(0,7)=7`, and the response is a
 one-line program `def f(a,b):return a+b`. The reward runs the program against
 six hidden calls inside a sandboxed verifier worker and gives the fraction

@@ -45,10 +45,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.lag.sync_interval = 20
   c.lag.sync_offset = 0
   c.replay.capacity_batches = 1
+  # Gradient accumulation: 16 micro-batches of 48 rows per minibatch of 96 * 8 = 768 rows.
+  c.train.micro_batch_size = 48
   c.optimizer.learning_rate = 1e-6
   c.optimizer.b2 = 0.999
   c.optimizer.weight_decay = 0.01
-  c.optimizer.micro_batches = 16
   # Fill every device with fully-sharded data parallelism.
   c.mesh.data = 1
   c.mesh.fsdp = -1

@@ -36,6 +36,7 @@ still runs the grid's first seed as separate single runs (`get_sweep`).
 import ml_collections
 
 from configs import default
+from offpolicy_jax import config_schema
 from offpolicy_jax.study import runner as study
 
 # Methods: name=loss_preset[+advantage] (no value: the preset of that name with its default
@@ -85,23 +86,13 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   c.checkpoint_every = 0
   c.progress = False
   c.tensorboard = False
-  c.study = ml_collections.ConfigDict()
+  # `config.study`: the grid and how it runs (config_schema.STUDY_FIELDS: roles and docs).
+  config_schema.config_dict(config_schema.STUDY_FIELDS, into=c)
   c.study.methods = METHODS
   c.study.lags = LAGS
-  # Seeds per cell (seed, seed + 1, ...): each has its own warm start and prompt order.
-  c.study.seeds = 5
-  # Seeds per vmapped program (0: every seed of a cell at once; 1 for large models).
+  # One seed per vmapped program and 64 held-out prompts per sampler call for large models.
   c.study.vmap_seeds = 0 if scale == "toy" else 1
-  # Held-out prompts per sampler call (0: all at once).
   c.study.eval_batch = 0 if scale == "toy" else 64
-  # A run's final accuracy is the mean of its last `eval_last` evaluations.
-  c.study.eval_last = 2
-  # Every cell is compared with this one on the same seeds: <method>@<lag>.
-  c.study.baseline = "grpo@onpolicy"
-  # The bandit study: SGD steps, arms sampled per step, learning rate.
-  c.study.bandit_steps = 300
-  c.study.bandit_group_size = 8
-  c.study.bandit_lr = 1.0
   c.lock()
   return c
 

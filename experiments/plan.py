@@ -6,7 +6,7 @@ r"""Prints the per-device memory plan of a config on a device mesh, and whether 
 
 --devices is <type>-<count> (types: v4, v5e, v5p, v6e, a100-40, a100-80,
 h100-80, cpu) or a bare count with --memory_gib. Nothing is allocated: see
-offpolicy_jax/planner.py for what is counted and how.
+offpolicy_jax/run/planner.py for what is counted and how.
 """
 
 import math
@@ -48,6 +48,14 @@ def format_plan(result) -> str:
   lines += [f"{'component':28s}{'per-device MiB':>15s}{'total MiB':>15s}"]
   lines += [f"{k:28s}{mib(v):>15s}{mib(v * n):>15s}" for k, v in result.bytes.items()]
   lines += [f"{'peak = state + max(KV, act)':28s}{mib(result.peak_bytes):>15s}"]
+  if result.sampler is not None:
+    lines[-1] = f"{'peak (the fullest device)':28s}{mib(result.peak_bytes):>15s}"
+    lines.insert(
+      1,
+      f"sampler mesh {result.sampler} of its own: a parameter copy of "
+      f"{result.sampler_params_bytes / 2**20:.1f} MiB and the KV cache per sampler device; "
+      "the trainer's devices hold the rest",
+    )
   lines += [f"activations: {result.activations_source}", *(f"note: {x}" for x in result.notes)]
   if result.headroom is None:
     lines.append("verdict: unknown (no device memory given)")
@@ -57,7 +65,7 @@ def format_plan(result) -> str:
     lines.append(f"verdict: {fits} in {cap:.1f} GiB per device, headroom {result.headroom:+.0%}")
     if result.headroom < 0:
       top = max(result.bytes, key=result.bytes.__getitem__)
-      lines.append(f"largest: {top} (activations shrink with optimizer.micro_batches)")
+      lines.append(f"largest: {top} (activations shrink with a smaller train.micro_batch_size)")
   if result.peak_flops:
     seconds = result.step_flops / (result.peak_flops * n)
     lines.append(

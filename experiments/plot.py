@@ -4,7 +4,7 @@ python -m experiments.plot --workdirs=/tmp/a,/tmp/b [--labels=a,b] --out=/tmp/cu
 python -m experiments.plot --study_csv=DIR/study.csv --out=DIR [--baseline=grpo@onpolicy]
 
 The second form writes `curves_<lag>.png` and `final.png` into the `--out`
-directory (see `offpolicy_jax.study_report`).
+directory (see `offpolicy_jax.study.report`).
 """
 
 import os

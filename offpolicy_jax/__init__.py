@@ -4,14 +4,15 @@ The package is a stack of wings, each importing only from the ones below it
 (checked in CI by the layers contract in `pyproject.toml`):
 
   study      the lag study, its statistics and reports, the bandit, sweeps, launchers
-  run        components (the config's one reader), rollouts, rl_step, train step, replay,
+  run        components (the config's one reader), pipeline, rl_step, train step, replay,
              loop, producer, evaluation, warm start, validation, planner
   store      checkpoints, the workdir record, metrics files
   rewards    tasks, host scoring in sandboxed verifier workers
   sampling   the KV-cache sampler, partial rollouts
   models     the NNX decoder, presets, HF import/export, tokenizers
   scale      meshes, logical-axis sharding, disaggregated sampler/trainer meshes
-  maths      losses, advantages, reductions, types, lag (the schedule and snapshots), files
+  maths      losses, advantages, reductions, types, lag (the schedule and snapshots), files;
+             config_schema: every config field once (default, role, check, doc)
 
 The names of the public contract: `losses`, `advantages`, `models`, `sampling`,
 `lag`, `tasks`, `rewards`, `loop`.
@@ -19,6 +20,7 @@ The names of the public contract: `losses`, `advantages`, `models`, `sampling`,
 
 from offpolicy_jax import (
   advantages,
+  config_schema,
   files,
   lag,
   losses,
@@ -39,6 +41,7 @@ __version__ = "0.2.0"
 
 __all__ = [
   "advantages",
+  "config_schema",
   "files",
   "lag",
   "loop",

@@ -1,4 +1,4 @@
-"""Parameter versions, the sync schedule, snapshots and a bounded-staleness sampler.
+"""Parameter versions, the sync schedule v(t), staleness and parameter snapshots.
 
 Version ``k`` means "the parameters after ``k`` optimizer steps". The paper's
 simulated asynchronous system (Yao et al., "Group-relative REINFORCE is secretly
@@ -39,10 +39,12 @@ def validate_schedule(sync_interval: int, sync_offset: int) -> None:
     raise ValueError(f"sync_offset must be an int >= 0, got {sync_offset!r}")
 
 
-def behavior_version(step: int, sync_interval: int = 1, sync_offset: int = 0) -> int:
+def behavior_version(step, sync_interval=1, sync_offset=0):
   """Parameter version that generated the batch of optimizer step ``step``.
 
   ``v(t) = 0 if t <= n else m * floor((t - n - 1) / m)`` (SCIENCE.md s5).
+  The one implementation of v(t): Python ints give an int (checked), traced
+  or array arguments an int32 array (what the jitted RL step uses).
 
   Args:
     step: optimizer step ``t``, 1-indexed.
@@ -50,11 +52,15 @@ def behavior_version(step: int, sync_interval: int = 1, sync_offset: int = 0) ->
     sync_offset: ``n >= 0``, the constant part of the lag.
 
   Returns:
-    The version ``v(t)``, an int in ``[0, t - 1]``.
+    The version ``v(t)``, in ``[0, t - 1]``.
 
   Raises:
-    ValueError: naming the field when ``step < 1`` or the schedule is invalid.
+    ValueError: naming the field when ``step < 1`` or the schedule is invalid
+      (Python ints only).
   """
+  if any(isinstance(x, jax.Array) for x in (step, sync_interval, sync_offset)):
+    m, n = sync_interval, sync_offset
+    return jnp.where(step <= n, 0, m * ((step - n - 1) // m)).astype(jnp.int32)
   validate_schedule(sync_interval, sync_offset)
   if not isinstance(step, int | np.integer) or step < 1:
     raise ValueError(f"step must be an int >= 1 (1-indexed), got {step!r}")

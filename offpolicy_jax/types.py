@@ -11,6 +11,8 @@ prompt, P prompt length, N response length.
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 
 class TrainBatch(NamedTuple):
@@ -38,3 +40,48 @@ class TrainBatch(NamedTuple):
   rewards: jax.Array
   versions: jax.Array
   weights: jax.Array
+
+
+def prompt_mask(prompt_lengths: ArrayLike, width: int) -> jax.Array:
+  """bool [G, P]: True on the real tokens of left-padded prompts of `prompt_lengths` [G]."""
+  return jnp.arange(width)[None, :] >= width - jnp.asarray(prompt_lengths)[:, None]
+
+
+def pack_groups(
+  prompt_tokens_gp: ArrayLike,
+  prompt_lengths_g: ArrayLike,
+  tokens_bn: ArrayLike,
+  mask_bn: ArrayLike,
+  logprobs_bn: ArrayLike,
+  versions_bn: ArrayLike,
+  rewards_b: ArrayLike,
+  advantages_b: ArrayLike,
+) -> TrainBatch:
+  """The `TrainBatch` of G prompts and their K responses each (B = G * K rows, group-major).
+
+  Args:
+    prompt_tokens_gp: int32 [G, P] left-padded prompts.
+    prompt_lengths_g: int32 [G] their lengths.
+    tokens_bn: int32 [B, N] response tokens.
+    mask_bn: [B, N] 1 on valid response tokens.
+    logprobs_bn: float32 [B, N] behaviour log-probs recorded by the sampler.
+    versions_bn: int32 [B, N] parameter version of each token (optimizer steps).
+    rewards_b: float32 [B] rewards.
+    advantages_b: float32 [B] or [B, N] advantages.
+  """
+  prompt_tokens_gp = jnp.asarray(prompt_tokens_gp)
+  g, p = prompt_tokens_gp.shape
+  b = jnp.shape(tokens_bn)[0]
+  k = b // g
+  mask_gp = prompt_mask(prompt_lengths_g, p).astype(jnp.float32)
+  return TrainBatch(
+    prompt_tokens=jnp.repeat(prompt_tokens_gp, k, axis=0),
+    prompt_mask=jnp.repeat(mask_gp, k, axis=0),
+    tokens=jnp.asarray(tokens_bn),
+    mask=jnp.asarray(mask_bn, jnp.float32),
+    behavior_logp=jnp.asarray(logprobs_bn),
+    advantages=jnp.asarray(advantages_b, jnp.float32),
+    rewards=jnp.asarray(rewards_b, jnp.float32),
+    versions=jnp.asarray(versions_bn, jnp.int32),
+    weights=jnp.ones((b,), jnp.float32),
+  )

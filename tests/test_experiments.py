@@ -278,7 +278,7 @@ def test_paper_gsm8k_config_runs_at_toy_scale(tmp_path):
     "group_size": 2,
     "max_new_tokens": 8,
     "max_prompt_len": 256,
-    "optimizer.micro_batches": 2,
+    "train.micro_batch_size": 4,
     "eval_prompts": 4,
     "eval_every": 0,
     "checkpoint_every": 0,

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
 from offpolicy_jax.rewards import tasks  # noqa: E402
-from offpolicy_jax.run import components, loop, rollouts, validation  # noqa: E402
+from offpolicy_jax.run import components, loop, pipeline, validation  # noqa: E402
 from offpolicy_jax.store import (
   metrics,  # noqa: E402
   metrics_files,  # noqa: E402
@@ -185,7 +185,6 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     ({"advantage.name": "nope"}, "advantage.name"),
     ({"model": "no-such-preset"}, "model"),
     ({"task": "no_such_task"}, "task"),
-    ({"optimizer.micro_batches": 3}, "optimizer.micro_batches"),
     ({"train.num_minibatches": 3}, "train.num_minibatches"),
     ({"train.num_epochs": 0}, "train.num_epochs"),
     ({"train.micro_batch_size": 3}, "train.micro_batch_size"),
@@ -417,7 +416,7 @@ def test_global_prompts_on_one_process_equal_the_local_batch():
     "index": np.arange(8, dtype=np.int64),
     "valid": np.ones(8, bool),
   }
-  out = rollouts.assemble_global(mesh, local)
+  out = pipeline.assemble_global(mesh, local)
   for k in ("prompt_tokens", "prompt_lengths", "answer_tokens"):
     assert isinstance(out[k], jax.Array)
     np.testing.assert_array_equal(np.asarray(out[k]), local[k])
@@ -425,20 +424,20 @@ def test_global_prompts_on_one_process_equal_the_local_batch():
     assert len(out[k].addressable_shards) == 8
   assert out["index"] is local["index"] and out["valid"] is local["valid"]
   # Not divisible by data*fsdp on one process: replicated, same values.
-  odd = rollouts.assemble_global(mesh, {k: v[:3] for k, v in local.items()})
+  odd = pipeline.assemble_global(mesh, {k: v[:3] for k, v in local.items()})
   assert odd["prompt_tokens"].sharding.spec == PartitionSpec()
   np.testing.assert_array_equal(np.asarray(odd["prompt_tokens"]), local["prompt_tokens"][:3])
 
 
 def test_each_process_reads_its_own_block_of_the_global_batch(monkeypatch):
   fns = components.build_components(small_config(**{"prompts_per_step": 4})).fns
-  one = rollouts.prompt_iterator(fns, 0, "train")
+  one = pipeline.prompt_iterator(fns, 0, "train")
   whole = [next(one) for _ in range(3)]
   assert whole[0]["prompt_tokens"].shape[0] == 4
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   for shard in (0, 1):
     monkeypatch.setattr(jax, "process_index", lambda shard=shard: shard)
-    it = rollouts.prompt_iterator(fns, 0, "train")
+    it = pipeline.prompt_iterator(fns, 0, "train")
     for t in range(3):
       batch = next(it)
       assert batch["prompt_tokens"].shape[0] == 2  # prompts_per_step / process_count
@@ -448,7 +447,7 @@ def test_each_process_reads_its_own_block_of_the_global_batch(monkeypatch):
         np.testing.assert_array_equal(batch[k], v[2 * shard : 2 * shard + 2])
     assert it.get_state() == one.get_state()  # one checkpointed state resumes every process
   # Evaluation reads the whole split on every process.
-  assert next(rollouts.prompt_iterator(fns, 0, "eval", batch_size=4))["index"].tolist() == [
+  assert next(pipeline.prompt_iterator(fns, 0, "eval", batch_size=4))["index"].tolist() == [
     0,
     1,
     2,

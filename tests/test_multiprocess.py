@@ -228,7 +228,7 @@ def main():
   from types import SimpleNamespace
   from offpolicy_jax.models import tokenizers
   from offpolicy_jax.rewards import scoring as rewards, tasks
-  from offpolicy_jax.run import data, rollouts
+  from offpolicy_jax.run import data, pipeline
   from offpolicy_jax.scale import sharding
 
   task, tok = tasks.get_task("reverse"), tokenizers.CharTokenizer()
@@ -249,9 +249,9 @@ def main():
   seen = []
   score_batch = rewards.score_batch
   rewards.score_batch = lambda fn, ex, t, **kw: (seen.extend(t), score_batch(fn, ex, t, **kw))[1]
-  fns = SimpleNamespace(task=task, tokenizer=tok, reward=rollouts.Reward(
+  fns = SimpleNamespace(task=task, tokenizer=tok, reward=pipeline.Reward(
       host=task.reward, pool=rewards.get_pool(1, 1024, "warn")))
-  scores, stats = rollouts.score_on_host(
+  scores, stats = pipeline.score_on_host(
       fns, {"index": np.arange(4)}, out, split="eval", group_size=2)
   full = np.asarray(multihost_utils.process_allgather(scores, tiled=True))
   print("RESULT " + json.dumps({"scored": seen, "scores": full.tolist(), "stats": stats}))

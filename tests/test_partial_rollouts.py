@@ -86,7 +86,7 @@ def test_budget_of_n_reproduces_the_ordinary_sampler(tiny, eos, budget):
   pool = partial_rollouts.init(prompts, slots=G, group_size=K, max_new_tokens=N)
   pool, dropped = partial_rollouts.admit(pool, prompts, 1)
   pool = _advance(graphdef, budget, eos_id)(params, pool, 0, key)
-  out = partial_rollouts.rollout(pool)
+  out = partial_rollouts.as_output(pool)
   assert int(dropped) == 0
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_array_equal(out.mask, ref.mask)

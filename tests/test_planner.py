@@ -6,12 +6,14 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from configs import default
-from offpolicy_jax import lag
-from offpolicy_jax.run import components, planner, rl_step, rollouts, train_step
-from offpolicy_jax.scale import sharding
+from offpolicy_jax import lag, models
+from offpolicy_jax.run import components, pipeline, planner, rl_step, train_step
+from offpolicy_jax.scale import disagg, sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 0.2  # the issue's bar: estimates within 20% of what is measured
@@ -23,14 +25,14 @@ def _config(variant: str):
   if variant == "sharded":  # more prompts and tokens, rows over data=2 x fsdp=2, 2 micro-batches
     c.prompts_per_step, c.max_prompt_len, c.max_new_tokens = 16, 24, 24
     c.mesh.data, c.mesh.fsdp = 2, 2
-    c.optimizer.micro_batches = 2
+    c.train.micro_batch_size = 64
   c.lock()
   return c
 
 
-def _device_bytes(tree) -> int:
-  """Bytes the first device holds of the live arrays of `tree`."""
-  d0 = jax.devices()[0]
+def _device_bytes(tree, device=None) -> int:
+  """Bytes `device` (default: the first) holds of the live arrays of `tree`."""
+  d0 = device or jax.devices()[0]
   shards = (s for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == d0)
   return sum(s.data.nbytes for s in shards)
 
@@ -44,7 +46,7 @@ def _measured(variant: str):
   state = rl_step.init_state(
     fns, fns.init_params(0), capacity_batches=config.replay.capacity_batches, snapshots=slots
   )
-  batch = sharding.shard_batch(rollouts.empty_batch(fns.sizes), fns.mesh)
+  batch = sharding.shard_batch(pipeline.empty_batch(fns.sizes), fns.mesh)
   step = functools.partial(train_step.train_step, fns.graphdef, fns.optimizer, fns.options)
   with jax.set_mesh(fns.mesh):
     compiled = (
@@ -86,6 +88,68 @@ def test_mesh_larger_than_this_machine_is_planned_arithmetically():
   assert got.activations_source == "analytic"
   one = planner.plan(_config("default"), devices=1, bytes_per_device=None, activations="analytic")
   assert got.bytes["params"] < one.bytes["params"]  # vocab x embed and mlp x embed shard over fsdp
+
+
+def _traced_caches(monkeypatch, fn, *args) -> list[tuple[int, int]]:
+  """`(rows, positions)` of every KV cache `fn` allocates, from tracing it (nothing runs)."""
+  calls, real = [], models.Decoder.init_cache
+
+  def record(self, batch, max_len, dtype=None):
+    calls.append((batch, max_len))
+    return real(self, batch, max_len, dtype)
+
+  monkeypatch.setattr(models.Decoder, "init_cache", record)
+  jax.eval_shape(fn, *args)
+  return calls
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [{"rollout.partial_budget": 3}, {"mesh.sampler_devices": 4, "mesh.data": -1}],
+  ids=["partial_rollouts", "disaggregated"],
+)
+def test_plan_sizes_replay_snapshots_and_kv_cache_as_the_run_does(overrides, monkeypatch):
+  config = default.base_config()
+  config.sft.enabled = False
+  config.update_from_flattened_dict(overrides)
+  config.lock()
+  comps = components.build_components(config)
+  fns, run = comps.fns, comps.run
+  params = fns.init_params(0)
+  slots = components.snapshot_slots(run.lag_mode, run.sync_interval, run.sync_offset)
+  state = rl_step.init_state(
+    fns, params, capacity_batches=run.replay_capacity_batches, snapshots=slots
+  )
+  got = planner.plan(config, devices=8, bytes_per_device=None, activations="analytic")
+  # Replay buffer (partial rollouts: L = ceil(8 / 3) = 3 batches > capacity_batches) and snapshots.
+  assert run.replay_capacity_batches == (3 if config.rollout.partial_budget else 2)
+  trainer_device = fns.mesh.devices.flat[0]
+  assert abs(got.bytes["replay buffer"] - _device_bytes(state.replay, trainer_device)) <= 64
+  assert got.bytes["lag snapshots"] == _device_bytes(state.snapshots.params, trainer_device)
+  # The KV caches the run's own sampler allocates, on the mesh it samples on.
+  g, p = fns.sizes.prompts_per_step, fns.sizes.max_prompt_len
+  if fns.partial is not None:
+    caches = _traced_caches(monkeypatch, fns.partial.advance, params, state.inflight, 0, _KEY)
+  else:
+    tokens, lengths = jnp.zeros((g, p), jnp.int32), jnp.full((g,), p, jnp.int32)
+    caches = _traced_caches(monkeypatch, fns.sampler.__wrapped__, params, tokens, lengths, _KEY)
+  assert tuple(caches) == planner.sampler_caches(config)
+  mesh = fns.sampler_mesh or fns.mesh
+  assert got.sampler == (None if fns.sampler_mesh is None else dict(mesh.shape))
+  mc = nnx.merge(fns.graphdef, params).config
+  shards = sharding.axis_size(mesh, sharding.BATCH_AXES)
+  per_token = mc.kv_bytes_per_token() // mesh.shape[sharding.TENSOR]
+  assert got.bytes["KV cache (sampler)"] == sum(r // shards * n * per_token for r, n in caches)
+  if fns.sampler_mesh is not None:  # the sampler's devices hold a copy of the parameters
+    copy = disagg.SamplerParams(fns.sampler_mesh).place(params)
+    assert got.sampler_params_bytes == _device_bytes(copy, fns.sampler_mesh.devices.flat[0])
+    assert got.peak_bytes == max(
+      got.state_bytes + got.bytes["activations (train step)"],
+      got.sampler_params_bytes + got.bytes["KV cache (sampler)"],
+    )
+
+
+_KEY = jax.random.key(0)
 
 
 def _run(*flags):

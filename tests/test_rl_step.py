@@ -12,14 +12,14 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import lag  # noqa: E402
-from offpolicy_jax.run import components, rl_step, rollouts  # noqa: E402
+from offpolicy_jax.run import components, pipeline, rl_step  # noqa: E402
 from tests.test_loop import small_config  # noqa: E402
 
 
 @pytest.mark.parametrize("m,n", [(1, 0), (1, 3), (4, 0), (3, 2), (100, 0)])
 def test_traced_behaviour_version_matches_the_schedule(m, n):
   steps = jnp.arange(1, 30)
-  got = jax.jit(rl_step.behaviour_version)(steps, rl_step.LagSchedule(jnp.int32(m), jnp.int32(n)))
+  got = jax.jit(lag.behavior_version)(steps, jnp.int32(m), jnp.int32(n))
   want = [lag.behavior_version(int(t), m, n) for t in steps]
   np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -43,9 +43,9 @@ def _state(fns, seed):
 
 
 def _prompts(fns, seed, steps):
-  it = rollouts.prompt_iterator(fns, seed)
+  it = pipeline.prompt_iterator(fns, seed)
   batches = [next(it) for _ in range(steps)]
-  return [{k: jnp.asarray(b[k]) for k in rollouts.DEVICE_FIELDS} for b in batches]
+  return [{k: jnp.asarray(b[k]) for k in pipeline.DEVICE_FIELDS} for b in batches]
 
 
 @pytest.fixture(scope="module")

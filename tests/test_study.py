@@ -183,6 +183,21 @@ def test_changed_config_is_refused_and_corrupt_cell_is_named(mini):
     study.load_cells(path, grid)
 
 
+def test_a_study_resumes_after_changes_no_cell_depends_on(tmp_path):
+  """The cell key is read from the schema roles (no cells run here)."""
+  path = str(tmp_path)
+  study._check_config(path, mini_config())
+  free = mini_config(vmap_seeds=1, eval_batch=4, eval_last=2, baseline="twin@offline")
+  free.unlock()
+  free.checkpoint_every, free.log_every, free.mesh.data, free.reward_workers = 5, 1, 2, 3
+  study._check_config(path, free)
+  for overrides in ({"total_steps": 6}, {"eval_prompts": 8}, {"lag.sync_offset": 1}):
+    changed = mini_config()
+    changed.update_from_flattened_dict(overrides)
+    with pytest.raises(workdir.ConfigChanged, match=next(iter(overrides))):
+      study._check_config(path, changed)
+
+
 def test_plot_binary_redraws_from_the_csv(mini, tmp_path):
   _, path, _, _ = mini
   out = subprocess.run(

@@ -95,8 +95,6 @@ BAD = [
   ("optimizer.weight_decay", -0.01, "optimizer.weight_decay"),
   ("optimizer.grad_clip", -1.0, "optimizer.grad_clip"),
   ("optimizer.grad_clip", INF, "optimizer.grad_clip"),
-  ("optimizer.micro_batches", 0, "optimizer.micro_batches"),
-  ("optimizer.micro_batches", 3, "optimizer.micro_batches"),
   ("mesh.data", 0, "mesh.data"),
   ("mesh.data", -2, "mesh.data"),
   ("mesh.fsdp", 3, "prompts_per_step"),  # 64 rows do not split over 3 devices

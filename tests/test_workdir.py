@@ -8,7 +8,10 @@ import textwrap
 
 import pytest
 
-from offpolicy_jax.store import metrics, workdir
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import default  # noqa: E402
+from offpolicy_jax.store import metrics, workdir  # noqa: E402
 
 _HOLD = textwrap.dedent(
   """
@@ -86,3 +89,22 @@ def test_missing_or_corrupt_config_record_names_the_file(tmp_path):
   assert (tmp_path / "config.json.corrupt").read_text() == '{"seed": 0,'
   (entry,) = [json.loads(line) for line in open(tmp_path / workdir.HISTORY_FILE)]
   assert entry["changes"] == {"seed": ["<absent>", 0]}
+
+
+def test_the_schema_roles_decide_what_a_resume_may_change(tmp_path):
+  old = default.base_config().to_dict()
+  old["optimizer"]["micro_batches"] = 1  # recorded before the knob was retired, at its no-op value
+  _record(tmp_path, old)
+  control = default.base_config()
+  control.total_steps, control.eval_every, control.checkpoint_every = 5, 1, 1
+  control.mesh.data, control.reward_workers, control.reward_timeout = -1, 3, 1.0
+  workdir.check_config(str(tmp_path), control, step=2)
+  for field, value in (("seed", 1), ("lag.sync_interval", 1), ("loss.name", "grpo")):
+    changed = default.base_config()
+    changed.update_from_flattened_dict({field: value})
+    with pytest.raises(workdir.ConfigChanged, match=field):
+      workdir.check_config(str(tmp_path), changed, step=2)
+  old["optimizer"]["micro_batches"] = 4  # a retired field that meant something else
+  _record(tmp_path, old)
+  with pytest.raises(workdir.ConfigChanged, match="optimizer.micro_batches: 4 -> '<absent>'"):
+    workdir.check_config(str(tmp_path), default.base_config(), step=2)

@@ -18,7 +18,7 @@ What is applied (Linux; every item is checked and reported by `apply`):
   family (nor connect/bind/listen/accept), no signals to other processes, no
   ptrace, mount, namespaces, kernel modules, BPF, io_uring, chmod/chown, setuid.
 - descriptors: every inherited descriptor but stdio (on /dev/null) and the
-  worker's two pipes to the trainer is closed (`verifier_worker` does this).
+  worker's two pipes to the trainer is closed (`worker` does this).
 
 CPU time is limited per call by `set_cpu_limit` (SIGXCPU kills the worker),
 and the pool's wall-clock timeout kills a worker whatever it runs.

@@ -31,7 +31,7 @@ task in the worker from its factory and keyword arguments. `check` probes this
 at start-up, so a reward that cannot reach a worker fails there, naming it.
 
 This module is the trainer's side. What runs inside a worker (`worker_main`),
-the messages on its pipes and `RebuildReward` are in `verifier_worker`.
+the messages on its pipes and `RebuildReward` are in `worker`.
 """
 
 import atexit

@@ -3,14 +3,15 @@
   components    build_components(config): the only reader of the config
   validation    start-up checks of every config field;  data_checks: of every prompt
   data          grain prompt pipelines (deterministic, shardable, checkpointable)
-  rollouts      prompt batches across processes, device/host rewards, packing a TrainBatch
-  rl_step       RunState and one pure RL step (behaviour params, sample, reward, replay, train)
+  pipeline      the one path from prompts to a scored, packed TrainBatch: prompt batches
+                across processes, sample, score (device or sandboxed host), pack
+  rl_step       RunState, one pure RL step, and the run's named compiled `Programs`
   train_step    the pure sharded train step;  batch_splits: how it cuts a batch;
                 train_state: TrainState and the optimizer
   replay        device-resident ring buffer of rollout groups
   loop          train_and_evaluate(config, workdir): restore, iterate chunks, write rows
   producer      the async-mode sampler thread;  sampler_mesh: the disaggregated sampler's rollouts
-  evaluation    greedy accuracy and pass@k on held-out prompts
+  evaluation    greedy accuracy and pass@k on held-out prompts (the loop's and the study's)
   sft           supervised warm start
   observability compile counter, jax.profiler traces
   planner       per-device memory of a config on any mesh, before allocating
@@ -26,11 +27,11 @@ from offpolicy_jax.run import (
   evaluation,
   loop,
   observability,
+  pipeline,
   planner,
   producer,
   replay,
   rl_step,
-  rollouts,
   sampler_mesh,
   sft,
   train_state,
@@ -50,7 +51,7 @@ __all__ = [
   "producer",
   "replay",
   "rl_step",
-  "rollouts",
+  "pipeline",
   "sampler_mesh",
   "sft",
   "train_state",

@@ -1,18 +1,22 @@
 """What a run is built from: `build_components(config) -> Components`.
 
-`build_components` is the only function that reads the experiment ConfigDict.
-It validates the config (and, once per workdir, the data), then returns a
-frozen `Components` record: the mesh, the model's graph, tokenizer, task, loss,
-optimizer and the jitted functions of the hot path (`rl_step.StepFns`), plus
-the run's plain settings (`RunSettings`). Nothing in it points back to the
-config, and it holds no run state.
+`build_components` is the one function that reads the experiment ConfigDict
+(with its cheap parts, which the planner and the study call too: `run_settings`,
+`sizes`, `step_options`, `replay_capacity`, `snapshot_slots`). It validates the
+config (and, once per workdir, the data), then returns a frozen `Components`
+record: the mesh, the model's graph, tokenizer, task, loss, optimizer and the
+jitted functions of the hot path (`rl_step.StepFns`), plus the run's plain
+settings (`RunSettings`). Nothing in it points back to the config, and it
+holds no run state.
 
 Compiled functions are shared: the part of a `Components` that compiles
 (`StepFns` and the eval prompt batches) is cached under exactly the config
-fields it is built from (`RUN_FIELDS` excluded), so runs of a sweep, a notebook
-or the tests that differ only in seed, length, lag, replay policy, warm start
-or logging compile once. The cached part contains nothing built from the run
-fields, so it cannot go stale.
+fields it is built from (those whose `config_schema` role is compiled), so
+runs of a sweep, a notebook or the tests that differ only in seed, length,
+lag, replay policy, warm start or logging compile once. The other fields are
+the run's settings (`RunSettings`, one attribute per field under its
+`Field.setting` name); the cached part holds nothing built from them, so it
+cannot go stale.
 """
 
 from __future__ import annotations
@@ -27,24 +31,28 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from offpolicy_jax import lag, losses, models
+from offpolicy_jax import config_schema, lag, losses, models
 from offpolicy_jax.models import tokenizers
 from offpolicy_jax.rewards import scoring as rewards
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.run import data_checks, rl_step, rollouts, train_state, train_step, validation
-from offpolicy_jax.run.rl_step import INIT, step_key
+from offpolicy_jax.run import data_checks, pipeline, rl_step, train_state, train_step, validation
+from offpolicy_jax.run.pipeline import INIT, step_key
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.scale import disagg, sharding
-from offpolicy_jax.store import workdir
 
-# Config fields a run reads as settings; every other field shapes what compiles.
-RUN_FIELDS = ("seed", "total_steps", "lag", "replay", "sft", *workdir.WATCH_FIELDS)
+# The config fields a run reads as settings (`RunSettings`): those that do not change what compiles.
+SETTING_FIELDS = tuple(f for f in config_schema.RUN_FIELDS if not f.role.compiled)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
-  """The run's plain settings (seed, length, lag, replay, warm start, evaluation, logging)."""
+  """The run's plain settings (seed, length, lag, replay, warm start, evaluation, logging).
+
+  One attribute per field of `SETTING_FIELDS` (its `Field.setting_name`; `run_settings`
+  fails if the two drift apart), plus `replay` and `replay_capacity_batches`, built
+  from the `replay.*` fields (and the partial-rollout budget).
+  """
 
   seed: int
   total_steps: int
@@ -78,12 +86,10 @@ class Components:
   Attributes:
     fns: the model, task, loss and jitted functions (`rl_step.StepFns`).
     run: the run's settings.
-    task_name: the task's registry name (for messages).
   """
 
   fns: rl_step.StepFns
   run: RunSettings
-  task_name: str
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
@@ -98,7 +104,7 @@ class Components:
     return self.fns.tokenizer
 
 
-def make_mesh(config) -> jax.sharding.Mesh:
+def trainer_mesh(config) -> jax.sharding.Mesh:
   """The trainer's `(data, fsdp, tensor)` mesh of `config.mesh` (-1 fills the remaining devices).
 
   With `mesh.sampler_devices > 0` it is the trainer's part of a
@@ -173,10 +179,10 @@ def optimizer(config):
 
 def step_options(config) -> train_step.StepOptions:
   """The train step's static options: loss spec, batch splits, temperature."""
+  micro_batches = validation.minibatch_rows(config) // validation.micro_batch_rows(config)
   return train_step.StepOptions(
     losses.get_spec(config.loss.name, **validation.loss_overrides(config)),
-    num_micro_batches=config.optimizer.micro_batches,
-    micro_batch_size=config.train.micro_batch_size or None,
+    num_micro_batches=micro_batches,
     num_minibatches=config.train.num_minibatches,
     num_epochs=config.train.num_epochs,
     temperature=config.temperature,
@@ -188,14 +194,12 @@ def step_options(config) -> train_step.StepOptions:
 
 def _whole_groups(config) -> bool:
   """Whether every micro-batch holds whole groups (what a shared prefix needs)."""
-  rows = config.prompts_per_step * config.group_size // config.train.num_minibatches
-  per_micro = config.train.micro_batch_size or rows // config.optimizer.micro_batches
-  return per_micro % config.group_size == 0
+  return validation.micro_batch_rows(config) % config.group_size == 0
 
 
-def sizes(config) -> rollouts.Sizes:
+def sizes(config) -> pipeline.Sizes:
   """The static batch shape of `config`."""
-  return rollouts.Sizes(
+  return pipeline.Sizes(
     config.prompts_per_step, config.group_size, config.max_prompt_len, config.max_new_tokens
   )
 
@@ -207,13 +211,13 @@ def snapshot_slots(lag_mode: str, sync_interval: int, sync_offset: int) -> int:
   return lag.snapshot_capacity(sync_interval, sync_offset)
 
 
-def _reward(config, task) -> rollouts.Reward:
+def _reward(config, task) -> pipeline.Reward:
   if task.device_reward is not None:
-    return rollouts.Reward(device=jax.jit(task.device_reward))
+    return pipeline.Reward(device=jax.jit(task.device_reward))
   c = config
   pool = rewards.get_pool(c.reward_workers or None, c.reward_memory_mb, c.reward_sandbox)
   pool.check(task.reward, config.task)  # fails here if it cannot reach a worker
-  return rollouts.Reward(
+  return pipeline.Reward(
     host=task.reward,
     pool=pool,
     timeout_s=config.reward_timeout,
@@ -245,11 +249,11 @@ def _partial_sampler(config, graphdef, task, tokenizer) -> partial_rollouts.Part
   return partial_rollouts.PartialSampler(advance, slots, c.group_size, c.max_new_tokens)
 
 
-def _replay_capacity(config) -> int:
+def replay_capacity(config) -> int:
   """Buffer capacity in batches: at least `steps_to_finish` with partial rollouts.
 
   Between emission and training, up to L = ceil(N / b) batches of finished
-  groups wait in the buffer (`partial_rollouts`); fewer slots would overwrite
+  groups wait in the buffer (`sampling.partial`); fewer slots would overwrite
   some before they are trained on.
   """
   c, budget = config, config.rollout.partial_budget
@@ -260,7 +264,7 @@ def _replay_capacity(config) -> int:
 
 def _build_fns(config) -> rl_step.StepFns:
   c = config
-  mesh, sampler_mesh = make_mesh(c), None
+  mesh, sampler_mesh = trainer_mesh(c), None
   if c.mesh.sampler_devices:
     sampler_mesh, mesh = sampler_and_trainer_meshes(c)
   task = tasks.get_task(c.task, **c.task_kwargs.to_dict())
@@ -305,34 +309,16 @@ def _build_fns(config) -> rl_step.StepFns:
   )
 
 
-def _run_settings(config) -> RunSettings:
+def run_settings(config) -> RunSettings:
+  """The run's settings: each field of `SETTING_FIELDS` under its setting name (no compiling)."""
   c = config
+  plain = {f.setting_name: config_schema.get(c, f.name) for f in SETTING_FIELDS if f.setting_name}
   return RunSettings(
-    seed=c.seed,
-    total_steps=c.total_steps,
-    lag_mode=c.lag.mode,
-    sync_interval=c.lag.sync_interval,
-    sync_offset=c.lag.sync_offset,
-    max_staleness=c.lag.max_staleness,
+    **plain,
     replay=rl_step.ReplayOptions(
       c.replay.policy, c.replay.max_reuse or None, float(c.replay.temperature)
     ),
-    replay_capacity_batches=_replay_capacity(c),
-    sft_enabled=c.sft.enabled,
-    sft_steps=c.sft.steps,
-    sft_batch_size=c.sft.batch_size,
-    sft_learning_rate=c.sft.learning_rate,
-    eval_every=c.eval_every,
-    eval_prompts=c.eval_prompts,
-    eval_samples=c.eval_samples,
-    checkpoint_every=c.checkpoint_every,
-    keep_checkpoints=c.keep_checkpoints,
-    async_checkpoint=c.async_checkpoint,
-    tensorboard=c.tensorboard,
-    wandb_project=c.wandb_project,
-    progress=c.progress,
-    log_every=c.log_every,
-    profile_steps=c.profile_steps,
+    replay_capacity_batches=replay_capacity(c),
   )
 
 
@@ -341,9 +327,9 @@ _FNS_CACHE_SIZE = 4
 
 
 def compile_key(config) -> str:
-  """The config fields the compiled part is built from, as a canonical JSON string."""
-  d = config.to_dict()
-  kept = {k: v for k, v in d.items() if k not in RUN_FIELDS}
+  """The config fields the compiled part is built from (role compiled), as canonical JSON."""
+  leaves = config_schema.flatten(config.to_dict())
+  kept = {k: v for k, v in leaves.items() if config_schema.role_of(k).compiled}
   return json.dumps(kept, sort_keys=True, default=str)
 
 
@@ -366,7 +352,7 @@ def build_components(config, *, data_cache_dir: str | None = None) -> Components
   fns = _FNS_CACHE[key]
   # Every prompt checked once (cached under `data_cache_dir`), before anything compiles.
   data_checks.validate_data(config, fns.task, fns.tokenizer, cache_dir=data_cache_dir)
-  return Components(fns=fns, run=_run_settings(config), task_name=config.task)
+  return Components(fns=fns, run=run_settings(config))
 
 
 def clear_cache() -> None:

@@ -1,10 +1,15 @@
 """Held-out evaluation: greedy accuracy, mean reward and length, pass@k.
 
+One evaluator serves the loop (one set of parameters, `evaluate`) and the
+study (parameters stacked over seeds, `evaluate_seeds`, every sampler
+`jax.vmap`ped over the seed axis).
+
 A response is correct when its reward exceeds 0.5 (exact match for the
 synthetic tasks; a correct answer with or without the format bonus for GSM8K /
 MATH). pass@k counts a prompt as solved when at least one of `k` samples at
 the training temperature is correct (Chen et al., "Evaluating Large Language
-Models Trained on Code", arXiv:2107.03374, with n = k).
+Models Trained on Code", arXiv:2107.03374, with n = k). The samples of eval
+batch `i` use the evaluation key itself for `i = 0` and `fold_in(key, i)` after.
 
 Every process evaluates the same fixed prompts (the first `num_prompts` of the
 eval split), so the numbers do not depend on the number of processes.
@@ -12,24 +17,38 @@ eval split), so the numbers do not depend on the number of processes.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax.run import rollouts
+from offpolicy_jax.run import pipeline
+from offpolicy_jax.sampling import sampler as sampling
+
+# Per `StepFns`: the eval prompt batches and the eval samplers, built once.
+_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _memo(fns, key, build: Callable) -> Any:
+  memo = _MEMO.setdefault(fns, {})
+  if key not in memo:
+    memo[key] = build()
+  return memo[key]
 
 
 def eval_prompts(fns, num_prompts: int, batch_size: int = 0) -> list[dict[str, Any]]:
-  """The first `num_prompts` eval prompts, in batches of `batch_size` (cached on `fns`).
+  """The first `num_prompts` eval prompts, in batches of `batch_size` (built once per `fns`).
 
   `batch_size` 0 means `prompts_per_step`. Rows past `num_prompts` (and filler
   rows of a final partial batch) have `valid=False`.
   """
   size = min(num_prompts, batch_size or fns.sizes.prompts_per_step)
-  key = ("eval_prompts", num_prompts, size)
-  if key not in fns.cache:
-    it = rollouts.prompt_iterator(fns, 0, "eval", batch_size=size)
+
+  def build():
+    it = pipeline.prompt_iterator(fns, 0, "eval", batch_size=size)
     batches, seen = [], 0
     for batch in it:
       keep = np.arange(size) < num_prompts - seen
@@ -37,59 +56,104 @@ def eval_prompts(fns, num_prompts: int, batch_size: int = 0) -> list[dict[str, A
       seen += size
       if seen >= num_prompts:
         break
-    fns.cache[key] = batches
-  return fns.cache[key]
+    return batches
+
+  return _memo(fns, ("prompts", num_prompts, size), build)
 
 
-def _pass_at_k(fns, params, prompts, key, k: int) -> tuple[float, float]:
-  """(#prompts solved by one of k samples, sum of per-prompt sample accuracy), valid rows."""
-  valid = np.asarray(prompts["valid"], np.float32)
-  out = fns.pass_sampler(k)(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
-  r, _ = rollouts.score(fns, prompts, out, split="eval", group_size=k)
-  hit_gk = np.asarray(r).reshape(-1, k) > 0.5
-  return float((hit_gk.any(axis=1) * valid).sum()), float((hit_gk.mean(axis=1) * valid).sum())
+def _sampler(fns, k: int, over_seeds: bool) -> Callable:
+  """Greedy (k = 1) or k samples per prompt at the training temperature; vmapped over seeds."""
+
+  def build():
+    if k == 1:
+      fn = fns.greedy
+    else:
+      fn = sampling.make_sampler(fns.graphdef, group_size=k, **fns.sample_kw)
+    return jax.jit(jax.vmap(fn, in_axes=(0, None, None, 0))) if over_seeds else fn
+
+  return _memo(fns, ("sampler", k, over_seeds), build)
 
 
-def evaluate(fns, params, key: jax.Array, num_prompts: int, k: int) -> dict[str, float]:
-  """Greedy accuracy, mean reward and length, and pass@k, on fixed held-out prompts.
+def evaluate_seeds(
+  fns,
+  params,
+  keys: jax.Array,
+  num_prompts: int,
+  k: int = 0,
+  *,
+  batch_size: int = 0,
+  over_seeds: bool = True,
+) -> dict[str, np.ndarray]:
+  """Evaluation of parameters stacked over S seeds (or of one set, `over_seeds=False`).
 
   Args:
     fns: the run's `rl_step.StepFns` (`Components.fns`).
-    params: parameters to evaluate.
-    key: PRNG key for the pass@k samples.
-    num_prompts: the first `num_prompts` prompts of the eval split (0: skip),
-      fewer if the split is smaller.
+    params: parameters with a leading seed axis [S, ...] (or one set).
+    keys: PRNG keys [S] (or one key) of the pass@k samples.
+    num_prompts: the first `num_prompts` prompts of the eval split, fewer if
+      the split is smaller.
     k: samples per prompt for pass@k (< 2: skip pass@k).
+    batch_size: prompts per eval batch (0: `prompts_per_step`).
+    over_seeds: whether `params` and `keys` carry the seed axis.
 
   Returns:
-    dict of `eval/...` metrics (empty when `num_prompts` is 0).
+    float64 arrays [S] (or [1]): `accuracy`, `reward_mean`, `response_len`,
+    `reward_failures`, and with k >= 2 `pass@k` and `sample_accuracy`.
+  """
+  keys_s = keys if over_seeds else jnp.asarray(keys)[None]
+  s = keys_s.shape[0]
+  sums = {m: np.zeros(s) for m in ("correct", "reward", "length", "fails", "pass", "sample")}
+  n = 0.0
+  greedy, sample_k = _sampler(fns, 1, over_seeds), _sampler(fns, k, over_seeds) if k >= 2 else None
+  for i, prompts in enumerate(eval_prompts(fns, num_prompts, batch_size)):
+    valid = np.asarray(prompts["valid"], np.float64)
+    tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
+    keys_i = keys_s if i == 0 else jax.vmap(lambda key, i=i: jax.random.fold_in(key, i))(keys_s)
+    n += valid.sum()
+    keys_i = keys_i if over_seeds else keys_i[0]
+    call = lambda fn, keys_i=keys_i: fn(params, tokens, lengths, keys_i)
+    out = call(greedy)
+    for seed in range(s):
+      r, stats = _scores(fns, prompts, out, seed if over_seeds else None, 1)
+      sums["correct"][seed] += ((r > 0.5) * valid).sum()
+      sums["reward"][seed] += (r * valid).sum()
+      lengths_b = np.asarray(out.lengths[seed] if over_seeds else out.lengths)
+      sums["length"][seed] += (lengths_b * valid).sum()
+      sums["fails"][seed] += stats["reward_failures"]
+    if sample_k is not None:
+      out = call(sample_k)
+      for seed in range(s):
+        hit_gk = _scores(fns, prompts, out, seed if over_seeds else None, k)[0].reshape(-1, k) > 0.5
+        sums["pass"][seed] += (hit_gk.any(axis=1) * valid).sum()
+        sums["sample"][seed] += (hit_gk.mean(axis=1) * valid).sum()
+  n = max(n, 1.0)
+  ev = {
+    "accuracy": sums["correct"] / n,
+    "reward_mean": sums["reward"] / n,
+    "response_len": sums["length"] / n,
+    "reward_failures": sums["fails"],
+  }
+  if k >= 2:
+    ev[f"pass@{k}"] = sums["pass"] / n
+    ev["sample_accuracy"] = sums["sample"] / n
+  return ev
+
+
+def _scores(fns, prompts, out, seed: int | None, k: int) -> tuple[np.ndarray, dict]:
+  """Rewards of one seed's rows of a sampler output (device or sandboxed host reward)."""
+  one = out if seed is None else jax.tree.map(lambda x: x[seed], out)
+  r, stats = pipeline.score(fns, prompts, one, split="eval", group_size=k)
+  return np.asarray(r), stats
+
+
+def evaluate(fns, params, key: jax.Array, num_prompts: int, k: int) -> dict[str, float]:
+  """The loop's evaluation of one set of parameters: `eval/` metrics (empty if no prompts).
+
+  See `evaluate_seeds` for the arguments.
   """
   if not num_prompts:
     return {}
-  sums = dict.fromkeys(("n", "correct", "reward", "length", "pass", "sample_correct"), 0.0)
-  fails = 0
-  for i, prompts in enumerate(eval_prompts(fns, num_prompts)):
-    valid = np.asarray(prompts["valid"], np.float32)
-    out = fns.greedy(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
-    r, stats = rollouts.score(fns, prompts, out, split="eval", group_size=1)
-    r, lengths = np.asarray(r), np.asarray(out.lengths)
-    sums["n"] += valid.sum()
-    sums["correct"] += ((r > 0.5) * valid).sum()
-    sums["reward"] += (r * valid).sum()
-    sums["length"] += (lengths * valid).sum()
-    fails += stats["reward_failures"]
-    if k >= 2:
-      solved, sample_correct = _pass_at_k(fns, params, prompts, jax.random.fold_in(key, i), k)
-      sums["pass"] += solved
-      sums["sample_correct"] += sample_correct
-  n = max(sums["n"], 1.0)
-  ev = {
-    "eval/accuracy": float(sums["correct"] / n),
-    "eval/reward_mean": float(sums["reward"] / n),
-    "eval/response_len": float(sums["length"] / n),
-    "eval/reward_failures": int(fails),
-  }
-  if k >= 2:
-    ev[f"eval/pass@{k}"] = float(sums["pass"] / n)
-    ev["eval/sample_accuracy"] = float(sums["sample_correct"] / n)
-  return ev
+  ev = evaluate_seeds(fns, params, key, num_prompts, k, over_seeds=False)
+  out = {f"eval/{m}": float(v[0]) for m, v in ev.items()}
+  out["eval/reward_failures"] = int(out["eval/reward_failures"])
+  return out

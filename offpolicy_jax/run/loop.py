@@ -20,7 +20,7 @@ state in their meta; a run killed at any moment resumes from its last
 checkpoint and reproduces the uninterrupted run's rows exactly (sync mode).
 
 Multi-host: every process runs this same loop (SPMD) on its own block of
-prompt rows (`rollouts.assemble_global`); every process saves and restores
+prompt rows (`pipeline.assemble_global`); every process saves and restores
 the checkpoints; only process 0 writes metrics.
 """
 
@@ -38,17 +38,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag
-from offpolicy_jax.run import evaluation, observability, producer, rollouts, sampler_mesh, sft
+from offpolicy_jax.run import evaluation, observability, pipeline, producer, sampler_mesh, sft
 from offpolicy_jax.run.components import Components, build_components, snapshot_slots
+from offpolicy_jax.run.pipeline import EVAL, step_key
 from offpolicy_jax.run.rl_step import (
-  EVAL,
   LagSchedule,
   RunState,
   init_state,
-  jitted,
+  programs,
   state_from_items,
   state_items,
-  step_key,
 )
 from offpolicy_jax.store import checkpointing, metrics
 from offpolicy_jax.store import workdir as workdir_lib
@@ -95,7 +94,7 @@ def train_and_evaluate(
       latest = ckpt.latest_step()
       if latest and primary:
         workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
-      data_iter = producer.LockedIterator(rollouts.prompt_iterator(comps.fns, comps.run.seed))
+      data_iter = producer.LockedIterator(pipeline.prompt_iterator(comps.fns, comps.run.seed))
       state, start, start_accuracy = _restore_or_init(comps, ckpt, data_iter, workdir)
       writer = _make_writer(comps, config, workdir, start)
     except BaseException:
@@ -190,9 +189,8 @@ class _Loop:
     # A disaggregated sync-mode run samples on its own mesh (`disagg`).
     self.sampler = None
     if comps.fns.sampler_mesh is not None and run.lag_mode == "sync":
-      self.sampler = sampler_mesh.SamplerMesh(
-        comps.fns, (run.sync_interval, run.sync_offset), run.seed
-      )
+      schedule = (run.sync_interval, run.sync_offset)
+      self.sampler = sampler_mesh.SamplerMesh(comps.fns, run.replay, schedule, run.seed)
 
   def close(self) -> None:
     self.profiler.stop()
@@ -293,29 +291,29 @@ class _Loop:
   def _device_chunk(self, state: RunState, step: int, n: int):
     """Steps `step + 1 .. step + n` as one jitted scan; one host transfer of metrics."""
     local, truncated = self._prompts(n)
-    stacked = {k: np.stack([p[k] for p in local]) for k in rollouts.DEVICE_FIELDS}
-    prompts = rollouts.assemble_global(self.comps.mesh, stacked, leading_axes=1)
+    stacked = {k: np.stack([p[k] for p in local]) for k in pipeline.DEVICE_FIELDS}
+    prompts = pipeline.assemble_global(self.comps.mesh, stacked, leading_axes=1)
     steps = jax.device_put(np.arange(step + 1, step + n + 1, dtype=np.int32), self._rep)
-    fn = jitted(self.fns, "rl_steps", self.run_cfg.replay, state)
+    fn = programs(self.fns, self.run_cfg.replay, state).rl_steps
     begin = time.perf_counter()
     state, out = fn(state, prompts, steps, self.seed, self.schedule)
     out = jax.device_get(out)
     device = (time.perf_counter() - begin) / n
     rows = _rows_of(out, n)
     for row, t in zip(rows, truncated, strict=True):
-      row.update(rollouts.no_reward_stats(), prompts_truncated=t)
+      row.update(pipeline.no_reward_stats(), prompts_truncated=t)
       row["time/device_s"] = device
     return state, rows
 
   def _dispatch_rollout(self, state: RunState, step: int):
     """Reads step `step`'s prompts and dispatches its rollout (asynchronously, on device)."""
     (local,), (truncated,) = self._prompts(1)
-    prompts = rollouts.assemble_global(self.comps.mesh, local)
-    device = {k: prompts[k] for k in rollouts.DEVICE_FIELDS}
+    prompts = pipeline.assemble_global(self.comps.mesh, local)
+    device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
     step_a = jax.device_put(np.int32(step), self._rep)
     if self.sampler is not None:  # on the sampler's mesh, moved back to the trainer's
-      return prompts, device, truncated, step_a, self.sampler.rollout(state, local, step)
-    fn = jitted(self.fns, "rollout", self.run_cfg.replay, state)
+      return prompts, device, truncated, step_a, self.sampler.sample(state, local, step)
+    fn = programs(self.fns, self.run_cfg.replay, state).rollout
     out, v, found = fn(state, device, step_a, self.seed, self.schedule)
     return prompts, device, truncated, step_a, sampler_mesh.Sampled(out, v, found, None, {})
 
@@ -350,13 +348,11 @@ class _Loop:
     if self._can_prefetch(step):
       self._prefetched = (step + 1, self._dispatch_rollout(state, step + 1))
     if rewards_b is None:
-      rewards_b, stats = rollouts.score_on_host(
-        self.fns, prompts, out, split="train", group_size=self.fns.sizes.group_size
-      )
+      rewards_b, stats = pipeline.score(self.fns, prompts, out)
     else:
-      stats = rollouts.no_reward_stats()
+      stats = pipeline.no_reward_stats()
     t2 = time.perf_counter()
-    learn = jitted(self.fns, "learn_scored", self.run_cfg.replay, state)
+    learn = programs(self.fns, self.run_cfg.replay, state).learn_scored
     state, row = learn(state, device, out, rewards_b, v, step_a, self.seed, self.schedule)
     row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
     t3 = time.perf_counter()
@@ -369,7 +365,7 @@ class _Loop:
     t0 = time.perf_counter()
     batch, info = prod.get(step)
     t1 = time.perf_counter()
-    fn = jitted(self.fns, "learn", self.run_cfg.replay, state)
+    fn = programs(self.fns, self.run_cfg.replay, state).learn
     step_a = jax.device_put(np.int32(step), self._rep)
     state, row = fn(state, batch, step_a, self.seed, self.schedule)
     published = prod.publish(state.train.params, step)
@@ -377,7 +373,7 @@ class _Loop:
     oldest_a = jnp.min(jnp.where(batch.mask > 0, batch.versions, big))
     row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
     oldest = int(oldest_a)
-    row["behavior_version"] = oldest if oldest != big else (step - 1) * self.fns.updates
+    row["behavior_version"] = oldest if oldest != big else self.fns.version(step - 1)
     row.update(info)
     row.update(published)
     row["time/sample_s"] = row.pop("sample_time_s")

@@ -6,14 +6,24 @@ with `jax.eval_shape` (nothing is materialised), maps every array to its
 the rules of `sharding.py`, and sums the shard shapes one device holds:
 
   params, optimizer state     `sharding.tree_shardings` of the parameters / `optimizer.init`
-  replay buffer               `replay.shardings` (capacity axis over data * fsdp)
-  lag snapshots               slots * params (slots = ceil(n / m) + 1 in sync mode, m > 1 or n > 0)
+  replay buffer               `replay.shardings` (capacity axis over data * fsdp) of
+                              `components.replay_capacity` batches (partial rollouts included)
+  lag snapshots               `components.snapshot_slots` * params
   reference params            params, when the loss has a KL to the reference policy
-  KV cache                    2 * layers * (B / shards) * (P + N) * N_kv * H * itemsize,
-                              B = prompts_per_step * group_size rows of the sampler
+  KV cache                    2 * layers * rows * positions * N_kv * H * itemsize of each cache
+                              the sampler allocates (`sampler_caches`), rows over data * fsdp
+                              and heads over tensor of the sampler's mesh
   activations                 the train step's temporaries (below)
 
-The sampler and the train step do not overlap: peak = state + max(KV cache, activations).
+The sizes are the runtime's own (`components.run_settings`, `components.sizes`,
+`components.step_options`, `validation.micro_batch_rows`, `disagg.sampler_shape`),
+so the plan cannot drift from what runs (tests/test_planner.py compares them).
+The sampler and the train step do not overlap: peak = state + max(KV cache,
+activations). With `mesh.sampler_devices = k` the sampler runs on k devices of
+its own ((k, 1, 1), `Plan.sampler`), which hold a copy of the parameters and
+the KV cache: peak = max(state + activations, sampler params + KV cache). Not
+counted: the partial-rollout pool (S * K rows of N tokens and their prompts,
+small beside the KV cache) and the evaluation samplers.
 
 Activations: where the mesh fits on this machine's devices of the target's
 platform, XLA's own `memory_analysis().temp_size_in_bytes` of the train step
@@ -48,13 +58,14 @@ from offpolicy_jax.models.tokenizers import CharTokenizer
 from offpolicy_jax.run import (
   batch_splits,
   components,
+  pipeline,
   replay,
-  rollouts,
   train_state,
   train_step,
   validation,
 )
-from offpolicy_jax.scale import sharding
+from offpolicy_jax.sampling import partial as partial_rollouts
+from offpolicy_jax.scale import disagg, sharding
 
 GIB = 2**30
 
@@ -94,6 +105,8 @@ class Plan(NamedTuple):
     step_flops: FLOPs of one loop step (6ND train + 2ND sample).
     peak_flops: per-device peak FLOP/s of the device type, or None.
     notes: where the model architecture came from, if not `config.model` itself.
+    sampler: the sampler's own mesh `{"data": k, ...}` (mesh.sampler_devices = k), or None.
+    sampler_params_bytes: per-device bytes of the sampler's parameter copy (0: shared mesh).
   """
 
   bytes: dict[str, int]
@@ -104,6 +117,8 @@ class Plan(NamedTuple):
   step_flops: float
   peak_flops: float | None
   notes: tuple[str, ...]
+  sampler: dict[str, int] | None = None
+  sampler_params_bytes: int = 0
 
   @property
   def state_bytes(self) -> int:
@@ -111,8 +126,11 @@ class Plan(NamedTuple):
 
   @property
   def peak_bytes(self) -> int:
-    """state + max(KV cache, activations): the sampler and the train step do not overlap."""
-    return self.state_bytes + max(self.bytes[ROWS[5]], self.bytes[ROWS[6]])
+    """The fullest device: state + max(KV cache, activations) (module docstring)."""
+    kv, act = self.bytes[ROWS[5]], self.bytes[ROWS[6]]
+    if self.sampler is not None:
+      return max(self.state_bytes + act, self.sampler_params_bytes + kv)
+    return self.state_bytes + max(kv, act)
 
   @property
   def headroom(self) -> float | None:
@@ -156,34 +174,24 @@ def _nbytes(tree: Any, shardings: Any) -> int:
   )
 
 
-def _micro_rows(config) -> int:
-  """Rows of one accumulation micro-batch; ValueError naming the field if they do not split."""
-  rows = config.prompts_per_step * config.group_size // config.train.num_minibatches
-  size = config.train.micro_batch_size
-  m = rows // size if size else config.optimizer.micro_batches
-  if m < 1 or rows % m:
-    field = "train.micro_batch_size" if size else "optimizer.micro_batches"
-    raise ValueError(f"{field}: {rows} rows per minibatch do not split into {m} micro-batches")
-  return rows // m
-
-
 def _analytic_activations(config, mc, mesh, params_bytes: int) -> int:
   """The module docstring's analytic temporaries of one train step, per device."""
-  t_len = config.max_prompt_len + config.max_new_tokens
+  sz = components.sizes(config)
+  t_len = sz.max_prompt_len + sz.max_new_tokens
   shards, tp = sharding.axis_size(mesh, sharding.BATCH_AXES), mesh.shape[sharding.TENSOR]
-  rows = _micro_rows(config)
+  rows = validation.micro_batch_rows(config)
   options = components.step_options(config)
   if options.skips_rows:  # the forward runs one chunk of a micro-batch at a time
     rows //= batch_splits.chunks_per_micro_batch(options, rows, shards)
   rows = rows // shards if rows % shards == 0 else rows
-  tokens = t_len  # per row; a shared prompt runs once per group: P / K + N
+  tokens: float = t_len  # per row; a shared prompt runs once per group: P / K + N
   if options.shared_prefix:
-    tokens = config.max_prompt_len / config.group_size + config.max_new_tokens
+    tokens = sz.max_prompt_len / sz.group_size + sz.max_new_tokens
   isz = jnp.dtype(mc.dtype).itemsize
   n, kv, h, d, f = mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.hidden_size, mc.intermediate_size
   per_token_layer = isz * (4 * d + (4 * f + 3 * n * h + 3 * kv * h) / tp) + 8 * n / tp * t_len
   blocks = rows * tokens * mc.num_layers * per_token_layer * 4 / 3
-  logits = rows * min(config.max_new_tokens, 128) * mc.vocab_size * 4 * 2
+  logits = rows * min(sz.max_new_tokens, 128) * mc.vocab_size * 4 * 2
   return int(blocks + logits + 2 * params_bytes)
 
 
@@ -191,8 +199,9 @@ def _abstract_run(config, mc: models.ModelConfig):
   """`(graphdef, params, opt_state, replay buffer, optimizer)`, arrays from `jax.eval_shape`."""
   graphdef, params = nnx.split(nnx.eval_shape(lambda: models.Decoder(mc, rngs=nnx.Rngs(0))))
   optimizer = components.optimizer(config)
-  cap = config.prompts_per_step * config.replay.capacity_batches
-  init = lambda: replay.init(cap, rollouts.empty_batch(components.sizes(config)), config.group_size)
+  sizes = components.sizes(config)
+  cap = sizes.prompts_per_step * components.run_settings(config).replay_capacity_batches
+  init = lambda: replay.init(cap, pipeline.empty_batch(sizes), sizes.group_size)
   opt_state = jax.eval_shape(optimizer.init, params)
   return graphdef, params, opt_state, jax.eval_shape(init), optimizer
 
@@ -206,7 +215,7 @@ def _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes)
   on_mesh = lambda t: jax.tree.map(place, t, sharding.tree_shardings(t, mesh), is_leaf=is_var)
   scalar: Any = sds(jax.ShapeDtypeStruct((), jnp.int32), sharding.replicated(mesh))
   state = train_state.TrainState(on_mesh(params), on_mesh(opt_state), scalar, scalar, scalar)
-  batch = rollouts.empty_batch(components.sizes(config))
+  batch = pipeline.empty_batch(components.sizes(config))
   batch = jax.tree.map(lambda x: sds(x, sharding.batch_sharding(mesh, x.ndim)), batch)
   options = components.step_options(config)
   fn = functools.partial(train_step.train_step, graphdef, optimizer, options)
@@ -218,13 +227,48 @@ def _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes)
   return int(stats.temp_size_in_bytes)
 
 
+def sampler_caches(config) -> tuple[tuple[int, int], ...]:
+  """`(rows, positions)` of each KV cache (every layer, keys and values) the sampler allocates.
+
+  Whole responses (`sampling.make_sampler`): the G prompts' cache, filled once
+  and read by their K samples, and the G * K rows' own caches of N tokens.
+  Partial rollouts (`partial.make_advance`): the S * K rows of the pool (S = L * G
+  slots, L = `steps_to_finish`), each re-prefilled into W = P + (L - 1) * b
+  positions plus b new ones.
+  """
+  g, k, p, n = components.sizes(config)
+  budget = config.rollout.partial_budget
+  if not budget:
+    return ((g, p), (g * k, n))
+  b = min(budget, n)
+  steps = partial_rollouts.steps_to_finish(n, b)
+  return ((steps * g * k, p + steps * b),)
+
+
 def _kv_cache_bytes(config, mc: models.ModelConfig, sizes: tuple[int, ...]) -> int:
-  """2 * layers * rows * (P + N) * N_kv * H * itemsize; rows over data * fsdp, heads over tensor."""
-  rows, shards, tp = config.prompts_per_step * config.group_size, sizes[0] * sizes[1], sizes[2]
-  rows = rows // shards if rows % shards == 0 else rows
+  """Per-device bytes of `sampler_caches` on a `sizes` mesh (rows over data * fsdp)."""
+  shards, tp = sizes[0] * sizes[1], sizes[2]
   heads = mc.num_kv_heads // tp if mc.num_kv_heads % tp == 0 else mc.num_kv_heads
-  length = config.max_prompt_len + config.max_new_tokens
-  return 2 * mc.num_layers * rows * length * heads * mc.head_dim * jnp.dtype(mc.dtype).itemsize
+  total = 0
+  for rows, positions in sampler_caches(config):
+    rows = rows // shards if rows % shards == 0 else rows
+    total += 2 * mc.num_layers * rows * positions * heads * mc.head_dim
+  return total * jnp.dtype(mc.dtype).itemsize
+
+
+def _sampler_side(config, params, trainer_sizes: tuple[int, int, int]):
+  """`(sizes of the sampler's mesh, Plan.sampler, Plan.sampler_params_bytes)`.
+
+  The trainer's mesh, or with `mesh.sampler_devices = k` the runtime's own
+  sampler mesh (`disagg.sampler_shape`) holding a copy of the parameters.
+  """
+  k = config.mesh.sampler_devices
+  if not k:
+    return trainer_sizes, None, 0
+  sizes = disagg.sampler_shape(k)
+  mesh: Any = jax.sharding.AbstractMesh(sizes, sharding.MESH_AXES)
+  axes = dict(zip(sharding.MESH_AXES, sizes, strict=True))
+  return sizes, axes, _nbytes(params, sharding.tree_shardings(params, mesh))
 
 
 def plan(
@@ -263,7 +307,7 @@ def plan(
   mc, note = model_config(config)
   graphdef, params, opt_state, buffer, optimizer = _abstract_run(config, mc)
   p_bytes = _nbytes(params, sharding.tree_shardings(params, mesh))
-  _micro_rows(config)  # fails naming the field before anything compiles
+  validation.micro_batch_rows(config)  # fails naming the field before anything compiles
   local = jax.devices()
   same = device_type is None or DEVICES[device_type].platform == local[0].platform
   if activations == "compiled" or (activations == "auto" and same and mesh.size <= len(local)):
@@ -271,23 +315,27 @@ def plan(
     source = f"compiled (XLA memory_analysis on {local[0].platform})"
   else:
     act, source = _analytic_activations(config, mc, mesh, p_bytes), "analytic"
-  needs_ref = components.step_options(config).spec.needs_ref
-  lag_cfg = config.lag
-  slots = components.snapshot_slots(lag_cfg.mode, lag_cfg.sync_interval, lag_cfg.sync_offset)
+  options = components.step_options(config)
+  needs_ref = options.spec.needs_ref
+  run = components.run_settings(config)
+  slots = components.snapshot_slots(run.lag_mode, run.sync_interval, run.sync_offset)
+  sampler_sizes, sampler, sampler_params = _sampler_side(config, params, sizes)
   row_bytes = {
     "params": p_bytes,
     "optimizer state": _nbytes(opt_state, sharding.tree_shardings(opt_state, mesh)),
     "replay buffer": _nbytes(buffer, replay.shardings(buffer, mesh)),
     "lag snapshots": slots * p_bytes,
     "reference params": p_bytes if needs_ref else 0,
-    ROWS[5]: _kv_cache_bytes(config, mc, sizes),
+    ROWS[5]: _kv_cache_bytes(config, mc, sampler_sizes),
     ROWS[6]: act,
   }
   g, k, p, n = components.sizes(config)
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-  train = 6.0 * num_params * g * k * (p + n) * config.train.num_epochs * (1 + needs_ref)
+  train = 6.0 * num_params * g * k * (p + n) * options.num_epochs * (1 + needs_ref)
   flops = train + 2.0 * num_params * (g * p + g * k * n)
   peak = DEVICES[device_type].peak_flops if device_type else None
   axes = dict(zip(sharding.MESH_AXES, sizes, strict=True))
   notes = (note,) if note else ()
-  return Plan(row_bytes, axes, devices, bytes_per_device, source, flops, peak, notes)
+  return Plan(
+    row_bytes, axes, devices, bytes_per_device, source, flops, peak, notes, sampler, sampler_params
+  )

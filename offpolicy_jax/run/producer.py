@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag
-from offpolicy_jax.run import rl_step, rollouts
+from offpolicy_jax.run import pipeline, rl_step
 from offpolicy_jax.scale import disagg, sharding
 
 
@@ -63,15 +63,14 @@ class AsyncProducer:
   def __init__(self, fns: rl_step.StepFns, params, step: int, data_iter, seed: int, max_staleness):
     self._fns, self._data, self._seed = fns, data_iter, seed
     self._produced = step
-    self._pack = jax.jit(rollouts.pack, static_argnums=(0, 1))
     self._mesh = fns.sampler_mesh or fns.mesh
     self._copy, place = None, None
     if fns.sampler_mesh is not None:
       self._copy = copy = disagg.SamplerParams(fns.sampler_mesh)
       place = lambda p: jax.block_until_ready(copy.place(p))
-    bound = max_staleness * fns.updates or 2**30
+    bound = fns.version(max_staleness) or 2**30
     self.sampler = SamplerThread(
-      self._sample, params, step * fns.updates, max_staleness=bound, place=place
+      self._sample, params, fns.version(step), max_staleness=bound, place=place
     )
 
   def _sample(self, params, version: int):
@@ -79,14 +78,10 @@ class AsyncProducer:
     self._produced += 1
     step, start = self._produced, time.perf_counter()
     local = next(self._data)
-    prompts = rollouts.assemble_global(self._mesh, local)
-    key = rl_step.step_key(self._seed, step, rl_step.SAMPLE)
+    prompts = pipeline.assemble_global(self._mesh, local)
     own_mesh = jax.set_mesh(self._mesh) if self._copy else contextlib.nullcontext()
     with own_mesh:
-      out = fns.sampler(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
-      rewards_b, info = rollouts.score(fns, prompts, out)
-      adv_key = rl_step.step_key(self._seed, step, rl_step.ADV)
-      batch = self._pack(fns.sizes, fns.advantage, prompts, out, rewards_b, version, adv_key)
+      batch, info = pipeline.produce(fns, params, prompts, step, self._seed, version)
     if self._copy is not None:  # to the trainer mesh, on this thread
       batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.mesh))
     info["prompts_truncated"] = int((local["truncated"] & local["valid"]).sum())
@@ -95,7 +90,7 @@ class AsyncProducer:
 
   def get(self, step: int) -> tuple[Any, dict[str, Any]]:
     """The next batch within the staleness bound for loop step `step`, and its host info."""
-    current = (step - 1) * self._fns.updates
+    current = self._fns.version(step - 1)
     batch, info = self.sampler.get(current_version=current, timeout=600.0, with_info=True)
     info["async_dropped_batches"] = self.sampler.stats["dropped_batches"]
     return batch, info
@@ -109,11 +104,11 @@ class AsyncProducer:
       else nothing.
     """
     if self._copy is None:
-      self.sampler.publish(params, step * self._fns.updates)
+      self.sampler.publish(params, self._fns.version(step))
       return {}
     jax.block_until_ready(params)  # the trainer's step is done: time only the copy
     begin = time.perf_counter()
-    self.sampler.publish(params, step * self._fns.updates)
+    self.sampler.publish(params, self._fns.version(step))
     return {
       "reshard_time_s": time.perf_counter() - begin,
       "reshard_bytes": disagg.tree_bytes(params),

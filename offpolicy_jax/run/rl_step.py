@@ -14,19 +14,24 @@ secretly an off-policy algorithm", arXiv:2509.24203):
 Every piece is pure and traceable: with a device reward the whole step is one
 jitted program and `rl_steps` scans `log_every` steps inside it (purejaxrl);
 with a host reward it splits at the reward boundary into `rollout` and
-`learn_scored`. `jax.vmap` over `(state, prompts, seed)` runs several seeds of
-the device-reward step at once. Every PRNG key is a pure function of
+`learn_scored`. Sampling, scoring and packing are `pipeline`'s; the compiled
+programs of a run are the named fields of a `Programs` record (`programs`).
+`jax.vmap` over `(state, prompts, seed)` runs several seeds of the
+device-reward step at once. Every PRNG key is a pure function of
 `(seed, t, stream)`, so a resumed run reproduces an uninterrupted one.
 
 Versions: the train step takes ``U`` optimizer steps per batch and versions
-count optimizer steps, so the batch of step t records ``v(t) * U``; the lag
-schedule (m, n) counts loop steps.
+count optimizer steps, so the batch of step t records ``v(t) * U``
+(`StepFns.version`, the one place of that unit); the lag schedule (m, n)
+counts loop steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,19 +41,10 @@ import optax
 from flax import nnx
 
 from offpolicy_jax import lag
-from offpolicy_jax.run import replay, rollouts, train_state, train_step
+from offpolicy_jax.run import pipeline, replay, train_state, train_step
 from offpolicy_jax.run.train_state import TrainState
 from offpolicy_jax.sampling import partial as partial_rollouts
-from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.scale import sharding
-
-# Streams of per-step randomness: key(seed, t, stream).
-SAMPLE, ADV, REPLAY, TRAIN, EVAL, INIT = range(6)
-
-
-def step_key(seed, step, stream: int) -> jax.Array:
-  """The PRNG key of `stream` at loop step `step`: a pure function of (seed, step); traceable."""
-  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), stream)
 
 
 class ReplayOptions(NamedTuple):
@@ -68,10 +64,11 @@ class LagSchedule(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepFns:
-  """The model, task, loss, optimizer and jitted functions a run's steps use (no config, no state).
+  """The static parts a run's steps are built from: model, task, loss, optimizer, samplers.
 
-  Hashable by identity, so it is a static argument of the jitted steps: runs
-  sharing one `StepFns` (see `components.build_components`) share compiled code.
+  Frozen, and hashable by identity, so it is a static argument of the jitted
+  steps: runs sharing one `StepFns` (see `components.build_components`) share
+  their compiled `Programs`. It holds no config, no state and no cache.
   """
 
   mesh: jax.sharding.Mesh
@@ -82,16 +79,15 @@ class StepFns:
   options: train_step.StepOptions
   optimizer: optax.GradientTransformation
   advantage: str
-  sizes: rollouts.Sizes
+  sizes: pipeline.Sizes
   sample_kw: dict[str, Any]
   sampler: Callable
   greedy: Callable
-  reward: rollouts.Reward
+  reward: pipeline.Reward
   truncate_prompts: bool
   model_key: str  # what the warm start depends on: model, task, shapes, mesh
   # The sampler's own mesh in a disaggregated run (`disagg`); None: it shares `mesh`.
   sampler_mesh: jax.sharding.Mesh | None = None
-  cache: dict = dataclasses.field(default_factory=dict)
   partial: partial_rollouts.PartialSampler | None = (
     None  # partial rollouts (rollout.partial_budget)
   )
@@ -101,18 +97,14 @@ class StepFns:
     """U: optimizer steps (parameter versions) per loop step."""
     return self.options.updates
 
+  def version(self, loop_step):
+    """The parameter version (optimizer steps) after loop step `loop_step`: `loop_step * U`."""
+    return loop_step * self.options.updates
+
   def init_params(self, seed: int):
     """Freshly initialised (from `seed`) or loaded parameters, placed on the mesh."""
     _, params = nnx.split(self.model_fn(seed))
     return sharding.shard_params(params, self.mesh)
-
-  def pass_sampler(self, k: int) -> Callable:
-    """The sampler of k responses per prompt at the training temperature (pass@k)."""
-    key = ("pass_sampler", k)
-    if key not in self.cache:
-      kw = dict(self.sample_kw)
-      self.cache[key] = sampling.make_sampler(self.graphdef, group_size=k, **kw)
-    return self.cache[key]
 
 
 class RunState(NamedTuple):
@@ -136,7 +128,7 @@ class RunState(NamedTuple):
 
 def init_state(fns: StepFns, params, *, capacity_batches: int, snapshots: int) -> RunState:
   """A fresh `RunState` from `params` (copied), with `snapshots` slots (0: none)."""
-  example = rollouts.empty_batch(fns.sizes)
+  example = pipeline.empty_batch(fns.sizes)
   capacity = fns.sizes.prompts_per_step * capacity_batches
   buffer = replay.shard(replay.init(capacity, example, fns.sizes.group_size), fns.mesh)
   return RunState(
@@ -189,17 +181,11 @@ def state_from_items(items: dict[str, Any], like: RunState) -> RunState:
   )
 
 
-def behaviour_version(step, schedule: LagSchedule) -> jax.Array:
-  """`lag.behavior_version` on traced scalars: v(t) = 0 if t <= n else m * floor((t-n-1)/m)."""
-  m, n = schedule
-  return jnp.where(step <= n, 0, m * ((step - n - 1) // m)).astype(jnp.int32)
-
-
 def behaviour_params(state: RunState, step, schedule: LagSchedule):
   """Parameters after loop step v(step), chosen on device: `(params, v, found)`."""
   if state.snapshots is None:
     return state.train.params, jnp.asarray(step - 1, jnp.int32), jnp.array(True)
-  v = behaviour_version(step, schedule)
+  v = lag.behavior_version(step, *schedule)
   stored, found = lag.snapshot_get(state.snapshots, v)
   own = v == step - 1  # on-policy for this step: the trainer's own parameters
   params = jax.tree.map(lambda a, b: jax.lax.select(own, a, b), state.train.params, stored)
@@ -216,21 +202,21 @@ def learn(
   """
   buffer, sampled, info = replay.sample(
     replay.add(state.replay, batch, keep),
-    step_key(seed, step, REPLAY),
+    pipeline.step_key(seed, step, pipeline.REPLAY),
     batch_size=fns.sizes.prompts_per_step,
     policy=opts.policy,
     max_reuse=opts.max_reuse,
-    current_version=(step - 1) * fns.updates,
+    current_version=fns.version(step - 1),
     temperature=opts.temperature,
   )
-  stats = rollouts.batch_stats(sampled, fns.sizes.group_size)
+  stats = pipeline.batch_stats(sampled, fns.sizes.group_size)
   train, metrics = train_step.train_step(
     fns.graphdef,
     fns.optimizer,
     fns.options,
     state.train,
     sampled,
-    step_key(seed, step, TRAIN),
+    pipeline.step_key(seed, step, pipeline.TRAIN),
     state.ref_params,
   )
   snapshots = state.snapshots
@@ -253,29 +239,25 @@ def rollout(fns: StepFns, state: RunState, prompts: dict, step, seed, schedule):
     whether its snapshot was present.
   """
   params, v, found = behaviour_params(state, step, schedule)
-  key = step_key(seed, step, SAMPLE)
-  out = fns.sampler(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
-  return out, v, found
+  return pipeline.sample(fns, params, prompts, step, seed), v, found
 
 
 def learn_scored(fns, opts, state, prompts, out, rewards_b, v, step, seed, schedule):
   """Second half of a step: packs the scored rollout and learns from it."""
-  batch = rollouts.pack(
-    fns.sizes, fns.advantage, prompts, out, rewards_b, v * fns.updates, step_key(seed, step, ADV)
-  )
+  key = pipeline.step_key(seed, step, pipeline.ADV)
+  batch = pipeline.pack(fns, prompts, out, rewards_b, fns.version(v), key)
   state, metrics = learn(fns, opts, state, batch, step, seed, schedule)
-  metrics["behavior_version"] = v * fns.updates
+  metrics["behavior_version"] = fns.version(v)
   return state, metrics
 
 
 def rl_step(fns: StepFns, opts: ReplayOptions, state: RunState, prompts, step, seed, schedule):
   """One whole step for a task with a device reward (traceable, vmappable over seeds)."""
+  assert fns.reward.device is not None, "rl_step needs a device reward"
   if state.inflight is not None:
     return partial_rl_step(fns, opts, state, prompts, step, seed, schedule)
   out, v, found = rollout(fns, state, prompts, step, seed, schedule)
-  answers = jnp.repeat(prompts["answer_tokens"], fns.sizes.group_size, axis=0)
-  assert fns.reward.device is not None, "rl_step needs a device reward"
-  rewards_b = fns.reward.device(answers, out.tokens, out.mask)
+  rewards_b = pipeline.score_on_device(fns, prompts, out)
   state, metrics = learn_scored(fns, opts, state, prompts, out, rewards_b, v, step, seed, schedule)
   metrics["snapshot_missing"] = (~found).astype(jnp.int32)
   return state, metrics
@@ -284,7 +266,7 @@ def rl_step(fns: StepFns, opts: ReplayOptions, state: RunState, prompts, step, s
 def partial_rl_step(
   fns: StepFns, opts: ReplayOptions, state: RunState, prompts, step, seed, schedule
 ):
-  """A device-reward step with partial rollouts (`partial_rollouts`).
+  """A device-reward step with partial rollouts (`sampling.partial`).
 
   The step's prompts join the in-flight pool, every unfinished row decodes at
   most `rollout.partial_budget` tokens with the behaviour parameters v(t) (its
@@ -292,14 +274,13 @@ def partial_rl_step(
   scored, buffered and (FIFO) trained on.
   """
   params, v, found = behaviour_params(state, step, schedule)
-  assert fns.partial is not None and fns.reward.device is not None and state.inflight is not None
+  assert fns.partial is not None and state.inflight is not None
   pool, dropped = partial_rollouts.admit(state.inflight, prompts, step)
-  version = v * fns.updates
-  pool = fns.partial.advance(params, pool, version, step_key(seed, step, SAMPLE))
-  out = partial_rollouts.rollout(pool)
-  answers = jnp.repeat(pool.prompts["answer_tokens"], fns.sizes.group_size, axis=0)
-  rewards_r = fns.reward.device(answers, out.tokens, out.mask)
-  key = step_key(seed, step, ADV)
+  version = fns.version(v)
+  pool = fns.partial.advance(params, pool, version, pipeline.step_key(seed, step, pipeline.SAMPLE))
+  out = partial_rollouts.as_output(pool)
+  rewards_r = pipeline.score_on_device(fns, pool.prompts, out)
+  key = pipeline.step_key(seed, step, pipeline.ADV)
   batch, keep, pool = partial_rollouts.emit(pool, rewards_r, fns.advantage, key)
   state, metrics = learn(
     fns, opts, state._replace(inflight=pool), batch, step, seed, schedule, keep
@@ -308,6 +289,28 @@ def partial_rl_step(
   metrics["behavior_version"] = version
   metrics["snapshot_missing"] = (~found).astype(jnp.int32)
   return state, metrics
+
+
+def host_reward_step(progs: Programs, state, prompts: dict, step, seed, schedule, score):
+  """One step of a host-scored task: the compiled rollout, `score` on the host, the learning.
+
+  Args:
+    progs: the run's compiled programs (`programs`; vmapped over seeds in the study).
+    state: the run state.
+    prompts: the step's prompts (device and host fields).
+    step: the loop step (traced scalar).
+    seed: the run's seed(s).
+    schedule: the `LagSchedule`.
+    score: `rollout -> (rewards [B], host statistics)` (`pipeline.score`).
+
+  Returns:
+    `(state, metrics, host statistics, found)`.
+  """
+  device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
+  out, v, found = progs.rollout(state, device, step, seed, schedule)
+  rewards_b, stats = score(out)
+  state, metrics = progs.learn_scored(state, device, out, rewards_b, v, step, seed, schedule)
+  return state, metrics, stats, found
 
 
 def rl_steps(fns: StepFns, opts: ReplayOptions, state, prompts_l, steps_l, seed, schedule):
@@ -320,35 +323,76 @@ def rl_steps(fns: StepFns, opts: ReplayOptions, state, prompts_l, steps_l, seed,
   return jax.lax.scan(body, state, (prompts_l, steps_l))
 
 
-def _shardings(tree):
-  return jax.tree.map(lambda x: x.sharding, tree)
+class Programs(NamedTuple):
+  """A run's compiled programs, by name (`programs` builds them once per state structure).
 
-
-def jitted(fns: StepFns, name: str, opts: ReplayOptions, state: RunState) -> Callable:
-  """The jitted `rl_steps` / `rollout` / `learn_scored` / `learn` for this state's structure.
-
-  The state is donated and keeps its shardings; metrics are replicated. Cached
-  on `fns`, so runs that share it share the compiled programs.
+  Attributes:
+    rl_steps: `(state, prompts_l, steps_l, seed, schedule) -> (state, metrics [L])`,
+      L device-reward steps in one scan.
+    rollout: `(state, prompts, step, seed, schedule) -> (out, v, found)`.
+    learn_scored: `(state, prompts, out, rewards_b, v, step, seed, schedule)
+      -> (state, metrics)`.
+    learn: `(state, batch, step, seed, schedule) -> (state, metrics)`.
+    behaviour: `(state, step, schedule) -> (params, v, found)`.
   """
-  structure = jax.tree.structure(state)
-  key = (name, opts, structure)
-  if key not in fns.cache:
-    state_sh = _shardings(state)
-    rep = sharding.replicated(fns.mesh)
-    if name == "rl_steps":
-      fn = functools.partial(rl_steps, fns, opts)
-      out_sh: Any = (state_sh, rep)
-      donate: tuple[int, ...] = (0,)
-    elif name == "rollout":
-      fn, out_sh, donate = functools.partial(rollout, fns), None, ()
-    elif name == "learn":
-      fn = functools.partial(learn, fns, opts)
-      out_sh, donate = (state_sh, rep), (0,)
-    else:
-      fn = functools.partial(learn_scored, fns, opts)
-      out_sh, donate = (state_sh, rep), (0,)
-    fns.cache[key] = _with_mesh(jax.jit(fn, out_shardings=out_sh, donate_argnums=donate), fns.mesh)
-  return fns.cache[key]
+
+  rl_steps: Callable
+  rollout: Callable
+  learn_scored: Callable
+  learn: Callable
+  behaviour: Callable
+
+
+# The arguments that carry a leading seed axis in the vmapped study programs
+# (matched by parameter name, so a signature change cannot silently misalign them).
+SEED_ARGS = frozenset({"state", "prompts", "prompts_l", "out", "rewards_b", "v", "seed", "batch"})
+# Functions whose state argument is donated.
+_DONATES_STATE = ("rl_steps", "learn_scored", "learn")
+
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def programs(fns: StepFns, opts: ReplayOptions, state: RunState, *, over_seeds=False) -> Programs:
+  """The jitted programs of a run whose state has `state`'s structure (built once, shared).
+
+  The state is donated; without `over_seeds` it keeps its shardings and
+  metrics are replicated. With `over_seeds` every program is `jax.vmap`ped
+  over a leading seed axis of the `SEED_ARGS` arguments (the study).
+  Programs are memoised per `fns`, so runs that share it share them.
+  """
+  memo = _PROGRAMS.setdefault(fns, {})
+  key = (opts, jax.tree.structure(state), over_seeds)
+  if key not in memo:
+    fns_of: dict[str, Callable] = {
+      "rl_steps": functools.partial(rl_steps, fns, opts),
+      "rollout": functools.partial(rollout, fns),
+      "learn_scored": functools.partial(learn_scored, fns, opts),
+      "learn": functools.partial(learn, fns, opts),
+      "behaviour": behaviour_params,
+    }
+    build = _vmapped if over_seeds else _sharded
+    memo[key] = Programs(**{name: build(fns, name, fn, state) for name, fn in fns_of.items()})
+  return memo[key]
+
+
+def _sharded(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable:
+  state_sh = jax.tree.map(lambda x: x.sharding, state)
+  rep = sharding.replicated(fns.mesh)
+  if name in _DONATES_STATE:
+    jitted = jax.jit(fn, out_shardings=(state_sh, rep), donate_argnums=0)
+  elif name == "behaviour":
+    params_sh = jax.tree.map(lambda x: x.sharding, state.train.params)
+    jitted = jax.jit(fn, out_shardings=(params_sh, rep, rep))
+  else:
+    jitted = jax.jit(fn)
+  return _with_mesh(jitted, fns.mesh)
+
+
+def _vmapped(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable:
+  params = list(inspect.signature(fn).parameters)
+  in_axes = tuple(0 if p in SEED_ARGS else None for p in params)
+  donate = 0 if name in _DONATES_STATE else ()
+  return _with_mesh(jax.jit(jax.vmap(fn, in_axes=in_axes), donate_argnums=donate), fns.mesh)
 
 
 def _with_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:

@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from offpolicy_jax import lag
-from offpolicy_jax.run import rl_step, rollouts
+from offpolicy_jax.run import pipeline, rl_step
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.scale.disagg import SamplerParams, row_shardings, transfer
 
@@ -45,13 +45,16 @@ class SamplerMesh:
 
   Args:
     fns: the run's step functions (`fns.sampler_mesh` set).
+    opts: the run's replay options (which compiled programs of the state to use).
     schedule: `(sync_interval, sync_offset)` as ints.
     seed: the run's seed.
   """
 
-  def __init__(self, fns: rl_step.StepFns, schedule: tuple[int, int], seed: int):
+  def __init__(
+    self, fns: rl_step.StepFns, opts: rl_step.ReplayOptions, schedule: tuple[int, int], seed: int
+  ):
     assert fns.sampler_mesh is not None
-    self.fns, self.schedule, self.seed = fns, schedule, seed
+    self.fns, self.replay, self.schedule, self.seed = fns, opts, schedule, seed
     self.mesh: Mesh = fns.sampler_mesh
     self.copy = SamplerParams(self.mesh)
     self._rep = sharding.replicated(fns.mesh)
@@ -64,14 +67,14 @@ class SamplerMesh:
   def _sync(self, state: rl_step.RunState, step: int, v: int) -> tuple[bool, dict[str, Any]]:
     if state.snapshots is None:  # on-policy: the trainer's own parameters
       return True, self.copy.sync(state.train.params, v)
-    fn = _behaviour_fn(self.fns, state)
+    fn = rl_step.programs(self.fns, self.replay, state).behaviour
     put = lambda a: sharding.put(np.int32(a), self._rep)
     lag_a = rl_step.LagSchedule(put(self.schedule[0]), put(self.schedule[1]))
     params, _, found = fn(state, put(step), lag_a)
     # `params` is a fresh selection (never the state's own buffers): donate it.
     return bool(found), self.copy.sync(params, v, donate=True)
 
-  def rollout(self, state: rl_step.RunState, local: dict[str, Any], step: int) -> Sampled:
+  def sample(self, state: rl_step.RunState, local: dict[str, Any], step: int) -> Sampled:
     """Samples (and scores, for a device reward) step `step`'s prompts on the sampler mesh.
 
     Args:
@@ -83,26 +86,15 @@ class SamplerMesh:
     found, info = True, {"reshard_time_s": 0.0, "reshard_bytes": 0}
     if v != self.copy.version:
       found, info = self._sync(state, step, v)
-    prompts = rollouts.assemble_global(self.mesh, local)
-    key = rl_step.step_key(self.seed, step, rl_step.SAMPLE)
+    prompts = pipeline.assemble_global(self.mesh, local)
     fns, trainer = self.fns, self.fns.mesh
     with jax.set_mesh(self.mesh):
-      out = fns.sampler(self.copy.params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
+      out = pipeline.sample(fns, self.copy.params, prompts, step, self.seed)
       rewards = None
       if fns.reward.device is not None:
-        rewards, _ = rollouts.score(fns, prompts, out)
+        rewards = pipeline.score_on_device(fns, prompts, out)
     out = transfer(out, row_shardings(out, trainer))
     if rewards is not None:
       rewards = transfer(rewards, sharding.batch_sharding(trainer, 1))
     version = sharding.put(np.int32(v), self._rep)
     return Sampled(out, version, found, rewards, info)
-
-
-def _behaviour_fn(fns: rl_step.StepFns, state: rl_step.RunState):
-  """`rl_step.behaviour_params` jitted on the trainer mesh (cached on `fns`)."""
-  key = ("disagg_behaviour", jax.tree.structure(state))
-  if key not in fns.cache:
-    params_sh = jax.tree.map(lambda x: x.sharding, state.train.params)
-    rep = sharding.replicated(fns.mesh)
-    fns.cache[key] = jax.jit(rl_step.behaviour_params, out_shardings=(params_sh, rep, rep))
-  return fns.cache[key]

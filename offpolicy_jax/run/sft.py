@@ -25,8 +25,8 @@ import optax
 from flax import nnx
 from jax.typing import ArrayLike
 
-from offpolicy_jax import models
-from offpolicy_jax.run import data, rollouts, train_state
+from offpolicy_jax import models, types
+from offpolicy_jax.run import data, pipeline, train_state
 
 
 class SFTBatch(NamedTuple):
@@ -91,7 +91,7 @@ def reference_batches(
     texts = [task.answer(ex) for ex in data.examples(task, "train", batch["index"])]
     tokens, mask = encode_targets(tokenizer, texts, max_len)
     p = batch["prompt_tokens"].shape[1]
-    prompt_mask = (np.arange(p)[None] >= p - batch["prompt_lengths"][:, None]).astype(np.float32)
+    prompt_mask = np.asarray(types.prompt_mask(batch["prompt_lengths"], p), np.float32)
     yield SFTBatch(batch["prompt_tokens"], prompt_mask, tokens, mask)
 
 
@@ -239,7 +239,7 @@ def warm_start(
   cache_key = json.dumps([fns.model_key, seed, steps, batch_size, learning_rate])
   if cache_key not in _WARM_START_CACHE:
     # Its own prompt stream (seed + 1): the RL iterator still starts from the beginning.
-    it = rollouts.prompt_iterator(fns, seed + 1, "train", batch_size=batch_size)
+    it = pipeline.prompt_iterator(fns, seed + 1, "train", batch_size=batch_size)
     batches = reference_batches(fns.task, fns.tokenizer, it, fns.sizes.max_new_tokens)
     every = max(1, steps // 5)
     result = run(

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from offpolicy_jax import advantages
+from offpolicy_jax import advantages, types
 from offpolicy_jax.sampling.sampler import SampleOutput, select_token
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.types import TrainBatch
@@ -226,7 +226,7 @@ def make_advance(
     w = p + (lag_steps - 1) * b
     prompt = jnp.repeat(state.prompts["prompt_tokens"], group_size, axis=0)
     lengths_p = jnp.repeat(state.prompts["prompt_lengths"], group_size, axis=0)
-    prompt_mask = jnp.arange(p)[None, :] >= p - lengths_p[:, None]
+    prompt_mask = types.prompt_mask(lengths_p, p)
     full = jnp.concatenate([prompt, state.tokens], axis=1)
     full_mask = jnp.concatenate([prompt_mask, state.mask], axis=1)
     shift = jnp.maximum(w - p - state.lengths, 0)
@@ -291,7 +291,7 @@ def finished(state: PartialState) -> jax.Array:
   return state.active & state.done.reshape(-1, k).all(axis=1)
 
 
-def rollout(state: PartialState) -> SampleOutput:
+def as_output(state: PartialState) -> SampleOutput:
   """The pool's rows as a `SampleOutput` (tokens, behaviour log-probs, mask, lengths)."""
   return SampleOutput(
     state.tokens,
@@ -331,20 +331,15 @@ def emit(
   keep_o = keep[order]
   valid = jnp.broadcast_to(keep_o[:, None], (s, k))
   adv = advantages.compute(advantage, rewards_gk, key=key, valid=valid).reshape(-1)
-  prompt_tokens = state.prompts["prompt_tokens"][order]
-  p = prompt_tokens.shape[1]
-  lengths_p = state.prompts["prompt_lengths"][order]
-  prompt_mask = (jnp.arange(p)[None, :] >= p - lengths_p[:, None]).astype(jnp.float32)
-  batch = TrainBatch(
-    prompt_tokens=jnp.repeat(prompt_tokens, k, axis=0),
-    prompt_mask=jnp.repeat(prompt_mask, k, axis=0),
-    tokens=state.tokens[rows],
-    mask=state.mask[rows].astype(jnp.float32),
-    behavior_logp=state.logprobs[rows],
-    advantages=adv,
-    rewards=rewards_gk.reshape(-1),
-    versions=state.versions[rows],
-    weights=jnp.ones((s * k,), jnp.float32),
+  batch = types.pack_groups(
+    state.prompts["prompt_tokens"][order],
+    state.prompts["prompt_lengths"][order],
+    state.tokens[rows],
+    state.mask[rows],
+    state.logprobs[rows],
+    state.versions[rows],
+    rewards_gk.reshape(-1),
+    adv,
   )
   return batch, keep_o, state._replace(active=state.active & ~keep)
 

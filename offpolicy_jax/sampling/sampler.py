@@ -31,6 +31,8 @@ import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
+from offpolicy_jax import types
+
 
 class SampleOutput(NamedTuple):
   """Sampler output (rows group-major, B = G * K).
@@ -154,7 +156,7 @@ def make_sampler(
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
     g, p = prompt_tokens.shape
     b = g * k_rep
-    prompt_mask = jnp.arange(p)[None, :] >= p - jnp.asarray(prompt_lengths)[:, None]
+    prompt_mask = types.prompt_mask(prompt_lengths, p)
     # The prompts' cache is filled once and read once per group at every step;
     # each of the B rows has its own cache for the tokens it generates.
     h, prefix = model.hidden_states(

@@ -96,6 +96,11 @@ def mesh_of(devices: Sequence[Any], shape: tuple[int, int, int]) -> Mesh:
   return Mesh(grid.reshape(shape), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 3)
 
 
+def sampler_shape(sampler_count: int) -> tuple[int, int, int]:
+  """`(data, fsdp, tensor)` of the sampler's mesh: its k devices on `data` (prompt rows)."""
+  return (sampler_count, 1, 1)
+
+
 def make_meshes(
   devices: Sequence[Any], sampler_count: int, trainer_shape: tuple[int, int, int]
 ) -> tuple[Mesh, Mesh]:
@@ -122,7 +127,7 @@ def make_meshes(
       f"mesh: with {FIELD} = {sampler_count} the trainer's data * fsdp * tensor "
       f"{tuple(trainer_shape)} must use exactly the other {n} devices"
     )
-  sampler_mesh = mesh_of(layout.sampler, (len(layout.sampler), 1, 1))
+  sampler_mesh = mesh_of(layout.sampler, sampler_shape(len(layout.sampler)))
   return sampler_mesh, mesh_of(layout.trainer, (shape[0], shape[1], shape[2]))
 
 

@@ -20,7 +20,7 @@ dtypes and shardings, matching leaves by path name.
 Saves are atomic (orbax renames a complete temporary directory), keep the last
 `max_to_keep` steps, and are asynchronous: `save` returns once the arrays are
 off the device. Each committed step gets a manifest of its files' sha256
-digests (`checkpoint_integrity`; written in the background after an
+digests (`integrity`; written in the background after an
 asynchronous save, and `save`, `wait`, `close` and every read wait for it).
 Restores check the files they will read first: their items', meta's and the
 step's own; a step without a manifest restores unverified, with a warning.

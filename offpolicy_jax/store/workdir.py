@@ -11,10 +11,11 @@
   no longer holds the lock (killed) says that it takes the stale lock over.
 - **Config record.** On resume, the fields that change what a run means (loss,
   advantage, lag, model, task, shapes, seed, optimizer, replay, ...: every
-  field but those in `RUN_CONTROL_FIELDS`) are compared with the run's
-  `config.json`. A change is refused (`ConfigChanged`, listing the fields)
-  unless `allow_change`, in which case it is appended, with the step it takes
-  effect at, to `config_history.jsonl`.
+  field whose `config_schema` role is kept on resume; not the run control of
+  length, evaluation, checkpoints, logging, reward workers and mesh) are
+  compared with the run's `config.json`. A change is refused
+  (`ConfigChanged`, listing the fields) unless `allow_change`, in which case
+  it is appended, with the step it takes effect at, to `config_history.jsonl`.
 """
 
 from __future__ import annotations
@@ -25,43 +26,18 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import filelock
 
-from offpolicy_jax import files
+from offpolicy_jax import config_schema, files
 from offpolicy_jax.store import metrics
 
 LOCK_FILE = ".lock"
 HOLDER_FILE = ".lock.json"
 HISTORY_FILE = metrics.CONFIG_HISTORY_FILE
-# Fields that control how a run is watched: evaluation, checkpoints, logging.
-WATCH_FIELDS = (
-  "eval_every",
-  "eval_prompts",
-  "eval_samples",
-  "checkpoint_every",
-  "keep_checkpoints",
-  "async_checkpoint",
-  "tensorboard",
-  "wandb_project",
-  "progress",
-  "log_every",
-  "profile_steps",
-)
-# Fields that control how long a run goes, how it is watched and where it runs,
-# not what it computes: a resume may change them freely.
-RUN_CONTROL_FIELDS = (
-  "total_steps",
-  *WATCH_FIELDS,
-  "reward_timeout",
-  "reward_batch_timeout",
-  "reward_workers",
-  "reward_memory_mb",
-  "reward_sandbox",
-  "mesh",
-)
+ABSENT = "<absent>"
 
 
 class WorkdirLocked(RuntimeError):
@@ -132,30 +108,36 @@ def lock(path: str) -> Iterator[None]:
     file_lock.release()
 
 
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-  out: dict[str, Any] = {}
-  for k, v in d.items():
-    if isinstance(v, Mapping) and v:
-      out.update(_flatten(v, f"{prefix}{k}."))
-    else:
-      out[f"{prefix}{k}"] = v
-  return out
-
-
 def _normalise(value: Any) -> Any:
   """The JSON form `metrics.save_config` stores, so stored and live values compare."""
   return json.loads(json.dumps(value, default=str))
 
 
-def config_changes(stored: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, tuple]:
-  """`{field: (stored, new)}` for meaning fields that differ (added or removed ones too)."""
-  old, new = _flatten(stored), _flatten(_normalise(dict(config)))
+def config_changes(
+  stored: Mapping[str, Any],
+  config: Mapping[str, Any],
+  *,
+  matters: Callable[[config_schema.Role], bool] = lambda role: role.kept,
+) -> dict[str, tuple]:
+  """`{field: (stored, new)}` for the fields that differ (added or removed ones too).
+
+  Args:
+    stored: the recorded config (JSON form).
+    config: the new config (a dict).
+    matters: which roles count (default: the fields a resume must keep); an
+      undeclared field always counts. A retired field at its retired value
+      (`config_schema.RETIRED`) is no change.
+  """
+  old, new = config_schema.flatten(stored), config_schema.flatten(_normalise(dict(config)))
   changes = {}
   for field in sorted(set(old) | set(new)):
-    if field.split(".")[0] in RUN_CONTROL_FIELDS:
+    if not matters(config_schema.role_of(field)):
       continue
-    if old.get(field, "<absent>") != new.get(field, "<absent>"):
-      changes[field] = (old.get(field, "<absent>"), new.get(field, "<absent>"))
+    a, b = old.get(field, ABSENT), new.get(field, ABSENT)
+    if b == ABSENT and field in config_schema.RETIRED and a == config_schema.RETIRED[field]:
+      continue
+    if a != b:
+      changes[field] = (a, b)
   return changes
 
 

@@ -5,18 +5,20 @@ are stacked on a leading axis and one jitted `vmap(rl_step.rl_steps)` advances
 them together, evaluating every `config.eval_every` steps with a vmapped
 greedy sampler on `config.eval_prompts` held-out prompts. Runs with the same
 seed share the warm start (`sft.warm_start`, computed once per seed) and the
-prompt stream, so they are paired (`study_stats`). The lag schedule is a traced
+prompt stream, so they are paired (`study.stats`). The lag schedule is a traced
 argument and every cell has the same number of snapshot slots, so the lags of
 one method share one compiled program.
 
 Finished cells go to `workdir/cells/<method>@<lag>.json` (atomically); a rerun
-skips them, so an interrupted study resumes (`study_report` makes the tables).
+skips them, so an interrupted study resumes (`study.report` makes the tables),
+unless a field a finished cell depends on has changed (`config_schema`: every
+field whose role reaches a study cell; not how seeds are batched, the report's
+settings, checkpoints, logging, the mesh or the reward workers).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -29,16 +31,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from offpolicy_jax import advantages, lag, losses
-from offpolicy_jax.run import components, evaluation, rl_step, rollouts, sft
+from offpolicy_jax import advantages, config_schema, lag, losses
+from offpolicy_jax.run import components, evaluation, pipeline, rl_step, sft
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweeps
 
 CELLS_DIR = "cells"
 CONFIG_FILE = "study_config.json"
-# `config.study` fields a finished cell does not depend on (how seeds are batched,
-# the bandit of the report): changing them does not stop a resume.
-NO_EFFECT_ON_CELLS = ("vmap_seeds", "eval_batch", "bandit_steps", "bandit_group_size", "bandit_lr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,22 +109,22 @@ def parse_lags(spec: str, total_steps: int) -> dict[str, tuple[int, int]]:
 
 def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, Grid]:
   """(the base run config without `study`, the grid of `config.study`)."""
+  config_schema.check(config, config_schema.STUDY_FIELDS)
   st = config.study
-  if st.seeds < 2:
-    raise ValueError(f"config.study.seeds: need >= 2 seeds for intervals, got {st.seeds}")
-  if config.eval_every < 1 or config.total_steps % config.eval_every:
+  base = ml_collections.ConfigDict({k: v for k, v in config.items() if k != "study"})
+  run = components.run_settings(base)
+  if run.eval_every < 1 or run.total_steps % run.eval_every:
     raise ValueError(
-      f"config.eval_every: {config.eval_every} must be >= 1 and divide total_steps "
-      f"{config.total_steps}"
+      f"config.eval_every: {run.eval_every} must be >= 1 and divide total_steps {run.total_steps}"
     )
-  if not 1 <= st.eval_last <= config.total_steps // config.eval_every:
+  if not st.eval_last <= run.total_steps // run.eval_every:
     raise ValueError(
       f"config.study.eval_last: {st.eval_last} evaluations, the run has "
-      f"{config.total_steps // config.eval_every}"
+      f"{run.total_steps // run.eval_every}"
     )
-  if config.lag.mode != "sync":
+  if run.lag_mode != "sync":
     raise ValueError("config.lag.mode: a study simulates lag exactly; it must be 'sync'")
-  if config.mesh.sampler_devices:
+  if base.mesh.sampler_devices:
     raise ValueError(
       "config.mesh.sampler_devices: a study runs every seed's step as one program on one "
       "mesh; it must be 0"
@@ -138,67 +137,20 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
         f"config.study.methods: {name}={loss}{'+' + adv if adv else ''} names an unknown "
         f"loss or advantage (losses.names(), advantages.names())"
       )
-  lags = parse_lags(st.lags, config.total_steps)
+  lags = parse_lags(st.lags, run.total_steps)
   method, _, lag_name = st.baseline.partition("@")
   if method not in methods or lag_name not in lags:
     raise ValueError(
       f"config.study.baseline: {st.baseline!r} must be <method>@<lag> of the grid "
       f"(methods {list(methods)}, lags {list(lags)})"
     )
-  base = ml_collections.ConfigDict({k: v for k, v in config.items() if k != "study"})
-  seeds = tuple(range(config.seed, config.seed + st.seeds))
-  for field in ("vmap_seeds", "eval_batch"):
-    if st[field] < 0:
-      raise ValueError(f"config.study.{field}: must be >= 0, got {st[field]}")
+  seeds = tuple(range(run.seed, run.seed + st.seeds))
   grid = Grid(methods, lags, seeds, st.eval_last, (method, lag_name), st.vmap_seeds, st.eval_batch)
   return base, grid
 
 
 def _stack(trees: list) -> Any:
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-
-
-def _vmapped(fns: rl_step.StepFns, name: str, opts: rl_step.ReplayOptions) -> Callable:
-  """A jitted vmap over seeds of an `rl_step` function (cached on `fns`)."""
-  key = ("study", name, opts)
-  axes: tuple[int | None, ...]
-  if key not in fns.cache:
-    if name == "rl_steps":
-      fn, axes, donate = functools.partial(rl_step.rl_steps, fns, opts), (0, 0, None, 0, None), 0
-    elif name == "rollout":
-      fn, axes, donate = functools.partial(rl_step.rollout, fns), (0, 0, None, 0, None), None
-    else:
-      fn = functools.partial(rl_step.learn_scored, fns, opts)
-      axes, donate = (0, 0, 0, 0, 0, None, 0, None), 0
-    jitted = jax.jit(jax.vmap(fn, in_axes=axes), donate_argnums=donate)
-
-    def call(*args):
-      with jax.set_mesh(fns.mesh):
-        return jitted(*args)
-
-    fns.cache[key] = call
-  return fns.cache[key]
-
-
-def _greedy(fns: rl_step.StepFns) -> Callable:
-  key = ("study", "greedy")
-  if key not in fns.cache:
-    fns.cache[key] = jax.jit(jax.vmap(fns.greedy, in_axes=(0, None, None, None)))
-  return fns.cache[key]
-
-
-def _pass(fns: rl_step.StepFns, k: int) -> Callable:
-  key = ("study", "pass", k)
-  if key not in fns.cache:
-    fns.cache[key] = jax.jit(jax.vmap(fns.pass_sampler(k), in_axes=(0, None, None, 0)))
-  return fns.cache[key]
-
-
-def _scores(fns, prompts, out, s: int, k: int) -> np.ndarray:
-  """Rewards of seed `s`'s rows of a vmapped sampler output (device or sandboxed host reward)."""
-  one = jax.tree.map(lambda x: x[s], out)
-  r, _ = rollouts.score(fns, prompts, one, split="eval", group_size=k)
-  return np.asarray(r)
 
 
 def evaluate(
@@ -213,47 +165,44 @@ def evaluate(
 ):
   """Greedy accuracy [S] (and pass@k [S] when k >= 2) of seed-stacked `params`.
 
-  The first `num_prompts` held-out prompts, `batch_size` at a time (0: all at
-  once); pass@k samples at the training temperature with each seed's EVAL key.
+  The run's evaluator (`evaluation.evaluate_seeds`) on the first `num_prompts`
+  held-out prompts, `batch_size` at a time (0: all at once), pass@k sampled
+  with each seed's EVAL key of `step`.
   """
-  correct, solved, total = np.zeros(len(seeds)), np.zeros(len(seeds)), 0.0
-  keys = jax.vmap(lambda s: rl_step.step_key(s, step, rl_step.EVAL))(jnp.asarray(seeds))
-  for i, prompts in enumerate(evaluation.eval_prompts(fns, num_prompts, batch_size or num_prompts)):
-    valid = np.asarray(prompts["valid"], np.float64)
-    tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
-    total += valid.sum()
-    out = _greedy(fns)(params, tokens, lengths, jax.random.key(0))
-    for s in range(len(seeds)):
-      correct[s] += ((_scores(fns, prompts, out, s, 1) > 0.5) * valid).sum()
-    if k >= 2:
-      # The first batch uses each seed's key itself, later ones fold in their index.
-      batch_keys = keys if i == 0 else jax.vmap(lambda key, i=i: jax.random.fold_in(key, i))(keys)
-      out = _pass(fns, k)(params, tokens, lengths, batch_keys)
-      for s in range(len(seeds)):
-        solved[s] += ((_scores(fns, prompts, out, s, k).reshape(-1, k) > 0.5).any(1) * valid).sum()
-  return correct / total, (solved / total if k >= 2 else None)
+  keys = jax.vmap(lambda s: pipeline.step_key(s, step, pipeline.EVAL))(jnp.asarray(seeds))
+  ev = evaluation.evaluate_seeds(
+    fns, params, keys, num_prompts, k, batch_size=batch_size or num_prompts
+  )
+  return ev["accuracy"], ev.get(f"pass@{k}")
 
 
-def _host_reward_steps(fns, opts, state, prompts_l, steps, seeds, schedule):
-  """`rl_steps` for a host-scored task: vmapped rollout, per-seed scoring, vmapped learning."""
+def _host_reward_steps(fns, progs: rl_step.Programs, state, prompts_l, steps, seeds, schedule):
+  """`rl_steps` for a host-scored task: the seeds' rollouts, each seed's scoring, learning.
+
+  One `rl_step.host_reward_step` per loop step, with the vmapped programs and
+  each seed's rows scored in the sandboxed workers.
+  """
   rows = []
   for i, step in enumerate(steps):
     prompts = {k: x[:, i] for k, x in prompts_l.items()}
-    device = {k: prompts[k] for k in rollouts.DEVICE_FIELDS}
-    out, v, found = _vmapped(fns, "rollout", opts)(state, device, step, seeds, schedule)
-    scored = []
-    for s in range(len(seeds)):
-      one = {k: x[s] for k, x in prompts.items()}
-      scored.append(rollouts.score(fns, one, jax.tree.map(lambda x, s=s: x[s], out))[0])
-    learn = _vmapped(fns, "learn_scored", opts)
-    state, m = learn(state, device, out, jnp.stack(scored), v, step, seeds, schedule)
+
+    def score(out, prompts=prompts):
+      per_seed = []
+      for s in range(len(seeds)):
+        one = {k: x[s] for k, x in prompts.items()}
+        per_seed.append(pipeline.score(fns, one, jax.tree.map(lambda x, s=s: x[s], out))[0])
+      return jnp.stack(per_seed), {}
+
+    state, m, _, found = rl_step.host_reward_step(
+      progs, state, prompts, step, seeds, schedule, score
+    )
     rows.append({**m, "snapshot_missing": (~found).astype(jnp.int32)})
   return state, jax.tree.map(lambda *x: jnp.stack(x, axis=1), *rows)
 
 
 def _prompt_chunk(iters: list, n: int, host_fields: bool) -> dict[str, Any]:
   """[S, n, ...] prompts: n batches from each seed's iterator."""
-  fields = rollouts.DEVICE_FIELDS + (("index", "valid") if host_fields else ())
+  fields = pipeline.DEVICE_FIELDS + (("index", "valid") if host_fields else ())
   per_seed = []
   for it in iters:
     batches = [next(it) for _ in range(n)]
@@ -261,7 +210,7 @@ def _prompt_chunk(iters: list, n: int, host_fields: bool) -> dict[str, Any]:
   return {k: np.stack([p[k] for p in per_seed]) for k in fields}
 
 
-def snapshot_slots(grid: Grid) -> int:
+def grid_snapshot_slots(grid: Grid) -> int:
   """Snapshot slots enough for every lag of the grid (one state shape for all)."""
   return max(lag.snapshot_capacity(m, n) for m, n in grid.lags.values())
 
@@ -298,14 +247,14 @@ def run_cell(
 def _run_seeds(comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule_mn) -> list[dict]:
   """One vmapped run of `seeds` from their warm starts: per-seed curves."""
   fns, run = comps.fns, comps.run
-  slots = snapshot_slots(grid)
+  slots = grid_snapshot_slots(grid)
   state = _stack(
     [
       rl_step.init_state(fns, p, capacity_batches=run.replay_capacity_batches, snapshots=slots)
       for p in starts
     ]
   )
-  iters = [rollouts.prompt_iterator(fns, s) for s in seeds]
+  iters = [pipeline.prompt_iterator(fns, s) for s in seeds]
   seeds_a = jnp.asarray(seeds, jnp.int32)
   schedule = rl_step.LagSchedule(*(jnp.int32(x) for x in schedule_mn))
   device = fns.reward.device is not None
@@ -315,10 +264,11 @@ def _run_seeds(comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule
   for start in range(0, run.total_steps, run.eval_every):
     prompts = _prompt_chunk(iters, run.eval_every, not device)
     steps = jnp.arange(start + 1, start + run.eval_every + 1, dtype=jnp.int32)
+    progs = rl_step.programs(fns, run.replay, state, over_seeds=True)
     if device:
-      state, out = _vmapped(fns, "rl_steps", run.replay)(state, prompts, steps, seeds_a, schedule)
+      state, out = progs.rl_steps(state, prompts, steps, seeds_a, schedule)
     else:
-      state, out = _host_reward_steps(fns, run.replay, state, prompts, steps, seeds_a, schedule)
+      state, out = _host_reward_steps(fns, progs, state, prompts, steps, seeds_a, schedule)
     metrics_l.append(jax.device_get(out))
     end = start + run.eval_every
     k = run.eval_samples if end == run.total_steps else 0
@@ -401,11 +351,7 @@ def _check_config(path: str, config: ml_collections.ConfigDict) -> None:
     return
   with open(file) as f:
     stored = json.load(f)
-  changes = {
-    k: v
-    for k, v in workdir.config_changes(stored, cfg).items()
-    if k.removeprefix("study.") not in NO_EFFECT_ON_CELLS
-  }
+  changes = workdir.config_changes(stored, cfg, matters=lambda role: role.cell)
   if changes:
     listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
     raise workdir.ConfigChanged(

@@ -1,4 +1,15 @@
-"""From prompts to a scored `TrainBatch`: prompt batches, rewards, packing, batch statistics.
+"""The one pipeline from prompts to a scored, packed `TrainBatch`.
+
+  prompts (`prompt_iterator`, `assemble_global`)
+    -> `sample` (the run's sampler, with the parameters the caller chose)
+    -> `score` (`score_on_device`, or `score_on_host` in the sandboxed workers)
+    -> `pack` (advantages, per-token versions: a `types.TrainBatch`)
+
+Every path of a run goes through these functions: the jitted RL step
+(`rl_step`), the loop's host-reward and disaggregated steps, the async
+producer (`produce`), the disaggregated sampler (`sampler_mesh`) and the
+study; partial rollouts differ only in how they sample (`sampling.partial`)
+and pack finished groups through the same `types.pack_groups`.
 
 Multi-host data path: every process reads the same global prompt stream and
 keeps its own block of rows of each batch (`prompts_per_step / process_count`
@@ -23,12 +34,15 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from offpolicy_jax import advantages
+from offpolicy_jax import advantages, types
 from offpolicy_jax.rewards import scoring as rewards
 from offpolicy_jax.run import data
+from offpolicy_jax.sampling import SampleOutput
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.types import TrainBatch
 
+# Streams of per-step randomness: step_key(seed, t, stream).
+SAMPLE, ADV, REPLAY, TRAIN, EVAL, INIT = range(6)
 # Prompt fields that become global device arrays (the rest stay host-side).
 DEVICE_FIELDS = ("prompt_tokens", "prompt_lengths", "answer_tokens")
 # Host reward statistics of a batch (every metrics row carries them; zero for device rewards).
@@ -220,51 +234,79 @@ def score_on_host(fns, prompts: dict, rollout, *, split: str, group_size: int):
   return out, _gather_stats(stats)
 
 
+def step_key(seed, step, stream: int) -> jax.Array:
+  """The PRNG key of `stream` at loop step `step`: a pure function of (seed, step); traceable."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), stream)
+
+
+def sample(fns, params, prompts: dict, step, seed) -> SampleOutput:
+  """K responses to each of the G prompts with `params` (traceable; on the mesh of `params`).
+
+  The one call of the run's sampler: the loop, the async producer, the
+  disaggregated sampler and the study all sample through here.
+  """
+  key = step_key(seed, step, SAMPLE)
+  return fns.sampler(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
+
+
+def score_on_device(fns, prompts: dict, rollout, group_size: int | None = None) -> jax.Array:
+  """Rewards [B] of a device-reward task (traceable): each response against its prompt's answer."""
+  k = group_size or fns.sizes.group_size
+  answers = jnp.repeat(jnp.asarray(prompts["answer_tokens"]), k, axis=0)
+  return fns.reward.device(answers, rollout.tokens, rollout.mask)
+
+
 def score(fns, prompts: dict, rollout, *, split: str = "train", group_size: int | None = None):
   """Rewards [B] and the host reward statistics, on device or in the verifier workers."""
   k = group_size or fns.sizes.group_size
   if fns.reward.device is not None:
-    answers = jnp.repeat(jnp.asarray(prompts["answer_tokens"]), k, axis=0)
-    return fns.reward.device(answers, rollout.tokens, rollout.mask), no_reward_stats()
+    return score_on_device(fns, prompts, rollout, k), no_reward_stats()
   return score_on_host(fns, prompts, rollout, split=split, group_size=k)
 
 
-def prompt_mask(prompt_lengths: jax.Array, width: int) -> jax.Array:
-  """float32 [G, P]: 1 on the real tokens of left-padded prompts."""
-  return (jnp.arange(width)[None, :] >= width - prompt_lengths[:, None]).astype(jnp.float32)
-
-
-def pack(
-  sizes: Sizes, advantage: str, prompts: dict, rollout, rewards_b, version, key
-) -> TrainBatch:
-  """Packs a scored rollout into a `TrainBatch` (traceable).
+def pack(fns, prompts: dict, rollout, rewards_b, version, key) -> TrainBatch:
+  """Packs a scored rollout of whole responses into a `TrainBatch` (traceable).
 
   Args:
-    sizes: the static batch shape.
-    advantage: advantage estimator name (`advantages.compute`).
+    fns: the run's step functions (batch shape and advantage estimator).
     prompts: dict with `prompt_tokens` [G, P] and `prompt_lengths` [G].
     rollout: the sampler's output for the G * K rows.
     rewards_b: float32 [B]; a non-finite reward makes the loss non-finite and
       the train step skips that update (failing host rewards score 0).
-    version: the behaviour parameters' optimizer-step count.
+    version: the behaviour parameters' version, in optimizer steps (`fns.version`).
     key: PRNG key of stochastic advantage estimators.
   """
-  g, k = sizes.prompts_per_step, sizes.group_size
-  tokens_gp = jnp.asarray(prompts["prompt_tokens"])
+  g, k = fns.sizes.prompts_per_step, fns.sizes.group_size
   rewards_b = jnp.asarray(rewards_b, jnp.float32)
-  adv = advantages.compute(advantage, rewards_b.reshape(g, k), key=key).reshape(g * k)
-  mask_gp = prompt_mask(jnp.asarray(prompts["prompt_lengths"]), tokens_gp.shape[1])
-  return TrainBatch(
-    prompt_tokens=jnp.repeat(tokens_gp, k, axis=0),
-    prompt_mask=jnp.repeat(mask_gp, k, axis=0),
-    tokens=rollout.tokens,
-    mask=rollout.mask,
-    behavior_logp=rollout.logprobs,
-    advantages=adv,
-    rewards=rewards_b,
-    versions=jnp.full(rollout.tokens.shape, version, jnp.int32),
-    weights=jnp.ones((g * k,), jnp.float32),
+  adv = advantages.compute(fns.advantage, rewards_b.reshape(g, k), key=key).reshape(g * k)
+  versions = jnp.full(rollout.tokens.shape, version, jnp.int32)
+  return types.pack_groups(
+    prompts["prompt_tokens"],
+    prompts["prompt_lengths"],
+    rollout.tokens,
+    rollout.mask,
+    rollout.logprobs,
+    versions,
+    rewards_b,
+    adv,
   )
+
+
+def produce(fns, params, prompts: dict, step: int, seed: int, version: int):
+  """Sample, score and pack one step's batch with given parameters, from the host.
+
+  What a sampler that holds its own parameter copy runs (the async producer):
+  the same `sample`, `score` and `pack` as the jitted step.
+
+  Returns:
+    `(TrainBatch, host reward statistics)`.
+  """
+  out = sample(fns, params, prompts, step, seed)  # `fns.sampler` is jitted
+  rewards_b, stats = score(fns, prompts, out)
+  return _pack(fns, prompts, out, rewards_b, version, step_key(seed, step, ADV)), stats
+
+
+_pack = jax.jit(pack, static_argnums=0)
 
 
 def empty_batch(sizes: Sizes) -> TrainBatch:

@@ -1,0 +1,482 @@
+"""The experiment config: every field once, with its default, role, check and doc.
+
+`configs/default.py` builds its ConfigDict from `RUN_FIELDS` (`config_dict`),
+so ml_collections stays the command line (`--config.lag.sync_interval=8`), and
+the doc of a `Field` is that field's one comment. A field's role says what
+changing it changes; every reader asks the role instead of keeping a list:
+
+  role            compiled  kept on resume  study cell  fields
+  PROGRAM         yes       yes             yes         model, task, shapes, loss, train, optimizer
+  NUMBERS         no        yes             yes         seed, lag, replay, sft; the study's grid
+  CONTROL         no        no              yes         total_steps, evaluation
+  PLACEMENT       yes       no              no          mesh, reward workers
+  NO_CELL_EFFECT  no        no              no          checkpoints, logging, writers; how a study
+                                                        batches its work, its report
+
+- compiled: the cached compiled part of a run (`run.components.compile_key`)
+  is built from it; the fields that are not compiled are the run's plain
+  settings (`run.components.RunSettings`, each under its `Field.setting`).
+- kept on resume: `store.workdir.check_config` refuses a resume that changes it.
+- study cell: a finished study cell depends on it, so `study.runner` refuses
+  to resume a study that changes it.
+
+(a) changes the compiled programs = PROGRAM; (b) changes a run's numbers, not
+what compiles = NUMBERS; (c) run control that may change on resume = CONTROL
+(what a study cell records: length and evaluation) or PLACEMENT (where and how
+the compiled part runs: the mesh, the reward workers it holds); (d) no effect
+on a study cell = NO_CELL_EFFECT.
+
+Checks that need nothing but the value (type, range, a fixed set of words)
+live beside the field (`Int`, `Float`, `Choice`, `Bool`, `Str`) and run first
+in `run.validation.validate_config`; checks against registries (loss,
+advantage, task and model names), files or other fields stay there.
+
+Why this wing: it is the bottom one, so `store.workdir` (below `run`) reads the
+roles too. The study's fields (`config.study.*`, configs/lag_study.py) are
+`STUDY_FIELDS`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple, Protocol
+
+import ml_collections
+import numpy as np
+from ml_collections import config_dict as _config_dict
+
+
+class Role(NamedTuple):
+  """What changing a field changes (module docstring)."""
+
+  name: str
+  compiled: bool
+  kept: bool
+  cell: bool
+  doc: str
+
+
+PROGRAM = Role("program", True, True, True, "changes the compiled programs")
+NUMBERS = Role("numbers", False, True, True, "changes a run's numbers, not what compiles")
+CONTROL = Role(
+  "control", False, False, True, "run control a study cell records; may change on resume"
+)
+PLACEMENT = Role(
+  "placement", True, False, False, "where and how the compiled part runs; may change on resume"
+)
+NO_CELL_EFFECT = Role(
+  "no_cell_effect", False, False, False, "no effect on a study cell; may change on resume"
+)
+ROLES = (PROGRAM, NUMBERS, CONTROL, PLACEMENT, NO_CELL_EFFECT)
+
+
+# ----------------------------------------------------------------- checks
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+  return isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
+
+
+class Int(NamedTuple):
+  """An int >= lo (and < hi), or one of `also`; `note` is appended to the complaint."""
+
+  lo: int
+  hi: int | None = None
+  note: str = ""
+  also: tuple[int, ...] = ()
+
+  def __call__(self, v: Any) -> str | None:
+    ok = _is_int(v) and (v in self.also or (v >= self.lo and (self.hi is None or v < self.hi)))
+    want = f">= {self.lo}" if self.hi is None else f"in [{self.lo}, {self.hi})"
+    return None if ok else f"must be an int {want}{self.note}, got {v!r}"
+
+
+class Float(NamedTuple):
+  """A finite number between lo and hi (open or closed ends), or one of `also`.
+
+  `none_ok`: None (a placeholder left unset) passes. `unit` names what it counts.
+  """
+
+  lo: float
+  hi: float = math.inf
+  lo_open: bool = False
+  hi_open: bool = False
+  note: str = ""
+  unit: str = ""
+  also: tuple[float, ...] = ()
+  none_ok: bool = False
+
+  def __call__(self, v: Any) -> str | None:
+    if v is None and self.none_ok:
+      return None
+    ok = _is_num(v) and math.isfinite(v)
+    inside = ok and (v > self.lo if self.lo_open else v >= self.lo)
+    inside = inside and (v < self.hi if self.hi_open else v <= self.hi)
+    if ok and (inside or v in self.also):
+      return None
+    if self.hi == math.inf:
+      want = f"{'>' if self.lo_open else '>='} {self.lo}"
+    else:
+      want = f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+    unit = f" of {self.unit}" if self.unit else ""
+    return f"must be a finite number{unit} {want}{self.note}, got {v!r}"
+
+
+class Choice(NamedTuple):
+  """One of a fixed set of values."""
+
+  choices: tuple[Any, ...]
+
+  def __call__(self, v: Any) -> str | None:
+    if v in self.choices:
+      return None
+    return f"must be one of {', '.join(map(repr, self.choices))}, got {v!r}"
+
+
+class Bool(NamedTuple):
+  """True or False."""
+
+  def __call__(self, v: Any) -> str | None:
+    return None if isinstance(v, bool | np.bool_) else f"must be True or False, got {v!r}"
+
+
+class Str(NamedTuple):
+  """A string (None too with `none_ok`)."""
+
+  none_ok: bool = False
+
+  def __call__(self, v: Any) -> str | None:
+    if isinstance(v, str) or (v is None and self.none_ok):
+      return None
+    return f"must be a string, got {v!r}"
+
+
+class Check(Protocol):
+  """`check(value) -> complaint` ("must be ..., got ...") or None when the value is fine."""
+
+  def __call__(self, v: Any, /) -> str | None: ...
+
+
+# ----------------------------------------------------------------- fields
+
+
+class Field(NamedTuple):
+  """One config field.
+
+  Attributes:
+    name: dotted path in the config, e.g. "lag.sync_interval".
+    default: its value in `configs/default.py` (the main job); a dict is a
+      ConfigDict of free keys (task_kwargs); None is a placeholder of `value_type`.
+    role: what changing it changes (module docstring).
+    doc: its one comment.
+    check: `value -> complaint or None`, for checks that need nothing but the value.
+    value_type: the type a None default accepts from the command line.
+    setting: for a field that is not compiled, its name in `RunSettings`
+      (None: the dotted name with "_" for "."; "": read only through a
+      setting built from several fields, like `RunSettings.replay`).
+  """
+
+  name: str
+  default: Any
+  role: Role
+  doc: str
+  check: Check | None = None
+  value_type: type | None = None
+  setting: str | None = None
+
+  @property
+  def setting_name(self) -> str:
+    """Its attribute in `RunSettings` ("" for none); see `setting`."""
+    if self.role.compiled:
+      return ""
+    return self.name.replace(".", "_") if self.setting is None else self.setting
+
+
+_F = Field
+_POS = Int(1)
+_NONNEG = Int(0)
+_OVERRIDE = Float(0, none_ok=True)
+
+RUN_FIELDS: tuple[Field, ...] = (
+  _F("seed", 0, NUMBERS, "Base seed; every PRNG key of the run is derived from (seed, step).",
+     Int(0, 2**31)),
+  _F("total_steps", 1000, CONTROL,
+     "Number of loop steps (one batch of prompts is sampled and trained on per step).", _POS),
+  _F("model", "tiny", PROGRAM,
+     "Model: a preset name (models.preset_names()) or a local Hugging Face directory.", Str()),
+  _F("model_dtype", "float32", PROGRAM, 'Compute dtype of the model ("float32" or "bfloat16").',
+     Choice(("float32", "bfloat16"))),
+  _F("model_scan_layers", False, PROGRAM,
+     "Run the decoder blocks as one lax.scan in the training forward (compile time flat in "
+     "depth; same numbers, same checkpoint layout).", Bool()),
+  _F("tokenizer", "", PROGRAM,
+     "Tokenizer: \"\" uses the task's built-in character tokenizer; else a local HF directory.",
+     Str()),
+  _F("task", "reverse", PROGRAM, "Task name for tasks.get_task.", Str()),
+  _F("task_kwargs", {}, PROGRAM,
+     "Keyword arguments for tasks.get_task (e.g. data file paths for text tasks)."),
+  _F("max_prompt_len", 16, PROGRAM,
+     "Prompts are left-padded to this many tokens (static shape).", _POS),
+  _F("max_new_tokens", 8, PROGRAM,
+     "Responses are sampled up to this many tokens (static shape).", _POS),
+  _F("data.truncate_prompts", False, PROGRAM,
+     "Prompts longer than max_prompt_len: False fails at start-up naming the row "
+     "(data_checks.validate_data); True keeps their last max_prompt_len tokens (the question "
+     "and the generation prompt) and counts them in the prompts_truncated metric.", Bool()),
+  _F("rollout.partial_budget", 0, PROGRAM,
+     "Partial rollouts (APRIL): decode at most this many tokens per response per loop step; "
+     "unfinished responses continue at the next step under the newer parameters (re-prefilled), "
+     "every token keeping its own version (0 = off: whole responses).",
+     Int(0, note=" (0 = off)")),
+  _F("temperature", 1.0, PROGRAM, "Sampling temperature of the behaviour policy.",
+     Float(0, lo_open=True)),
+  _F("top_p", 1.0, PROGRAM, "Nucleus sampling threshold (1.0 = off).",
+     Float(0, 1, lo_open=True)),
+  _F("top_k", 0, PROGRAM, "Top-k sampling (0 = off).", Int(0, note=" (0 = off)")),
+  _F("group_size", 8, PROGRAM,
+     "K: responses sampled per prompt (>= 2 for group-relative advantages).",
+     Int(2, note=" (group-relative advantages)")),
+  _F("prompts_per_step", 8, PROGRAM, "G: prompts per optimizer step (batch = G * K responses).",
+     _POS),
+  _F("reward_timeout", 5.0, PLACEMENT,
+     "Seconds one host reward call may take in its verifier worker before it is scored 0 "
+     "(counted in reward_timeouts) and its worker is killed and replaced.",
+     Float(0, lo_open=True, unit="seconds")),
+  _F("reward_batch_timeout", 0.0, PLACEMENT,
+     "Seconds the host rewards of one batch may take in all (0: 2 * reward_timeout).",
+     Float(0, lo_open=True, unit="seconds", note=" (or 0: 2 * reward_timeout)", also=(0,))),
+  _F("reward_workers", 0, PLACEMENT,
+     "Sandboxed verifier worker processes for host rewards (0: one per CPU).",
+     Int(0, note=" (0 = one per CPU)")),
+  _F("reward_memory_mb", 2048, PLACEMENT,
+     "Address-space limit of each verifier worker, in MiB.", Int(256)),
+  _F("reward_sandbox", "strict", PLACEMENT,
+     '"strict": refuse to run verifiers where Landlock/seccomp are unavailable; "warn": run '
+     "them with what the platform offers and log what is missing.",
+     Choice(("strict", "warn"))),
+  # Loss: a preset and its overrides (None keeps the preset's value).
+  _F("loss.name", "rec_oneside_nois", PROGRAM, "Loss preset name (losses.names())."),
+  _F("loss.eps_low", None, PROGRAM, "Lower ratio bound: keep rho >= 1 - eps_low.", _OVERRIDE,
+     float),
+  _F("loss.eps_high", None, PROGRAM, "Upper ratio bound: keep rho <= 1 + eps_high.", _OVERRIDE,
+     float),
+  _F("loss.eps_low_prime", None, PROGRAM, "Ring mask outer lower bound (rec_ring_*).",
+     _OVERRIDE, float),
+  _F("loss.eps_high_prime", None, PROGRAM, "Ring mask outer upper bound (rec_ring_*).",
+     _OVERRIDE, float),
+  _F("loss.dual_clip_c", None, PROGRAM, "Dual-clip constant c for A < 0.", _OVERRIDE, float),
+  _F("loss.reg_coef", None, PROGRAM,
+     "Coefficient of the k2 / forward-KL regulariser towards the behaviour policy.", _OVERRIDE,
+     float),
+  _F("loss.kl_coef", None, PROGRAM, "Coefficient of the KL to the reference policy.", _OVERRIDE,
+     float),
+  _F("loss.entropy_coef", None, PROGRAM, "Entropy bonus coefficient.", _OVERRIDE, float),
+  _F("loss.temp", None, PROGRAM, "RED-Weight temperature.", _OVERRIDE, float),
+  _F("loss.agg", None, PROGRAM,
+     "Aggregation: token_mean, seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm.",
+     Str(none_ok=True), str),
+  _F("advantage.name", "", PROGRAM,
+     'Advantage estimator (advantages.names()); "" picks the loss preset\'s default, '
+     "losses.default_advantage(loss.name): grpo for grpo/dapo-style presets, opmd for oapl, "
+     "else group_mean.", Str()),
+  _F("lag.mode", "sync", NUMBERS,
+     '"sync": the exact schedule v(t) (offpolicy_jax.lag); "async": a sampler thread runs ahead.',
+     Choice(("sync", "async"))),
+  _F("lag.sync_interval", 4, NUMBERS,
+     "m: parameters reach the sampler every m loop steps (batches), i.e. every "
+     "m * train.num_minibatches * train.num_epochs optimizer steps (1 = on-policy).",
+     _POS, setting="sync_interval"),
+  _F("lag.sync_offset", 0, NUMBERS,
+     "n: the first n steps use version 0; afterwards a constant extra lag of n.", _NONNEG,
+     setting="sync_offset"),
+  _F("lag.max_staleness", 0, NUMBERS,
+     "Async mode: batches more than this many loop steps old are dropped (0 = no bound).",
+     Int(0, note=" (0 = no bound)"), setting="max_staleness"),
+  _F("replay.capacity_batches", 2, NUMBERS,
+     "Buffer capacity in batches of G groups of K responses (the capacity is G * this groups; "
+     "at least ceil(max_new_tokens / rollout.partial_budget) with partial rollouts).",
+     _POS, setting=""),
+  _F("replay.policy", "fifo", NUMBERS,
+     "Which groups a step trains on: fifo (oldest first; with max_reuse=1 each group once, the "
+     "paper's one-pass setting), uniform, staleness (prefers fresh groups) or reward (prefers "
+     "high mean reward); see offpolicy_jax.run.replay.", setting=""),
+  _F("replay.max_reuse", 1, NUMBERS,
+     "Times a group may be trained on before it is retired (0 = unlimited).",
+     Int(0, note=" (0 = unlimited)"), setting=""),
+  _F("replay.temperature", 1.0, NUMBERS,
+     "Softness of the staleness / reward policies: P(group) ~ exp(score / temperature).",
+     Float(0, lo_open=True), setting=""),
+  _F("train.num_minibatches", 1, PROGRAM,
+     "Optimizer steps per epoch over each sampled batch (divides G*K). The parameter version "
+     "counts optimizer steps: with U = num_minibatches * num_epochs a loop step advances it by "
+     "U, and lag.sync_interval still counts loop steps (batches).", _POS),
+  _F("train.num_epochs", 1, PROGRAM,
+     "Passes over each sampled batch (reshuffled each epoch).", _POS),
+  _F("train.micro_batch_size", 0, PROGRAM,
+     "Rows per gradient-accumulation micro-batch (divides the minibatch of "
+     "G * K / num_minibatches rows; 0 = the whole minibatch, no accumulation).",
+     Int(0, note=" (0 = the whole minibatch)")),
+  _F("train.shared_prefix", True, PROGRAM,
+     "Run each group's prompt once and let its K responses attend to it (same log-probs and "
+     "gradients as K copies, within float tolerance; less work). Applies when every "
+     "micro-batch holds whole groups; otherwise the plain forward runs.", Bool()),
+  _F("train.skip_zero_advantage", True, PROGRAM,
+     "Leave rows whose advantages are all 0 out of the forward/backward pass where that is "
+     "exact for the loss (losses.LossSpec.zero_advantage_inert; counted in the rows_skipped "
+     "metric).", Bool()),
+  _F("optimizer.learning_rate", 3e-4, PROGRAM, "Peak learning rate (AdamW).", Float(0)),
+  _F("optimizer.warmup_steps", 0, PROGRAM, "Linear warm-up steps.", _NONNEG),
+  _F("optimizer.b1", 0.9, PROGRAM, "AdamW beta1.", Float(0, 1, hi_open=True)),
+  _F("optimizer.b2", 0.99, PROGRAM, "AdamW beta2.", Float(0, 1, hi_open=True)),
+  _F("optimizer.weight_decay", 0.0, PROGRAM, "AdamW decoupled weight decay.", Float(0)),
+  _F("optimizer.grad_clip", 1.0, PROGRAM, "Global gradient-norm clip (0 = off).", Float(0)),
+  _F("mesh.data", 1, PLACEMENT, "Data-parallel mesh axis size (-1 fills the remaining devices).",
+     Int(1, note=" or -1", also=(-1,))),
+  _F("mesh.fsdp", 1, PLACEMENT, "Fully-sharded (parameter) axis size.",
+     Int(1, note=" or -1", also=(-1,))),
+  _F("mesh.tensor", 1, PLACEMENT, "Tensor-parallel axis size.",
+     Int(1, note=" or -1", also=(-1,))),
+  _F("mesh.sampler_devices", 0, PLACEMENT,
+     "Disaggregated mode: devices of the sampler's own mesh (0 = sampler and trainer share the "
+     "mesh). Each process gives its first sampler_devices / processes local devices to the "
+     "sampler; data * fsdp * tensor above must then use all the others.",
+     Int(0, note=" (0 = the sampler shares the trainer's mesh)")),
+  _F("sft.enabled", True, NUMBERS,
+     "Supervised warm start on the task's reference answers before RL.", Bool()),
+  _F("sft.steps", 150, NUMBERS, "Supervised steps."),
+  _F("sft.batch_size", 64, NUMBERS, "Examples per supervised step."),
+  _F("sft.learning_rate", 3e-3, NUMBERS, "Supervised learning rate (AdamW).", Float(0)),
+  _F("eval_every", 200, CONTROL, "Evaluate every this many steps (0 = only at the end).",
+     _NONNEG),
+  _F("eval_prompts", 64, CONTROL, "Held-out prompts per evaluation.", _NONNEG),
+  _F("eval_samples", 4, CONTROL,
+     "Samples per eval prompt for pass@k (k = this; 1 = greedy accuracy only, no pass@k).",
+     Int(1, note=" (1 = greedy accuracy only, no pass@k)")),
+  _F("checkpoint_every", 100, NO_CELL_EFFECT,
+     "Save a checkpoint every this many steps (0 = only at the end).", _NONNEG),
+  _F("log_every", 10, NO_CELL_EFFECT,
+     "Loop steps per jitted chunk (device rewards): metrics are fetched and written every "
+     "gcd(log_every, eval_every, checkpoint_every) steps.", _POS),
+  _F("profile_steps", 0, NO_CELL_EFFECT,
+     "Trace at least this many loop steps, in whole chunks from the second chunk on "
+     "(compilation is not in it), with jax.profiler into <workdir>/profile, viewable in "
+     "TensorBoard/XProf; 0 = off.", _NONNEG),
+  _F("keep_checkpoints", 2, NO_CELL_EFFECT, "Checkpoints kept.", _POS),
+  _F("async_checkpoint", True, NO_CELL_EFFECT, "Save checkpoints in a background thread.",
+     Bool()),
+  _F("tensorboard", True, NO_CELL_EFFECT, "Write TensorBoard event files under workdir/tb.",
+     Bool()),
+  _F("wandb_project", "", NO_CELL_EFFECT,
+     'Weights & Biases project ("" = off; used only if wandb is installed).', Str()),
+  _F("progress", True, NO_CELL_EFFECT, "Show a progress bar.", Bool()),
+)  # fmt: skip
+
+# `config.study` of a study config (configs/lag_study.py; study.runner reads it).
+STUDY_FIELDS: tuple[Field, ...] = (
+  _F("study.methods", "grpo", NUMBERS,
+     "Methods: name=loss_preset[+advantage], comma-separated (no value: the preset of that "
+     "name with its default advantage).", Str()),
+  _F("study.lags", "onpolicy=1/0", NUMBERS,
+     "Lag schedules: name=m/n (sync_interval / sync_offset, SCIENCE.md section 5) or "
+     "name=offline, comma-separated.", Str()),
+  _F("study.seeds", 5, NUMBERS,
+     "Seeds per cell (seed, seed + 1, ...): each has its own warm start and prompt order.",
+     Int(2, note=" (bootstrap intervals need two)")),
+  _F("study.vmap_seeds", 0, NO_CELL_EFFECT,
+     "Seeds per vmapped program (0: every seed of a cell at once; 1 for large models).",
+     _NONNEG),
+  _F("study.eval_batch", 0, NO_CELL_EFFECT,
+     "Held-out prompts per sampler call (0: all at once).", _NONNEG),
+  _F("study.eval_last", 2, NO_CELL_EFFECT,
+     "A run's final accuracy is the mean of its last `eval_last` evaluations (in the report; "
+     "a cell keeps every evaluation).", _POS),
+  _F("study.baseline", "grpo@onpolicy", NO_CELL_EFFECT,
+     "Every cell is compared with this one on the same seeds: <method>@<lag>.", Str()),
+  _F("study.bandit_steps", 300, NO_CELL_EFFECT, "The bandit study: SGD steps.", _POS),
+  _F("study.bandit_group_size", 8, NO_CELL_EFFECT, "The bandit study: arms sampled per step.",
+     _POS),
+  _F("study.bandit_lr", 1.0, NO_CELL_EFFECT, "The bandit study: learning rate.",
+     Float(0, lo_open=True)),
+)  # fmt: skip
+
+# Fields no longer in the schema, with the value that meant what their absence means now:
+# a run recorded with that value resumes without a config change.
+RETIRED: dict[str, Any] = {"optimizer.micro_batches": 1}
+
+_BY_NAME = {f.name: f for f in (*RUN_FIELDS, *STUDY_FIELDS)}
+
+
+# ----------------------------------------------------------------- readers
+
+
+def config_dict(
+  fields: Iterable[Field] = RUN_FIELDS, into: ml_collections.ConfigDict | None = None
+) -> ml_collections.ConfigDict:
+  """A ConfigDict of `fields` at their defaults (added to `into`, unlocked, if given)."""
+  c = ml_collections.ConfigDict() if into is None else into
+  for f in fields:
+    *parents, leaf = f.name.split(".")
+    node = c
+    for p in parents:
+      if p not in node:
+        node[p] = ml_collections.ConfigDict()
+      node = node[p]
+    if isinstance(f.default, dict):
+      node[leaf] = ml_collections.ConfigDict(f.default)
+    elif f.default is None:
+      node[leaf] = _config_dict.placeholder(f.value_type)
+    else:
+      node[leaf] = f.default
+  return c
+
+
+def get(config: Any, name: str) -> Any:
+  """The value of the dotted field `name` in a ConfigDict or nested dict."""
+  for part in name.split("."):
+    config = config[part]
+  return config
+
+
+def field(name: str) -> Field | None:
+  """The declared field `name`, or the one whose free keys hold it (task_kwargs.x), or None."""
+  parts = name.split(".")
+  for i in range(len(parts), 0, -1):
+    f = _BY_NAME.get(".".join(parts[:i]))
+    if f is not None:
+      return f
+  return None
+
+
+def role_of(name: str) -> Role:
+  """The role of the dotted field `name`; an undeclared field is taken to change everything."""
+  f = field(name)
+  return PROGRAM if f is None else f.role
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """`{dotted leaf name: value}` of a nested mapping (an empty mapping is a leaf)."""
+  out: dict[str, Any] = {}
+  for k, v in d.items():
+    if isinstance(v, Mapping) and v:
+      out.update(flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def check(config: Any, fields: Iterable[Field] = RUN_FIELDS) -> None:
+  """Runs the declared check of every field in `fields`.
+
+  Raises:
+    ValueError: `config.<field>: <complaint>` for the first field that fails.
+  """
+  for f in fields:
+    if f.check is not None:
+      complaint = f.check(get(config, f.name))
+      if complaint:
+        raise ValueError(f"config.{f.name}: {complaint}")
