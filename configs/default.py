@@ -8,7 +8,7 @@ reward computed on device. A 150-step supervised warm start gives a starting
 greedy accuracy around 0.4, then REC-OneSide-NoIS trains for 1000 steps with a
 sawtooth lag (sync_interval 4: the batch of step t comes from parameters up to
 3 updates old). About 1-3 minutes on a 2-core CPU (compilation included); the
-mean reward goes from about 0.49 in the first fifth of steps to about 0.74 in
+mean reward goes from about 0.50 in the first fifth of steps to about 0.73 in
 the last fifth.
 """
 
