@@ -500,3 +500,23 @@ def test_host_reward_rollout_overlapped_with_scoring_changes_nothing(tmp_path, m
   drop = lambda rows: [{k: v for k, v in r.items() if k != "reward_time_s"} for r in rows]
   assert len(overlapped) == 6 and drop(strip_timing(overlapped)) == drop(strip_timing(serial))
   assert any(r["reward_mean"] > 0 for r in overlapped)
+
+
+@pytest.mark.parametrize("behavior_logp", ["sampled", "full"])
+def test_truncated_sampling_on_policy_has_unit_ratios(tmp_path, behavior_logp):
+  """The log-prob contract through the loop: top-k + top-p, on-policy, ratio 1 on every token."""
+  cfg = small_config(
+    **{
+      "total_steps": 3,
+      "temperature": 0.7,
+      "top_p": 0.8,
+      "top_k": 5,
+      "rollout.behavior_logp": behavior_logp,
+      "eval_prompts": 0,
+      "checkpoint_every": 0,
+    }
+  )
+  rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  for row in rows:
+    for key in ("ratio_min", "ratio_max", "ratio_mean"):
+      assert abs(row[key] - 1.0) < 1e-5, (key, row)

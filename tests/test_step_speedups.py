@@ -60,6 +60,7 @@ def setup():
     rewards=rewards,
     versions=np.zeros((B, N), np.int32),
     weights=np.ones(B, np.float32),
+    behavior_kept=np.full((B, N), model.config.vocab_size, np.int32),
   )
   logp = train_step.token_logprobs(graphdef, params, batch, 1.0)[0]
   behavior = np.asarray(logp) + 0.2 * rng.normal(size=(B, N)) * mask

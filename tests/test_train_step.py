@@ -54,6 +54,7 @@ def setup():
     rewards=rng.uniform(size=B).astype(np.float32),
     versions=np.zeros((B, N), np.int32),
     weights=np.ones(B, np.float32),
+    behavior_kept=np.full((B, N), config.vocab_size, np.int32),
   )
   # Behaviour log-probs a little off the current policy, so ratios (and clipping) are non-trivial.
   behavior = np.asarray(logp_fn(params, batch)) + 0.3 * rng.normal(size=(B, N)) * mask

@@ -289,6 +289,7 @@ def pack(fns, prompts: dict, rollout, rewards_b, version, key) -> TrainBatch:
     versions,
     rewards_b,
     adv,
+    rollout.kept,
   )
 
 
@@ -314,7 +315,7 @@ def empty_batch(sizes: Sizes) -> TrainBatch:
   b, n, p = sizes.prompts_per_step * sizes.group_size, sizes.max_new_tokens, sizes.max_prompt_len
   f = lambda *s: jnp.zeros(s, jnp.float32)
   i = lambda *s: jnp.zeros(s, jnp.int32)
-  return TrainBatch(i(b, p), f(b, p), i(b, n), f(b, n), f(b, n), f(b), f(b), i(b, n), f(b))
+  return TrainBatch(i(b, p), f(b, p), i(b, n), f(b, n), f(b, n), f(b), f(b), i(b, n), f(b), i(b, n))
 
 
 def batch_stats(batch: TrainBatch, group_size: int) -> dict[str, jax.Array]:
