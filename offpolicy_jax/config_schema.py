@@ -254,6 +254,12 @@ RUN_FIELDS: tuple[Field, ...] = (
      "is the engine mismatch of a bf16 inference engine: the same parameters, other numerics, "
      "so the learner's ratios at the behaviour's parameters are not 1 (behavior_ratio_*, "
      "SCIENCE.md s7).", Choice(("", "float32", "bfloat16"))),
+  _F("rollout.score_old", False, PROGRAM,
+     "The learner also scores every sampled token at the sampling parameters (log pi_old: one "
+     "more forward pass of each batch), so pi / mu factors into staleness pi / pi_old and "
+     "engine mismatch pi_old / mu, both reported in every row and available to losses "
+     "(SCIENCE.md s7). Forced on by a loss that corrects pi_old / mu. False: pi_old = mu.",
+     Bool()),
   _F("group_size", 8, PROGRAM,
      "K: responses sampled per prompt (>= 2 for group-relative advantages).",
      Int(2, note=" (group-relative advantages)")),

@@ -33,6 +33,10 @@ class TrainBatch(NamedTuple):
       drawn from (V without truncation; `sampling.SampleOutput.kept`), with
       which the learner scores the truncated distribution mu was taken from
       (`models.logprobs`, SCIENCE.md s7).
+    old_logp: float32 [B, N] log pi_old: the behaviour version's parameters
+      scored by the learner (`rollout.score_old`), so that pi / mu factors
+      into staleness pi / pi_old and engine mismatch pi_old / mu (SCIENCE.md
+      s7); equal to `behavior_logp` when not scored.
   """
 
   prompt_tokens: jax.Array
@@ -45,6 +49,7 @@ class TrainBatch(NamedTuple):
   versions: jax.Array
   weights: jax.Array
   behavior_kept: jax.Array
+  old_logp: jax.Array
 
 
 def prompt_mask(prompt_lengths: ArrayLike, width: int) -> jax.Array:
@@ -62,6 +67,7 @@ def pack_groups(
   rewards_b: ArrayLike,
   advantages_b: ArrayLike,
   kept_bn: ArrayLike,
+  old_logp_bn: ArrayLike | None = None,
 ) -> TrainBatch:
   """The `TrainBatch` of G prompts and their K responses each (B = G * K rows, group-major).
 
@@ -75,6 +81,8 @@ def pack_groups(
     rewards_b: float32 [B] rewards.
     advantages_b: float32 [B] or [B, N] advantages.
     kept_bn: int32 [B, N] kept-set size of each token (`sampling.SampleOutput.kept`).
+    old_logp_bn: float32 [B, N] the learner's log-probs at the behaviour's
+      parameters (`TrainBatch.old_logp`); None: `logprobs_bn`.
   """
   prompt_tokens_gp = jnp.asarray(prompt_tokens_gp)
   g, p = prompt_tokens_gp.shape
@@ -92,4 +100,5 @@ def pack_groups(
     versions=jnp.asarray(versions_bn, jnp.int32),
     weights=jnp.ones((b,), jnp.float32),
     behavior_kept=jnp.asarray(kept_bn, jnp.int32),
+    old_logp=jnp.asarray(logprobs_bn if old_logp_bn is None else old_logp_bn, jnp.float32),
   )

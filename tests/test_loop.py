@@ -520,3 +520,27 @@ def test_truncated_sampling_on_policy_has_unit_ratios(tmp_path, behavior_logp):
   for row in rows:
     for key in ("ratio_min", "ratio_max", "ratio_mean"):
       assert abs(row[key] - 1.0) < 1e-5, (key, row)
+
+
+def test_bf16_sampler_mismatch_and_staleness_are_reported_apart(tmp_path):
+  """`rollout.score_old` with a bf16 sampler under lag: both factors in every row."""
+  cfg = small_config(
+    **{
+      "total_steps": 4,
+      "rollout.sampler_dtype": "bfloat16",
+      "rollout.score_old": True,
+      "lag.sync_interval": 2,
+      "optimizer.weight_decay": 0.5,  # the parameters move even where every advantage is 0
+      "eval_prompts": 0,
+      "checkpoint_every": 0,
+    }
+  )
+  rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  for row in rows:
+    assert row["mismatch_kl_k3"] > 1e-8 and row["mismatch_ratio_p50"] > 0.9, row
+    assert row["mismatch_ratio_p1"] <= row["mismatch_ratio_p50"] <= row["mismatch_ratio_p99"]
+  # Steps 2 and 4 train on data one update old: staleness shows; steps 1 and 3 are on-policy.
+  on_policy = [r["staleness_kl_k3"] for r in rows if r["staleness_max"] == 0]
+  stale = [r["staleness_kl_k3"] for r in rows if r["staleness_max"] > 0]
+  assert len(on_policy) == len(stale) == 2
+  assert max(on_policy) < 1e-10 and min(stale) > 1e-9

@@ -55,10 +55,12 @@ def setup():
     versions=np.zeros((B, N), np.int32),
     weights=np.ones(B, np.float32),
     behavior_kept=np.full((B, N), config.vocab_size, np.int32),
+    old_logp=np.zeros((B, N), np.float32),
   )
   # Behaviour log-probs a little off the current policy, so ratios (and clipping) are non-trivial.
   behavior = np.asarray(logp_fn(params, batch)) + 0.3 * rng.normal(size=(B, N)) * mask
-  batch = batch._replace(behavior_logp=behavior.astype(np.float32))
+  behavior = behavior.astype(np.float32)
+  batch = batch._replace(behavior_logp=behavior, old_logp=behavior)
   sgd = optax.sgd(1.0)
   step = train_step.make_train_step(graphdef, sgd, LOSS, donate=False)
   return dict(graphdef=graphdef, params=params, batch=batch, sgd=sgd, step=step, logp_fn=logp_fn)

@@ -204,6 +204,12 @@ def _scores_truncation(config) -> bool:
   return truncates and config.rollout.behavior_logp == "sampled"
 
 
+def _scores_old(config) -> bool:
+  """Whether the pipeline scores log pi_old (asked for, or a loss that corrects pi_old / mu)."""
+  spec = losses.get_spec(config.loss.name, **validation.loss_overrides(config))
+  return config.rollout.score_old or getattr(spec, "needs_old", False)
+
+
 def _whole_groups(config) -> bool:
   """Whether every micro-batch holds whole groups (what a shared prefix needs)."""
   return validation.micro_batch_rows(config) % config.group_size == 0
@@ -314,6 +320,7 @@ def _build_fns(config) -> rl_step.StepFns:
     ),
     greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
     partial=partial,
+    score_old=train_step.make_scorer(graphdef, options) if _scores_old(c) else None,
     reward=_reward(c, task),
     truncate_prompts=c.data.truncate_prompts,
     sampler_mesh=sampler_mesh,

@@ -37,9 +37,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from offpolicy_jax import losses, models
+from offpolicy_jax import losses, models, types
 from offpolicy_jax import reductions as red
-from offpolicy_jax.run import batch_splits
+from offpolicy_jax.run import batch_splits, diagnostics
 from offpolicy_jax.run.batch_splits import chunks_per_micro_batch
 from offpolicy_jax.run.batch_splits import micro_batches as _micro_batches
 from offpolicy_jax.run.batch_splits import split_micro as _split_micro
@@ -151,6 +151,42 @@ def token_logprobs(
   )
 
 
+def make_scorer(graphdef: nnx.GraphDef, options: StepOptions):
+  """Jitted `score(params, prompt_tokens [G, P], prompt_lengths [G], out) -> logp [G*K, N]`.
+
+  The learner's log-probs of a sampled rollout `out` (`sampling.SampleOutput`)
+  at `params`, scored as the train step scores (temperature, truncation,
+  shared prefix): at the sampling parameters, log pi_old (SCIENCE.md s7).
+  """
+  shared = options.group_size if options.shared_prefix else 0
+
+  def score(params, prompt_tokens, prompt_lengths, out):
+    zeros = jnp.zeros(out.tokens.shape[:1], jnp.float32)
+    batch = types.pack_groups(
+      prompt_tokens,
+      prompt_lengths,
+      out.tokens,
+      out.mask,
+      out.logprobs,
+      jnp.zeros(out.tokens.shape, jnp.int32),
+      zeros,
+      zeros,
+      out.kept,
+    )
+    logp, _ = token_logprobs(
+      graphdef,
+      params,
+      batch,
+      options.temperature,
+      shared,
+      truncated=options.truncated,
+      top_k=options.top_k,
+    )
+    return logp
+
+  return jax.jit(score)
+
+
 def _typed(loss_metrics: dict[str, jax.Array]) -> dict[str, Any]:
   """The loss's per-micro-batch metrics as typed reductions.
 
@@ -168,31 +204,16 @@ def _typed(loss_metrics: dict[str, jax.Array]) -> dict[str, Any]:
   return out
 
 
-# Token ratios pi / mu outside [1 / RATIO_TAIL, RATIO_TAIL] are counted in the tail metrics.
-RATIO_TAIL = 2.0
-
-
-def _behavior_ratio(logp, mb: TrainBatch, extremes: bool) -> dict[str, Any]:
-  """Ratio w = pi / mu statistics over valid tokens.
-
-  ``behavior_ratio_tail_low`` / ``_high`` are the fractions of tokens with
-  w < 1 / RATIO_TAIL and w > RATIO_TAIL (engine mismatch and staleness,
-  SCIENCE.md s7); with `extremes`, also the mean, max and min of w (the loss
-  reports them itself when its ratio is to mu).
-  """
+def _behavior_ratio(logp, mb: TrainBatch) -> dict[str, Any]:
+  """Mean, max and min of w = pi / mu over valid tokens (when the loss's ratio is not to mu)."""
   valid = mb.mask > 0
   log_ratio = jnp.where(valid, logp - mb.behavior_logp, 0.0)
   m = valid.astype(jnp.float32)
-  bound = jnp.log(RATIO_TAIL)
-  out: dict[str, Any] = {
-    "behavior_ratio_tail_low": red.Mean(((log_ratio < -bound) * m).sum(), m.sum()),
-    "behavior_ratio_tail_high": red.Mean(((log_ratio > bound) * m).sum(), m.sum()),
+  return {
+    "behavior_ratio_mean": red.Mean((jnp.exp(log_ratio) * m).sum(), m.sum()),
+    "behavior_ratio_max": red.Max(jnp.exp(jnp.max(jnp.where(valid, log_ratio, -jnp.inf)))),
+    "behavior_ratio_min": red.Min(jnp.exp(jnp.min(jnp.where(valid, log_ratio, jnp.inf)))),
   }
-  if extremes:
-    out["behavior_ratio_mean"] = red.Mean((jnp.exp(log_ratio) * m).sum(), m.sum())
-    out["behavior_ratio_max"] = red.Max(jnp.exp(jnp.max(jnp.where(valid, log_ratio, -jnp.inf))))
-    out["behavior_ratio_min"] = red.Min(jnp.exp(jnp.min(jnp.where(valid, log_ratio, jnp.inf))))
-  return out
 
 
 def micro_batch_loss(params, mb: TrainBatch, graphdef, options: StepOptions, ref_params, anchor):
@@ -234,7 +255,9 @@ def micro_batch_loss(params, mb: TrainBatch, graphdef, options: StepOptions, ref
   metrics["loss"] = red.Mean(sg(out.loss_sum), out.loss_count)
   metrics["entropy"] = red.Mean((sg(ent) * m).sum(), m.sum())
   metrics["tokens"] = red.Sum(m.sum())
-  metrics.update(_behavior_ratio(sg(logp), mb, extremes=spec.ratio != "behavior"))
+  if spec.ratio != "behavior":
+    metrics.update(_behavior_ratio(sg(logp), mb))
+  metrics.update(diagnostics.policy_terms(logp, mb))
   return out.loss_sum, metrics
 
 
@@ -366,7 +389,7 @@ def train_step(
 
     state, per_step = jax.lax.scan(scan_step, state, order)
     metrics = red.reduce(per_step)
-  out = {**red.results(metrics), **stale}
+  out = {**red.results(metrics), **stale, **diagnostics.mismatch_terms(batch)}
   out["num_skipped"] = state.num_skipped
   out["version"] = state.version
   return state._replace(step=state.step + 1), out

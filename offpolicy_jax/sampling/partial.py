@@ -74,6 +74,9 @@ class PartialState(NamedTuple):
     logprobs: float32 [R, N] behaviour log-prob of each generated token.
     kept: int32 [R, N] size of the top-k / top-p set it was drawn from
       (`SampleOutput.kept`).
+    old_logprobs: float32 [R, N] the learner's log-prob of each token at the
+      parameters that sampled it (`record_old`; the behaviour log-prob when
+      not scored).
     versions: int32 [R, N] parameter version that sampled each token.
     mask: bool [R, N] generated (valid) tokens.
     lengths: int32 [R] tokens generated so far.
@@ -86,6 +89,7 @@ class PartialState(NamedTuple):
   tokens: jax.Array
   logprobs: jax.Array
   kept: jax.Array
+  old_logprobs: jax.Array
   versions: jax.Array
   mask: jax.Array
   lengths: jax.Array
@@ -134,6 +138,7 @@ def init(prompts: dict[str, Any], *, slots: int, group_size: int, max_new_tokens
     tokens=jnp.zeros((r, n), jnp.int32),
     logprobs=jnp.zeros((r, n), jnp.float32),
     kept=jnp.zeros((r, n), jnp.int32),
+    old_logprobs=jnp.zeros((r, n), jnp.float32),
     versions=jnp.zeros((r, n), jnp.int32),
     mask=jnp.zeros((r, n), bool),
     lengths=jnp.zeros((r,), jnp.int32),
@@ -182,6 +187,7 @@ def admit(
     tokens=reset(state.tokens),
     logprobs=reset(state.logprobs),
     kept=reset(state.kept),
+    old_logprobs=reset(state.old_logprobs),
     versions=reset(state.versions),
     mask=reset(state.mask),
     lengths=reset(state.lengths),
@@ -261,7 +267,7 @@ def make_advance(
 
     def body(carry):
       i, cache, logits, live, rows = carry
-      tokens, logps, kept, versions, mask, lengths = rows
+      tokens, logps, olds, kept, versions, mask, lengths = rows
       draw = select_token(
         logits, jax.random.fold_in(key, i), temperature, top_k, top_p, behavior_logp
       )
@@ -269,6 +275,7 @@ def make_advance(
       at = (cols == lengths[:, None]) & live[:, None]
       tokens = jnp.where(at, token[:, None], tokens)
       logps = jnp.where(at, draw.logp[:, None], logps)
+      olds = jnp.where(at, draw.logp[:, None], olds)
       kept = jnp.where(at, draw.kept[:, None], kept)
       versions = jnp.where(at, version, versions)
       mask = mask | at
@@ -281,16 +288,25 @@ def make_advance(
         jnp.where(live, token, 0)[:, None], attention_mask=kv_mask, cache=cache, cache_index=w + i
       )
       logits = model.logits_from_hidden(h[:, 0])
-      return i + 1, cache, logits, live, (tokens, logps, kept, versions, mask, lengths)
+      return i + 1, cache, logits, live, (tokens, logps, olds, kept, versions, mask, lengths)
 
-    rows = (state.tokens, state.logprobs, state.kept, state.versions, state.mask, state.lengths)
+    rows = (
+      state.tokens,
+      state.logprobs,
+      state.old_logprobs,
+      state.kept,
+      state.versions,
+      state.mask,
+      state.lengths,
+    )
     carry = (jnp.int32(0), cache, logits, live0, rows)
     _, _, _, live, rows = jax.lax.while_loop(cond, body, carry)
-    tokens, logps, kept, versions, mask, lengths = rows
+    tokens, logps, olds, kept, versions, mask, lengths = rows
     done = state.done | (live0 & ~live)
     return state._replace(
       tokens=tokens,
       logprobs=logps,
+      old_logprobs=olds,
       kept=kept,
       versions=versions,
       mask=mask,
@@ -315,7 +331,19 @@ def as_output(state: PartialState) -> SampleOutput:
     state.mask.astype(jnp.float32),
     state.mask.sum(1).astype(jnp.int32),
     state.kept,
+    state.old_logprobs,
   )
+
+
+def record_old(state: PartialState, old_rn: jax.Array, version) -> PartialState:
+  """Keeps the learner's log-probs `old_rn` [R, N] of the tokens `version` sampled.
+
+  `old_rn` scores every row at the parameters of `version` (`run.pipeline`'s
+  learner scoring); only that version's tokens take it, so each token keeps
+  the log pi_old of the parameters that sampled it.
+  """
+  own = state.mask & (state.versions == version)
+  return state._replace(old_logprobs=jnp.where(own, old_rn, state.old_logprobs))
 
 
 def emit(
@@ -358,6 +386,7 @@ def emit(
     rewards_gk.reshape(-1),
     adv,
     state.kept[rows],
+    state.old_logprobs[rows],
   )
   return batch, keep_o, state._replace(active=state.active & ~keep)
 

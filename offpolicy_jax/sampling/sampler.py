@@ -53,6 +53,9 @@ class SampleOutput(NamedTuple):
     lengths: int32 [B] number of valid tokens.
     kept: int32 [B, N] size m of the kept (top-k / top-p) set each token was
       drawn from (V without truncation), 0 where masked.
+    old_logprobs: float32 [B, N] the learner's log-probs of the tokens at the
+      sampling parameters (`run.pipeline.sample` with `rollout.score_old`), or
+      None: not scored.
   """
 
   tokens: jax.Array
@@ -60,6 +63,7 @@ class SampleOutput(NamedTuple):
   mask: jax.Array
   lengths: jax.Array
   kept: jax.Array
+  old_logprobs: jax.Array | None = None
 
 
 BEHAVIOR_LOGP = ("sampled", "full")
