@@ -151,14 +151,16 @@ def correction_ref(name, lw, m):
   return np.where(out, 0.0, w), out, none
 
 
-def _dppo_keep(name, lp, mu, a):
+def _dppo_keep(name, lp, mu, a, delta=None):
   """DPPO (Qi et al., arXiv 2602.04879): keep unless the divergence is too large on A's side."""
   p, q = np.exp(lp), np.exp(mu)
+  if delta is None:
+    delta = 0.15 if name == "dppo_tv" else 0.05
   if name == "dppo_tv":
-    return np.where(a > 0, p - q <= 0.15, True) & np.where(a < 0, q - p <= 0.15, True)
+    return np.where(a > 0, p - q <= delta, True) & np.where(a < 0, q - p <= delta, True)
   with np.errstate(divide="ignore", invalid="ignore"):
     rest = np.where(1 - q > 0, (1 - q) * np.log((1 - q) / (1 - np.minimum(p, 1 - 1e-7))), 0.0)
-  small = q * np.log(q / p) + rest <= 0.05
+  small = q * np.log(q / p) + rest <= delta
   return np.where(a > 0, small | (p <= q), True) & np.where(a < 0, small | (p >= q), True)
 
 
