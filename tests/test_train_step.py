@@ -261,6 +261,24 @@ def test_proximal_params_minibatches_and_epochs(setup):
   assert abs(float(m["behavior_ratio_mean"]) - 1.0) > 1e-3
 
 
+def test_old_logp_reaches_the_loss_and_the_diagnostics(setup):
+  """tis_old weighs by pi_old / mu from TrainBatch.old_logp; the factors are reported apart."""
+  frozen = optax.sgd(0.0)
+  step = train_step.make_train_step(setup["graphdef"], frozen, "tis_old", donate=False)
+  state = train_state.init_train_state(setup["params"], frozen)
+  batch = setup["batch"]
+  key = jax.random.key(0)
+  _, same = step(state, batch, key)  # old = mu: weight 1, no mismatch
+  logp = np.asarray(setup["logp_fn"](setup["params"], batch))
+  _, onpolicy = step(state, batch._replace(old_logp=logp.astype(np.float32)), key)
+  np.testing.assert_allclose(same["corr_weight_mean"], 1.0, atol=1e-6)
+  assert float(same["mismatch_kl_k3"]) == 0.0
+  # pi_old = pi at the same parameters: no staleness; all of pi / mu is mismatch.
+  np.testing.assert_allclose(onpolicy["staleness_kl_k3"], 0.0, atol=1e-6)
+  np.testing.assert_allclose(onpolicy["mismatch_kl_k3"], onpolicy["behavior_kl_k3"], rtol=1e-4)
+  assert abs(float(onpolicy["corr_weight_mean"]) - 1.0) > 1e-2
+
+
 def test_default_proximal_anchor_is_the_starting_params(setup):
   """decoupled_ppo: without explicit proximal params the anchor is the state's own
   parameters (stop_gradient(logp) for one optimizer step, the starting params for

@@ -207,7 +207,7 @@ def _scores_truncation(config) -> bool:
 def _scores_old(config) -> bool:
   """Whether the pipeline scores log pi_old (asked for, or a loss that corrects pi_old / mu)."""
   spec = losses.get_spec(config.loss.name, **validation.loss_overrides(config))
-  return config.rollout.score_old or getattr(spec, "needs_old", False)
+  return config.rollout.score_old or spec.needs_old
 
 
 def _whole_groups(config) -> bool:

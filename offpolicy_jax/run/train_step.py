@@ -240,6 +240,8 @@ def micro_batch_loss(params, mb: TrainBatch, graphdef, options: StepOptions, ref
     extra["ref_logp"] = sg(score(ref_params)[0])
   if spec.needs_proximal:
     extra["proximal_logp"] = sg(logp) if anchor is None else sg(score(anchor)[0])
+  if spec.needs_old:
+    extra["old_logp"] = mb.old_logp
   if spec.entropy_coef > 0:
     extra["entropy"] = ent
   out = losses.policy_loss(
