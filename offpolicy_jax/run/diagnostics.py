@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax import reductions as red
-from offpolicy_jax.losses import kl as kl_estimate
+from offpolicy_jax.losses.kl import kl as kl_estimate
 from offpolicy_jax.types import TrainBatch
 
 # Token ratios outside [1 / TAIL, TAIL] are counted in the tail fractions.
