@@ -247,8 +247,11 @@ RUN_FIELDS: tuple[Field, ...] = (
      "and deployed. \"full\": the untruncated tempered log-prob; the learner scores the full "
      "tempered softmax, and truncation is part of the environment (it filters which tokens are "
      "tried, the policy is the full softmax). Right when the policy will be used without "
-     "truncation, or to match trainers that score the full softmax.",
-     Choice(("sampled", "full"))),
+     "truncation, or to match trainers that score the full softmax. \"mismatched\": records "
+     "as \"sampled\" but the learner scores the full tempered softmax, the engine mismatch of "
+     "a learner that ignores the sampler's truncation (on-policy ratios Z <= 1): a setting for "
+     "studying corrections (docs/off_policyness.md), not for training.",
+     Choice(("sampled", "full", "mismatched"))),
   _F("rollout.sampler_dtype", "", PROGRAM,
      "Compute dtype of the sampler (\"\" = model_dtype). \"bfloat16\" with an float32 learner "
      "is the engine mismatch of a bf16 inference engine: the same parameters, other numerics, "

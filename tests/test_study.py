@@ -88,6 +88,16 @@ def test_grid_parsing_names_the_bad_field():
     study.grid_from_config(c)
 
 
+def test_lag_entries_carry_engine_mismatch_settings():
+  spec = "onpolicy=1/0,bf16=1/0+bf16,stale_topk=1/8+topk5"
+  assert study.parse_lags(spec, 10) == {"onpolicy": (1, 0), "bf16": (1, 0), "stale_topk": (1, 8)}
+  engines = study.parse_engines(spec)
+  assert set(engines) == {"bf16", "stale_topk"}
+  assert engines["stale_topk"]["rollout.behavior_logp"] == "mismatched"
+  with pytest.raises(ValueError, match="config.study.lags: x=.*unknown engine"):
+    study.parse_engines("x=1/0+fp8")
+
+
 def mini_config(**study_overrides):
   """2 methods (grpo and an identical twin) x 2 lags x 2 seeds, 4 steps each, tiny shapes."""
   c = lag_study.get_config()
@@ -316,3 +326,18 @@ def test_host_scored_task_runs_the_same_cell_as_the_device_reward(mini, monkeypa
     np.testing.assert_allclose(a["eval_accuracy"], b["eval_accuracy"])
     np.testing.assert_allclose(a["train_reward"], b["train_reward"], rtol=1e-5)
     np.testing.assert_allclose(a["staleness_mean"], b["staleness_mean"])
+
+
+def test_engine_mismatch_cells_report_the_mismatch_factor(tmp_path):
+  """A corrected method on an exact and a truncation-mismatched engine, both factors recorded."""
+  config = mini_config(
+    methods="tis_old", lags="exact=1/0,topk5=1/0+topk5", baseline="tis_old@exact"
+  )
+  cells = study.run_study(config, str(tmp_path), log=lambda s: None)
+  files = study_report.write_report(config, str(tmp_path), cells)
+  exact = cells["tis_old", "exact"]["runs"][0]["off_policy"]
+  topk = cells["tis_old", "topk5"]["runs"][0]["off_policy"]
+  assert exact["mismatch_kl_k3"] < 1e-8 < 1e-3 < topk["mismatch_kl_k3"]
+  assert cells["tis_old", "topk5"]["engine"]["top_k"] == 5
+  text = open(next(f for f in files if f.endswith("study.md"))).read()
+  assert "## Off-policy diagnostics" in text and "`mismatch_kl_k3`" in text

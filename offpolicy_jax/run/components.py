@@ -210,6 +210,11 @@ def _scores_old(config) -> bool:
   return config.rollout.score_old or spec.needs_old
 
 
+def _recorded_logp(config) -> str:
+  """What the sampler records (`rollout.behavior_logp`; "mismatched" records as "sampled")."""
+  return "sampled" if config.rollout.behavior_logp == "mismatched" else config.rollout.behavior_logp
+
+
 def _whole_groups(config) -> bool:
   """Whether every micro-batch holds whole groups (what a shared prefix needs)."""
   return validation.micro_batch_rows(config) % config.group_size == 0
@@ -262,7 +267,7 @@ def _partial_sampler(config, graphdef, task, tokenizer) -> partial_rollouts.Part
     top_p=c.top_p,
     top_k=c.top_k,
     eos_id=tokenizer.eos_id,
-    behavior_logp=c.rollout.behavior_logp,
+    behavior_logp=_recorded_logp(c),
   )
   slots = partial_rollouts.steps_to_finish(c.max_new_tokens, budget) * c.prompts_per_step
   return partial_rollouts.PartialSampler(advance, slots, c.group_size, c.max_new_tokens)
@@ -315,7 +320,7 @@ def _build_fns(config) -> rl_step.StepFns:
       sampler_graphdef,
       group_size=c.group_size,
       temperature=c.temperature,
-      behavior_logp=c.rollout.behavior_logp,
+      behavior_logp=_recorded_logp(c),
       **sample_kw,
     ),
     greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
