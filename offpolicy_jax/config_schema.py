@@ -214,6 +214,15 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("model_scan_layers", False, PROGRAM,
      "Run the decoder blocks as one lax.scan in the training forward (compile time flat in "
      "depth; same numbers, same checkpoint layout).", Bool()),
+  _F("model_attention", "xla", PROGRAM,
+     "Attention implementation: \"xla\" (ours: einsums over the head-major KV cache, the "
+     "fastest on CPU) or \"dot_product\" (jax.nn.dot_product_attention, which JAX lowers to "
+     "cuDNN flash attention on GPU). The same numbers within float tolerance.",
+     Choice(("xla", "dot_product"))),
+  _F("rollout.decode_block", 32, PROGRAM,
+     "Decode attention reads each row's own cached keys only up to the current step, in spans "
+     "of this many slots (0 = the whole max_new_tokens cache at every step). Same numbers.",
+     Int(0, note=" (0 = whole cache)")),
   _F("tokenizer", "", PROGRAM,
      "Tokenizer: \"\" uses the task's built-in character tokenizer; else a local HF directory.",
      Str()),

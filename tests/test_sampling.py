@@ -1,5 +1,7 @@
 """Tests for offpolicy_jax.sampling: exact behaviour log-probs, greedy, padding, EOS, compiles."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,3 +216,52 @@ def test_inverse_cdf_draws_follow_the_distribution_and_skip_cut_tokens():
     assert np.all(freq[probs[row] == 0] == 0), (row, freq)
     sigma = np.sqrt(probs[row] * (1 - probs[row]) / n)
     np.testing.assert_array_less(np.abs(freq - probs[row]), 5 * sigma + 1e-9)
+
+
+@pytest.fixture(scope="module")
+def fused_graphdef(numpy_init):
+  """The tiny preset's graph with `jax.nn.dot_product_attention` (same parameter layout)."""
+  return numpy_init(dataclasses.replace(models.get_config("tiny"), attention="dot_product"))[0]
+
+
+def test_dot_product_attention_equals_ours(tiny, fused_graphdef, prompts):
+  graphdef, params = tiny
+  tokens, lengths = prompts
+  mask = _prompt_mask(tokens, lengths)
+  rows = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]], np.int32)
+
+  @jax.jit
+  def forward(params):
+    out = []
+    for gd in (graphdef, fused_graphdef):
+      model = nnx.merge(gd, params)
+      out.append(
+        (
+          model(tokens, attention_mask=mask),
+          model.shared_prefix_hidden_states(tokens, mask, rows, 2),
+        )
+      )
+    return out
+
+  (logits, (hp, hs)), (logits_f, (hp_f, hs_f)) = forward(params)
+  real = mask[:, :, None] > 0  # Outputs at left-padding positions are unused.
+  np.testing.assert_allclose(np.where(real, logits_f, 0), np.where(real, logits, 0), atol=1e-5)
+  np.testing.assert_allclose(hs_f, hs, atol=1e-5)
+  np.testing.assert_allclose(np.where(real, hp_f, 0), np.where(real, hp, 0), atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["xla", "dot_product"])
+def test_filled_cache_attention_equals_whole_cache(
+  tiny, fused_graphdef, prompts, group_sampler, attention
+):
+  """Spans of 3 slots (3, 6, 8 of N = 8) give the whole cache's numbers, in both implementations."""
+  params = tiny[1]
+  tokens, lengths = prompts
+  graphdef = tiny[0] if attention == "xla" else fused_graphdef
+  fn = sampling.make_sampler(
+    graphdef, max_new_tokens=N, group_size=K, temperature=0.7, decode_block=3
+  )
+  ref = group_sampler(params, tokens, lengths, jax.random.key(3))
+  out = fn(params, tokens, lengths, jax.random.key(3))
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)

@@ -2,9 +2,17 @@
 
 Rotary position embeddings (RoFormer, arXiv:2104.09864) in the "rotate half"
 layout of HF checkpoints with llama3 / linear frequency scaling; positions that
-left padding does not shift; head projections as one 2-D matmul; and the
-grouped attention of K continuations to their shared prompt (training with a
-shared prefix, and decoding against a per-group prompt cache).
+left padding does not shift; head projections as one 2-D matmul; the grouped
+attention of K continuations to their shared prompt (training with a shared
+prefix, and decoding against a per-group prompt cache); and decode attention
+over the filled part of the cache only (`over_filled`).
+
+Two implementations of the same maths: ours (`grouped_attention` and the
+decoder's einsums), which read head-major keys [B, N_kv, S, H] in place and
+one prompt per group; and `fused_attention` / `grouped_fused_attention` over
+`jax.nn.dot_product_attention`, the ecosystem call JAX lowers to cuDNN flash
+attention on GPU (and that a TPU build can point at its splash kernel), with
+the prompt part and the continuation part merged by their log-sum-exps.
 """
 
 import math
@@ -81,7 +89,7 @@ def grouped_attention(qg, prefix_kv, own_kv, prompt_mask_gp, own_allowed_ts, dt)
       copied K times.
     own_kv: (k, v) [G*K, N_kv, S, H] of each continuation.
     prompt_mask_gp: [G, P] real prompt tokens.
-    own_allowed_ts: [T, S] which own keys each query sees.
+    own_allowed_ts: [G*K or 1, T, S] which own keys each query sees.
     dt: compute dtype.
 
   Returns:
@@ -97,7 +105,7 @@ def grouped_attention(qg, prefix_kv, own_kv, prompt_mask_gp, own_allowed_ts, dt)
   )
   to_prompt = jnp.where(prompt_mask_gp[:, None, None, None, None, :], to_prompt / root, NEG_INF)
   to_self = jnp.einsum("btkqh,bksh->bkqts", qg, ks.astype(dt), preferred_element_type=jnp.float32)
-  to_self = jnp.where(own_allowed_ts, to_self / root, NEG_INF)
+  to_self = jnp.where(own_allowed_ts[:, None, None], to_self / root, NEG_INF)
   to_self = to_self.reshape(g, group_size, *to_self.shape[1:])
   probs = jax.nn.softmax(jnp.concatenate([to_prompt, to_self], axis=-1), axis=-1).astype(dt)
   vs_g = vs.astype(dt).reshape(g, group_size, *vs.shape[1:])
@@ -105,3 +113,90 @@ def grouped_attention(qg, prefix_kv, own_kv, prompt_mask_gp, own_allowed_ts, dt)
     "gckqts,gcksh->gctkqh", probs[..., p:], vs_g
   )
   return out.reshape(qg.shape)
+
+
+def fused_attention(q_btnh, k_bksh, v_bksh, mask, dt, residual=False):
+  """`jax.nn.dot_product_attention` of queries [B, T, N, H] over head-major keys/values.
+
+  Args:
+    q_btnh: [B, T, N, H] queries.
+    k_bksh, v_bksh: [B, N_kv, S, H] keys and values (the cache layout; the call
+      takes [B, S, N_kv, H], a transpose).
+    mask: bool, broadcastable to [B, N, T, S]: which keys each query sees.
+    dt: compute dtype.
+    residual: also return the log-sum-exp [B, T, N] of each query's logits.
+
+  Returns:
+    [B, T, N, H] outputs (and the log-sum-exp with `residual`).
+  """
+  k, v = (jnp.swapaxes(x, 1, 2).astype(dt) for x in (k_bksh, v_bksh))
+  return jax.nn.dot_product_attention(q_btnh.astype(dt), k, v, mask=mask, return_residual=residual)
+
+
+def grouped_fused_attention(q_btnh, prefix_kv, own_kv, prompt_mask_gp, own_allowed_bts, dt):
+  """`grouped_attention` through `jax.nn.dot_product_attention`, prompts read once per group.
+
+  The K continuations' queries of a group attend to its prompt as one
+  sequence of K * T queries, and each row to its own keys; the two partial
+  softmaxes merge exactly by their log-sum-exps l_p, l_s:
+  out = (e^l_p o_p + e^l_s o_s) / (e^l_p + e^l_s) (Dao, FlashAttention-2,
+  arXiv:2307.08691, section 3.1.1).
+
+  Args:
+    q_btnh: [G*K, T, N, H] queries, rows group-major.
+    prefix_kv: (k, v) [G, N_kv, P, H] of the prompts.
+    own_kv: (k, v) [G*K, N_kv, S, H] of each continuation.
+    prompt_mask_gp: [G, P] real prompt tokens.
+    own_allowed_bts: [G*K or 1, T, S] which own keys each query sees.
+    dt: compute dtype.
+
+  Returns:
+    [G*K, T, N, H] attention outputs.
+  """
+  b, t, n, h = q_btnh.shape
+  g = prompt_mask_gp.shape[0]
+  o_p, l_p = fused_attention(
+    q_btnh.reshape(g, b // g * t, n, h), *prefix_kv, prompt_mask_gp[:, None, None, :], dt, True
+  )
+  o_s, l_s = fused_attention(q_btnh, *own_kv, own_allowed_bts[:, None], dt, True)
+  l_p = l_p.reshape(b, t, n).astype(jnp.float32)
+  l_s = l_s.astype(jnp.float32)
+  top = jnp.maximum(l_p, l_s)
+  w_p, w_s = jnp.exp(l_p - top)[..., None], jnp.exp(l_s - top)[..., None]
+  out = (w_p * o_p.reshape(b, t, n, h) + w_s * o_s) / (w_p + w_s)
+  return out.astype(dt)
+
+
+def over_filled(attend, own_kv, own_allowed_bts, filled, block: int):
+  """`attend(own_kv, own_allowed)` over the first ceil(filled / block) * block own slots only.
+
+  Decode step i needs own keys 0..i only; attending over all S slots reads
+  (and multiplies by zero) the empty rest of the cache. The static spans
+  block, 2 * block, ..., S are the branches of one `lax.switch` on the traced
+  `filled`, so each step reads the smallest span that holds its keys. The
+  slots cut off are masked out anyway, so the output is the same.
+
+  Args:
+    attend: `attend((k, v), allowed) -> out` over own keys [B, N_kv, s, H] and
+      allowed [B or 1, T, s].
+    own_kv: (k, v) [B, N_kv, S, H].
+    own_allowed_bts: [B or 1, T, S].
+    filled: traced int, slots that any row may attend (max index + 1).
+    block: span granularity (>= 1); spans >= S mean one branch, the whole cache.
+
+  Returns:
+    What `attend` returns.
+  """
+  s_max = own_kv[0].shape[2]
+  spans = [*range(block, s_max, block), s_max]
+  if len(spans) == 1:
+    return attend(own_kv, own_allowed_bts)
+
+  def branch(span):
+    def run(own_kv, allowed):
+      return attend(tuple(x[:, :, :span] for x in own_kv), allowed[..., :span])
+
+    return run
+
+  index = jnp.clip((jnp.asarray(filled) - 1) // block, 0, len(spans) - 1)
+  return jax.lax.switch(index, [branch(s) for s in spans], own_kv, own_allowed_bts)

@@ -12,6 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 
 _FAMILIES = ("qwen2", "qwen3", "llama")
+ATTENTION = ("xla", "dot_product")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,9 @@ class ModelConfig:
       compile time stays flat in depth (MaxText's `scan_layers`); parameters
       keep their per-layer layout, so checkpoints do not change.
     family: "qwen2", "qwen3" or "llama" (selects the HF architecture on export).
+    attention: "xla" (our einsum attention, head-major keys read in place) or
+      "dot_product" (`jax.nn.dot_product_attention`, which JAX maps to cuDNN
+      flash attention on GPU; the same numbers within float tolerance).
   """
 
   vocab_size: int
@@ -63,6 +67,7 @@ class ModelConfig:
   remat: bool = False
   scan_layers: bool = False
   family: str = "llama"
+  attention: str = "xla"
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):
@@ -72,6 +77,8 @@ class ModelConfig:
       object.__setattr__(self, name, jnp.dtype(getattr(self, name)).name)
     if self.family not in _FAMILIES:
       raise ValueError(f"family must be one of {_FAMILIES}, got {self.family!r}")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
     for name in (
       "vocab_size",
       "hidden_size",

@@ -133,6 +133,8 @@ class Attention(nnx.Module):
   def _attend(self, q_btnh, k_bksh, v_bksh, allowed_bts):
     """softmax(q k^T / sqrt(H), allowed) v over head-major keys/values; [B, T, N, H]."""
     dt = jnp.dtype(self.config.dtype)
+    if self.config.attention == "dot_product":
+      return ops.fused_attention(q_btnh, k_bksh, v_bksh, allowed_bts[:, None], dt)
     scores = jnp.einsum(
       "btkgh,bksh->bkgts",
       self._grouped(q_btnh),
@@ -158,11 +160,11 @@ class Attention(nnx.Module):
     qs, ks, vs = self._qkv(x_s, *rope_s)
     causal_p = jnp.tril(jnp.ones((p, p), bool))[None] & prompt_mask_gp[:, None, :]
     out_s = self._grouped_attention(
-      qs, (kp, vp), (ks, vs), prompt_mask_gp, jnp.tril(jnp.ones((n_len, n_len), bool))
+      qs, (kp, vp), (ks, vs), prompt_mask_gp, jnp.tril(jnp.ones((1, n_len, n_len), bool))
     )
     return self._out(self._attend(qp, kp, vp, causal_p)), self._out(out_s)
 
-  def decode_shared(self, x_b1d, rope, prefix_kv, suffix_kv, prompt_mask_gp, index):
+  def decode_shared(self, x_b1d, rope, prefix_kv, suffix_kv, prompt_mask_gp, index, block=0):
     """One decode step of K continuations per prompt against a per-group prompt cache.
 
     Args:
@@ -171,25 +173,47 @@ class Attention(nnx.Module):
       prefix_kv: (k, v) [G, N_kv, P, H] of the prompts, written once by the prefill.
       suffix_kv: (k, v) [G*K, N_kv, S, H] of the continuations so far.
       prompt_mask_gp: [G, P] real prompt tokens.
-      index: slot of the new token in the suffix cache (traced).
+      index: slot of the new token in the suffix cache (traced): a scalar, or
+        int32 [G*K], one per row (rows at different lengths).
+      block: 0 attends over all S own slots; else over the filled ones only,
+        rounded up to a multiple of `block` (`attention_ops.over_filled`).
 
     Returns:
       (attention output [G*K, 1, D], updated suffix (k, v)).
     """
     q, k, v = self._qkv(x_b1d, *rope)
-    start = (0, 0, index, 0)
-    ks, vs = (
-      jax.lax.dynamic_update_slice(c, x.astype(c.dtype), start)
-      for c, x in zip(suffix_kv, (k, v), strict=True)
-    )
-    allowed = (jnp.arange(ks.shape[2]) <= index)[None, :]
-    out = self._grouped_attention(q, prefix_kv, (ks, vs), prompt_mask_gp, allowed)
+    rows = jnp.arange(x_b1d.shape[0])
+    if jnp.ndim(index):
+      ks, vs = (
+        c.at[rows, :, index].set(x[:, :, 0].astype(c.dtype))
+        for c, x in zip(suffix_kv, (k, v), strict=True)
+      )
+    else:
+      start = (0, 0, index, 0)
+      ks, vs = (
+        jax.lax.dynamic_update_slice(c, x.astype(c.dtype), start)
+        for c, x in zip(suffix_kv, (k, v), strict=True)
+      )
+    index_b = jnp.broadcast_to(index, rows.shape)
+    allowed = (jnp.arange(ks.shape[2])[None, :] <= index_b[:, None])[:, None, :]
+
+    def attend(own_kv, allowed):
+      return self._grouped_attention(q, prefix_kv, own_kv, prompt_mask_gp, allowed)
+
+    if block:
+      out = ops.over_filled(attend, (ks, vs), allowed, jnp.max(index_b) + 1, block)
+    else:
+      out = attend((ks, vs), allowed)
     return self._out(out), (ks, vs)
 
-  def _grouped_attention(self, q_btnh, prefix_kv, own_kv, prompt_mask_gp, own_allowed_ts):
+  def _grouped_attention(self, q_btnh, prefix_kv, own_kv, prompt_mask_gp, own_allowed_bts):
     dt = jnp.dtype(self.config.dtype)
+    if self.config.attention == "dot_product":
+      return ops.grouped_fused_attention(
+        q_btnh, prefix_kv, own_kv, prompt_mask_gp, own_allowed_bts, dt
+      )
     out = ops.grouped_attention(
-      self._grouped(q_btnh), prefix_kv, own_kv, prompt_mask_gp, own_allowed_ts, dt
+      self._grouped(q_btnh), prefix_kv, own_kv, prompt_mask_gp, own_allowed_bts, dt
     )
     return out.reshape(q_btnh.shape)
 
@@ -244,10 +268,10 @@ class DecoderLayer(nnx.Module):
     )
     return self._feed_forward(h_p + attn_p), self._feed_forward(h_s + attn_s)
 
-  def decode_shared(self, h_b1d, rope, prefix_kv, suffix_kv, prompt_mask_gp, index):
+  def decode_shared(self, h_b1d, rope, prefix_kv, suffix_kv, prompt_mask_gp, index, block=0):
     """The block for one decode step against a per-group prompt cache (see `Attention`)."""
     attn, suffix_kv = self.self_attn.decode_shared(
-      self.input_layernorm(h_b1d), rope, prefix_kv, suffix_kv, prompt_mask_gp, index
+      self.input_layernorm(h_b1d), rope, prefix_kv, suffix_kv, prompt_mask_gp, index, block
     )
     return self._feed_forward(h_b1d + attn), suffix_kv
 
@@ -353,7 +377,9 @@ class Decoder(nnx.Module):
     h_p, h_s = self._apply_layers(block, hs)
     return self.norm(h_p), self.norm(h_s)
 
-  def decode_shared(self, tokens_b, prefix: KVCache, suffix: KVCache, prompt_mask, index):
+  def decode_shared(
+    self, tokens_b, prefix: KVCache, suffix: KVCache, prompt_mask, index, block: int = 0
+  ):
     """Final-norm hidden states [G*K, D] of one new token per row, prompts cached once per group.
 
     Equals a decode step of `hidden_states` with the prompt's cache repeated K
@@ -365,7 +391,10 @@ class Decoder(nnx.Module):
       prefix: the prompts' cache, [G, N_kv, P, H] per layer (the prefill's).
       suffix: the continuations' cache, [G*K, N_kv, S, H] per layer.
       prompt_mask: [G, P] 1 on real prompt tokens.
-      index: suffix slot of the new tokens (their position is prompt length + index).
+      index: suffix slot of the new tokens (their position is prompt length + index):
+        a scalar, or int32 [G*K] per row.
+      block: 0 attends over every suffix slot; else over the filled slots only,
+        in spans of `block` (the same numbers, less of the cache read).
 
     Returns:
       (h [G*K, D], updated suffix cache).
@@ -373,7 +402,8 @@ class Decoder(nnx.Module):
     prompt_mask = jnp.asarray(prompt_mask) > 0
     rows = tokens_b.shape[0]
     lengths = jnp.sum(prompt_mask, axis=-1).astype(jnp.int32)
-    positions = jnp.repeat(lengths, rows // prompt_mask.shape[0])[:, None] + index
+    positions = jnp.repeat(lengths, rows // prompt_mask.shape[0]) + index
+    positions = positions[:, None]
     rope = self._rope(positions)
     h = self._embed(tokens_b[:, None])
     new_k, new_v = [], []
@@ -385,6 +415,7 @@ class Decoder(nnx.Module):
         (suffix.k[i], suffix.v[i]),
         prompt_mask,
         index,
+        block,
       )
       h = _constrain(h)
       new_k.append(k)

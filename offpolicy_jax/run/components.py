@@ -150,7 +150,7 @@ def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
   dtype = dtype or config.model_dtype
   if os.path.isdir(config.model):
     path, compute = config.model, jnp.dtype(dtype)
-    scan = config.model_scan_layers
+    scan, attention = config.model_scan_layers, config.model_attention
     return lambda seed: models.from_pretrained(
       path,
       jnp.float32,
@@ -158,12 +158,14 @@ def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
       mesh=mesh,
       rules=sharding.LOGICAL_AXIS_RULES,
       scan_layers=scan,
+      attention=attention,
     )
   mcfg = models.get_config(
     config.model,
     vocab_size=tokenizer.vocab_size,
     dtype=dtype,
     scan_layers=config.model_scan_layers,
+    attention=config.model_attention,
   )
   return lambda seed: models.Decoder(mcfg, rngs=nnx.Rngs(params=step_key(seed, 0, INIT)))
 
@@ -321,6 +323,7 @@ def _build_fns(config) -> rl_step.StepFns:
       group_size=c.group_size,
       temperature=c.temperature,
       behavior_logp=_recorded_logp(c),
+      decode_block=c.rollout.decode_block,
       **sample_kw,
     ),
     greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),

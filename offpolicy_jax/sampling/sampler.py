@@ -67,6 +67,8 @@ class SampleOutput(NamedTuple):
 
 
 BEHAVIOR_LOGP = ("sampled", "full")
+# Cache slots per span of the decode attention (`make_sampler`'s `decode_block`).
+DECODE_BLOCK = 32
 
 
 def _truncate(z_bv, top_k, top_p):
@@ -166,6 +168,7 @@ def make_sampler(
   eos_id: int | Sequence[int] | None = None,
   stop_sequences: Sequence[Sequence[int]] | None = None,
   behavior_logp: str = "sampled",
+  decode_block: int = DECODE_BLOCK,
 ):
   """Builds a jitted `fn(params, prompt_tokens[G,P], prompt_lengths[G], key) -> SampleOutput`.
 
@@ -185,6 +188,9 @@ def make_sampler(
       matched against generated tokens only.
     behavior_logp: what `logprobs` records: "sampled" (log mu, the truncated
       distribution drawn from) or "full" (the untruncated tempered log-prob).
+    decode_block: decode step i attends to its rows' own keys 0..i only, read
+      in spans of this many cache slots (0: all N slots at every step; the
+      same numbers either way, `attention_ops.over_filled`).
 
   Returns:
     The jitted sampling function; `params` is the state from `nnx.split(model)`.
@@ -199,6 +205,8 @@ def make_sampler(
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
   if top_k < 0:
     raise ValueError(f"top_k must be >= 0, got {top_k}")
+  if decode_block < 0:
+    raise ValueError(f"decode_block must be >= 0, got {decode_block}")
   if behavior_logp not in BEHAVIOR_LOGP:
     raise ValueError(f"behavior_logp must be one of {BEHAVIOR_LOGP}, got {behavior_logp!r}")
   stops = tuple(tuple(int(t) for t in s) for s in (stop_sequences or ()) if len(s))
@@ -241,7 +249,7 @@ def make_sampler(
       if stops:
         finished = finished | _hits_stop(tokens, i, stops)
       done = done | finished
-      h, cache = model.decode_shared(token, prefix, cache, prompt_mask, i)
+      h, cache = model.decode_shared(token, prefix, cache, prompt_mask, i, decode_block)
       logits = model.logits_from_hidden(h)
       return i + 1, cache, logits, (tokens, logps, kept, valid), done
 

@@ -1,0 +1,93 @@
+"""The decode roofline: machine limits measured here, and a decode step's work from the config.
+
+A decode step of B = G * K rows (G prompts of P tokens, K samples each, rows
+attending to S of their own cached keys) must at least
+
+  FLOPs  = B * 2 * N_mm  +  B * 4 * L * n * h * (P + S)
+  bytes  = N_mm * w  +  2 * L * n_kv * h * c * (G * P + B * S)  +  B * V * 4
+
+with N_mm the matmul parameters (q, k, v, o, the MLP and the output
+projection; the embedding lookup reads B rows only), L layers of n query
+heads and n_kv key/value heads of width h, w the bytes per weight and c per
+cached value: the weights read once, each prompt's keys and values read once
+per group (the sampler shares them), each row's own keys and values, and the
+float32 logits written. Its time is at least max(FLOPs / peak, bytes /
+bandwidth) (Williams et al., "Roofline", CACM 2009); the fraction of that
+bound a measured step reaches is bound / measured time.
+
+The peak is the median rate of a jitted float32 matmul; the bandwidth the
+median rate of a jitted reduction over a large float32 array (bytes read /
+time), both timed in the calling process, so they share its machine state.
+"""
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from offpolicy_jax import models
+
+
+def _median_time(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
+  """Median FLOP/s of a jitted float32 [size, size] @ [size, size]."""
+  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+  return 2 * size**3 / _median_time(jax.jit(jnp.dot), a, a, repeats=repeats)
+
+
+def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+  """Median bytes/s read by a jitted sum over a float32 array of `mib` MiB."""
+  x = jnp.ones((mib * 2**18,), jnp.float32)
+  return x.nbytes / _median_time(jax.jit(jnp.sum), x, repeats=repeats)
+
+
+def matmul_params(config: models.ModelConfig) -> int:
+  """N_mm: parameters used as matmul weights in one token's forward (output projection included)."""
+  c = config
+  d, f, n, kv, h = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+  return c.num_layers * (2 * d * n * h + 2 * d * kv * h + 3 * d * f) + c.vocab_size * d
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  """Work of one decode step (module docstring)."""
+
+  flops: float
+  bytes: float
+
+  def bound_s(self, peak: float, bandwidth: float) -> float:
+    """The roofline time: max(FLOPs / peak, bytes / bandwidth)."""
+    return max(self.flops / peak, self.bytes / bandwidth)
+
+
+def decode_step_cost(
+  config: models.ModelConfig, *, prompts: int, group_size: int, prompt_len: int, span: float
+) -> StepCost:
+  """FLOPs and bytes of one decode step of `prompts * group_size` rows (module docstring).
+
+  Args:
+    config: the model.
+    prompts: G.
+    group_size: K.
+    prompt_len: P, cached prompt tokens attended per row.
+    span: S, own cached tokens attended per row (a mean over steps may be fractional).
+  """
+  c = config
+  b = prompts * group_size
+  n_mm = matmul_params(c)
+  w = jnp.dtype(c.param_dtype).itemsize
+  cache = jnp.dtype(c.dtype).itemsize
+  flops = b * 2 * n_mm + b * 4 * c.num_layers * c.num_heads * c.head_dim * (prompt_len + span)
+  kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * cache * (prompts * prompt_len + b * span)
+  return StepCost(float(flops), float(n_mm * w + kv + b * c.vocab_size * 4))
