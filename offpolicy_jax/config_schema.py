@@ -223,6 +223,13 @@ RUN_FIELDS: tuple[Field, ...] = (
      "Decode attention reads each row's own cached keys only up to the current step, in spans "
      "of this many slots (0 = the whole max_new_tokens cache at every step). Same numbers.",
      Int(0, note=" (0 = whole cache)")),
+  _F("rollout.continuous_slots", 0, PROGRAM,
+     "Continuous batching (sampling.continuous): this many prompt groups decode at once and a "
+     "group that has ended frees its slot for the next prompt inside the same compiled loop, so "
+     "no row decodes past its end; worth it when response lengths vary (EOS). Its draws use "
+     "per-(prompt, sample, token) keys, so its samples differ from the static sampler's for the "
+     "same seed. 0 = the static batch of all prompts_per_step groups.",
+     Int(0, note=" (0 = static batch)")),
   _F("tokenizer", "", PROGRAM,
      "Tokenizer: \"\" uses the task's built-in character tokenizer; else a local HF directory.",
      Str()),

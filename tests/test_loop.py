@@ -502,14 +502,17 @@ def test_host_reward_rollout_overlapped_with_scoring_changes_nothing(tmp_path, m
   assert any(r["reward_mean"] > 0 for r in overlapped)
 
 
-def test_truncated_sampling_on_policy_has_unit_ratios(tmp_path):
+@pytest.mark.parametrize("slots", [0, 1], ids=["static", "continuous"])
+def test_truncated_sampling_on_policy_has_unit_ratios(tmp_path, slots):
   """The log-prob contract through the loop: top-k + top-p, on-policy, ratio 1 on every token.
 
-  (`behavior_logp="full"` is checked on the sampler and learner in test_logprob_contract.)
+  Also with continuous batching (2 prompt groups through 1 slot). (`behavior_logp="full"` is
+  checked on the sampler and learner in test_logprob_contract.)
   """
   cfg = small_config(
     **{
       "total_steps": 2,
+      "rollout.continuous_slots": slots,
       "temperature": 0.7,
       "top_p": 0.8,
       "top_k": 5,

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from offpolicy_jax import models
+from offpolicy_jax.sampling import continuous
 from offpolicy_jax.sampling import sampler as sampling
 
 N = 8  # max_new_tokens
@@ -265,3 +266,54 @@ def test_filled_cache_attention_equals_whole_cache(
   out = fn(params, tokens, lengths, jax.random.key(3))
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+
+
+EOS = tuple(range(0, 64, 5))  # About a fifth of the vocabulary ends a response: lengths vary.
+PROMPTS_4 = np.array(
+  [[0, 0, 0, 5, 6, 7], [11, 12, 13, 14, 15, 16], [0, 0, 21, 22, 23, 24], [0, 31, 32, 33, 34, 35]],
+  np.int32,
+)
+LENGTHS_4 = np.array([3, 6, 4, 5], np.int32)
+
+
+@pytest.fixture(scope="module")
+def continuous_fn(tiny):
+  """(slots) -> continuous sampler of K samples per prompt with EOS, temperature 0.7, top-k 20."""
+  return lambda slots: continuous.make_continuous_sampler(
+    tiny[0], max_new_tokens=N, slots=slots, group_size=K, temperature=0.7, top_k=20, eos_id=EOS
+  )
+
+
+def test_continuous_batching_equals_each_prompt_alone(tiny, continuous_fn):
+  params = tiny[1]
+  key = jax.random.key(11)
+  out = continuous_fn(2)(params, PROMPTS_4, LENGTHS_4, key)  # 4 groups through 2 slots
+  alone_fn = continuous_fn(1)
+  lengths = np.asarray(out.lengths)
+  assert 1 <= lengths.min() < N and len(set(lengths.tolist())) > 2, lengths
+  for g in range(4):
+    alone = alone_fn(params, PROMPTS_4[g : g + 1], LENGTHS_4[g : g + 1], key, prompt_ids=[g])
+    rows = slice(g * K, (g + 1) * K)
+    np.testing.assert_array_equal(out.tokens[rows], alone.tokens)
+    np.testing.assert_array_equal(out.mask[rows], alone.mask)
+    np.testing.assert_array_equal(out.kept[rows], alone.kept)
+    np.testing.assert_allclose(out.logprobs[rows], alone.logprobs, atol=1e-5, rtol=0)
+
+
+def test_continuous_batching_logprobs_are_exact(tiny, teacher, continuous_fn):
+  """Log mu of every token equals the teacher-forced truncated log-prob; rows end at EOS."""
+  params = tiny[1]
+  out = continuous_fn(2)(params, PROMPTS_4, LENGTHS_4, jax.random.key(11))
+  rep_tokens, rep_lengths = np.repeat(PROMPTS_4, K, 0), np.repeat(LENGTHS_4, K, 0)
+  _, logits = teacher(
+    params, rep_tokens, _prompt_mask(rep_tokens, rep_lengths), out.tokens, out.mask, 1.0
+  )
+  p = PROMPTS_4.shape[1]
+  for b in range(4 * K):
+    n_b = int(out.lengths[b])
+    np.testing.assert_array_equal(out.mask[b], np.arange(N) < n_b)
+    assert n_b == N or int(out.tokens[b, n_b - 1]) in EOS
+    assert not any(int(t) in EOS for t in out.tokens[b, : n_b - 1])
+    for t in range(n_b):
+      ref = _truncated_logp_ref(logits[b, p - 1 + t], 0.7, 20, 1.0)
+      np.testing.assert_allclose(out.logprobs[b, t], ref[int(out.tokens[b, t])], atol=1e-5)

@@ -62,6 +62,7 @@ BAD = [
   ("rollout.sampler_dtype", "float16", "rollout.sampler_dtype"),
   ("rollout.score_old", "yes", "rollout.score_old"),
   ("rollout.decode_block", -1, "rollout.decode_block"),
+  ("rollout.continuous_slots", -1, "rollout.continuous_slots"),
   ("reward_timeout", 0.0, "reward_timeout"),
   ("reward_timeout", INF, "reward_timeout"),
   ("reward_batch_timeout", -1.0, "reward_batch_timeout"),

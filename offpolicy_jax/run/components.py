@@ -37,6 +37,7 @@ from offpolicy_jax.rewards import scoring as rewards
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.run import data_checks, pipeline, rl_step, train_state, train_step, validation
 from offpolicy_jax.run.pipeline import INIT, step_key
+from offpolicy_jax.sampling import continuous
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.scale import disagg, sharding
@@ -307,6 +308,19 @@ def _build_fns(config) -> rl_step.StepFns:
   sample_kw = dict(
     max_new_tokens=c.max_new_tokens, top_p=c.top_p, top_k=c.top_k, eos_id=tokenizer.eos_id
   )
+  behaviour_kw = dict(
+    group_size=c.group_size,
+    temperature=c.temperature,
+    behavior_logp=_recorded_logp(c),
+    decode_block=c.rollout.decode_block,
+    **sample_kw,
+  )
+  if c.rollout.continuous_slots:
+    sampler = continuous.make_continuous_sampler(
+      sampler_graphdef, slots=c.rollout.continuous_slots, **behaviour_kw
+    )
+  else:
+    sampler = sampling.make_sampler(sampler_graphdef, **behaviour_kw)
   return rl_step.StepFns(
     mesh=mesh,
     graphdef=graphdef,
@@ -318,14 +332,7 @@ def _build_fns(config) -> rl_step.StepFns:
     advantage=validation.advantage_name(c),
     sizes=sizes(c),
     sample_kw={**sample_kw, "temperature": c.temperature},
-    sampler=sampling.make_sampler(
-      sampler_graphdef,
-      group_size=c.group_size,
-      temperature=c.temperature,
-      behavior_logp=_recorded_logp(c),
-      decode_block=c.rollout.decode_block,
-      **sample_kw,
-    ),
+    sampler=sampler,
     greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
     partial=partial,
     score_old=train_step.make_scorer(graphdef, options) if _scores_old(c) else None,

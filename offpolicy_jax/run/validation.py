@@ -159,6 +159,12 @@ def _validate_sampling(c) -> None:
       "rollout.partial_budget",
       f"partial rollouts run in lag.mode='sync' only, got {c.lag.mode!r}",
     )
+    _need(
+      not c.rollout.continuous_slots,
+      "rollout.continuous_slots",
+      "continuous batching samples whole responses; it does not take partial rollouts "
+      "(rollout.partial_budget > 0)",
+    )
 
 
 def _validate_loss(c) -> None:

@@ -2,13 +2,25 @@
 
   sampler   the jitted KV-cache sampler (`generate`, `make_sampler`): prefill once per
             prompt, shared by its K samples, exact log-probs of the sampling distribution
+  continuous  continuous batching: S group slots, a finished group's slot refilled with the
+            next prompt inside the compiled loop (`make_continuous_sampler`)
   partial   APRIL partial rollouts: a per-step token budget, unfinished responses resumed
             under newer parameters, a version and behaviour log-prob per token
 
 May import: the maths modules, `scale`, `models`.
 """
 
-from offpolicy_jax.sampling import partial, sampler
+from offpolicy_jax.sampling import continuous, partial, sampler
+from offpolicy_jax.sampling.continuous import make_continuous_sampler
 from offpolicy_jax.sampling.sampler import SampleOutput, generate, make_sampler, select_token
 
-__all__ = ["SampleOutput", "generate", "make_sampler", "partial", "sampler", "select_token"]
+__all__ = [
+  "SampleOutput",
+  "continuous",
+  "generate",
+  "make_continuous_sampler",
+  "make_sampler",
+  "partial",
+  "sampler",
+  "select_token",
+]

@@ -102,7 +102,7 @@ def select_token(logits_bv, key, temperature, top_k, top_p, behavior_logp="sampl
 
   Args:
     logits_bv: float32 [B, V] logits.
-    key: PRNG key.
+    key: PRNG key, or a [B] array of keys, one per row (`sampling.continuous`).
     temperature: softmax temperature (0: greedy, the untempered log-prob is recorded).
     top_k, top_p: truncation (static; 0 and 1 are off).
     behavior_logp: "sampled" records log mu(token) under the truncated,
@@ -138,10 +138,14 @@ def _inverse_cdf(key, logp_bv):
   One uniform per row instead of `jax.random.categorical`'s Gumbel noise over
   the whole vocabulary (a threefry hash of B x V words at every decode step, the
   largest non-matmul cost of the loop). u is in (0, 1], so a token of
-  probability 0 (cut by top-k / top-p) is never drawn.
+  probability 0 (cut by top-k / top-p) is never drawn. A [B] array of keys
+  draws row b's u from key b alone.
   """
   cdf = jnp.cumsum(jnp.exp(logp_bv), axis=-1)
-  u = 1.0 - jax.random.uniform(key, (logp_bv.shape[0], 1))
+  if jnp.ndim(key):
+    u = 1.0 - jax.vmap(jax.random.uniform)(key)[:, None]
+  else:
+    u = 1.0 - jax.random.uniform(key, (logp_bv.shape[0], 1))
   token = jnp.sum(cdf < u * cdf[:, -1:], axis=-1)
   return jnp.minimum(token, logp_bv.shape[-1] - 1).astype(jnp.int32)
 
@@ -155,6 +159,26 @@ def _hits_stop(tokens_bn, i, stop_sequences):
     window = jax.lax.dynamic_slice_in_dim(padded, i + 1, n, axis=1)
     hit = hit | jnp.all(window == jnp.asarray(seq, jnp.int32)[None, :], axis=1)
   return hit
+
+
+def check_options(
+  *, max_new_tokens, group_size, temperature, top_p, top_k, behavior_logp, decode_block
+) -> None:
+  """Raises ValueError naming a sampling option out of range (`make_sampler`'s arguments)."""
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if group_size < 1:
+    raise ValueError(f"group_size must be >= 1, got {group_size}")
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+  if top_k < 0:
+    raise ValueError(f"top_k must be >= 0, got {top_k}")
+  if decode_block < 0:
+    raise ValueError(f"decode_block must be >= 0, got {decode_block}")
+  if behavior_logp not in BEHAVIOR_LOGP:
+    raise ValueError(f"behavior_logp must be one of {BEHAVIOR_LOGP}, got {behavior_logp!r}")
 
 
 def make_sampler(
@@ -195,20 +219,15 @@ def make_sampler(
   Returns:
     The jitted sampling function; `params` is the state from `nnx.split(model)`.
   """
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-  if group_size < 1:
-    raise ValueError(f"group_size must be >= 1, got {group_size}")
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0, got {temperature}")
-  if not 0.0 < top_p <= 1.0:
-    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-  if top_k < 0:
-    raise ValueError(f"top_k must be >= 0, got {top_k}")
-  if decode_block < 0:
-    raise ValueError(f"decode_block must be >= 0, got {decode_block}")
-  if behavior_logp not in BEHAVIOR_LOGP:
-    raise ValueError(f"behavior_logp must be one of {BEHAVIOR_LOGP}, got {behavior_logp!r}")
+  check_options(
+    max_new_tokens=max_new_tokens,
+    group_size=group_size,
+    temperature=temperature,
+    top_p=top_p,
+    top_k=top_k,
+    behavior_logp=behavior_logp,
+    decode_block=decode_block,
+  )
   stops = tuple(tuple(int(t) for t in s) for s in (stop_sequences or ()) if len(s))
   eos_ids = () if eos_id is None else tuple(int(t) for t in np.atleast_1d(eos_id))
   n, k_rep = max_new_tokens, group_size
