@@ -197,7 +197,8 @@ def make_sampler(
   """Builds a jitted `fn(params, prompt_tokens[G,P], prompt_lengths[G], key) -> SampleOutput`.
 
   The function compiles once per (G, P) shape. Decoding runs under
-  `lax.while_loop` and exits early once every row has finished.
+  `lax.while_loop` and exits early once every row has finished. An optional
+  `max_lengths` int32 [G * K] caps each row's response length (<= N).
 
   Args:
     graphdef: `nnx.split(model)[0]` of a `models.Decoder`.
@@ -233,7 +234,7 @@ def make_sampler(
   n, k_rep = max_new_tokens, group_size
   temperature, top_p = float(temperature), float(top_p)
 
-  def sample(params, prompt_tokens, prompt_lengths, key):
+  def sample(params, prompt_tokens, prompt_lengths, key, max_lengths=None):
     model = nnx.merge(graphdef, params)
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
     g, p = prompt_tokens.shape
@@ -267,6 +268,8 @@ def make_sampler(
       )
       if stops:
         finished = finished | _hits_stop(tokens, i, stops)
+      if max_lengths is not None:
+        finished = finished | (i + 1 >= max_lengths)
       done = done | finished
       h, cache = model.decode_shared(token, prefix, cache, prompt_mask, i, decode_block)
       logits = model.logits_from_hidden(h)
