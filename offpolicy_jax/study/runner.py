@@ -297,7 +297,7 @@ def run_cell(
     runs += _run_seeds(comps, grid, seeds, [starts[s] for s in seeds], (m, n))
   if any(r.pop("snapshot_missing") for r in runs):
     raise RuntimeError(f"{method}@{lag_name}: a behaviour snapshot was missing (a bug)")
-  record = {"method": method, "lag": lag_name, "schedule": [m, n], "runs": runs}
+  record: dict[str, Any] = {"method": method, "lag": lag_name, "schedule": [m, n], "runs": runs}
   if lag_name in grid.engines:
     record["engine"] = dict(grid.engines[lag_name])
   return record
