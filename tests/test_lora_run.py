@@ -92,6 +92,7 @@ def test_other_paths_train_adapters(tmp_path, overrides):
   assert any(r["grad_norm"] > 0 for r in rows)
 
 
+@pytest.mark.slow  # about 80 s (two study cells); run with -m slow
 def test_study_vmaps_adapters_over_a_shared_base():
   """Seeds vmapped together (one base, stacked adapters) equal seeds run one at a time."""
   from offpolicy_jax.study import runner as study
