@@ -302,7 +302,7 @@ class _Batch:
       self.pool._replace(w)
     score = msg.get("score")
     if "error" in msg or not isinstance(score, (int, float)):
-      self._fail(i, str(msg.get("error", "no score")))
+      self._fail(i, str(msg.get("error", "no score")), timeout=msg.get("timed_out") is True)
     elif not (math.isfinite(score) and abs(score) <= _FLOAT32_MAX):
       self._fail(i, f"score {score!r} is not finite in float32")
     else:
