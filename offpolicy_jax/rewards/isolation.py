@@ -168,7 +168,10 @@ class _Lines:
     while data:
       if deadline is not None and not select.select([], [self.wfd], [], _left(deadline))[1]:
         raise TimeoutError("the program did not read its input in time")
-      data = data[os.write(self.wfd, data[: 1 << 16]) :]
+      try:
+        data = data[os.write(self.wfd, data[: 1 << 16]) :]
+      except BrokenPipeError:
+        raise ProgramError("the program's process ended") from None
 
   def recv(self, deadline: float | None = None) -> Any:
     while b"\n" not in self.buf:
@@ -350,7 +353,11 @@ class Session:
       raise
 
   def _reply(self, msg: dict[str, Any], raw: bool = False) -> Any:
-    self._send(msg)
+    try:
+      self._send(msg)
+    except ProgramError:
+      self.load()  # the reason it ended, if it failed while it ran
+      raise
     self.load()
     reply = self._recv()
     if raw and type(reply) is dict and type(reply.get("ok")) is list:

@@ -19,7 +19,8 @@ What is applied (Linux; every item is checked and reported by `apply`):
 - Landlock net (ABI >= 4): no TCP bind or connect.
 - Landlock scope (ABI >= 6): no signals to, or abstract sockets of, processes
   outside the sandbox.
-- seccomp: no new processes or exec (threads are allowed), no sockets of any
+- seccomp: no new processes (but in a program template, whose children
+  add a filter that forbids them again) or exec (threads are allowed), no sockets of any
   family (nor connect/bind/listen/accept), no signals to other processes, no
   ptrace, mount, namespaces, kernel modules, BPF, io_uring, chmod/chown, setuid.
 - descriptors: every inherited descriptor but stdio (on /dev/null) and the

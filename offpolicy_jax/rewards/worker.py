@@ -27,7 +27,8 @@ Protocol, over two one-way pipes per worker:
 
 The trainer reads replies with `parse_reply` as data and never unpickles
 anything a worker sends, so a worker taken over by the code it runs can at
-worst forge its own scores.
+worst forge its own scores (and graded programs never run in a worker:
+they run in processes of their own, see `isolation`).
 
 A reward reaches a worker by pickling: a module-level function, a
 `functools.partial` of one, or a `RebuildReward` that the worker resolves to
