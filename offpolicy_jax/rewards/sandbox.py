@@ -13,16 +13,18 @@ What is applied (Linux; every item is checked and reported by `apply`):
 - capabilities: all dropped (a worker of a root trainer loses root's powers).
 - no_new_privs: set (required by Landlock and seccomp).
 - Landlock fs: reads only from the allow-list `read_paths()` (the Python
-  installation, this package, the system's shared libraries and a few device
-  and loader files); nothing else can be read or listed (not the workdir, the
-  repository's data, home directories or `/proc`); only `/dev/null` writable.
+  installation, importable code on `sys.path` such as this package, the
+  system's shared libraries and a few device and loader files); nothing else
+  can be read or listed (not the workdir, the repository's data, home
+  directories or `/proc`); only `/dev/null` writable.
 - Landlock net (ABI >= 4): no TCP bind or connect.
 - Landlock scope (ABI >= 6): no signals to, or abstract sockets of, processes
   outside the sandbox.
 - seccomp: no new processes (but in a program template, whose children
-  add a filter that forbids them again) or exec (threads are allowed), no sockets of any
-  family (nor connect/bind/listen/accept), no signals to other processes, no
-  ptrace, mount, namespaces, kernel modules, BPF, io_uring, chmod/chown, setuid.
+  add a filter that forbids them again) or exec (threads are allowed), no
+  sockets of any family (nor connect/bind/listen/accept), no signals to other
+  processes, no ptrace, mount, namespaces, kernel modules, BPF, io_uring,
+  chmod/chown, setuid.
 - descriptors: every inherited descriptor but stdio (on /dev/null) and the
   worker's two pipes to the trainer is closed (`worker` does this).
 
