@@ -252,6 +252,8 @@ def _grpo_batch(out: sampling.SampleOutput, prompts, p: Protocol, key) -> TrainB
     rewards=rewards,
     versions=jnp.zeros(out.tokens.shape, jnp.int32),
     weights=jnp.ones((p.rows,), jnp.float32),
+    behavior_kept=out.kept,
+    old_logp=out.logprobs,
   )
 
 

@@ -92,7 +92,7 @@ def _batch(out: sampling.SampleOutput, prompts, lengths, k, version, rewards) ->
   adv = (r - r.mean(1, keepdims=True)).reshape(-1)
   versions = jnp.full(out.tokens.shape, version, jnp.int32)
   return types.pack_groups(
-    prompts, lengths, out.tokens, out.mask, out.logprobs, versions, rewards, adv
+    prompts, lengths, out.tokens, out.mask, out.logprobs, versions, rewards, adv, out.kept
   )
 
 

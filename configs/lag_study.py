@@ -61,7 +61,8 @@ METHODS = ",".join(
     "decoupled_ppo",
   )
 )
-# Lag schedules: name=m/n (sync_interval / sync_offset, SCIENCE.md section 5) or offline.
+# Lag schedules: name=m/n (sync_interval / sync_offset, SCIENCE.md section 5) or offline;
+# a "+engine" suffix adds an engine-mismatch setting (study.runner.ENGINES: bf16, topk5, topp8).
 LAGS = "onpolicy=1/0,interval20=20/0,offset10=1/10,stale32=1/32,offline=offline"
 
 
@@ -101,10 +102,17 @@ def get_sweep() -> list[dict]:
   """Single runs of the grid (`experiments.sweep`): one seed, `name` names the subdirectory."""
   c = get_config()
   lags = study.parse_lags(c.study.lags, c.total_steps)
+  engines = study.parse_engines(c.study.lags)
   runs = []
   for method, overrides in study.parse_methods(c.study.methods).items():
     for lag, (m, n) in lags.items():
       runs.append(
-        {"name": f"{method}-{lag}", **overrides, "lag.sync_interval": m, "lag.sync_offset": n}
+        {
+          "name": f"{method}-{lag}",
+          **overrides,
+          **engines.get(lag, {}),
+          "lag.sync_interval": m,
+          "lag.sync_offset": n,
+        }
       )
   return runs

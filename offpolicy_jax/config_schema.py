@@ -238,6 +238,31 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("top_p", 1.0, PROGRAM, "Nucleus sampling threshold (1.0 = off).",
      Float(0, 1, lo_open=True)),
   _F("top_k", 0, PROGRAM, "Top-k sampling (0 = off).", Int(0, note=" (0 = off)")),
+  _F("rollout.behavior_logp", "sampled", PROGRAM,
+     "What the sampler records as the behaviour log-prob mu, and so what the learner scores "
+     "(SCIENCE.md s7; the same without top_k / top_p). \"sampled\": the log-prob of the "
+     "tempered, top-k / top-p truncated and renormalised distribution it drew from; the learner "
+     "scores that distribution (the kept set's size is recorded per token), so ratios are 1 at "
+     "the behaviour's parameters. Right when the truncated sampler is the policy being trained "
+     "and deployed. \"full\": the untruncated tempered log-prob; the learner scores the full "
+     "tempered softmax, and truncation is part of the environment (it filters which tokens are "
+     "tried, the policy is the full softmax). Right when the policy will be used without "
+     "truncation, or to match trainers that score the full softmax. \"mismatched\": records "
+     "as \"sampled\" but the learner scores the full tempered softmax, the engine mismatch of "
+     "a learner that ignores the sampler's truncation (on-policy ratios Z <= 1): a setting for "
+     "studying corrections (docs/off_policyness.md), not for training.",
+     Choice(("sampled", "full", "mismatched"))),
+  _F("rollout.sampler_dtype", "", PROGRAM,
+     "Compute dtype of the sampler (\"\" = model_dtype). \"bfloat16\" with an float32 learner "
+     "is the engine mismatch of a bf16 inference engine: the same parameters, other numerics, "
+     "so the learner's ratios at the behaviour's parameters are not 1 (behavior_ratio_*, "
+     "SCIENCE.md s7).", Choice(("", "float32", "bfloat16"))),
+  _F("rollout.score_old", False, PROGRAM,
+     "The learner also scores every sampled token at the sampling parameters (log pi_old: one "
+     "more forward pass of each batch), so pi / mu factors into staleness pi / pi_old and "
+     "engine mismatch pi_old / mu, both reported in every row and available to losses "
+     "(SCIENCE.md s7). Forced on by a loss that corrects pi_old / mu. False: pi_old = mu.",
+     Bool()),
   _F("group_size", 8, PROGRAM,
      "K: responses sampled per prompt (>= 2 for group-relative advantages).",
      Int(2, note=" (group-relative advantages)")),

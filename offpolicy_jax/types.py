@@ -29,6 +29,14 @@ class TrainBatch(NamedTuple):
     versions: int32 [B, N] version that produced each token.
     weights: float32 [B] per-sequence sample weights (1 = keep; 0 = dropped by
       data shaping such as a staleness bound).
+    behavior_kept: int32 [B, N] size of the top-k / top-p set each token was
+      drawn from (V without truncation; `sampling.SampleOutput.kept`), with
+      which the learner scores the truncated distribution mu was taken from
+      (`models.logprobs`, SCIENCE.md s7).
+    old_logp: float32 [B, N] log pi_old: the behaviour version's parameters
+      scored by the learner (`rollout.score_old`), so that pi / mu factors
+      into staleness pi / pi_old and engine mismatch pi_old / mu (SCIENCE.md
+      s7); equal to `behavior_logp` when not scored.
   """
 
   prompt_tokens: jax.Array
@@ -40,6 +48,8 @@ class TrainBatch(NamedTuple):
   rewards: jax.Array
   versions: jax.Array
   weights: jax.Array
+  behavior_kept: jax.Array
+  old_logp: jax.Array
 
 
 def prompt_mask(prompt_lengths: ArrayLike, width: int) -> jax.Array:
@@ -56,6 +66,8 @@ def pack_groups(
   versions_bn: ArrayLike,
   rewards_b: ArrayLike,
   advantages_b: ArrayLike,
+  kept_bn: ArrayLike,
+  old_logp_bn: ArrayLike | None = None,
 ) -> TrainBatch:
   """The `TrainBatch` of G prompts and their K responses each (B = G * K rows, group-major).
 
@@ -68,6 +80,9 @@ def pack_groups(
     versions_bn: int32 [B, N] parameter version of each token (optimizer steps).
     rewards_b: float32 [B] rewards.
     advantages_b: float32 [B] or [B, N] advantages.
+    kept_bn: int32 [B, N] kept-set size of each token (`sampling.SampleOutput.kept`).
+    old_logp_bn: float32 [B, N] the learner's log-probs at the behaviour's
+      parameters (`TrainBatch.old_logp`); None: `logprobs_bn`.
   """
   prompt_tokens_gp = jnp.asarray(prompt_tokens_gp)
   g, p = prompt_tokens_gp.shape
@@ -84,4 +99,6 @@ def pack_groups(
     rewards=jnp.asarray(rewards_b, jnp.float32),
     versions=jnp.asarray(versions_bn, jnp.int32),
     weights=jnp.ones((b,), jnp.float32),
+    behavior_kept=jnp.asarray(kept_bn, jnp.int32),
+    old_logp=jnp.asarray(logprobs_bn if old_logp_bn is None else old_logp_bn, jnp.float32),
   )

@@ -96,6 +96,8 @@ def _batch(version, rows=2, n=3):
     rewards=jnp.zeros(rows),
     versions=jnp.full((rows, n), version, jnp.int32),
     weights=jnp.ones(rows),
+    behavior_kept=jnp.zeros((rows, n), jnp.int32),
+    old_logp=jnp.zeros((rows, n)),
   )
 
 

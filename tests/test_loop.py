@@ -500,3 +500,48 @@ def test_host_reward_rollout_overlapped_with_scoring_changes_nothing(tmp_path, m
   drop = lambda rows: [{k: v for k, v in r.items() if k != "reward_time_s"} for r in rows]
   assert len(overlapped) == 6 and drop(strip_timing(overlapped)) == drop(strip_timing(serial))
   assert any(r["reward_mean"] > 0 for r in overlapped)
+
+
+def test_truncated_sampling_on_policy_has_unit_ratios(tmp_path):
+  """The log-prob contract through the loop: top-k + top-p, on-policy, ratio 1 on every token.
+
+  (`behavior_logp="full"` is checked on the sampler and learner in test_logprob_contract.)
+  """
+  cfg = small_config(
+    **{
+      "total_steps": 2,
+      "temperature": 0.7,
+      "top_p": 0.8,
+      "top_k": 5,
+      "eval_prompts": 0,
+      "checkpoint_every": 0,
+    }
+  )
+  rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  for row in rows:
+    for key in ("ratio_min", "ratio_max", "ratio_mean"):
+      assert abs(row[key] - 1.0) < 1e-5, (key, row)
+
+
+def test_bf16_sampler_mismatch_and_staleness_are_reported_apart(tmp_path):
+  """`rollout.score_old` with a bf16 sampler under lag: both factors in every row."""
+  cfg = small_config(
+    **{
+      "total_steps": 4,
+      "rollout.sampler_dtype": "bfloat16",
+      "rollout.score_old": True,
+      "lag.sync_interval": 2,
+      "optimizer.weight_decay": 0.5,  # the parameters move even where every advantage is 0
+      "eval_prompts": 0,
+      "checkpoint_every": 0,
+    }
+  )
+  rows = loop.train_and_evaluate(cfg, str(tmp_path))
+  for row in rows:
+    assert row["mismatch_kl_k3"] > 1e-8 and row["mismatch_ratio_p50"] > 0.9, row
+    assert row["mismatch_ratio_p1"] <= row["mismatch_ratio_p50"] <= row["mismatch_ratio_p99"]
+  # Steps 2 and 4 train on data one update old: staleness shows; steps 1 and 3 are on-policy.
+  on_policy = [r["staleness_kl_k3"] for r in rows if r["staleness_max"] == 0]
+  stale = [r["staleness_kl_k3"] for r in rows if r["staleness_max"] > 0]
+  assert len(on_policy) == len(stale) == 2
+  assert max(on_policy) < 1e-10 and min(stale) > 1e-9

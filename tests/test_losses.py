@@ -108,9 +108,66 @@ def _cov_selected(lp, a, m, frac):
   return (cov >= thr) & (cov > 0) & (m > 0)
 
 
-def _token_ref(name, d, a, lp, m, mu=None, prox=None):
+# Rollout-correction presets whose weight reads the whole row.
+SEQ_CORRECTIONS = ("tis_seq", "mis_seq", "mis_geo", "tr_mask_k3", "tr_mask_k1")
+
+
+def correction_ref(name, lw, m):
+  """A correction preset's ``(weight, dropped, truncated)`` [B, T] from ``lw = log(pi_x / mu)``.
+
+  SCIENCE.md s7, written out per preset: TIS ``min(w, 2)`` (token, or the
+  row's ``exp(sum lw)`` on every token); IcePop / MIS ``w`` inside
+  ``[lo, hi]``, else 0; MIS min/max rule (row dropped if any ``w_t`` leaves
+  ``[0.125, 8]``); geometric band ``[0.999, 1.001]`` plus veto ``w_t < 1e-4``
+  (weight 1); trust-region masking with token weight ``w_t`` (row dropped if
+  ``max_t k3 > 0.05`` / ``mean_t k1 > 1e-3``).
+  """
+  valid = m > 0
+  w = np.exp(lw)
+  none = np.zeros(lw.shape, bool)
+  row = lambda x: np.broadcast_to(np.any(x & valid, axis=-1, keepdims=True), x.shape)
+  n = np.maximum(m.sum(-1, keepdims=True), 1.0)
+  if name in ("tis_old", "tis_seq"):
+    if name == "tis_seq":
+      w = np.exp((lw * m).sum(-1, keepdims=True)) + 0 * lw
+    return np.minimum(w, 2.0), none, (w > 2.0) & valid
+  if name in ("icepop_old", "mis_token"):
+    lo, hi = (0.5, 5.0) if name == "icepop_old" else (0.125, 8.0)
+    out = ((w < lo) | (w > hi)) & valid
+    return np.where(out, 0.0, w), out, none
+  if name == "mis_seq":
+    out = row((w < 0.125) | (w > 8.0))
+  elif name == "mis_geo":
+    geo = np.exp((lw * m).sum(-1, keepdims=True) / n) + 0 * lw
+    out = (geo < 0.999) | (geo > 1.001) | row(w < 1e-4)
+    w = np.ones_like(w)
+  elif name == "tr_mask_k3":
+    out = np.max(np.where(valid, w - 1 - lw, -np.inf), axis=-1, keepdims=True) > 0.05
+  elif name == "tr_mask_k1":
+    out = (-lw * m).sum(-1, keepdims=True) / n > 1e-3
+  else:
+    raise KeyError(name)
+  out = np.broadcast_to(out, lw.shape) & valid
+  return np.where(out, 0.0, w), out, none
+
+
+def _dppo_keep(name, lp, mu, a, delta=None):
+  """DPPO (Qi et al., arXiv 2602.04879): keep unless the divergence is too large on A's side."""
+  p, q = np.exp(lp), np.exp(mu)
+  if delta is None:
+    delta = 0.15 if name == "dppo_tv" else 0.05
+  if name == "dppo_tv":
+    return np.where(a > 0, p - q <= delta, True) & np.where(a < 0, q - p <= delta, True)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    rest = np.where(1 - q > 0, (1 - q) * np.log((1 - q) / (1 - np.minimum(p, 1 - 1e-7))), 0.0)
+  small = q * np.log(q / p) + rest <= delta
+  return np.where(a > 0, small | (p <= q), True) & np.where(a < 0, small | (p >= q), True)
+
+
+def _token_ref(name, d, a, lp, m, mu=None, prox=None, old=None):
   """(value, coef) per token for token-local presets (+ batch searches)."""
   r = np.exp(d)
+  old = mu if old is None else old
   sig = lambda x: 1.0 / (1.0 + np.exp(-x))
   if name == "reinforce":
     return -a * lp, -a + 0 * lp
@@ -145,6 +202,14 @@ def _token_ref(name, d, a, lp, m, mu=None, prox=None):
     return _weighted(np.minimum(r, 2.0), a, lp)
   if name == "icepop":
     return _weighted(np.where((r >= 0.5) & (r <= 5.0), r, 0.0), a, lp)
+  if name in ("tis_old", "icepop_old"):  # c(pi_old / mu) * PPO-clip(pi / pi_old)
+    c = correction_ref(name, old - mu, m)[0]
+    val, coef = _ppo(np.exp(lp - old), a, 0.8, 1.2)
+    return c * val, c * coef
+  if name == "mis_token":
+    return _weighted(correction_ref(name, d, m)[0], a, lp)
+  if name in ("dppo_tv", "dppo_kl"):
+    return _weighted(r * _dppo_keep(name, lp, mu, a), a, lp)
   if name == "decoupled_ppo":
     c = np.exp(prox - mu)
     val, coef = _ppo(np.exp(lp - prox), a, 0.8, 1.2)
@@ -231,12 +296,14 @@ def _turn_ref(d, a_bt, m, turns, lo=0.8, hi=1.2):
   return total / n, grad
 
 
-def reference(name, logp=LOGP, mu=MU, adv=ADV, m=MASK, prox=PROX, agg=None):
+def reference(name, logp=LOGP, mu=MU, adv=ADV, m=MASK, prox=PROX, agg=None, old=None):
   """Full-batch (loss, d loss / d logp) in float64, independent of the library.
 
   ``adv`` is [B] or [B, T]; ``agg`` (token presets only) overrides the preset's
-  aggregation, ``token_mean`` or ``seq_mean_token_mean``.
+  aggregation, ``token_mean`` or ``seq_mean_token_mean``; ``old`` is
+  ``pi_old`` (None: ``mu``).
   """
+  old = np.where(m > 0, mu if old is None else old, 0.0)
   d = np.where(m > 0, logp - mu, 0.0)
   lp = np.where(m > 0, logp, 0.0)
   mu = np.where(m > 0, mu, 0.0)
@@ -252,7 +319,10 @@ def reference(name, logp=LOGP, mu=MU, adv=ADV, m=MASK, prox=PROX, agg=None):
     a_seq = adv if adv.ndim == 1 else (a * m).sum(-1) / np.maximum(n_b, 1)
     val, grad = _seq_ref(name, d, a_seq, m)
     return val[seqs].mean(), grad / seqs.sum()
-  val, coef = _token_ref(name, d, a, lp, m, mu=mu, prox=np.where(m > 0, prox, 0.0))
+  if name in SEQ_CORRECTIONS:
+    val, coef = _weighted(correction_ref(name, d, m)[0], a, lp)
+  else:
+    val, coef = _token_ref(name, d, a, lp, m, mu=mu, prox=np.where(m > 0, prox, 0.0), old=old)
   if name == "opsm":
     drop = (a < 0) & (((mu - lp) * m).sum(-1, keepdims=True) / np.maximum(n_b, 1)[:, None] > 0.1)
     val, coef = val * ~drop, coef * ~drop
@@ -473,7 +543,8 @@ def test_presets_cover_design_contract():
     "reinforce grpo ppo dual_clip rec_oneside_is rec_oneside_nois rec_twoside_is "
     "rec_twoside_nois rec_ring_is rec_ring_nois opmd asymre red_weight cispo dispo gspo "
     "gspo_token gmpo topr sapo tis icepop decoupled_ppo m2po bapo minpro oapl opsm clip_cov "
-    "kl_cov dapo rec_oneside_nois_wide gbpo mhpo st_ppo"
+    "kl_cov dapo rec_oneside_nois_wide gbpo mhpo st_ppo tis_seq tis_old icepop_old mis_token "
+    "mis_seq mis_geo tr_mask_k3 tr_mask_k1 dppo_tv dppo_kl"
   ).split()
   assert set(required) <= set(losses.names())
   for name in losses.names():
@@ -717,10 +788,14 @@ def test_metrics_against_reference():
     assert key in results("base")[name][0].metrics
 
 
+# DPPO's masks read absolute probabilities: with mu at log-prob 0 they are degenerate.
 TOKEN_LOCAL = [
   n
   for n in losses.names()
-  if n not in SEQ_PRESETS + ("decoupled_ppo", "bapo", "clip_cov", "kl_cov", "opsm", "minpro")
+  if n
+  not in SEQ_PRESETS
+  + SEQ_CORRECTIONS
+  + ("decoupled_ppo", "bapo", "clip_cov", "kl_cov", "opsm", "minpro", "dppo_tv", "dppo_kl")
 ]
 
 

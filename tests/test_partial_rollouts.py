@@ -147,6 +147,28 @@ def test_each_token_logprob_is_its_versions_teacher_forced_logprob(tiny, three_s
   assert checked == mask.sum()
 
 
+def test_record_old_keeps_each_tokens_own_versions_learner_logprob(tiny):
+  """pi_old per token (`record_old` after each advance) is the sampling version's score."""
+  graphdef, params = tiny
+  advance = _advance(graphdef, B_TOK)
+  options = train_step.StepOptions(losses.get_spec("grpo"), temperature=TEMP, group_size=K)
+  score = train_step.make_scorer(graphdef, options)
+  slots = partial_rollouts.steps_to_finish(N, B_TOK) * G
+  pool = partial_rollouts.init(_prompts(), slots=slots, group_size=K, max_new_tokens=N)
+  for t, v in zip((1, 2, 3), (0, 1, 2), strict=True):
+    pool, _ = partial_rollouts.admit(pool, _prompts(offset=t), t)
+    pool = advance(params[v], pool, v, jax.random.key(10 + t))
+    prompts, out = pool.prompts, partial_rollouts.as_output(pool)
+    old = score(params[v], prompts["prompt_tokens"], prompts["prompt_lengths"], out)
+    pool = partial_rollouts.record_old(pool, old, v)
+  mask = np.asarray(pool.mask)
+  # fp32 sampler and learner: each token's pi_old is its mu; a mix-up of versions would differ.
+  np.testing.assert_allclose(
+    np.asarray(pool.old_logprobs)[mask], np.asarray(pool.logprobs)[mask], atol=2e-5, rtol=0
+  )
+  assert len(np.unique(np.asarray(pool.versions)[mask])) == 3
+
+
 def test_emit_packs_finished_groups_and_frees_their_slots(three_steps):
   pool, _ = three_steps
   rewards = jnp.arange(pool.tokens.shape[0], dtype=jnp.float32) % 2

@@ -29,6 +29,8 @@ def _groups(ids, version=0, reward=None):
     rewards=rewards,
     versions=np.full((b, N), version, np.int32),
     weights=np.ones(b, np.float32),
+    behavior_kept=np.zeros((b, N), np.int32),
+    old_logp=np.zeros((b, N), np.float32),
   )
 
 

@@ -78,7 +78,7 @@ def test_shard_params_places_by_logical_names():
 
 def test_shard_batch_and_errors():
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-  batch = TrainBatch(*[jnp.zeros((8, 3))] * 9)
+  batch = TrainBatch(*[jnp.zeros((8, 3))] * 11)
   out = sharding.shard_batch(batch, mesh)
   assert out.tokens.sharding.spec == P(("data", "fsdp"), None)
   bad = batch._replace(rewards=jnp.zeros(6))

@@ -60,10 +60,13 @@ def setup():
     rewards=rewards,
     versions=np.zeros((B, N), np.int32),
     weights=np.ones(B, np.float32),
+    behavior_kept=np.full((B, N), model.config.vocab_size, np.int32),
+    old_logp=np.zeros((B, N), np.float32),
   )
   logp = train_step.token_logprobs(graphdef, params, batch, 1.0)[0]
   behavior = np.asarray(logp) + 0.2 * rng.normal(size=(B, N)) * mask
-  batch = batch._replace(behavior_logp=behavior.astype(np.float32))
+  behavior = behavior.astype(np.float32)
+  batch = batch._replace(behavior_logp=behavior, old_logp=behavior)
   return dict(graphdef=graphdef, params=params, batch=batch, model=model)
 
 

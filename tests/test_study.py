@@ -88,6 +88,16 @@ def test_grid_parsing_names_the_bad_field():
     study.grid_from_config(c)
 
 
+def test_lag_entries_carry_engine_mismatch_settings():
+  spec = "onpolicy=1/0,bf16=1/0+bf16,stale_topk=1/8+topk5"
+  assert study.parse_lags(spec, 10) == {"onpolicy": (1, 0), "bf16": (1, 0), "stale_topk": (1, 8)}
+  engines = study.parse_engines(spec)
+  assert set(engines) == {"bf16", "stale_topk"}
+  assert engines["stale_topk"]["rollout.behavior_logp"] == "mismatched"
+  with pytest.raises(ValueError, match="config.study.lags: x=.*unknown engine"):
+    study.parse_engines("x=1/0+fp8")
+
+
 def mini_config(**study_overrides):
   """2 methods (grpo and an identical twin) x 2 lags x 2 seeds, 4 steps each, tiny shapes."""
   c = lag_study.get_config()
@@ -316,3 +326,38 @@ def test_host_scored_task_runs_the_same_cell_as_the_device_reward(mini, monkeypa
     np.testing.assert_allclose(a["eval_accuracy"], b["eval_accuracy"])
     np.testing.assert_allclose(a["train_reward"], b["train_reward"], rtol=1e-5)
     np.testing.assert_allclose(a["staleness_mean"], b["staleness_mean"])
+
+
+def test_engine_settings_reach_the_cells_config_and_the_report(mini, monkeypatch, tmp_path):
+  """A `+engine` lag builds its cell with the engine's overrides; study.md tabulates diagnostics.
+
+  (End to end: configs/mismatch_study.py, docs/off_policyness.md; the recorded factors
+  themselves are tested through the loop in test_loop.)
+  """
+  config = mini_config(methods="tis_old", lags="topk5=1/0+topk5", baseline="tis_old@topk5")
+  base, grid = study.grid_from_config(config)
+  built = []
+
+  def capture(cfg):
+    built.append(cfg)
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(study.components, "build_components", capture)
+  with pytest.raises(KeyboardInterrupt):
+    study.run_cell(base, grid, "tis_old", "topk5")
+  cfg = built[0]
+  assert (cfg.top_k, cfg.rollout.behavior_logp, cfg.rollout.score_old) == (5, "mismatched", True)
+  # The report's diagnostics section, from the miniature study's records.
+  mini_cfg, _, cells, _ = mini
+  _, mini_grid = study.grid_from_config(mini_cfg)
+  rows = []
+  for cell in cells.values():
+    cell = json.loads(json.dumps(cell))
+    for run in cell["runs"]:
+      run["off_policy"] = {"mismatch_kl_k3": 0.25, "staleness_kl_k3": 0.5}
+    rows += study_report.cell_rows(cell, mini_grid.eval_last)
+  md = study_report.write_tables(
+    rows, str(tmp_path / "study.md"), baseline=mini_grid.baseline, title="t"
+  )
+  section = open(md).read().split("## Off-policy diagnostics")[1]
+  assert "`mismatch_kl_k3`" in section and "| grpo | 0.25 | 0.25 |" in section

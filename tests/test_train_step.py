@@ -54,10 +54,13 @@ def setup():
     rewards=rng.uniform(size=B).astype(np.float32),
     versions=np.zeros((B, N), np.int32),
     weights=np.ones(B, np.float32),
+    behavior_kept=np.full((B, N), config.vocab_size, np.int32),
+    old_logp=np.zeros((B, N), np.float32),
   )
   # Behaviour log-probs a little off the current policy, so ratios (and clipping) are non-trivial.
   behavior = np.asarray(logp_fn(params, batch)) + 0.3 * rng.normal(size=(B, N)) * mask
-  batch = batch._replace(behavior_logp=behavior.astype(np.float32))
+  behavior = behavior.astype(np.float32)
+  batch = batch._replace(behavior_logp=behavior, old_logp=behavior)
   sgd = optax.sgd(1.0)
   step = train_step.make_train_step(graphdef, sgd, LOSS, donate=False)
   return dict(graphdef=graphdef, params=params, batch=batch, sgd=sgd, step=step, logp_fn=logp_fn)
@@ -256,6 +259,24 @@ def test_proximal_params_minibatches_and_epochs(setup):
   np.testing.assert_allclose(m["ratio_mean"], 1.0, atol=1e-6)
   np.testing.assert_allclose(m["clip_frac"], 0.0, atol=1e-6)
   assert abs(float(m["behavior_ratio_mean"]) - 1.0) > 1e-3
+
+
+def test_old_logp_reaches_the_loss_and_the_diagnostics(setup):
+  """tis_old weighs by pi_old / mu from TrainBatch.old_logp; the factors are reported apart."""
+  frozen = optax.sgd(0.0)
+  step = train_step.make_train_step(setup["graphdef"], frozen, "tis_old", donate=False)
+  state = train_state.init_train_state(setup["params"], frozen)
+  batch = setup["batch"]
+  key = jax.random.key(0)
+  _, same = step(state, batch, key)  # old = mu: weight 1, no mismatch
+  logp = np.asarray(setup["logp_fn"](setup["params"], batch))
+  _, onpolicy = step(state, batch._replace(old_logp=logp.astype(np.float32)), key)
+  np.testing.assert_allclose(same["corr_weight_mean"], 1.0, atol=1e-6)
+  assert float(same["mismatch_kl_k3"]) == 0.0
+  # pi_old = pi at the same parameters: no staleness; all of pi / mu is mismatch.
+  np.testing.assert_allclose(onpolicy["staleness_kl_k3"], 0.0, atol=1e-6)
+  np.testing.assert_allclose(onpolicy["mismatch_kl_k3"], onpolicy["behavior_kl_k3"], rtol=1e-4)
+  assert abs(float(onpolicy["corr_weight_mean"]) - 1.0) > 1e-2
 
 
 def test_default_proximal_anchor_is_the_starting_params(setup):

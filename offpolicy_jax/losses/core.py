@@ -4,8 +4,9 @@ Per token (``sg`` = stop-gradient, ``m`` the mask, ``A`` the advantage):
 
 ``loss_t = pg_t + R_t``, where with the ``logp`` gradient path
 ``pg_t = -A * sg(W_t * M_t * X_t) * logp_t`` (W the IS weight, M the
-shaping mask, X extra weights: rollout correction, RED weight, sequence
-filters) and with the ``ratio`` path ``pg_t = X_t * S(rho_t, A)`` for a
+shaping mask, X extra weights: the rollout-correction family of
+``corrections`` (IS weight, rejection, veto, trust-region masking, OPSM) and
+the RED weight) and with the ``ratio`` path ``pg_t = X_t * S(rho_t, A)`` for a
 surrogate S of a differentiable ratio (PPO clip, soft gate, ...). ``R_t`` sums
 the regularisers. See ``spec.LossSpec`` for the axes.
 
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from offpolicy_jax.losses import adaptive, levels, shaping
+from offpolicy_jax.losses import adaptive, corrections, levels, shaping
 from offpolicy_jax.losses import kl as kl_lib
 from offpolicy_jax.losses.aggregation import aggregate, safe_divide
 from offpolicy_jax.losses.presets import get_spec
@@ -55,47 +56,28 @@ def _masked_mean(x, w):
   return safe_divide(*aggregate(jnp.where(w > 0, x, 0.0), w, "token_mean"))
 
 
-def _correction(spec, logp, behavior_logp, proximal_logp, valid):
-  """Rollout IS correction weight (constant) and the tokens it zeroes/bounds.
+def _extra_weights(spec, a, logp, behavior_logp, proximal_logp, old_logp, valid, n_b, mask, stats):
+  """Constant per-token weights applied after shaping, and the tokens they zero or bound.
 
-  ``w = exp(top - l_mu)`` per token (or its sequence product), ``top`` the
-  current (``ratio='behavior'``) or proximal log-prob: ``is`` keeps ``w``;
-  ``truncate`` takes ``min(w, is_cap)`` (TIS); ``mask`` zeroes ``w`` outside
-  ``[is_low, is_high]`` (IcePop).
+  The rollout-correction family (`corrections.apply`: IS weight, rejection,
+  veto, trust-region masking, OPSM) times RED-Weight ``exp(A / temp)``.
   """
-  ones = jnp.ones_like(logp)
-  if spec.correction == "none":
-    return ones, jnp.zeros(logp.shape, bool)
-  top = sg(logp) if spec.ratio == "behavior" else proximal_logp
-  c_log = jnp.where(valid, top - behavior_logp, 0.0)
-  if spec.correction_level == "seq":
-    c_log = jnp.broadcast_to(levels.seq_sum(c_log, valid), c_log.shape)
-  c_raw = jnp.exp(c_log)
-  if spec.correction == "is":
-    return c_raw, jnp.zeros(logp.shape, bool)
-  if spec.correction == "truncate":
-    return jnp.minimum(c_raw, spec.is_cap), c_raw > spec.is_cap
-  outside = (c_raw < spec.is_low) | (c_raw > spec.is_high)
-  return jnp.where(outside, 0.0, c_raw), outside
-
-
-def _extra_weights(spec, a, logp, behavior_logp, proximal_logp, valid, n_b, mask, stats):
-  """Constant per-token weights applied after shaping, and the tokens they drop.
-
-  Rollout correction (`_correction`), RED-Weight ``exp(A / temp)`` and the
-  OPSM sequence filter: drop a sequence with ``A < 0`` whose mean
-  ``l_mu - l`` exceeds ``opsm_delta``.
-  """
-  extra, dropped = _correction(spec, logp, behavior_logp, proximal_logp, valid)
+  corr, corr_stats = corrections.apply(
+    spec,
+    a=a,
+    logp=logp,
+    behavior_logp=behavior_logp,
+    proximal_logp=proximal_logp,
+    old_logp=old_logp,
+    valid=valid,
+    mask=mask,
+    n_b=n_b,
+  )
+  stats.update(corr_stats)
+  extra = corr.weight
   if spec.adv_weight == "exp":
     extra = extra * jnp.exp(a / spec.temp)
-  if spec.seq_filter == "opsm":
-    seq_kl = levels.seq_sum(behavior_logp - sg(logp), valid) / n_b
-    drop = (a < 0) & (seq_kl > spec.opsm_delta)
-    extra = extra * (~drop)
-    dropped = dropped | drop
-    stats["opsm_drop_frac"] = _masked_mean(drop.astype(mask.dtype), mask)
-  return extra, dropped
+  return extra, corr.dropped | corr.truncated
 
 
 def _covariance(spec, pg, logp, behavior_logp, a, mask, stats):
@@ -154,6 +136,15 @@ def _add_regularisers(spec, total, logp, behavior_logp, d, valid, mask, ref_logp
   return total
 
 
+def _anchor(spec, behavior_logp, proximal_logp, old_logp, valid):
+  """Denominator of the trust-region ratio: ``mu``, ``prox`` or ``pi_old`` (0 on padding)."""
+  if spec.ratio == "behavior":
+    return behavior_logp
+  if spec.ratio == "old":
+    return old_logp
+  return jnp.where(valid, _required(proximal_logp, "proximal_logp"), 0.0)
+
+
 def per_token_terms(
   spec: LossSpec,
   *,
@@ -165,6 +156,7 @@ def per_token_terms(
   ref_logp: jax.Array | None = None,
   entropy: jax.Array | None = None,
   turn_ids: jax.Array | None = None,
+  old_logp: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
   """Per-token loss of a spec before aggregation.
 
@@ -175,6 +167,7 @@ def per_token_terms(
     proximal_logp, ref_logp, entropy: float32 [B, T] or None.
     turn_ids: int [B, T] turn index of each token (``level='turn_geo'``), or
       None for one turn per sequence.
+    old_logp: float32 [B, T] ``pi_old`` log-probs, or None for ``mu``.
 
   Returns:
     ``(loss_bt, clipped_bt, stats)``: per-token loss [B, T] (0 on padding),
@@ -184,9 +177,8 @@ def per_token_terms(
   valid = mask > 0
   logp = jnp.where(valid, logp, 0.0)
   behavior_logp = jnp.where(valid, behavior_logp, 0.0)
-  anchor = behavior_logp
-  if spec.ratio != "behavior":
-    anchor = jnp.where(valid, _required(proximal_logp, "proximal_logp"), 0.0)
+  old_logp = behavior_logp if old_logp is None else jnp.where(valid, old_logp, 0.0)
+  anchor = _anchor(spec, behavior_logp, proximal_logp, old_logp, valid)
   n_b = jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
   a = jnp.where(valid, advantages, 0.0)
   # Sequence ratios pair with the sequence-mean advantage; GSPO-token
@@ -202,7 +194,7 @@ def per_token_terms(
   x = shaping.ShapingInputs(a, logp, logr, rho, lo, hi, log_lo, log_hi)
   pg, shaped = shaping.SHAPINGS[spec.shaping](x, spec)
   extra, dropped = _extra_weights(
-    spec, a, logp, behavior_logp, proximal_logp, valid, n_b, mask, stats
+    spec, a, logp, behavior_logp, proximal_logp, old_logp, valid, n_b, mask, stats
   )
   pg = pg * sg(extra)
   clipped = clipped | shaped | dropped
@@ -214,7 +206,7 @@ def per_token_terms(
 
 
 def _check_inputs(
-  spec, logp, behavior_logp, advantages, mask, proximal_logp, ref_logp, entropy, turn_ids
+  spec, logp, behavior_logp, advantages, mask, proximal_logp, ref_logp, entropy, turn_ids, old_logp
 ):
   if logp.ndim != 2:
     raise ValueError(f"logp must be [B, T]; got shape {logp.shape}")
@@ -227,11 +219,12 @@ def _check_inputs(
     ("proximal_logp", proximal_logp, spec.needs_proximal),
     ("ref_logp", ref_logp, spec.needs_ref),
     ("entropy", entropy, spec.entropy_coef > 0),
+    ("old_logp", old_logp, False),
   )
   for name, x, needed in required:
     if needed and x is None:
       raise ValueError(f"{name} is required by this loss spec (got None)")
-    if needed and x.shape != logp.shape:
+    if x is not None and x.shape != logp.shape:
       raise ValueError(f"{name} shape {x.shape} != logp shape {logp.shape}")
   if turn_ids is not None:
     if turn_ids.shape != logp.shape:
@@ -291,6 +284,7 @@ def policy_loss(
   ref_logp: ArrayLike | None = None,
   entropy: ArrayLike | None = None,
   turn_ids: ArrayLike | None = None,
+  old_logp: ArrayLike | None = None,
   **overrides,
 ) -> LossOutput:
   """Policy loss of a named preset or a `LossSpec`, reduced to (sum, count).
@@ -313,14 +307,36 @@ def policy_loss(
     turn_ids: optional int [B, T] turn index of each token, values in
       [0, T); tokens of a row with equal ids form one turn. Read only by
       ``level='turn_geo'`` (ST-PPO); None means one turn per sequence.
+    old_logp: optional float32 [B, T] log-probs of the sampled tokens under
+      the behaviour version's parameters scored by the learner (``pi_old``),
+      so that ``pi / mu = (pi / pi_old) * (pi_old / mu)``: staleness (and the
+      update in progress) times engine mismatch. Read when
+      ``spec.needs_old`` (``ratio='old'``, or a correction on the mismatch
+      factor, ``correction_ratio='old'``); None means ``mu`` (mismatch
+      factor 1).
     **overrides: `LossSpec` fields, e.g. ``eps_low=0.1``; unknown names raise.
 
   Returns:
     `LossOutput` with ``loss``, ``loss_sum``, ``loss_count`` and ``metrics``:
     ``clip_frac`` (+ ``_pos``/``_neg`` by sign of A: zeroed or bounded
-    gradients), ``ratio_mean/min/max`` of the trust-region ratio,
-    ``ess = E[w]^2 / E[w^2]`` of ``w = pi / mu``, ``kl_k1`` and ``kl_k3``
-    estimates of KL(mu || pi), and regulariser / adaptive values.
+    gradients, corrections included), ``ratio_mean/min/max`` of the
+    trust-region ratio, ``ess = E[w]^2 / E[w^2]`` of ``w = pi / mu``,
+    ``kl_k1`` and ``kl_k3`` estimates of KL(mu || pi), and regulariser /
+    adaptive values. Specs with a rollout correction (``correction``,
+    ``reject``, ``veto_threshold``, ``trm``, ``seq_filter``) add, with
+    ``w = pi_x / mu`` the correction weight (``correction_ratio``):
+    ``corr_token_masked_frac`` and ``corr_seq_masked_frac`` (valid tokens,
+    and rows with every valid token, zeroed by any correction),
+    ``corr_token_truncated_frac`` and ``corr_seq_truncated_frac`` (tokens,
+    and rows with at least one token, whose weight TIS truncated), per
+    mechanism ``corr_<m>_token_frac`` / ``corr_<m>_seq_frac`` with ``m`` in
+    ``band`` (IS weight outside ``[is_low, is_high]``), ``reject``,
+    ``veto``, ``trm``, ``opsm`` (only the active ones), ``corr_weight_mean``
+    (mean correction weight), and the mismatch before and after:
+    ``corr_kl_k1``, ``corr_kl_k3`` (KL(mu || pi_x) over valid tokens) and
+    ``corr_kl_k1_kept``, ``corr_kl_k3_kept`` (over the kept tokens).
+    Sequence fractions count this call's rows with a valid token. DPPO's
+    divergence mask is a shaping: its masked tokens are ``clip_frac``.
 
   Raises:
     ValueError: unknown preset or override, bad shapes, missing inputs.
@@ -334,8 +350,18 @@ def policy_loss(
   proximal_logp, ref_logp = _optional_f32(proximal_logp), _optional_f32(ref_logp)
   entropy = _optional_f32(entropy)
   turn_ids = None if turn_ids is None else jnp.asarray(turn_ids)
+  old_logp = _optional_f32(old_logp)
   _check_inputs(
-    spec, logp, behavior_logp, advantages, mask, proximal_logp, ref_logp, entropy, turn_ids
+    spec,
+    logp,
+    behavior_logp,
+    advantages,
+    mask,
+    proximal_logp,
+    ref_logp,
+    entropy,
+    turn_ids,
+    old_logp,
   )
   if advantages.ndim == 1:
     advantages = jnp.broadcast_to(advantages[:, None], logp.shape)
@@ -349,16 +375,19 @@ def policy_loss(
     ref_logp=ref_logp,
     entropy=entropy,
     turn_ids=turn_ids,
+    old_logp=old_logp,
   )
   loss_sum, loss_count = aggregate(loss_bt, mask, spec.agg, max_len=spec.max_len)
   loss = safe_divide(loss_sum, loss_count)
   valid = mask > 0
+  behavior_logp = jnp.where(valid, behavior_logp, 0.0)
   anchor = None
   if spec.ratio != "behavior":
-    anchor = jnp.where(valid, _required(proximal_logp, "proximal_logp"), 0.0)
+    old = behavior_logp if old_logp is None else jnp.where(valid, old_logp, 0.0)
+    anchor = _anchor(spec, behavior_logp, proximal_logp, old, valid)
   metrics = _metrics(
     logp,
-    jnp.where(valid, behavior_logp, 0.0),
+    behavior_logp,
     anchor,
     advantages,
     mask,
@@ -373,7 +402,7 @@ def token_coefficient(spec: str | LossSpec, rho: ArrayLike, adv: ArrayLike) -> j
   """Per-token gradient coefficient ``d loss_t / d logp_t`` as a function of (rho, A).
 
   Each point is evaluated as its own one-token sequence with ``mu`` (and
-  ``prox``, ``ref``) at log-prob 0, so ``logp = log rho``; per-batch shapers
+  ``prox``, ``pi_old``, ``ref``) at log-prob 0, so ``logp = log rho``; per-batch shapers
   (M2PO, BAPO, covariance selection) then act on that single token.
 
   Args:
@@ -399,6 +428,7 @@ def token_coefficient(spec: str | LossSpec, rho: ArrayLike, adv: ArrayLike) -> j
         proximal_logp=zero,
         ref_logp=zero,
         entropy=zero,
+        old_logp=zero,
       )
       return loss_bt[0, 0]
 

@@ -171,13 +171,15 @@ _BUILTIN: tuple[tuple[str, dict, str, str], ...] = (
     "tis",
     dict(correction="truncate", is_cap=2.0),
     "group_mean",
-    "REINFORCE with truncated IS weight min(rho, C), C = 2 (Yao et al., TIS).",
+    "REINFORCE with truncated IS weight min(rho, C), C = 2 (Yao et al., TIS; the paper's "
+    "form, on pi_old / mu with PPO on pi / pi_old, is tis_old).",
   ),
   (
     "icepop",
     dict(correction="mask", is_low=0.5, is_high=5.0),
     "group_mean",
-    "REINFORCE with IS weight rho inside [0.5, 5], zero outside (Ling team, IcePop).",
+    "REINFORCE with IS weight rho inside [0.5, 5], zero outside (Ling team, IcePop, arXiv "
+    "2510.18855; the paper's form, on pi_old / mu with PPO on pi / pi_old, is icepop_old).",
   ),
   (
     "decoupled_ppo",
@@ -261,6 +263,81 @@ _BUILTIN: tuple[tuple[str, dict, str, str], ...] = (
   ),
 )
 
+# The rollout-correction family (SCIENCE.md s7; formulas and sources in
+# `corrections` and `shaping.tv_mask`). Thresholds of tr_mask_* are illustrative.
+_CORRECTIONS: tuple[tuple[str, dict, str, str], ...] = (
+  (
+    "tis_seq",
+    dict(correction="truncate", correction_level="seq", is_cap=2.0),
+    "group_mean",
+    "REINFORCE with sequence TIS weight min(exp(sum_t log(pi / mu)), C), C = 2, on every "
+    "token of the row (sequence-level TIS, verl#3694).",
+  ),
+  (
+    "tis_old",
+    dict(_PPO, ratio="old", correction="truncate", is_cap=2.0),
+    "group_mean",
+    "sg(min(pi_old / mu, C)) * PPO-clip(pi / pi_old), C = 2: TIS on the engine-mismatch factor "
+    "only; needs old_logp (Yao et al., TIS, 2025).",
+  ),
+  (
+    "icepop_old",
+    dict(_PPO, ratio="old", correction="mask", is_low=0.5, is_high=5.0),
+    "group_mean",
+    "PPO-clip(pi / pi_old) times pi_old / mu inside [0.5, 5], zero outside: IcePop on the "
+    "mismatch factor; needs old_logp (Ling team, arXiv 2510.18855).",
+  ),
+  (
+    "mis_token",
+    dict(correction="mask", is_low=0.125, is_high=8.0),
+    "group_mean",
+    "REINFORCE with token IS weight w inside [0.125, 8], zero outside: masked IS with "
+    "prime-rl's band (verl#2953 / #3694).",
+  ),
+  (
+    "mis_seq",
+    dict(correction="is", reject="seq_any", reject_low=0.125, reject_high=8.0),
+    "group_mean",
+    "REINFORCE with token IS weight w_t; drop a row if any w_t leaves [0.125, 8] (min/max "
+    "rule; verl#3694).",
+  ),
+  (
+    "mis_geo",
+    dict(reject="seq_geo", reject_low=0.999, reject_high=1.001, veto_threshold=1e-4),
+    "group_mean",
+    "REINFORCE; drop a row if exp(mean_t log w_t) leaves [0.999, 1.001] or any w_t < 1e-4 "
+    "(geometric sequence masking with veto, trl#4891, verl#3984).",
+  ),
+  (
+    "tr_mask_k3",
+    dict(correction="is", trm="k3", trm_stat="max", trm_bound=0.05),
+    "group_mean",
+    "REINFORCE with token IS weight w_t; drop a row if max_t (w_t - 1 - log w_t) > 0.05 "
+    "(trust region masking, arXiv 2512.23075, verl#4544; bound illustrative).",
+  ),
+  (
+    "tr_mask_k1",
+    dict(correction="is", trm="k1", trm_stat="mean", trm_bound=1e-3),
+    "group_mean",
+    "REINFORCE with token IS weight w_t; drop a row if mean_t (-log w_t) > 1e-3 (trust "
+    "region masking, k1 mean, arXiv 2512.23075, verl#4544; bound illustrative).",
+  ),
+  (
+    "dppo_tv",
+    dict(shaping="mask", mask_kind="tv", weight="ratio", dppo_delta=0.15),
+    "group_mean",
+    "-A sg(rho M) logp, M drops A > 0 with pi - mu > 0.15 and A < 0 with mu - pi > 0.15 "
+    "(DPPO binary TV, Qi et al., arXiv 2602.04879).",
+  ),
+  (
+    "dppo_kl",
+    dict(shaping="mask", mask_kind="binary_kl", weight="ratio", dppo_delta=0.05),
+    "group_mean",
+    "-A sg(rho M) logp, M drops tokens whose binary KL(mu || pi) over {a, not a} > 0.05 on "
+    "the side A pushes (DPPO binary KL, Qi et al., arXiv 2602.04879).",
+  ),
+)
+
 _REGISTRY: dict[str, LossSpec] = {}
 _ADVANTAGES: dict[str, str] = {}
 _DOCS: dict[str, str] = {}
@@ -301,7 +378,7 @@ def register(
   _DOCS[name] = description
 
 
-for _name, _fields, _advantage, _doc in _BUILTIN:
+for _name, _fields, _advantage, _doc in _BUILTIN + _CORRECTIONS:
   register(_name, LossSpec(**_fields), _doc, advantage=_advantage)
 
 

@@ -146,10 +146,57 @@ def ring_mask(x: ShapingInputs, spec: LossSpec) -> jax.Array:
   return two_side_mask(x, spec) | low_ring | high_ring
 
 
+def _probs(x: ShapingInputs) -> tuple[jax.Array, jax.Array]:
+  """``(pi, anchor)`` probabilities of the sampled token (token level: ``anchor = pi / rho``)."""
+  logp = sg(x.logp)
+  return jnp.exp(logp), jnp.exp(logp - sg(x.logr))
+
+
+def tv_mask(x: ShapingInputs, spec: LossSpec) -> jax.Array:
+  """DPPO binary-TV mask: A > 0 keeps ``pi - mu <= delta``, A < 0 keeps ``mu - pi <= delta``.
+
+  Divergence PPO replaces the ratio clip by a mask on a cheap divergence of
+  the sampled token's probability, the binary total variation
+  ``|pi(a) - mu(a)|``, masked only on the side the advantage pushes; the
+  anchor is the ratio's denominator (``mu`` for ``ratio='behavior'``);
+  ``delta = dppo_delta`` (about 0.15). Qi et al., "Rethinking the trust
+  region in LLM reinforcement learning", arXiv 2602.04879 (sail-sg/Stable-RL).
+  """
+  p, q = _probs(x)
+  delta = spec.dppo_delta
+  return jnp.where(x.a > 0, p - q <= delta, True) & jnp.where(x.a < 0, q - p <= delta, True)
+
+
+def binary_kl(p: jax.Array, q: jax.Array) -> jax.Array:
+  """KL of Bernoulli(q) from Bernoulli(p): ``q log(q / p) + (1 - q) log((1 - q) / (1 - p))``.
+
+  The KL(mu || pi) of the two-outcome split {the sampled token, any other}
+  (arXiv 2602.04879); ``p`` is clipped below 1 and ``0 log 0 = 0``.
+  """
+  p = jnp.clip(p, 0.0, 1.0 - 1e-7)
+  rest = 1.0 - q
+  log_rest = jnp.log(jnp.where(rest > 0, rest, 1.0)) - jnp.log1p(-p)
+  return q * (jnp.log(q) - jnp.log(p)) + jnp.where(rest > 0, rest * log_rest, 0.0)
+
+
+def binary_kl_mask(x: ShapingInputs, spec: LossSpec) -> jax.Array:
+  """DPPO binary-KL mask: drop where the binary KL exceeds delta on the side A pushes.
+
+  ``A > 0`` keeps ``pi <= mu`` or ``KL_bin(mu || pi) <= delta``; ``A < 0``
+  keeps ``pi >= mu`` or ``KL_bin <= delta``; delta about 0.05 (Qi et al.,
+  arXiv 2602.04879).
+  """
+  p, q = _probs(x)
+  small = binary_kl(p, q) <= spec.dppo_delta
+  return jnp.where(x.a > 0, small | (p <= q), True) & jnp.where(x.a < 0, small | (p >= q), True)
+
+
 MASKS: dict[str, Callable[[ShapingInputs, LossSpec], jax.Array]] = {
   "one_side": one_side_mask,
   "two_side": two_side_mask,
   "ring": ring_mask,
+  "tv": tv_mask,
+  "binary_kl": binary_kl_mask,
 }
 
 

@@ -5,8 +5,10 @@ plus a regulariser" (Yao et al., "Group-relative REINFORCE is secretly an
 off-policy algorithm", arXiv 2509.24203). A spec picks one value on each axis:
 
 1. ``ratio``: which ratio the trust region acts on. ``behavior``
-   (``rho = pi / mu``), ``proximal`` (``pi / prox``) or ``decoupled``
-   (``pi / prox`` for the trust region, ``prox / mu`` as a rollout correction).
+   (``rho = pi / mu``), ``proximal`` (``pi / prox``), ``decoupled``
+   (``pi / prox`` for the trust region, ``prox / mu`` as a rollout correction)
+   or ``old`` (``pi / pi_old``, ``pi_old`` the behaviour version's parameters
+   scored by the learner: the staleness factor of SCIENCE.md s7).
 2. ``level``: granularity of the ratio. ``token``; ``seq_prod``
    (``exp(sum_t log rho_t)``); ``seq_geo`` (``exp(mean_t log rho_t)``, GSPO);
    ``seq_geo_token`` (GSPO-token: ``s_it = sg(s_i) pi_t / sg(pi_t)``, value
@@ -16,20 +18,26 @@ off-policy algorithm", arXiv 2509.24203). A spec picks one value on each axis:
    use the sequence-mean advantage and ``turn_geo`` the turn mean; the other
    levels keep the token advantages ``A_it``.
 3. ``shaping``: ``none``; ``clip`` (PPO clip, optional dual clip); ``mask``
-   (``mask_kind`` one_side / two_side / ring); ``truncate`` (bounded weight,
+   (``mask_kind`` one_side / two_side / ring, or DPPO's ``tv`` /
+   ``binary_kl`` divergence masks); ``truncate`` (bounded weight,
    CISPO / DISPO); ``topr``; ``soft_gate`` (SAPO); ``log_clip`` (GMPO);
    ``regression`` (OAPL squared regression); ``bounded_target`` (GBPO);
    ``log_bound`` (MHPO's bounded log-ratio).
 4. ``grad``: ``logp`` (``-A * sg(w) * logp``) or ``ratio`` (surrogate of a
    differentiable ratio, ``grad rho = rho * grad logp``).
 5. extra weights: ``weight`` (``one`` / ``ratio``), ``adv_weight`` (``exp``:
-   RED-Weight), ``correction`` (rollout IS: ``is``, ``truncate`` TIS,
-   ``mask`` IcePop) at ``correction_level`` token / seq.
+   RED-Weight), and the rollout-correction family (``corrections``), all on
+   ``w = pi_x / mu`` with ``pi_x`` chosen by ``correction_ratio``:
+   ``correction`` (IS weight: ``is``, ``truncate`` TIS, ``mask`` IcePop / MIS)
+   at ``correction_level`` token / seq; ``reject`` (rejection: ``token``,
+   ``seq_any`` min/max rule, ``seq_geo`` geometric-mean band); a veto
+   (``veto_threshold``); trust-region masking (``trm`` k1 / k3, ``trm_stat``
+   max / mean); and ``seq_filter`` (``opsm``).
 6. regularisers: ``reg`` (``k2`` / ``forward_kl`` towards mu, ``hazard``:
    MHPO's cumulative-hazard penalty on the token log-ratio), KL to a
    reference (``kl_coef``, ``kl_kind``), entropy bonus (``entropy_coef``);
-   batch-level shapers ``adaptive`` (``m2po``, ``bapo``), ``cov``
-   (``clip`` / ``kl``: Clip-Cov / KL-Cov) and ``seq_filter`` (``opsm``).
+   batch-level shapers ``adaptive`` (``m2po``, ``bapo``) and ``cov``
+   (``clip`` / ``kl``: Clip-Cov / KL-Cov).
 7. ``agg``: ``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum``,
    ``seq_mean_token_sum_norm``.
 """
@@ -37,7 +45,7 @@ off-policy algorithm", arXiv 2509.24203). A spec picks one value on each axis:
 import dataclasses
 
 _CHOICES = {
-  "ratio": ("behavior", "proximal", "decoupled"),
+  "ratio": ("behavior", "proximal", "decoupled", "old"),
   "level": ("token", "seq_prod", "seq_geo", "seq_geo_token", "prefix_min", "turn_geo"),
   "shaping": (
     "none",
@@ -51,12 +59,16 @@ _CHOICES = {
     "bounded_target",
     "log_bound",
   ),
-  "mask_kind": ("one_side", "two_side", "ring"),
+  "mask_kind": ("one_side", "two_side", "ring", "tv", "binary_kl"),
   "grad": ("logp", "ratio"),
   "weight": ("one", "ratio"),
   "adv_weight": ("none", "exp"),
   "correction": ("none", "is", "truncate", "mask"),
   "correction_level": ("token", "seq"),
+  "correction_ratio": ("auto", "current", "proximal", "old"),
+  "reject": ("none", "token", "seq_any", "seq_geo"),
+  "trm": ("none", "k1", "k3"),
+  "trm_stat": ("max", "mean"),
   "adaptive": ("none", "m2po", "bapo"),
   "cov": ("none", "clip", "kl"),
   "seq_filter": ("none", "opsm"),
@@ -90,6 +102,10 @@ _NON_NEGATIVE = (
   "bapo_step_high",
   "bapo_target",
   "opsm_delta",
+  "reject_low",
+  "reject_high",
+  "trm_bound",
+  "dppo_delta",
   "cov_frac",
   "cov_coef",
 )
@@ -129,6 +145,20 @@ class LossSpec:
     is_cap: TIS truncation constant ``C`` (``min(w, C)``).
     is_low, is_high: IcePop / MIS band ``[is_low, is_high]`` on the rollout
       correction weight.
+    correction_ratio: numerator of the correction-family weight
+      ``w = pi_x / mu``: ``current`` (``sg(pi_theta)``), ``proximal``
+      (``prox``), ``old`` (``pi_old``, the engine-mismatch factor; needs
+      ``old_logp``, which defaults to ``mu``), or ``auto``: ``current`` for
+      ``ratio='behavior'``, ``old`` for ``ratio='old'``, ``proximal``
+      otherwise.
+    reject_low, reject_high: rejection band on ``w_t`` (``reject`` token /
+      seq_any) or on ``exp(mean_t log w_t)`` (``reject='seq_geo'``).
+    veto_threshold: drop a sequence if any ``w_t < veto_threshold``; ``None``
+      disables the veto.
+    trm_bound: trust-region masking bound on the sequence statistic
+      (``trm_stat`` max / mean) of the per-token k1 / k3 estimate.
+    dppo_delta: DPPO threshold on the binary TV ``|pi - mu|`` or binary KL
+      (``mask_kind`` tv / binary_kl).
     m2po_budget: M2PO bound on the second moment of ``log rho``.
     bapo_low_max, bapo_high_max, bapo_step_low, bapo_step_high, bapo_target:
       BAPO bound search (absolute ratio bounds start at ``1 - eps_low`` and
@@ -148,6 +178,10 @@ class LossSpec:
   adv_weight: str = "none"
   correction: str = "none"
   correction_level: str = "token"
+  correction_ratio: str = "auto"
+  reject: str = "none"
+  trm: str = "none"
+  trm_stat: str = "max"
   adaptive: str = "none"
   cov: str = "none"
   seq_filter: str = "none"
@@ -181,6 +215,11 @@ class LossSpec:
   bapo_step_high: float = 0.2
   bapo_target: float = 0.4
   opsm_delta: float = 0.1
+  reject_low: float = 0.125
+  reject_high: float = 8.0
+  veto_threshold: float | None = None
+  trm_bound: float = 0.05
+  dppo_delta: float = 0.15
   cov_frac: float = 2e-4
   cov_coef: float = 1.0
   max_len: int | None = None
@@ -207,6 +246,14 @@ class LossSpec:
       raise ValueError(f"LossSpec.shaping={self.shaping!r} requires grad='logp'")
     if self.shaping == "bounded_target" and min(self.eps_low, self.eps_high) <= 0:
       raise ValueError("LossSpec.eps_low and eps_high must be > 0 for shaping='bounded_target'")
+    if self.reject_low > self.reject_high:
+      raise ValueError(
+        f"LossSpec.reject_low={self.reject_low} must be <= reject_high={self.reject_high}"
+      )
+    if self.veto_threshold is not None and self.veto_threshold <= 0:
+      raise ValueError(f"LossSpec.veto_threshold={self.veto_threshold} must be > 0 or None")
+    if self.shaping == "mask" and self.mask_kind in ("tv", "binary_kl") and self.level != "token":
+      raise ValueError(f"LossSpec.mask_kind={self.mask_kind!r} requires level='token'")
     if self.reg == "hazard":
       if not 0 < self.eps_low < 1 or self.eps_high <= 0:
         raise ValueError("LossSpec.eps_low must be in (0, 1) and eps_high > 0 for reg='hazard'")
@@ -214,9 +261,40 @@ class LossSpec:
         raise ValueError(f"LossSpec.hazard_shape={self.hazard_shape} must be >= 1")
 
   @property
+  def correction_source(self) -> str:
+    """Numerator of the correction weight ``w = pi_x / mu``: current, proximal or old."""
+    if self.correction_ratio != "auto":
+      return self.correction_ratio
+    return {"behavior": "current", "old": "old"}.get(self.ratio, "proximal")
+
+  @property
+  def reads_correction_weight(self) -> bool:
+    """Whether a correction-family option reads ``w`` (IS weight, rejection, veto, TRM)."""
+    return (
+      self.correction != "none"
+      or self.reject != "none"
+      or self.veto_threshold is not None
+      or self.trm != "none"
+    )
+
+  @property
   def needs_proximal(self) -> bool:
     """Whether ``policy_loss`` needs ``proximal_logp``."""
-    return self.ratio != "behavior"
+    if self.ratio in ("proximal", "decoupled"):
+      return True
+    return self.reads_correction_weight and self.correction_source == "proximal"
+
+  @property
+  def needs_old(self) -> bool:
+    """Whether ``policy_loss`` reads ``old_logp`` (``pi_old``; it defaults to ``mu``).
+
+    True for ``ratio='old'`` (trust region on ``pi / pi_old``) and for a
+    correction-family option whose weight is the mismatch factor
+    ``pi_old / mu`` (``correction_source == 'old'``).
+    """
+    if self.ratio == "old":
+      return True
+    return self.reads_correction_weight and self.correction_source == "old"
 
   @property
   def needs_ref(self) -> bool:
@@ -239,9 +317,12 @@ class LossSpec:
     True when every per-token term carries a factor of ``A`` (or ``|A|``) and
     nothing couples sequences: no regulariser (``reg``, KL to a reference,
     entropy bonus), no batch-level search or selection (``batch_dependent``),
-    and not OAPL's regression ``(beta log rho - A)^2``. Such sequences still
-    count in the aggregation's denominator, which depends on the mask only,
-    so the train step can leave them out of the forward pass exactly.
+    and not OAPL's regression ``(beta log rho - A)^2``. The rollout-correction
+    family (IS weight, rejection, veto, trust-region masking, OPSM, DPPO's
+    masks) only multiplies terms that carry ``A`` and reads one row at a time
+    (sequence-level rules included), so it keeps a loss inert. Such sequences
+    still count in the aggregation's denominator, which depends on the mask
+    only, so the train step can leave them out of the forward pass exactly.
     """
     return (
       self.shaping != "regression"

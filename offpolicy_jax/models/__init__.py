@@ -11,7 +11,12 @@ from offpolicy_jax.models.attention_ops import default_positions
 from offpolicy_jax.models.config import ModelConfig, get_config, preset_names
 from offpolicy_jax.models.decoder import Decoder, KVCache
 from offpolicy_jax.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
-from offpolicy_jax.models.logprobs import logprobs, sequence_logprobs, shared_prefix_logprobs
+from offpolicy_jax.models.logprobs import (
+  log_kept_mass,
+  logprobs,
+  sequence_logprobs,
+  shared_prefix_logprobs,
+)
 
 __all__ = [
   "Decoder",
@@ -22,6 +27,7 @@ __all__ = [
   "default_positions",
   "from_pretrained",
   "get_config",
+  "log_kept_mass",
   "logprobs",
   "preset_names",
   "save_pretrained",

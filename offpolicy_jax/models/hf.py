@@ -287,7 +287,7 @@ def from_pretrained(
   *,
   compute_dtype=None,
   mesh: jax.sharding.Mesh | None = None,
-  rules: Sequence[tuple[str, str | None]] | Mapping | None = None,
+  rules: Sequence[tuple[str, str | tuple[str, ...] | None]] | Mapping | None = None,
   **config_overrides,
 ) -> Decoder:
   """Loads an HF checkpoint directory into a `Decoder`.

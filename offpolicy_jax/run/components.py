@@ -142,15 +142,19 @@ def _tokenizer(config):
   return tokenizers.CharTokenizer()
 
 
-def _model_constructor(config, mesh, tokenizer):
-  """`seed -> model`: an HF checkpoint loaded onto the mesh, or a fresh preset."""
+def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
+  """`seed -> model`: an HF checkpoint loaded onto the mesh, or a fresh preset.
+
+  `dtype` overrides the compute dtype (`model_dtype`); parameters stay float32.
+  """
+  dtype = dtype or config.model_dtype
   if os.path.isdir(config.model):
-    path, dtype = config.model, jnp.dtype(config.model_dtype)
+    path, compute = config.model, jnp.dtype(dtype)
     scan = config.model_scan_layers
     return lambda seed: models.from_pretrained(
       path,
       jnp.float32,
-      compute_dtype=dtype,
+      compute_dtype=compute,
       mesh=mesh,
       rules=sharding.LOGICAL_AXIS_RULES,
       scan_layers=scan,
@@ -158,7 +162,7 @@ def _model_constructor(config, mesh, tokenizer):
   mcfg = models.get_config(
     config.model,
     vocab_size=tokenizer.vocab_size,
-    dtype=config.model_dtype,
+    dtype=dtype,
     scan_layers=config.model_scan_layers,
   )
   return lambda seed: models.Decoder(mcfg, rngs=nnx.Rngs(params=step_key(seed, 0, INIT)))
@@ -189,7 +193,26 @@ def step_options(config) -> train_step.StepOptions:
     group_size=config.group_size,
     shared_prefix=config.train.shared_prefix and _whole_groups(config),
     skip_zero_advantage=config.train.skip_zero_advantage,
+    truncated=_scores_truncation(config),
+    top_k=config.top_k if _scores_truncation(config) else 0,
   )
+
+
+def _scores_truncation(config) -> bool:
+  """Whether the learner scores the sampler's truncated distribution (SCIENCE.md s7)."""
+  truncates = config.top_k > 0 or config.top_p < 1.0
+  return truncates and config.rollout.behavior_logp == "sampled"
+
+
+def _scores_old(config) -> bool:
+  """Whether the pipeline scores log pi_old (asked for, or a loss that corrects pi_old / mu)."""
+  spec = losses.get_spec(config.loss.name, **validation.loss_overrides(config))
+  return config.rollout.score_old or spec.needs_old
+
+
+def _recorded_logp(config) -> str:
+  """What the sampler records (`rollout.behavior_logp`; "mismatched" records as "sampled")."""
+  return "sampled" if config.rollout.behavior_logp == "mismatched" else config.rollout.behavior_logp
 
 
 def _whole_groups(config) -> bool:
@@ -244,6 +267,7 @@ def _partial_sampler(config, graphdef, task, tokenizer) -> partial_rollouts.Part
     top_p=c.top_p,
     top_k=c.top_k,
     eos_id=tokenizer.eos_id,
+    behavior_logp=_recorded_logp(c),
   )
   slots = partial_rollouts.steps_to_finish(c.max_new_tokens, budget) * c.prompts_per_step
   return partial_rollouts.PartialSampler(advance, slots, c.group_size, c.max_new_tokens)
@@ -271,8 +295,13 @@ def _build_fns(config) -> rl_step.StepFns:
   tokenizer = _tokenizer(c)
   model_fn = _model_constructor(c, mesh, tokenizer)
   graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_fn(0)))
+  sampler_graphdef = graphdef
+  if c.rollout.sampler_dtype and c.rollout.sampler_dtype != c.model_dtype:
+    # The same float32 parameters, run by the sampler in another compute dtype.
+    sampler_fn = _model_constructor(c, mesh, tokenizer, c.rollout.sampler_dtype)
+    sampler_graphdef, _ = nnx.split(nnx.eval_shape(lambda: sampler_fn(0)))
   options = step_options(c)
-  partial = _partial_sampler(c, graphdef, task, tokenizer)  # before the reward pool starts
+  partial = _partial_sampler(c, sampler_graphdef, task, tokenizer)  # before the reward pool starts
   sample_kw = dict(
     max_new_tokens=c.max_new_tokens, top_p=c.top_p, top_k=c.top_k, eos_id=tokenizer.eos_id
   )
@@ -288,16 +317,22 @@ def _build_fns(config) -> rl_step.StepFns:
     sizes=sizes(c),
     sample_kw={**sample_kw, "temperature": c.temperature},
     sampler=sampling.make_sampler(
-      graphdef, group_size=c.group_size, temperature=c.temperature, **sample_kw
+      sampler_graphdef,
+      group_size=c.group_size,
+      temperature=c.temperature,
+      behavior_logp=_recorded_logp(c),
+      **sample_kw,
     ),
     greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
     partial=partial,
+    score_old=train_step.make_scorer(graphdef, options) if _scores_old(c) else None,
     reward=_reward(c, task),
     truncate_prompts=c.data.truncate_prompts,
     sampler_mesh=sampler_mesh,
     model_key=json.dumps(
       [
         {f: c[f] for f in ("model", "model_dtype", "tokenizer", "task", "max_prompt_len")},
+        c.rollout.sampler_dtype,
         c.max_new_tokens,
         c.task_kwargs.to_dict(),
         c.mesh.to_dict(),

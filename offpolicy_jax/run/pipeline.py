@@ -243,10 +243,16 @@ def sample(fns, params, prompts: dict, step, seed) -> SampleOutput:
   """K responses to each of the G prompts with `params` (traceable; on the mesh of `params`).
 
   The one call of the run's sampler: the loop, the async producer, the
-  disaggregated sampler and the study all sample through here.
+  disaggregated sampler and the study all sample through here. With
+  `rollout.score_old` (`fns.score_old`) the learner also scores the tokens at
+  the same parameters (`SampleOutput.old_logprobs`, log pi_old).
   """
   key = step_key(seed, step, SAMPLE)
-  return fns.sampler(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
+  tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
+  out = fns.sampler(params, tokens, lengths, key)
+  if fns.score_old is not None:
+    out = out._replace(old_logprobs=fns.score_old(params, tokens, lengths, out))
+  return out
 
 
 def score_on_device(fns, prompts: dict, rollout, group_size: int | None = None) -> jax.Array:
@@ -289,6 +295,8 @@ def pack(fns, prompts: dict, rollout, rewards_b, version, key) -> TrainBatch:
     versions,
     rewards_b,
     adv,
+    rollout.kept,
+    rollout.old_logprobs,
   )
 
 
@@ -314,7 +322,9 @@ def empty_batch(sizes: Sizes) -> TrainBatch:
   b, n, p = sizes.prompts_per_step * sizes.group_size, sizes.max_new_tokens, sizes.max_prompt_len
   f = lambda *s: jnp.zeros(s, jnp.float32)
   i = lambda *s: jnp.zeros(s, jnp.int32)
-  return TrainBatch(i(b, p), f(b, p), i(b, n), f(b, n), f(b, n), f(b), f(b), i(b, n), f(b))
+  return TrainBatch(
+    i(b, p), f(b, p), i(b, n), f(b, n), f(b, n), f(b), f(b), i(b, n), f(b), i(b, n), f(b, n)
+  )
 
 
 def batch_stats(batch: TrainBatch, group_size: int) -> dict[str, jax.Array]:

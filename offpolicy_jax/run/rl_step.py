@@ -91,6 +91,9 @@ class StepFns:
   partial: partial_rollouts.PartialSampler | None = (
     None  # partial rollouts (rollout.partial_budget)
   )
+  # The learner's scoring of sampled tokens at the sampling parameters (log pi_old,
+  # `train_step.make_scorer`), with `rollout.score_old`; None: not scored.
+  score_old: Callable | None = None
 
   @property
   def updates(self) -> int:
@@ -278,6 +281,14 @@ def partial_rl_step(
   pool, dropped = partial_rollouts.admit(state.inflight, prompts, step)
   version = fns.version(v)
   pool = fns.partial.advance(params, pool, version, pipeline.step_key(seed, step, pipeline.SAMPLE))
+  if fns.score_old is not None:
+    old = fns.score_old(
+      params,
+      pool.prompts["prompt_tokens"],
+      pool.prompts["prompt_lengths"],
+      partial_rollouts.as_output(pool),
+    )
+    pool = partial_rollouts.record_old(pool, old, version)
   out = partial_rollouts.as_output(pool)
   rewards_r = pipeline.score_on_device(fns, pool.prompts, out)
   key = pipeline.step_key(seed, step, pipeline.ADV)

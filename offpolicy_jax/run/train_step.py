@@ -37,9 +37,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from offpolicy_jax import losses, models
+from offpolicy_jax import losses, models, types
 from offpolicy_jax import reductions as red
-from offpolicy_jax.run import batch_splits
+from offpolicy_jax.run import batch_splits, diagnostics
 from offpolicy_jax.run.batch_splits import chunks_per_micro_batch
 from offpolicy_jax.run.batch_splits import micro_batches as _micro_batches
 from offpolicy_jax.run.batch_splits import split_micro as _split_micro
@@ -68,6 +68,11 @@ class StepOptions(NamedTuple):
     skip_chunks: with skipping, each micro-batch is cut into this many chunks
       (fewer where they do not divide) and only chunks holding rows that move
       the loss run.
+    truncated: score the top-k / top-p truncated distribution the sampler drew
+      from, given each token's kept-set size ``TrainBatch.behavior_kept``
+      (`models.logprobs`); False scores the full tempered softmax (no
+      truncation, or ``rollout.behavior_logp = "full"``).
+    top_k: the sampler's top-k (0 = off), which bounds the kept set when truncated.
   """
 
   spec: losses.LossSpec
@@ -80,6 +85,8 @@ class StepOptions(NamedTuple):
   shared_prefix: bool = False
   skip_zero_advantage: bool = False
   skip_chunks: int = 4
+  truncated: bool = False
+  top_k: int = 0
 
   @property
   def updates(self) -> int:
@@ -102,19 +109,31 @@ def check_options(options: StepOptions) -> None:
   for name in ("num_micro_batches", "num_minibatches", "num_epochs", "group_size", "skip_chunks"):
     if getattr(options, name) < 1:
       raise ValueError(f"{name} must be >= 1, got {getattr(options, name)}")
+  if options.top_k < 0:
+    raise ValueError(f"top_k must be >= 0, got {options.top_k}")
   if options.micro_batch_size is not None and options.micro_batch_size < 1:
     raise ValueError(f"micro_batch_size must be >= 1, got {options.micro_batch_size}")
 
 
 def token_logprobs(
-  graphdef: nnx.GraphDef, params, mb: TrainBatch, temperature: float, shared_group: int = 0
+  graphdef: nnx.GraphDef,
+  params,
+  mb: TrainBatch,
+  temperature: float,
+  shared_group: int = 0,
+  *,
+  truncated: bool = False,
+  top_k: int = 0,
 ):
   """Teacher-forced log-probs and entropies [B, N] of `mb`'s responses under `params`.
 
   With ``shared_group = K > 0`` the rows are groups of K sharing a prompt and
-  each prompt runs once (`models.shared_prefix_logprobs`).
+  each prompt runs once (`models.shared_prefix_logprobs`). With `truncated`
+  the log-probs are those of the top-k / top-p truncated distribution of
+  ``mb.behavior_kept`` tokens (`StepOptions.truncated`).
   """
   model = nnx.merge(graphdef, params)
+  kept = mb.behavior_kept if truncated else None
   if shared_group:
     return models.shared_prefix_logprobs(
       model,
@@ -124,10 +143,48 @@ def token_logprobs(
       mb.mask,
       shared_group,
       temperature,
+      kept=kept,
+      top_k=top_k,
     )
   return models.sequence_logprobs(
-    model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask, temperature
+    model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask, temperature, kept=kept, top_k=top_k
   )
+
+
+def make_scorer(graphdef: nnx.GraphDef, options: StepOptions):
+  """Jitted `score(params, prompt_tokens [G, P], prompt_lengths [G], out) -> logp [G*K, N]`.
+
+  The learner's log-probs of a sampled rollout `out` (`sampling.SampleOutput`)
+  at `params`, scored as the train step scores (temperature, truncation,
+  shared prefix): at the sampling parameters, log pi_old (SCIENCE.md s7).
+  """
+  shared = options.group_size if options.shared_prefix else 0
+
+  def score(params, prompt_tokens, prompt_lengths, out):
+    zeros = jnp.zeros(out.tokens.shape[:1], jnp.float32)
+    batch = types.pack_groups(
+      prompt_tokens,
+      prompt_lengths,
+      out.tokens,
+      out.mask,
+      out.logprobs,
+      jnp.zeros(out.tokens.shape, jnp.int32),
+      zeros,
+      zeros,
+      out.kept,
+    )
+    logp, _ = token_logprobs(
+      graphdef,
+      params,
+      batch,
+      options.temperature,
+      shared,
+      truncated=options.truncated,
+      top_k=options.top_k,
+    )
+    return logp
+
+  return jax.jit(score)
 
 
 def _typed(loss_metrics: dict[str, jax.Array]) -> dict[str, Any]:
@@ -148,7 +205,7 @@ def _typed(loss_metrics: dict[str, jax.Array]) -> dict[str, Any]:
 
 
 def _behavior_ratio(logp, mb: TrainBatch) -> dict[str, Any]:
-  """Ratio pi / mu statistics (the loss itself reports ratios to its proximal anchor)."""
+  """Mean, max and min of w = pi / mu over valid tokens (when the loss's ratio is not to mu)."""
   valid = mb.mask > 0
   log_ratio = jnp.where(valid, logp - mb.behavior_logp, 0.0)
   m = valid.astype(jnp.float32)
@@ -171,16 +228,20 @@ def micro_batch_loss(params, mb: TrainBatch, graphdef, options: StepOptions, ref
     anchor: proximal parameters, or None for ``stop_gradient(logp)`` (the
       current parameters are the anchor).
   """
-  spec, tau = options.spec, options.temperature
+  spec, o = options.spec, options
   shared = options.group_size if options.shared_prefix else 0
   sg = jax.lax.stop_gradient
-  logp, ent = token_logprobs(graphdef, params, mb, tau, shared)
+  score = lambda p: token_logprobs(
+    graphdef, p, mb, o.temperature, shared, truncated=o.truncated, top_k=o.top_k
+  )
+  logp, ent = score(params)
   extra = {}
   if spec.needs_ref:
-    extra["ref_logp"] = sg(token_logprobs(graphdef, ref_params, mb, tau, shared)[0])
+    extra["ref_logp"] = sg(score(ref_params)[0])
   if spec.needs_proximal:
-    prox = sg(logp) if anchor is None else token_logprobs(graphdef, anchor, mb, tau, shared)[0]
-    extra["proximal_logp"] = sg(prox)
+    extra["proximal_logp"] = sg(logp) if anchor is None else sg(score(anchor)[0])
+  if spec.needs_old:
+    extra["old_logp"] = mb.old_logp
   if spec.entropy_coef > 0:
     extra["entropy"] = ent
   out = losses.policy_loss(
@@ -198,6 +259,7 @@ def micro_batch_loss(params, mb: TrainBatch, graphdef, options: StepOptions, ref
   metrics["tokens"] = red.Sum(m.sum())
   if spec.ratio != "behavior":
     metrics.update(_behavior_ratio(sg(logp), mb))
+  metrics.update(diagnostics.policy_terms(logp, mb))
   return out.loss_sum, metrics
 
 
@@ -329,7 +391,7 @@ def train_step(
 
     state, per_step = jax.lax.scan(scan_step, state, order)
     metrics = red.reduce(per_step)
-  out = {**red.results(metrics), **stale}
+  out = {**red.results(metrics), **stale, **diagnostics.mismatch_terms(batch)}
   out["num_skipped"] = state.num_skipped
   out["version"] = state.version
   return state._replace(step=state.step + 1), out
@@ -358,6 +420,8 @@ def make_train_step(
   shared_prefix: bool = False,
   skip_zero_advantage: bool = False,
   skip_chunks: int = 4,
+  truncated: bool = False,
+  top_k: int = 0,
   mesh: Mesh | None = None,
   donate: bool = True,
   jit: bool = True,
@@ -370,7 +434,7 @@ def make_train_step(
     loss: loss preset name or ``losses.LossSpec``.
     num_micro_batches, micro_batch_size, num_minibatches, num_epochs,
       temperature, group_size, shared_prefix, skip_zero_advantage,
-      skip_chunks: the fields of :class:`StepOptions`.
+      skip_chunks, truncated, top_k: the fields of :class:`StepOptions`.
     mesh: mesh for explicit in/out shardings (params/opt state by logical
       names, batch rows over ``(data, fsdp)``); None runs on one device.
     donate: donate the input ``TrainState``.
@@ -397,6 +461,8 @@ def make_train_step(
     shared_prefix,
     skip_zero_advantage,
     skip_chunks,
+    truncated,
+    top_k,
   )
   check_options(options)
 

@@ -72,6 +72,11 @@ class PartialState(NamedTuple):
       (``prompt_tokens`` [S, P] left-padded, ``prompt_lengths`` [S], task fields).
     tokens: int32 [R, N] generated tokens (0 after the end).
     logprobs: float32 [R, N] behaviour log-prob of each generated token.
+    kept: int32 [R, N] size of the top-k / top-p set it was drawn from
+      (`SampleOutput.kept`).
+    old_logprobs: float32 [R, N] the learner's log-prob of each token at the
+      parameters that sampled it (`record_old`; the behaviour log-prob when
+      not scored).
     versions: int32 [R, N] parameter version that sampled each token.
     mask: bool [R, N] generated (valid) tokens.
     lengths: int32 [R] tokens generated so far.
@@ -83,6 +88,8 @@ class PartialState(NamedTuple):
   prompts: dict[str, jax.Array]
   tokens: jax.Array
   logprobs: jax.Array
+  kept: jax.Array
+  old_logprobs: jax.Array
   versions: jax.Array
   mask: jax.Array
   lengths: jax.Array
@@ -130,6 +137,8 @@ def init(prompts: dict[str, Any], *, slots: int, group_size: int, max_new_tokens
     prompts=empty,
     tokens=jnp.zeros((r, n), jnp.int32),
     logprobs=jnp.zeros((r, n), jnp.float32),
+    kept=jnp.zeros((r, n), jnp.int32),
+    old_logprobs=jnp.zeros((r, n), jnp.float32),
     versions=jnp.zeros((r, n), jnp.int32),
     mask=jnp.zeros((r, n), bool),
     lengths=jnp.zeros((r,), jnp.int32),
@@ -177,6 +186,8 @@ def admit(
     prompts={name: fill(state.prompts[name], prompts[name]) for name in state.prompts},
     tokens=reset(state.tokens),
     logprobs=reset(state.logprobs),
+    kept=reset(state.kept),
+    old_logprobs=reset(state.old_logprobs),
     versions=reset(state.versions),
     mask=reset(state.mask),
     lengths=reset(state.lengths),
@@ -197,6 +208,7 @@ def make_advance(
   top_p: float = 1.0,
   top_k: int = 0,
   eos_id: int | Sequence[int] | None = None,
+  behavior_logp: str = "sampled",
 ):
   """Builds `advance(params, state, version, key) -> PartialState` (pure, traceable).
 
@@ -210,7 +222,7 @@ def make_advance(
     max_new_tokens: N, the response length.
     budget: b >= 1, decode steps per call.
     group_size: K, rows per slot.
-    temperature, top_p, top_k, eos_id: as for `sampling.make_sampler`.
+    temperature, top_p, top_k, eos_id, behavior_logp: as for `sampling.make_sampler`.
   """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -255,11 +267,16 @@ def make_advance(
 
     def body(carry):
       i, cache, logits, live, rows = carry
-      tokens, logps, versions, mask, lengths = rows
-      token, logp = select_token(logits, jax.random.fold_in(key, i), temperature, top_k, top_p)
+      tokens, logps, olds, kept, versions, mask, lengths = rows
+      draw = select_token(
+        logits, jax.random.fold_in(key, i), temperature, top_k, top_p, behavior_logp
+      )
+      token = draw.token
       at = (cols == lengths[:, None]) & live[:, None]
       tokens = jnp.where(at, token[:, None], tokens)
-      logps = jnp.where(at, logp[:, None], logps)
+      logps = jnp.where(at, draw.logp[:, None], logps)
+      olds = jnp.where(at, draw.logp[:, None], olds)
+      kept = jnp.where(at, draw.kept[:, None], kept)
       versions = jnp.where(at, version, versions)
       mask = mask | at
       ended = lengths + 1 >= n
@@ -271,15 +288,30 @@ def make_advance(
         jnp.where(live, token, 0)[:, None], attention_mask=kv_mask, cache=cache, cache_index=w + i
       )
       logits = model.logits_from_hidden(h[:, 0])
-      return i + 1, cache, logits, live, (tokens, logps, versions, mask, lengths)
+      return i + 1, cache, logits, live, (tokens, logps, olds, kept, versions, mask, lengths)
 
-    rows = (state.tokens, state.logprobs, state.versions, state.mask, state.lengths)
+    rows = (
+      state.tokens,
+      state.logprobs,
+      state.old_logprobs,
+      state.kept,
+      state.versions,
+      state.mask,
+      state.lengths,
+    )
     carry = (jnp.int32(0), cache, logits, live0, rows)
     _, _, _, live, rows = jax.lax.while_loop(cond, body, carry)
-    tokens, logps, versions, mask, lengths = rows
+    tokens, logps, olds, kept, versions, mask, lengths = rows
     done = state.done | (live0 & ~live)
     return state._replace(
-      tokens=tokens, logprobs=logps, versions=versions, mask=mask, lengths=lengths, done=done
+      tokens=tokens,
+      logprobs=logps,
+      old_logprobs=olds,
+      kept=kept,
+      versions=versions,
+      mask=mask,
+      lengths=lengths,
+      done=done,
     )
 
   return advance
@@ -292,13 +324,26 @@ def finished(state: PartialState) -> jax.Array:
 
 
 def as_output(state: PartialState) -> SampleOutput:
-  """The pool's rows as a `SampleOutput` (tokens, behaviour log-probs, mask, lengths)."""
+  """The pool's rows as a `SampleOutput` (tokens, behaviour log-probs, mask, lengths, kept)."""
   return SampleOutput(
     state.tokens,
     state.logprobs,
     state.mask.astype(jnp.float32),
     state.mask.sum(1).astype(jnp.int32),
+    state.kept,
+    state.old_logprobs,
   )
+
+
+def record_old(state: PartialState, old_rn: jax.Array, version) -> PartialState:
+  """Keeps the learner's log-probs `old_rn` [R, N] of the tokens `version` sampled.
+
+  `old_rn` scores every row at the parameters of `version` (`run.pipeline`'s
+  learner scoring); only that version's tokens take it, so each token keeps
+  the log pi_old of the parameters that sampled it.
+  """
+  own = state.mask & (state.versions == version)
+  return state._replace(old_logprobs=jnp.where(own, old_rn, state.old_logprobs))
 
 
 def emit(
@@ -340,6 +385,8 @@ def emit(
     state.versions[rows],
     rewards_gk.reshape(-1),
     adv,
+    state.kept[rows],
+    state.old_logprobs[rows],
   )
   return batch, keep_o, state._replace(active=state.active & ~keep)
 

@@ -14,6 +14,15 @@ temperature)`. temperature = 0 means greedy decoding (argmax); the distribution 
 then a point mass, and the recorded log-probs are the untempered model
 log-probs log softmax(logits)(y_t) instead.
 
+The log-prob contract (SCIENCE.md s7). Each token also records m_t = |S_t|,
+the size of the kept set it was drawn from (V without truncation). The kept
+set is always the m_t most likely tokens, so the learner rebuilds
+log mu_t(y_t) = log p_t(y_t) - log Z_t from its own logits and m_t alone
+(`models.logprobs`, `kept`); see there why a count and not a threshold.
+`behavior_logp="full"` records instead log p_t(y_t) = log softmax(z)(y_t),
+the untruncated tempered log-prob: truncation is then part of the
+environment, and the learner scores the full tempered softmax.
+
 Prompts are left-padded [G, P]; each prompt is prefilled once and its keys and
 values are shared, not copied, by its K = group_size samples at every decode
 step (rows are group-major: row g*K + k). Tokens after
@@ -42,12 +51,22 @@ class SampleOutput(NamedTuple):
     logprobs: float32 [B, N] log mu(y_t) of each sampled token, 0 where masked.
     mask: float32 [B, N] 1 up to and including EOS.
     lengths: int32 [B] number of valid tokens.
+    kept: int32 [B, N] size m of the kept (top-k / top-p) set each token was
+      drawn from (V without truncation), 0 where masked.
+    old_logprobs: float32 [B, N] the learner's log-probs of the tokens at the
+      sampling parameters (`run.pipeline.sample` with `rollout.score_old`), or
+      None: not scored.
   """
 
   tokens: jax.Array
   logprobs: jax.Array
   mask: jax.Array
   lengths: jax.Array
+  kept: jax.Array
+  old_logprobs: jax.Array | None = None
+
+
+BEHAVIOR_LOGP = ("sampled", "full")
 
 
 def _truncate(z_bv, top_k, top_p):
@@ -68,16 +87,47 @@ def _truncate(z_bv, top_k, top_p):
   return z_bv
 
 
-def select_token(logits_bv, key, temperature, top_k, top_p):
-  """Draws one token per row; returns (token [B] int32, log mu(token) [B] f32)."""
+class Draw(NamedTuple):
+  """One decode step's draw: token [B] int32, its recorded log-prob [B] f32, kept-set size [B]."""
+
+  token: jax.Array
+  logp: jax.Array
+  kept: jax.Array
+
+
+def select_token(logits_bv, key, temperature, top_k, top_p, behavior_logp="sampled") -> Draw:
+  """Draws one token per row from the tempered, truncated softmax.
+
+  Args:
+    logits_bv: float32 [B, V] logits.
+    key: PRNG key.
+    temperature: softmax temperature (0: greedy, the untempered log-prob is recorded).
+    top_k, top_p: truncation (static; 0 and 1 are off).
+    behavior_logp: "sampled" records log mu(token) under the truncated,
+      renormalised distribution drawn from; "full" the untruncated tempered
+      log softmax(logits / temperature)(token).
+
+  Returns:
+    `Draw(token, logp, kept)`, kept the size of the set drawn from (V without truncation).
+  """
+  v = logits_bv.shape[-1]
+  full_v = jnp.full(logits_bv.shape[:1], v, jnp.int32)
   if temperature == 0.0:
     token = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    logp_all = jax.nn.log_softmax(logits_bv, axis=-1)
-  else:
-    z = _truncate(logits_bv / temperature, top_k, top_p)
+    return Draw(token, _take(jax.nn.log_softmax(logits_bv, axis=-1), token), full_v)
+  z = logits_bv / temperature
+  truncates = bool(top_k and top_k < v) or top_p < 1.0
+  z_kept = _truncate(z, top_k, top_p) if truncates else z
+  logp_all = jax.nn.log_softmax(z_kept, axis=-1)
+  token = _inverse_cdf(key, logp_all)
+  kept = jnp.sum(jnp.isfinite(z_kept), axis=-1, dtype=jnp.int32) if truncates else full_v
+  if behavior_logp == "full" and truncates:
     logp_all = jax.nn.log_softmax(z, axis=-1)
-    token = _inverse_cdf(key, logp_all)
-  return token, jnp.take_along_axis(logp_all, token[:, None], axis=-1)[:, 0]
+  return Draw(token, _take(logp_all, token), kept)
+
+
+def _take(x_bv, index_b):
+  return jnp.take_along_axis(x_bv, index_b[:, None], axis=-1)[:, 0]
 
 
 def _inverse_cdf(key, logp_bv):
@@ -115,6 +165,7 @@ def make_sampler(
   top_k: int = 0,
   eos_id: int | Sequence[int] | None = None,
   stop_sequences: Sequence[Sequence[int]] | None = None,
+  behavior_logp: str = "sampled",
 ):
   """Builds a jitted `fn(params, prompt_tokens[G,P], prompt_lengths[G], key) -> SampleOutput`.
 
@@ -132,6 +183,8 @@ def make_sampler(
       in), or None.
     stop_sequences: token-id sequences that also end a response (kept, masked in);
       matched against generated tokens only.
+    behavior_logp: what `logprobs` records: "sampled" (log mu, the truncated
+      distribution drawn from) or "full" (the untruncated tempered log-prob).
 
   Returns:
     The jitted sampling function; `params` is the state from `nnx.split(model)`.
@@ -146,6 +199,8 @@ def make_sampler(
     raise ValueError(f"top_p must be in (0, 1], got {top_p}")
   if top_k < 0:
     raise ValueError(f"top_k must be >= 0, got {top_k}")
+  if behavior_logp not in BEHAVIOR_LOGP:
+    raise ValueError(f"behavior_logp must be one of {BEHAVIOR_LOGP}, got {behavior_logp!r}")
   stops = tuple(tuple(int(t) for t in s) for s in (stop_sequences or ()) if len(s))
   eos_ids = () if eos_id is None else tuple(int(t) for t in np.atleast_1d(eos_id))
   n, k_rep = max_new_tokens, group_size
@@ -171,11 +226,14 @@ def make_sampler(
 
     def body(carry):
       i, cache, logits, out, done = carry
-      tokens, logps, valid = out
-      token, logp = select_token(logits, jax.random.fold_in(key, i), temperature, top_k, top_p)
-      token = jnp.where(done, 0, token)
+      tokens, logps, kept, valid = out
+      draw = select_token(
+        logits, jax.random.fold_in(key, i), temperature, top_k, top_p, behavior_logp
+      )
+      token = jnp.where(done, 0, draw.token)
       tokens = tokens.at[:, i].set(token)
-      logps = logps.at[:, i].set(jnp.where(done, 0.0, logp))
+      logps = logps.at[:, i].set(jnp.where(done, 0.0, draw.logp))
+      kept = kept.at[:, i].set(jnp.where(done, 0, draw.kept))
       valid = valid.at[:, i].set(~done)
       finished = (
         jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros_like(done)
@@ -185,13 +243,14 @@ def make_sampler(
       done = done | finished
       h, cache = model.decode_shared(token, prefix, cache, prompt_mask, i)
       logits = model.logits_from_hidden(h)
-      return i + 1, cache, logits, (tokens, logps, valid), done
+      return i + 1, cache, logits, (tokens, logps, kept, valid), done
 
-    out = (jnp.zeros((b, n), jnp.int32), jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n), bool))
+    zeros = lambda dtype: jnp.zeros((b, n), dtype)
+    out = (zeros(jnp.int32), zeros(jnp.float32), zeros(jnp.int32), zeros(bool))
     carry = (jnp.int32(0), cache, logits, out, jnp.zeros((b,), bool))
-    _, _, _, (tokens, logps, valid), _ = jax.lax.while_loop(cond, body, carry)
+    _, _, _, (tokens, logps, kept, valid), _ = jax.lax.while_loop(cond, body, carry)
     mask = valid.astype(jnp.float32)
-    return SampleOutput(tokens, logps, mask, valid.sum(axis=1).astype(jnp.int32))
+    return SampleOutput(tokens, logps, mask, valid.sum(axis=1).astype(jnp.int32), kept)
 
   return jax.jit(sample)
 

@@ -25,6 +25,16 @@ CURVES = ("eval_accuracy", "train_reward")
 MARK = {study_stats.WORSE: "worse", study_stats.BETTER: "better", study_stats.SAME: "~"}
 
 
+# Off-policy diagnostics tabulated when the runs recorded them (`study.runner.OFF_POLICY_METRICS`).
+OFF_POLICY_TABLES = (
+  "staleness_kl_k3",
+  "mismatch_kl_k3",
+  "clip_frac",
+  "corr_token_masked_frac",
+  "corr_seq_masked_frac",
+)
+
+
 def cell_rows(cell: Mapping[str, Any], eval_last: int) -> list[dict[str, Any]]:
   """The CSV rows of one cell record (`study.run_cell`)."""
   rows = []
@@ -38,6 +48,7 @@ def cell_rows(cell: Mapping[str, Any], eval_last: int) -> list[dict[str, Any]]:
       skipped=run["skipped"],
     )
     summary |= {k: v for k, v in run.items() if k.startswith("pass@") and v is not None}
+    summary |= run.get("off_policy", {})
     for metric, value in summary.items():
       rows.append({**base, "seed": run["seed"], "metric": metric, "step": "", "value": value})
     curves = {
@@ -181,6 +192,22 @@ def write_tables(
   lines += _md(
     ["method", *lags], grid_rows(summary("collapsed", lambda x: f"{int(sum(x))}/{len(x)}"))
   )
+  diagnostics = [k for k in OFF_POLICY_TABLES if any(key[2] == k for key in values)]
+  if diagnostics:
+    lines += [
+      "",
+      "## Off-policy diagnostics",
+      "",
+      "Per-step means over the run, then the mean over seeds (docs/off_policyness.md): the "
+      "KL(mu || pi) estimate k3 of the staleness factor pi / pi_old and of the engine mismatch "
+      "pi_old / mu (0 where pi_old is not scored), and the fraction of tokens the loss clipped "
+      "or a rollout correction masked.",
+    ]
+    for metric in diagnostics:
+      lines += ["", f"`{metric}`", ""]
+      lines += _md(
+        ["method", *lags], grid_rows(summary(metric, lambda x: f"{float(np.mean(x)):.3g}"))
+      )
   lines += ["", *extra] if extra else []
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")

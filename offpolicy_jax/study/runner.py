@@ -51,6 +51,8 @@ class Grid:
   baseline: tuple[str, str]
   vmap_seeds: int = 0  # seeds per vmapped program (0: all)
   eval_batch: int = 0  # held-out prompts per sampler call (0: all at once)
+  # Engine-mismatch overrides of a lag entry (`ENGINES`, "name=m/n+engine"); none: exact.
+  engines: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
 
   def cells(self) -> list[tuple[str, str]]:
     return [(m, g) for m in self.methods for g in self.lags]
@@ -82,13 +84,53 @@ def parse_methods(spec: str) -> dict[str, dict[str, str]]:
   return out
 
 
-def parse_lags(spec: str, total_steps: int) -> dict[str, tuple[int, int]]:
-  """`"onpolicy=1/0,interval20=20/0,offline=offline"` -> {name: (m, n)}.
+# Engine-mismatch settings a lag entry can carry ("bf16_onpolicy=1/0+bf16"): the
+# sampler's numerics or truncation differ from the learner's at the same
+# parameters (docs/off_policyness.md). `rollout.score_old` reports both factors.
+ENGINES: dict[str, dict[str, Any]] = {
+  "bf16": {"rollout.sampler_dtype": "bfloat16", "rollout.score_old": True},
+  "topk5": {"top_k": 5, "rollout.behavior_logp": "mismatched", "rollout.score_old": True},
+  "topp8": {"top_p": 0.8, "rollout.behavior_logp": "mismatched", "rollout.score_old": True},
+}
 
-  `offline` stands for m = total_steps + 1: every batch from version 0.
+
+# Off-policy diagnostics a run's record keeps (means over its steps; docs/off_policyness.md).
+OFF_POLICY_METRICS = (
+  "behavior_kl_k3",
+  "staleness_kl_k3",
+  "mismatch_kl_k3",
+  "clip_frac",
+  "corr_token_masked_frac",
+  "corr_seq_masked_frac",
+  "corr_token_truncated_frac",
+)
+
+
+def parse_engines(spec: str) -> dict[str, dict[str, Any]]:
+  """The `ENGINES` overrides of the lag entries of `spec` that name one (`name=m/n+engine`)."""
+  out = {}
+  for name, value in _parse_pairs("lags", spec):
+    engine = value.partition("+")[2]
+    if not engine:
+      continue
+    if engine not in ENGINES:
+      raise ValueError(
+        f"config.study.lags: {name}={value!r} names an unknown engine setting {engine!r} "
+        f"(one of {sorted(ENGINES)})"
+      )
+    out[name] = ENGINES[engine]
+  return out
+
+
+def parse_lags(spec: str, total_steps: int) -> dict[str, tuple[int, int]]:
+  """`"onpolicy=1/0,interval20=20/0,offline=offline,bf16=1/0+bf16"` -> {name: (m, n)}.
+
+  `offline` stands for m = total_steps + 1: every batch from version 0. A
+  `+engine` suffix adds an engine-mismatch setting (`parse_engines`).
   """
   out = {}
   for name, value in _parse_pairs("lags", spec):
+    value = value.partition("+")[0]
     if value == "offline":
       out[name] = (total_steps + 1, 0)
       continue
@@ -145,7 +187,16 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
       f"(methods {list(methods)}, lags {list(lags)})"
     )
   seeds = tuple(range(run.seed, run.seed + st.seeds))
-  grid = Grid(methods, lags, seeds, st.eval_last, (method, lag_name), st.vmap_seeds, st.eval_batch)
+  grid = Grid(
+    methods,
+    lags,
+    seeds,
+    st.eval_last,
+    (method, lag_name),
+    st.vmap_seeds,
+    st.eval_batch,
+    parse_engines(st.lags),
+  )
   return base, grid
 
 
@@ -228,7 +279,12 @@ def run_cell(
   `starts` keeps the warm-started parameters of each seed between cells (filled here).
   """
   m, n = grid.lags[lag_name]
-  overrides = {**grid.methods[method], "lag.sync_interval": m, "lag.sync_offset": n}
+  overrides = {
+    **grid.methods[method],
+    **grid.engines.get(lag_name, {}),
+    "lag.sync_interval": m,
+    "lag.sync_offset": n,
+  }
   comps = components.build_components(sweeps.apply_overrides(base, overrides))
   starts = {} if starts is None else starts
   for s in grid.seeds:
@@ -241,7 +297,10 @@ def run_cell(
     runs += _run_seeds(comps, grid, seeds, [starts[s] for s in seeds], (m, n))
   if any(r.pop("snapshot_missing") for r in runs):
     raise RuntimeError(f"{method}@{lag_name}: a behaviour snapshot was missing (a bug)")
-  return {"method": method, "lag": lag_name, "schedule": [m, n], "runs": runs}
+  record: dict[str, Any] = {"method": method, "lag": lag_name, "schedule": [m, n], "runs": runs}
+  if lag_name in grid.engines:
+    record["engine"] = dict(grid.engines[lag_name])
+  return record
 
 
 def _run_seeds(comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule_mn) -> list[dict]:
@@ -288,6 +347,7 @@ def _run_seeds(comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule
       "skipped": float(out["skipped"][i].sum()),
       f"pass@{run.eval_samples}": None if pass_k is None else float(pass_k[i]),
       "snapshot_missing": bool(out["snapshot_missing"][i].any()),
+      "off_policy": {k: float(np.mean(out[k][i])) for k in OFF_POLICY_METRICS if k in out},
     }
     for i, seed in enumerate(seeds)
   ]
