@@ -502,16 +502,17 @@ def test_host_reward_rollout_overlapped_with_scoring_changes_nothing(tmp_path, m
   assert any(r["reward_mean"] > 0 for r in overlapped)
 
 
-@pytest.mark.parametrize("behavior_logp", ["sampled", "full"])
-def test_truncated_sampling_on_policy_has_unit_ratios(tmp_path, behavior_logp):
-  """The log-prob contract through the loop: top-k + top-p, on-policy, ratio 1 on every token."""
+def test_truncated_sampling_on_policy_has_unit_ratios(tmp_path):
+  """The log-prob contract through the loop: top-k + top-p, on-policy, ratio 1 on every token.
+
+  (`behavior_logp="full"` is checked on the sampler and learner in test_logprob_contract.)
+  """
   cfg = small_config(
     **{
-      "total_steps": 3,
+      "total_steps": 2,
       "temperature": 0.7,
       "top_p": 0.8,
       "top_k": 5,
-      "rollout.behavior_logp": behavior_logp,
       "eval_prompts": 0,
       "checkpoint_every": 0,
     }

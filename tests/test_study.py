@@ -328,16 +328,36 @@ def test_host_scored_task_runs_the_same_cell_as_the_device_reward(mini, monkeypa
     np.testing.assert_allclose(a["staleness_mean"], b["staleness_mean"])
 
 
-def test_engine_mismatch_cells_report_the_mismatch_factor(tmp_path):
-  """A corrected method on an exact and a truncation-mismatched engine, both factors recorded."""
-  config = mini_config(
-    methods="tis_old", lags="exact=1/0,topk5=1/0+topk5", baseline="tis_old@exact"
+def test_engine_settings_reach_the_cells_config_and_the_report(mini, monkeypatch, tmp_path):
+  """A `+engine` lag builds its cell with the engine's overrides; study.md tabulates diagnostics.
+
+  (End to end: configs/mismatch_study.py, docs/off_policyness.md; the recorded factors
+  themselves are tested through the loop in test_loop.)
+  """
+  config = mini_config(methods="tis_old", lags="topk5=1/0+topk5", baseline="tis_old@topk5")
+  base, grid = study.grid_from_config(config)
+  built = []
+
+  def capture(cfg):
+    built.append(cfg)
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(study.components, "build_components", capture)
+  with pytest.raises(KeyboardInterrupt):
+    study.run_cell(base, grid, "tis_old", "topk5")
+  cfg = built[0]
+  assert (cfg.top_k, cfg.rollout.behavior_logp, cfg.rollout.score_old) == (5, "mismatched", True)
+  # The report's diagnostics section, from the miniature study's records.
+  mini_cfg, _, cells, _ = mini
+  _, mini_grid = study.grid_from_config(mini_cfg)
+  rows = []
+  for cell in cells.values():
+    cell = json.loads(json.dumps(cell))
+    for run in cell["runs"]:
+      run["off_policy"] = {"mismatch_kl_k3": 0.25, "staleness_kl_k3": 0.5}
+    rows += study_report.cell_rows(cell, mini_grid.eval_last)
+  md = study_report.write_tables(
+    rows, str(tmp_path / "study.md"), baseline=mini_grid.baseline, title="t"
   )
-  cells = study.run_study(config, str(tmp_path), log=lambda s: None)
-  files = study_report.write_report(config, str(tmp_path), cells)
-  exact = cells["tis_old", "exact"]["runs"][0]["off_policy"]
-  topk = cells["tis_old", "topk5"]["runs"][0]["off_policy"]
-  assert exact["mismatch_kl_k3"] < 1e-8 < 1e-3 < topk["mismatch_kl_k3"]
-  assert cells["tis_old", "topk5"]["engine"]["top_k"] == 5
-  text = open(next(f for f in files if f.endswith("study.md"))).read()
-  assert "## Off-policy diagnostics" in text and "`mismatch_kl_k3`" in text
+  section = open(md).read().split("## Off-policy diagnostics")[1]
+  assert "`mismatch_kl_k3`" in section and "| grpo | 0.25 | 0.25 |" in section
