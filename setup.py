@@ -42,6 +42,8 @@ EXTRAS_REQUIRE = {
         # The CPU wheel of this exact release is what the parity tests use.
         "torch==2.13.0",
         "transformers>=4.50",
+        # The LoRA round trip (tests/test_lora.py): our adapters loaded by peft onto HF.
+        "peft==0.21.2",
         "nbformat>=5.10",
         "nbclient>=0.10",
         "ipykernel>=6",

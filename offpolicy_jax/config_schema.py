@@ -197,6 +197,18 @@ class Field(NamedTuple):
     return self.name.replace(".", "_") if self.setting is None else self.setting
 
 
+class Names(NamedTuple):
+  """A comma-separated, non-empty list of words from `choices`."""
+
+  choices: tuple[str, ...]
+
+  def __call__(self, v: Any) -> str | None:
+    words = [w.strip() for w in v.split(",")] if isinstance(v, str) else None
+    if words and all(w in self.choices for w in words):
+      return None
+    return f"must be comma-separated names from {', '.join(self.choices)}, got {v!r}"
+
+
 _F = Field
 _POS = Int(1)
 _NONNEG = Int(0)
@@ -376,6 +388,17 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("optimizer.b2", 0.99, PROGRAM, "AdamW beta2.", Float(0, 1, hi_open=True)),
   _F("optimizer.weight_decay", 0.0, PROGRAM, "AdamW decoupled weight decay.", Float(0)),
   _F("optimizer.grad_clip", 1.0, PROGRAM, "Global gradient-norm clip (0 = off).", Float(0)),
+  _F("lora.rank", 0, PROGRAM,
+     "Rank r of low-rank adapters on the decoder's projections (0 = off: full fine-tuning). "
+     "With r > 0 only the adapters train; snapshots, the reference and proximal policies and "
+     "the sampler's copies hold adapters, the frozen base is held once (docs/lora.md).",
+     Int(0, note=" (0 = off)")),
+  _F("lora.alpha", 32.0, PROGRAM,
+     "Adapter scale numerator: the update is (alpha / r) x A B (PEFT's lora_alpha).",
+     Float(0, lo_open=True)),
+  _F("lora.targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", PROGRAM,
+     "Comma-separated projections that get adapters.",
+     Names(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
   _F("mesh.data", 1, PLACEMENT, "Data-parallel mesh axis size (-1 fills the remaining devices).",
      Int(1, note=" or -1", also=(-1,))),
   _F("mesh.fsdp", 1, PLACEMENT, "Fully-sharded (parameter) axis size.",

@@ -1,6 +1,5 @@
 """Tests for tasks.code, code_data and code_reward (only trusted or harmless programs are run)."""
 
-import collections
 import json
 import os
 import pickle
@@ -9,6 +8,7 @@ import re
 import pytest
 
 from offpolicy_jax.models.tokenizers import CharTokenizer
+from offpolicy_jax.rewards import isolation
 from offpolicy_jax.rewards.tasks import code, code_reward
 
 TOK = CharTokenizer()
@@ -187,19 +187,28 @@ def test_mbpp_references_wrong_programs_and_fake_equality(tmp_path):
   assert task.reward(exs[2], "def length(n):\n  return 3") == pytest.approx(1 / 3)
 
 
-def test_check_plain_walks_containers_and_attributes():
+def test_values_cross_as_data_of_exact_types():
   ns = {}
-  exec(FAKE_EQ, ns)  # a trusted, hand-written stand-in for a program's class
-  fake = ns["E"]()
-  plain = [1, (2.0, "s", None), {3: {4}}, frozenset({5}), collections.deque([6])]
-  assert code_reward._check_plain(plain, set()) is plain
-  for bad in ([1, (2, {3: fake})], {"k": fake}, collections.UserList([fake]), fake):
-    with pytest.raises(AssertionError, match="untrusted type 'E'"):
-      code_reward._check_plain(bad, set())
-  assert code_reward._check_plain([fake], {id(ns["E"])}) == [fake]  # a trusted class
-  cyclic = [1]
-  cyclic.append(cyclic)
-  assert code_reward._check_plain(cyclic, set()) is cyclic
+  exec("class Node:\n  def __eq__(self, o):\n    return vars(self) == vars(o)\n" + FAKE_EQ, ns)
+  node = ns["Node"]()
+  node.v, node.nxt = 1, None
+  value = [1, True, 2.5, "s", None, (1, [2]), {3: {4}}, frozenset({5}), b"\xff", 1j, range(3), node]
+  data = json.loads(json.dumps(isolation.encode(value, {ns["Node"]: "Node"}, _refuse)))
+  back = isolation.decode(data, {"Node": ns["Node"]}, _refuse)
+  assert back == value and [type(v) for v in back] == [type(v) for v in value]
+  assert isolation.encode(ns["E"](), {}, lambda v: {"handle": 7}) == {"handle": 7}
+  for bad in ({"eval": "1"}, {"tuple": 1}, {"object": "E", "attrs": {"dict": []}}, {}, {"a": 1}):
+    with pytest.raises(ValueError):
+      isolation.decode(bad, {"Node": ns["Node"]}, _refuse)
+  deep = []
+  for _ in range(isolation.MAX_DEPTH + 1):
+    deep = [deep]
+  with pytest.raises(ValueError, match="deeper"):
+    isolation.decode(deep, {}, _refuse)
+
+
+def _refuse(value):
+  raise AssertionError(f"unexpected handle for {value!r}")
 
 
 def test_humaneval_reference_and_wrong_programs(tmp_path):

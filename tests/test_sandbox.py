@@ -46,17 +46,29 @@ def _attack(example, text):
     os.kill(example["trainer_pid"], signal.SIGCONT)  # harmless if it got through
   elif text == "memory":
     bytearray(100 * 2**30)
-  elif text == "read":
+  elif text == "read":  # outside the read allow-list
     with open(os.path.join(path, "keep")) as f:
-      return float(f.read() == "data")
-  elif text == "fds":  # descriptors beyond stdio, minus the one listdir opens
-    return float(len([fd for fd in os.listdir("/proc/self/fd") if int(fd) > 2]) - 1)
+      f.read()
+  elif text == "read_allowed":  # the Python installation
+    with open(os.__file__) as f:
+      return float(len(f.read()) > 0)
+  elif text == "fds":  # descriptors beyond stdio
+    return float(sum(_is_open(fd) for fd in range(3, 256)))
   else:
     raise ValueError(text)
   return 1.0
 
 
+def _is_open(fd):
+  try:
+    os.fstat(fd)
+    return True
+  except OSError:
+    return False
+
+
 ATTACKS = (
+  "read",
   "write",
   "remove",
   "chmod",
@@ -95,12 +107,13 @@ def test_every_attack_is_contained(pool, tmp_path):
   unix_server.listen()
   unix_server.settimeout(0.5)
   ex = {"path": str(tmp_path), "port": port, "trainer_pid": os.getpid(), "unix_path": unix_path}
-  texts = [*ATTACKS, "read", "fds"]
+  texts = [*ATTACKS, "read_allowed", "fds"]
   res = rewards.score_batch(_attack, [ex] * len(texts), texts, timeout_s=10.0, pool=pool)
   failed = dict(zip(texts, res.failed.tolist(), strict=True))
   assert all(failed[a] for a in ATTACKS), failed
-  # Reading still works; a worker holds no descriptor past stdio but its 2 pipes.
-  np.testing.assert_array_equal(res.scores, [0.0] * len(ATTACKS) + [1.0, 2.0])
+  # Reading the allow-list works; a worker holds no descriptor past stdio but its 2
+  # pipes to the trainer and its socket to its program template.
+  np.testing.assert_array_equal(res.scores, [0.0] * len(ATTACKS) + [1.0, 3.0])
   with pytest.raises(TimeoutError):
     unix_server.accept()
   unix_server.close()

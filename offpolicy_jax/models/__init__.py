@@ -5,10 +5,19 @@ model = models.Decoder(models.get_config("tiny"), rngs=nnx.Rngs(0))
 logits = model(tokens)                                             # [B, T, V] float32
 logp, entropy = models.sequence_logprobs(model, prompt, prompt_mask, tokens, mask)
 models.save_pretrained(model, "/tmp/out")                          # transformers loads it
+model = models.Decoder(models.get_config("tiny", lora=models.LoraConfig(rank=8)), rngs=...)
+models.lora.save_peft(model, "/tmp/adapter")                       # peft loads it
 """
 
+from offpolicy_jax.models import lora
 from offpolicy_jax.models.attention_ops import default_positions
-from offpolicy_jax.models.config import ModelConfig, get_config, preset_names
+from offpolicy_jax.models.config import (
+  LORA_TARGETS,
+  LoraConfig,
+  ModelConfig,
+  get_config,
+  preset_names,
+)
 from offpolicy_jax.models.decoder import Decoder, KVCache
 from offpolicy_jax.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
 from offpolicy_jax.models.logprobs import (
@@ -21,6 +30,8 @@ from offpolicy_jax.models.logprobs import (
 __all__ = [
   "Decoder",
   "KVCache",
+  "LORA_TARGETS",
+  "LoraConfig",
   "ModelConfig",
   "config_from_hf",
   "config_to_hf",
@@ -29,6 +40,7 @@ __all__ = [
   "get_config",
   "log_kept_mass",
   "logprobs",
+  "lora",
   "preset_names",
   "save_pretrained",
   "sequence_logprobs",

@@ -13,6 +13,41 @@ import jax.numpy as jnp
 
 _FAMILIES = ("qwen2", "qwen3", "llama")
 ATTENTION = ("xla", "dot_product")
+# The projections a low-rank adapter can target (HF / PEFT module names).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Low-rank adapters on the decoder's projections (Hu et al., arXiv:2106.09685).
+
+  A targeted projection ``y = x W`` becomes ``y = x W + (alpha / r) x A B`` with
+  ``A`` [in, r] and ``B`` [r, out]; ``B`` starts at zero, so a fresh adapter
+  leaves the model unchanged, and only ``A`` and ``B`` are trained.
+
+  Attributes:
+    rank: r, the adapters' rank.
+    alpha: the scale numerator (PEFT's ``lora_alpha``; scale = alpha / r).
+    targets: projection names, a subset of `LORA_TARGETS`.
+  """
+
+  rank: int
+  alpha: float = 32.0
+  targets: tuple[str, ...] = LORA_TARGETS
+
+  def __post_init__(self):
+    object.__setattr__(self, "targets", tuple(self.targets))
+    if not isinstance(self.rank, int) or self.rank < 1:
+      raise ValueError(f"lora rank must be an int >= 1, got {self.rank!r}")
+    if not self.alpha > 0:
+      raise ValueError(f"lora alpha must be > 0, got {self.alpha!r}")
+    unknown = sorted(set(self.targets) - set(LORA_TARGETS))
+    if unknown or not self.targets:
+      raise ValueError(f"lora targets must be a non-empty subset of {LORA_TARGETS}, got {unknown}")
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +81,7 @@ class ModelConfig:
     attention: "xla" (our einsum attention, head-major keys read in place) or
       "dot_product" (`jax.nn.dot_product_attention`, which JAX maps to cuDNN
       flash attention on GPU; the same numbers within float tolerance).
+    lora: low-rank adapters on the projections (`LoraConfig`), or None.
   """
 
   vocab_size: int
@@ -68,6 +104,7 @@ class ModelConfig:
   scan_layers: bool = False
   family: str = "llama"
   attention: str = "xla"
+  lora: LoraConfig | None = None
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):
@@ -117,6 +154,33 @@ class ModelConfig:
     layer = attn + 3 * d * f + 2 * d
     embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
     return self.num_layers * layer + embed + d
+
+  def adapter_shapes(self) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection an adapter can target (one layer)."""
+    d, f, n, kv, h = (
+      self.hidden_size,
+      self.intermediate_size,
+      self.num_heads,
+      self.num_kv_heads,
+      self.head_dim,
+    )
+    return {
+      "q_proj": (d, n * h),
+      "k_proj": (d, kv * h),
+      "v_proj": (d, kv * h),
+      "o_proj": (n * h, d),
+      "gate_proj": (d, f),
+      "up_proj": (d, f),
+      "down_proj": (f, d),
+    }
+
+  def num_adapter_params(self) -> int:
+    """Number of adapter parameters (0 without `lora`): r * (in + out) per targeted projection."""
+    if self.lora is None:
+      return 0
+    shapes = self.adapter_shapes()
+    per_layer = sum(self.lora.rank * sum(shapes[t]) for t in self.lora.targets)
+    return self.num_layers * per_layer
 
   def kv_bytes_per_token(self) -> int:
     """KV-cache bytes stored per token (all layers, keys and values)."""

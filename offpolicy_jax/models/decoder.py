@@ -7,6 +7,12 @@
 Grouped-query attention with rotary embeddings (`attention_ops`), optional
 q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
 
+With `config.lora`, each targeted projection carries a low-rank adapter,
+`y = x W + (alpha / r) x A B` (`nnx.LoRA` holds A and B as `nnx.LoRAParam`s,
+so `nnx.split(model, nnx.LoRAParam, ...)` separates the adapters from the
+frozen base); the adapters are added after every base parameter is drawn, so
+the base of a seed is the same with and without them.
+
 Every parameter carries logical axis names in its `out_sharding` metadata
 (`vocab`, `embed`, `mlp`, `heads`, `kv_heads`, `head_dim`), so
 `nnx.get_partition_spec(nnx.state(model))` yields logical PartitionSpecs that a
@@ -52,6 +58,55 @@ def _param(key, shape, names, dtype, init="normal"):
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
+def _adapter(config: ModelConfig, in_out: tuple[int, int], names: tuple, rngs) -> nnx.LoRA:
+  """An `nnx.LoRA` (A [in, r] He-uniform, B [r, out] zero) with logical axis names."""
+  lc = config.lora
+  assert lc is not None
+  meta = lambda names: {"out_sharding": names, "eager_sharding": False}
+  return nnx.LoRA(
+    in_out[0],
+    lc.rank,
+    in_out[1],
+    dtype=jnp.dtype(config.dtype),
+    param_dtype=jnp.dtype(config.param_dtype),
+    rngs=rngs,
+    a_metadata=meta((names[0], None)),
+    b_metadata=meta((None, names[1])),
+  )
+
+
+# Logical names of each projection's (input, output) features (flattened heads).
+_ADAPTER_NAMES = {
+  "q_proj": (sharding.EMBED, sharding.HEADS),
+  "k_proj": (sharding.EMBED, sharding.KV_HEADS),
+  "v_proj": (sharding.EMBED, sharding.KV_HEADS),
+  "o_proj": (sharding.HEADS, sharding.EMBED),
+  "gate_proj": (sharding.EMBED, sharding.MLP),
+  "up_proj": (sharding.EMBED, sharding.MLP),
+  "down_proj": (sharding.MLP, sharding.EMBED),
+}
+
+
+class _Adapted(nnx.Module):
+  """Mixin: `add_adapters` on the module's targeted projections; `_delta` their outputs."""
+
+  config: ModelConfig
+
+  def add_adapters(self, targets: tuple[str, ...], rngs: nnx.Rngs) -> None:
+    shapes = self.config.adapter_shapes()
+    for name in targets:
+      adapter = _adapter(self.config, shapes[name], _ADAPTER_NAMES[name], rngs)
+      setattr(self, name.replace("_proj", "_lora"), adapter)
+
+  def _delta(self, name: str, x: jax.Array, shape: tuple) -> jax.Array | float:
+    """(alpha / r) x A B of projection `name`, reshaped to `shape` (0. when not adapted)."""
+    lc = self.config.lora
+    if lc is None or name not in lc.targets:
+      return 0.0
+    adapter = getattr(self, name.replace("_proj", "_lora"))
+    return (adapter(x) * jnp.asarray(lc.scale, x.dtype)).reshape(shape)
+
+
 class RMSNorm(nnx.Module):
   """y = x / sqrt(mean(x^2) + eps) * w, computed in float32 (Zhang & Sennrich, arXiv:1910.07467)."""
 
@@ -67,7 +122,7 @@ class RMSNorm(nnx.Module):
     return (w * x32.astype(x.dtype)).astype(self.dtype)
 
 
-class Attention(nnx.Module):
+class Attention(_Adapted):
   """Grouped-query self-attention with RoPE and an optional KV cache."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -94,6 +149,11 @@ class Attention(nnx.Module):
     q, k, v = (
       ops.project_heads(x_btd, w[...].astype(dt)) for w in (self.q_proj, self.k_proj, self.v_proj)
     )
+    if c.lora is not None:
+      q, k, v = (
+        y + self._delta(name, x_btd, y.shape)
+        for y, name in zip((q, k, v), ("q_proj", "k_proj", "v_proj"), strict=True)
+      )
     if c.qkv_bias:
       q = q + jnp.broadcast_to(self.q_bias[...].astype(dt), q.shape)
       k = k + jnp.broadcast_to(self.k_bias[...].astype(dt), k.shape)
@@ -112,7 +172,9 @@ class Attention(nnx.Module):
     dt = jnp.dtype(self.config.dtype)
     b, t, n, h = out_btnh.shape
     w = self.o_proj[...].astype(dt)
-    return jnp.dot(out_btnh.reshape(b, t, n * h), w.reshape(n * h, w.shape[-1]))
+    x = out_btnh.reshape(b, t, n * h)
+    out = jnp.dot(x, w.reshape(n * h, w.shape[-1]))
+    return out + self._delta("o_proj", x, out.shape)
 
   def _grouped(self, q_btnh):
     """Queries [B,T,N,H] as [B,T,N_kv,N/N_kv,H] (the query heads sharing each kv head)."""
@@ -218,11 +280,12 @@ class Attention(nnx.Module):
     return out.reshape(q_btnh.shape)
 
 
-class MLP(nnx.Module):
+class MLP(_Adapted):
   """SwiGLU feed-forward: W_down (silu(x W_gate) * x W_up) (Shazeer, arXiv:2002.05202)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     pd = jnp.dtype(config.param_dtype)
+    self.config = config
     d, f = config.hidden_size, config.intermediate_size
     self.dtype = jnp.dtype(config.dtype)
     self.gate_proj = _param(rngs.params(), (d, f), ("embed", "mlp"), pd)
@@ -233,7 +296,12 @@ class MLP(nnx.Module):
     dt = self.dtype
     gate = x_btd @ self.gate_proj[...].astype(dt)
     up = x_btd @ self.up_proj[...].astype(dt)
-    return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(dt)
+    if self.config.lora is not None:
+      gate = gate + self._delta("gate_proj", x_btd, gate.shape)
+      up = up + self._delta("up_proj", x_btd, up.shape)
+    hidden = jax.nn.silu(gate) * up
+    out = hidden @ self.down_proj[...].astype(dt)
+    return out if self.config.lora is None else out + self._delta("down_proj", hidden, out.shape)
 
 
 class DecoderLayer(nnx.Module):
@@ -300,6 +368,13 @@ class Decoder(nnx.Module):
     self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, ("embed",), c)
     if not c.tie_embeddings:
       self.lm_head = _param(rngs.params(), (c.hidden_size, c.vocab_size), ("embed", "vocab"), pd)
+    if c.lora is not None:  # last, so the base parameters do not depend on the adapters
+      adapter_rngs = nnx.Rngs(params=rngs.params())
+      attn = tuple(t for t in c.lora.targets if t in ("q_proj", "k_proj", "v_proj", "o_proj"))
+      mlp = tuple(t for t in c.lora.targets if t not in attn)
+      for layer in self.layers:
+        layer.self_attn.add_adapters(attn, adapter_rngs)
+        layer.mlp.add_adapters(mlp, adapter_rngs)
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
     """Zero KV cache of `max_len` slots for `batch` rows (compute dtype by default)."""

@@ -3,14 +3,15 @@
   scoring      `score_batch`: host rewards in sandboxed verifier workers; answer/format parsing
   verifiers    the pool of killable verifier worker processes (forkserver, JSON replies, timeouts)
   worker       what runs inside a verifier worker, and the messages on its pipes
-  sandbox      worker confinement: rlimits, dropped capabilities, Landlock, seccomp
+  sandbox      worker confinement: rlimits, capabilities, Landlock (an allow-list of reads), seccomp
+  isolation    untrusted programs in a fresh process per grading; only JSON data comes back
   answer_gate  the safe-grammar gate for answers a verifier would eval / sympify
   tasks        prompts + template + reward: synthetic, reasoning-gym, GSM8K / MATH, code
 
 May import: the maths modules.
 """
 
-from offpolicy_jax.rewards import answer_gate, sandbox, scoring, tasks, verifiers, worker
+from offpolicy_jax.rewards import answer_gate, isolation, sandbox, scoring, tasks, verifiers, worker
 from offpolicy_jax.rewards.scoring import (
   RewardError,
   SandboxedReward,
@@ -30,6 +31,7 @@ __all__ = [
   "extract_answer",
   "follows_format",
   "get_pool",
+  "isolation",
   "sandbox",
   "score_batch",
   "score_with_timeout",

@@ -16,7 +16,8 @@ Why `multiprocessing` directly rather than a pool library (pebble,
 because code running in a worker (a hostile program of the code task) could
 write a crafted pickle to its pipe. Workers receive pickled calls from the
 trainer (trusted direction) and answer with bounded JSON lines parsed as data,
-so a worker taken over can at worst forge its own scores. A
+so a worker taken over can at worst forge its own scores (graded programs
+never run in a worker: see `isolation`). A
 `ProcessPoolExecutor` also cannot stop a running call.
 
 Timeouts: a call that runs longer than `timeout_s` in its worker scores 0,
@@ -302,7 +303,7 @@ class _Batch:
       self.pool._replace(w)
     score = msg.get("score")
     if "error" in msg or not isinstance(score, (int, float)):
-      self._fail(i, str(msg.get("error", "no score")))
+      self._fail(i, str(msg.get("error", "no score")), timeout=msg.get("timed_out") is True)
     elif not (math.isfinite(score) and abs(score) <= _FLOAT32_MAX):
       self._fail(i, f"score {score!r} is not finite in float32")
     else:

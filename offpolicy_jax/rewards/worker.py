@@ -1,8 +1,10 @@
 """The worker-process side of the verifier pool, and the protocol it speaks.
 
 `worker_main` is the target of every process `verifiers.VerifierPool` starts
-(from its forkserver). It confines itself with `sandbox.apply` before it sees
-any model output, then answers calls until told to stop.
+(from its forkserver). It starts its program template (`isolation`: the
+small, separately confined process that forks a fresh process for every
+program the code task grades), confines itself with `sandbox.apply` before it
+sees any model output, then answers calls until told to stop.
 
 Protocol, over two one-way pipes per worker:
 
@@ -17,13 +19,16 @@ Protocol, over two one-way pipes per worker:
     {"ready": [missing, ...]} or {"fatal": msg}  once, after `sandbox.apply`
     {"i": i, "score": float}                     the call returned
     {"i": i, "error": msg}                       the call raised
+    {"i": i, "error": msg, "timed_out": true}    it raised TimeoutError (a
+                                                 program ran past its time)
     {"i": i, "load_error": msg}                  the reward could not be loaded
     {"i": i, ..., "recycle": true}               the call left threads behind;
                                                  the worker exits after replying
 
 The trainer reads replies with `parse_reply` as data and never unpickles
 anything a worker sends, so a worker taken over by the code it runs can at
-worst forge its own scores.
+worst forge its own scores (and graded programs never run in a worker:
+they run in processes of their own, see `isolation`).
 
 A reward reaches a worker by pickling: a module-level function, a
 `functools.partial` of one, or a `RebuildReward` that the worker resolves to
@@ -35,10 +40,11 @@ import os
 import pickle
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-from offpolicy_jax.rewards import sandbox
+from offpolicy_jax.rewards import isolation, sandbox
 
 # Bound of one reply: a worker truncates its own to it, the trainer reads no more.
 MAX_REPLY_BYTES = 1 << 16
@@ -118,6 +124,7 @@ def worker_main(calls, replies, limits: sandbox.Limits, strict: bool) -> None:
   _close_inherited_fds({calls.fileno(), replies.fileno()})
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
   try:
+    isolation.start_template(limits, strict)  # it forks; this process may not once confined
     missing = sandbox.apply(limits, strict=strict)
   except BaseException as e:  # noqa: BLE001  reported to the pool, which refuses to score
     _reply(replies, {"fatal": f"{type(e).__name__}: {e}"})
@@ -133,6 +140,7 @@ def worker_main(calls, replies, limits: sandbox.Limits, strict: bool) -> None:
       continue
     kind, i, fn_id, example, text, timeout_s = msg
     sandbox.set_cpu_limit(timeout_s + 1.0)
+    isolation.set_deadline(time.monotonic() + timeout_s)
     try:
       fn = _load(fns, fn_id)
     except BaseException as e:  # noqa: BLE001  the reward cannot be loaded here
@@ -142,6 +150,8 @@ def worker_main(calls, replies, limits: sandbox.Limits, strict: bool) -> None:
       out: dict[str, Any] = {"i": i, "score": 0.0 if kind == "load" else float(fn(example, text))}
     except BaseException as e:  # noqa: BLE001  any verifier failure scores 0
       out = {"i": i, "error": f"{type(e).__name__}: {e}"[:500]}
+      if isinstance(e, TimeoutError):
+        out["timed_out"] = True
     leftover = threading.active_count() > 1
     if leftover:
       out["recycle"] = True

@@ -143,30 +143,47 @@ def _tokenizer(config):
   return tokenizers.CharTokenizer()
 
 
+def lora_config(config) -> models.LoraConfig | None:
+  """The adapters of `config.lora` (None when `lora.rank` is 0: full fine-tuning)."""
+  c = config.lora
+  if not c.rank:
+    return None
+  targets = tuple(t.strip() for t in c.targets.split(","))
+  return models.LoraConfig(rank=c.rank, alpha=float(c.alpha), targets=targets)
+
+
 def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
   """`seed -> model`: an HF checkpoint loaded onto the mesh, or a fresh preset.
 
   `dtype` overrides the compute dtype (`model_dtype`); parameters stay float32.
+  With `lora.rank > 0` the model carries fresh adapters (B = 0) drawn from the seed.
   """
   dtype = dtype or config.model_dtype
+  lc = lora_config(config)
   if os.path.isdir(config.model):
     path, compute = config.model, jnp.dtype(dtype)
     scan, attention = config.model_scan_layers, config.model_attention
-    return lambda seed: models.from_pretrained(
-      path,
-      jnp.float32,
-      compute_dtype=compute,
-      mesh=mesh,
-      rules=sharding.LOGICAL_AXIS_RULES,
-      scan_layers=scan,
-      attention=attention,
-    )
+
+    def load(seed):
+      model = models.from_pretrained(
+        path,
+        jnp.float32,
+        compute_dtype=compute,
+        mesh=mesh,
+        rules=sharding.LOGICAL_AXIS_RULES,
+        scan_layers=scan,
+        attention=attention,
+      )
+      return model if lc is None else models.lora.with_adapters(model, lc, step_key(seed, 0, INIT))
+
+    return load
   mcfg = models.get_config(
     config.model,
     vocab_size=tokenizer.vocab_size,
     dtype=dtype,
     scan_layers=config.model_scan_layers,
     attention=config.model_attention,
+    lora=lc,
   )
   return lambda seed: models.Decoder(mcfg, rngs=nnx.Rngs(params=step_key(seed, 0, INIT)))
 
@@ -339,6 +356,7 @@ def _build_fns(config) -> rl_step.StepFns:
     reward=_reward(c, task),
     truncate_prompts=c.data.truncate_prompts,
     sampler_mesh=sampler_mesh,
+    lora=lora_config(c),
     model_key=json.dumps(
       [
         {f: c[f] for f in ("model", "model_dtype", "tokenizer", "task", "max_prompt_len")},
@@ -347,6 +365,7 @@ def _build_fns(config) -> rl_step.StepFns:
         c.task_kwargs.to_dict(),
         c.mesh.to_dict(),
         c.data.to_dict(),
+        c.lora.to_dict(),
       ],
       sort_keys=True,
       default=str,

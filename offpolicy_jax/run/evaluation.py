@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from offpolicy_jax import models
 from offpolicy_jax.run import pipeline
 from offpolicy_jax.sampling import sampler as sampling
 
@@ -62,14 +63,21 @@ def eval_prompts(fns, num_prompts: int, batch_size: int = 0) -> list[dict[str, A
 
 
 def _sampler(fns, k: int, over_seeds: bool) -> Callable:
-  """Greedy (k = 1) or k samples per prompt at the training temperature; vmapped over seeds."""
+  """Greedy (k = 1) or k samples per prompt at the training temperature; vmapped over seeds.
+
+  `(base, params, tokens, lengths, key)`: with adapters, vmapped over the
+  seeds' adapters only (the base is shared).
+  """
 
   def build():
     if k == 1:
       fn = fns.greedy
     else:
       fn = sampling.make_sampler(fns.graphdef, group_size=k, **fns.sample_kw)
-    return jax.jit(jax.vmap(fn, in_axes=(0, None, None, 0))) if over_seeds else fn
+    with_base = lambda base, p, *args: fn(models.lora.join(base, p), *args)
+    if over_seeds:
+      return jax.jit(jax.vmap(with_base, in_axes=(None, 0, None, None, 0)))
+    return with_base
 
   return _memo(fns, ("sampler", k, over_seeds), build)
 
@@ -83,6 +91,7 @@ def evaluate_seeds(
   *,
   batch_size: int = 0,
   over_seeds: bool = True,
+  base=None,
 ) -> dict[str, np.ndarray]:
   """Evaluation of parameters stacked over S seeds (or of one set, `over_seeds=False`).
 
@@ -95,6 +104,7 @@ def evaluate_seeds(
     k: samples per prompt for pass@k (< 2: skip pass@k).
     batch_size: prompts per eval batch (0: `prompts_per_step`).
     over_seeds: whether `params` and `keys` carry the seed axis.
+    base: the frozen base (no seed axis) of adapter `params`, or None.
 
   Returns:
     float64 arrays [S] (or [1]): `accuracy`, `reward_mean`, `response_len`,
@@ -111,7 +121,7 @@ def evaluate_seeds(
     keys_i = keys_s if i == 0 else jax.vmap(lambda key, i=i: jax.random.fold_in(key, i))(keys_s)
     n += valid.sum()
     keys_i = keys_i if over_seeds else keys_i[0]
-    call = lambda fn, keys_i=keys_i: fn(params, tokens, lengths, keys_i)
+    call = lambda fn, keys_i=keys_i: fn(base, params, tokens, lengths, keys_i)
     out = call(greedy)
     for seed in range(s):
       r, stats = _scores(fns, prompts, out, seed if over_seeds else None, 1)

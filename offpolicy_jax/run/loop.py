@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax import lag
+from offpolicy_jax import lag, models
 from offpolicy_jax.run import evaluation, observability, pipeline, producer, sampler_mesh, sft
 from offpolicy_jax.run.components import Components, build_components, snapshot_slots
 from offpolicy_jax.run.pipeline import EVAL, step_key
@@ -48,6 +48,7 @@ from offpolicy_jax.run.rl_step import (
   programs,
   state_from_items,
   state_items,
+  weights,
 )
 from offpolicy_jax.store import checkpointing, metrics
 from offpolicy_jax.store import workdir as workdir_lib
@@ -95,12 +96,15 @@ def train_and_evaluate(
       if latest and primary:
         workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
       data_iter = producer.LockedIterator(pipeline.prompt_iterator(comps.fns, comps.run.seed))
-      state, start, start_accuracy = _restore_or_init(comps, ckpt, data_iter, workdir)
+      state, start, start_accuracy, base = _restore_or_init(
+        comps, ckpt, data_iter, workdir, config.model
+      )
       writer = _make_writer(comps, config, workdir, start)
     except BaseException:
       ckpt.close()
       raise
     loop = _Loop(comps, ckpt, writer, data_iter, workdir, on_step)
+    loop.base_record = base
     try:
       if not start:
         start_accuracy = loop.evaluate(state, 0).get("eval/accuracy")
@@ -130,35 +134,67 @@ def _make_writer(comps: Components, config, workdir: str, start: int) -> metrics
   )
 
 
-def _fresh_state(comps: Components, params) -> RunState:
+def _fresh_state(comps: Components, params, base=None) -> RunState:
   run = comps.run
   slots = snapshot_slots(run.lag_mode, run.sync_interval, run.sync_offset)
   return init_state(
-    comps.fns, params, capacity_batches=run.replay_capacity_batches, snapshots=slots
+    comps.fns, params, capacity_batches=run.replay_capacity_batches, snapshots=slots, base=base
   )
 
 
-def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str):
-  """The run state, the step it is at and the starting accuracy (latest checkpoint or fresh)."""
+def initial_weights(comps: Components, *, warm_start: bool = True, log_fn=print):
+  """`(base, params)` a run starts from: the model (warm-started), split by `StepFns.split`.
+
+  With adapters, the warm start trains the base under the fresh adapters (B =
+  0), and the adapters are what RL trains; without, `base` is None.
+  """
   fns, run = comps.fns, comps.run
-  if ckpt.latest_step():
-    # The newest intact step: corrupt ones are reported and moved aside.
-    template = _fresh_state(comps, fns.init_params(run.seed))
-    items, meta, start = ckpt.restore_latest(state_items(template))
-    data_iter.set_state(meta["data_state"])
-    print(f"resumed from step {start} in {workdir}", flush=True)
-    return state_from_items(items, template), start, meta.get("start_accuracy")
-  params = fns.init_params(run.seed)
-  if run.sft_enabled:
-    params = sft.warm_start(
-      fns,
-      params,
+  base, params = fns.split(fns.init_params(run.seed))
+  if warm_start and run.sft_enabled:
+    kw = dict(
       steps=run.sft_steps,
       batch_size=run.sft_batch_size,
       learning_rate=run.sft_learning_rate,
       seed=run.seed,
+      log_fn=log_fn,
     )
-  return _fresh_state(comps, params), 0, None
+    if base is None:
+      params = sft.warm_start(fns, params, **kw)
+    else:
+      base = sft.warm_start(fns, base, frozen=params, **kw)
+  return base, params
+
+
+def _base_record(base, model: str) -> dict[str, str] | None:
+  """What a checkpoint records of a LoRA run's frozen base: its source and fingerprint."""
+  return None if base is None else {"model": model, "fingerprint": models.lora.fingerprint(base)}
+
+
+def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str):
+  """The run state, its step, the starting accuracy and the base record (checkpoint or fresh).
+
+  Raises:
+    ValueError: the checkpoint's adapters were trained on another base.
+  """
+  fns = comps.fns
+  if ckpt.latest_step():
+    # The base is rebuilt (loaded, warm-started) as at the start; only adapters are saved.
+    base, params = initial_weights(comps, warm_start=fns.lora is not None)
+    record = _base_record(base, model)
+    template = _fresh_state(comps, params, base)
+    # The newest intact step: corrupt ones are reported and moved aside.
+    items, meta, start = ckpt.restore_latest(state_items(template))
+    if meta.get("base") != record:
+      raise ValueError(
+        f"{workdir}: the checkpoint of step {start} holds adapters of the base "
+        f"{meta.get('base')}, but this run's base is {record} (config.model, the warm start "
+        "or the checkpoint's files changed); refusing to resume on another base"
+      )
+    data_iter.set_state(meta["data_state"])
+    print(f"resumed from step {start} in {workdir}", flush=True)
+    return state_from_items(items, template), start, meta.get("start_accuracy"), record
+  base, params = initial_weights(comps)
+  return _fresh_state(comps, params, base), 0, None, _base_record(base, model)
 
 
 # ------------------------------------------------------------------ the loop
@@ -177,6 +213,7 @@ class _Loop:
     self.on_step = on_step
     self.rows: list[dict[str, Any]] = []
     self.start_accuracy = None
+    self.base_record: dict[str, str] | None = None  # a LoRA run's base (checkpoint meta)
     run = comps.run
     rep = jax.sharding.NamedSharding(comps.mesh, jax.sharding.PartitionSpec())
     put = lambda v: jax.device_put(jnp.int32(v), rep)
@@ -200,7 +237,7 @@ class _Loop:
     """Evaluates the trainer's parameters at `step`, writing an eval row when there is one."""
     run = self.run_cfg
     key = step_key(run.seed, step, EVAL)
-    ev = evaluation.evaluate(self.fns, state.train.params, key, run.eval_prompts, run.eval_samples)
+    ev = evaluation.evaluate(self.fns, weights(state), key, run.eval_prompts, run.eval_samples)
     if ev:
       self.rows.append(self.writer.write(step, ev))
       text = ", ".join(f"{k}={v:.3f}" for k, v in ev.items())
@@ -225,7 +262,7 @@ class _Loop:
     prod = None
     if run.lag_mode == "async":
       prod = producer.AsyncProducer(
-        self.fns, state.train.params, start, self.data, run.seed, run.max_staleness
+        self.fns, state.train.params, start, self.data, run.seed, run.max_staleness, state.base
       )
     step = start
     # A step's wall time runs from the end of the previous chunk's row writing
@@ -281,6 +318,8 @@ class _Loop:
         "data_state": self.data.get_state(),
         "start_accuracy": self.start_accuracy,
       }
+      if self.base_record is not None:
+        meta["base"] = self.base_record
       self.ckpt.save(step, state_items(state), meta)
 
   def _prompts(self, n: int) -> tuple[list[dict], list[int]]:
@@ -398,7 +437,8 @@ def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = N
   """
   comps = build_components(config)
   fns, run = comps.fns, comps.run
-  params = fns.init_params(run.seed)
+  # Without adapters the checkpoint holds the whole model: no warm start needed.
+  base, params = initial_weights(comps, warm_start=fns.lora is not None)
   step_done = 0
   if workdir is not None:
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
@@ -409,4 +449,5 @@ def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = N
     params, step_done = items["params"], meta["step"]
   k = max(run.eval_samples, 1)
   key = step_key(run.seed, step_done, EVAL)
-  return {"step": step_done, **evaluation.evaluate(fns, params, key, run.eval_prompts, k)}
+  full = models.lora.join(base, params)
+  return {"step": step_done, **evaluation.evaluate(fns, full, key, run.eval_prompts, k)}

@@ -6,10 +6,11 @@ with `jax.eval_shape` (nothing is materialised), maps every array to its
 the rules of `sharding.py`, and sums the shard shapes one device holds:
 
   params, optimizer state     `sharding.tree_shardings` of the parameters / `optimizer.init`
+                              (with `lora.rank > 0`: base + adapters / of the adapters only)
   replay buffer               `replay.shardings` (capacity axis over data * fsdp) of
                               `components.replay_capacity` batches (partial rollouts included)
-  lag snapshots               `components.snapshot_slots` * params
-  reference params            params, when the loss has a KL to the reference policy
+  lag snapshots               `components.snapshot_slots` * trained params (adapters with LoRA)
+  reference params            trained params, when the loss has a KL to the reference policy
   KV cache                    2 * layers * rows * positions * N_kv * H * itemsize of each cache
                               the sampler allocates (`sampler_caches`), rows over data * fsdp
                               and heads over tensor of the sampler's mesh
@@ -35,10 +36,11 @@ t = micro-batch rows per device * (P + N) tokens ("analytic"; with
   t * layers * [isz * (4 D + (4 F + 3 N H + 3 N_kv H) / tensor) + 4 * 2 (N / tensor) (P + N)]
     * 4/3                                    (XLA copies; calibrated on CPU compiles)
   + t_chunk * V * 4 * 2                      (float32 logits and log-softmax of one chunk)
-  + 2 * params bytes                         (accumulated and micro-batch gradients)
+  + 2 * trained params bytes                 (accumulated and micro-batch gradients)
 
-Step time, a rough lower bound: ``6 * params * tokens * epochs`` (training)
-plus ``2 * params * tokens`` (sampling) FLOPs over ``devices * peak FLOP/s``.
+Step time, a rough lower bound: ``6 * params * tokens * epochs`` (training;
+``4 *`` with adapters, whose base needs no weight gradients) plus ``2 *
+params * tokens`` (sampling) FLOPs over ``devices * peak FLOP/s``.
 """
 
 from __future__ import annotations
@@ -145,7 +147,12 @@ def model_config(config) -> tuple[models.ModelConfig, str]:
   path to a config.json, or an absent checkpoint directory whose name starts
   with a preset name (e.g. "Qwen2.5-1.5B-Instruct" -> "qwen2.5-1.5b").
   """
-  m, kw = config.model, dict(dtype=config.model_dtype, scan_layers=config.model_scan_layers)
+  m = config.model
+  kw = dict(
+    dtype=config.model_dtype,
+    scan_layers=config.model_scan_layers,
+    lora=components.lora_config(config),
+  )
   path = os.path.join(m, "config.json") if os.path.isdir(m) else m
   if path.endswith(".json") and os.path.isfile(path):
     with open(path) as f:
@@ -196,17 +203,23 @@ def _analytic_activations(config, mc, mesh, params_bytes: int) -> int:
 
 
 def _abstract_run(config, mc: models.ModelConfig):
-  """`(graphdef, params, opt_state, replay buffer, optimizer)`, arrays from `jax.eval_shape`."""
+  """`(graphdef, params, opt_state, replay buffer, optimizer, base)` from `jax.eval_shape`.
+
+  `params` are the trained ones (the adapters with `mc.lora`; `base` the rest, else None).
+  """
   graphdef, params = nnx.split(nnx.eval_shape(lambda: models.Decoder(mc, rngs=nnx.Rngs(0))))
+  base = None
+  if mc.lora is not None:
+    base, params = models.lora.split(params)
   optimizer = components.optimizer(config)
   sizes = components.sizes(config)
   cap = sizes.prompts_per_step * components.run_settings(config).replay_capacity_batches
   init = lambda: replay.init(cap, pipeline.empty_batch(sizes), sizes.group_size)
   opt_state = jax.eval_shape(optimizer.init, params)
-  return graphdef, params, opt_state, jax.eval_shape(init), optimizer
+  return graphdef, params, opt_state, jax.eval_shape(init), optimizer, base
 
 
-def _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes) -> int:
+def _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes, base) -> int:
   """XLA's temporaries of the train step lowered on abstract arguments on a local mesh."""
   mesh = sharding.make_mesh(*sizes, devices=jax.devices()[: math.prod(sizes)])
   is_var = lambda x: isinstance(x, nnx.Variable)
@@ -220,8 +233,11 @@ def _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes)
   options = components.step_options(config)
   fn = functools.partial(train_step.train_step, graphdef, optimizer, options)
   ref = state.params if options.spec.needs_ref else None
+  base = None if base is None else on_mesh(base)
+  key = jax.random.key(0)
   with jax.set_mesh(mesh):
-    compiled = jax.jit(fn, donate_argnums=0).lower(state, batch, jax.random.key(0), ref).compile()
+    lowered = jax.jit(fn, donate_argnums=0).lower(state, batch, key, ref, None, base)
+    compiled = lowered.compile()
   stats = compiled.memory_analysis()
   assert stats is not None, "this backend reports no memory analysis; use activations='analytic'"
   return int(stats.temp_size_in_bytes)
@@ -305,13 +321,14 @@ def plan(
   sizes = validation.mesh_shape(config, devices)
   mesh: Any = jax.sharding.AbstractMesh(sizes, sharding.MESH_AXES)  # tree_shardings accepts it
   mc, note = model_config(config)
-  graphdef, params, opt_state, buffer, optimizer = _abstract_run(config, mc)
+  graphdef, params, opt_state, buffer, optimizer, base = _abstract_run(config, mc)
   p_bytes = _nbytes(params, sharding.tree_shardings(params, mesh))
+  base_bytes = 0 if base is None else _nbytes(base, sharding.tree_shardings(base, mesh))
   validation.micro_batch_rows(config)  # fails naming the field before anything compiles
   local = jax.devices()
   same = device_type is None or DEVICES[device_type].platform == local[0].platform
   if activations == "compiled" or (activations == "auto" and same and mesh.size <= len(local)):
-    act = _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes)
+    act = _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes, base)
     source = f"compiled (XLA memory_analysis on {local[0].platform})"
   else:
     act, source = _analytic_activations(config, mc, mesh, p_bytes), "analytic"
@@ -319,9 +336,10 @@ def plan(
   needs_ref = options.spec.needs_ref
   run = components.run_settings(config)
   slots = components.snapshot_slots(run.lag_mode, run.sync_interval, run.sync_offset)
-  sampler_sizes, sampler, sampler_params = _sampler_side(config, params, sizes)
+  whole = models.lora.join(base, params)
+  sampler_sizes, sampler, sampler_params = _sampler_side(config, whole, sizes)
   row_bytes = {
-    "params": p_bytes,
+    "params": base_bytes + p_bytes,
     "optimizer state": _nbytes(opt_state, sharding.tree_shardings(opt_state, mesh)),
     "replay buffer": _nbytes(buffer, replay.shardings(buffer, mesh)),
     "lag snapshots": slots * p_bytes,
@@ -330,8 +348,9 @@ def plan(
     ROWS[6]: act,
   }
   g, k, p, n = components.sizes(config)
-  num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-  train = 6.0 * num_params * g * k * (p + n) * options.num_epochs * (1 + needs_ref)
+  num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(whole))
+  per_token = 6.0 if base is None else 4.0  # no weight gradients of a frozen base
+  train = per_token * num_params * g * k * (p + n) * options.num_epochs * (1 + needs_ref)
   flops = train + 2.0 * num_params * (g * p + g * k * n)
   peak = DEVICES[device_type].peak_flops if device_type else None
   axes = dict(zip(sharding.MESH_AXES, sizes, strict=True))

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax import lag
+from offpolicy_jax import lag, models
 from offpolicy_jax.run import pipeline, rl_step
 from offpolicy_jax.scale import disagg, sharding
 
@@ -58,16 +58,30 @@ class AsyncProducer:
     data_iter: the shared prompt iterator.
     seed: the run's seed.
     max_staleness: in loop steps; 0 for no bound.
+    base: the frozen base of adapter `params` (`RunState.base`), placed on the
+      sampler's mesh once; only adapters are published afterwards.
   """
 
-  def __init__(self, fns: rl_step.StepFns, params, step: int, data_iter, seed: int, max_staleness):
+  def __init__(
+    self,
+    fns: rl_step.StepFns,
+    params,
+    step: int,
+    data_iter,
+    seed: int,
+    max_staleness,
+    base=None,
+  ):
     self._fns, self._data, self._seed = fns, data_iter, seed
     self._produced = step
     self._mesh = fns.sampler_mesh or fns.mesh
     self._copy, place = None, None
+    self._base = base
     if fns.sampler_mesh is not None:
       self._copy = copy = disagg.SamplerParams(fns.sampler_mesh)
       place = lambda p: jax.block_until_ready(copy.place(p))
+      if base is not None:
+        self._base = jax.block_until_ready(disagg.SamplerParams(fns.sampler_mesh).place(base))
     bound = fns.version(max_staleness) or 2**30
     self.sampler = SamplerThread(
       self._sample, params, fns.version(step), max_staleness=bound, place=place
@@ -81,7 +95,8 @@ class AsyncProducer:
     prompts = pipeline.assemble_global(self._mesh, local)
     own_mesh = jax.set_mesh(self._mesh) if self._copy else contextlib.nullcontext()
     with own_mesh:
-      batch, info = pipeline.produce(fns, params, prompts, step, self._seed, version)
+      full = models.lora.join(self._base, params)
+      batch, info = pipeline.produce(fns, full, prompts, step, self._seed, version)
     if self._copy is not None:  # to the trainer mesh, on this thread
       batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.mesh))
     info["prompts_truncated"] = int((local["truncated"] & local["valid"]).sum())

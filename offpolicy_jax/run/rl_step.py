@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from offpolicy_jax import lag
+from offpolicy_jax import lag, models
 from offpolicy_jax.run import pipeline, replay, train_state, train_step
 from offpolicy_jax.run.train_state import TrainState
 from offpolicy_jax.sampling import partial as partial_rollouts
@@ -94,6 +94,8 @@ class StepFns:
   # The learner's scoring of sampled tokens at the sampling parameters (log pi_old,
   # `train_step.make_scorer`), with `rollout.score_old`; None: not scored.
   score_old: Callable | None = None
+  # Low-rank adapters (`lora.rank > 0`): the trained parameters are the adapters.
+  lora: models.LoraConfig | None = None
 
   @property
   def updates(self) -> int:
@@ -105,9 +107,18 @@ class StepFns:
     return loop_step * self.options.updates
 
   def init_params(self, seed: int):
-    """Freshly initialised (from `seed`) or loaded parameters, placed on the mesh."""
+    """Freshly initialised (from `seed`) or loaded parameters, placed on the mesh.
+
+    The whole model's state; with adapters, `split` separates base and adapters.
+    """
     _, params = nnx.split(self.model_fn(seed))
     return sharding.shard_params(params, self.mesh)
+
+  def split(self, params) -> tuple[Any, Any]:
+    """`(base, trainable)` of a whole state: `(None, params)` without adapters."""
+    if self.lora is None:
+      return None, params
+    return models.lora.split(params)
 
 
 class RunState(NamedTuple):
@@ -120,6 +131,13 @@ class RunState(NamedTuple):
       or in async mode).
     ref_params: reference parameters of a KL-to-reference loss, or None.
     inflight: the pool of unfinished generations of partial rollouts, or None.
+    base: with low-rank adapters, the frozen base weights the trained
+      parameters adapt (`models.lora`), held once: every parameter field above
+      (train params, snapshots, reference) is an adapter. Never donated nor
+      checkpointed (the checkpoint records its fingerprint). None: the
+      parameters are the whole model.
+
+  With adapters, the reference policy is the fresh adapter (B = 0: the base).
   """
 
   train: TrainState
@@ -127,10 +145,21 @@ class RunState(NamedTuple):
   snapshots: lag.SnapshotState | None
   ref_params: Any
   inflight: partial_rollouts.PartialState | None = None
+  base: Any = None
 
 
-def init_state(fns: StepFns, params, *, capacity_batches: int, snapshots: int) -> RunState:
-  """A fresh `RunState` from `params` (copied), with `snapshots` slots (0: none)."""
+def weights(state: RunState, params=None):
+  """The whole model state of `params` (default: the trainer's) over the run's base."""
+  return models.lora.join(state.base, state.train.params if params is None else params)
+
+
+def init_state(
+  fns: StepFns, params, *, capacity_batches: int, snapshots: int, base=None
+) -> RunState:
+  """A fresh `RunState` from trainable `params` (copied), with `snapshots` slots (0: none).
+
+  With adapters, `params` is the adapter and `base` the frozen rest (`StepFns.split`).
+  """
   example = pipeline.empty_batch(fns.sizes)
   capacity = fns.sizes.prompts_per_step * capacity_batches
   buffer = replay.shard(replay.init(capacity, example, fns.sizes.group_size), fns.mesh)
@@ -140,6 +169,7 @@ def init_state(fns: StepFns, params, *, capacity_batches: int, snapshots: int) -
     snapshots=lag.snapshot_init(params, snapshots, 0) if snapshots else None,
     ref_params=jax.tree.map(jnp.copy, params) if fns.options.spec.needs_ref else None,
     inflight=None if fns.partial is None else _empty_pool(fns),
+    base=base,
   )
 
 
@@ -181,6 +211,7 @@ def state_from_items(items: dict[str, Any], like: RunState) -> RunState:
     snapshots=items.get("snapshots") if like.snapshots is not None else None,
     ref_params=items.get("ref_params") if like.ref_params is not None else None,
     inflight=items.get("inflight") if like.inflight is not None else None,
+    base=like.base,
   )
 
 
@@ -221,6 +252,7 @@ def learn(
     sampled,
     pipeline.step_key(seed, step, pipeline.TRAIN),
     state.ref_params,
+    base=state.base,
   )
   snapshots = state.snapshots
   if snapshots is not None:
@@ -242,7 +274,7 @@ def rollout(fns: StepFns, state: RunState, prompts: dict, step, seed, schedule):
     whether its snapshot was present.
   """
   params, v, found = behaviour_params(state, step, schedule)
-  return pipeline.sample(fns, params, prompts, step, seed), v, found
+  return pipeline.sample(fns, weights(state, params), prompts, step, seed), v, found
 
 
 def learn_scored(fns, opts, state, prompts, out, rewards_b, v, step, seed, schedule):
@@ -277,6 +309,7 @@ def partial_rl_step(
   scored, buffered and (FIFO) trained on.
   """
   params, v, found = behaviour_params(state, step, schedule)
+  params = weights(state, params)
   assert fns.partial is not None and state.inflight is not None
   pool, dropped = partial_rollouts.admit(state.inflight, prompts, step)
   version = fns.version(v)
@@ -327,11 +360,15 @@ def host_reward_step(progs: Programs, state, prompts: dict, step, seed, schedule
 def rl_steps(fns: StepFns, opts: ReplayOptions, state, prompts_l, steps_l, seed, schedule):
   """`len(steps_l)` device-reward steps in one `lax.scan`; metrics stacked [L]."""
 
+  base = state.base  # closed over, not carried: the loop carries only what changes
+
   def body(st, xs):
     prompts, step = xs
-    return rl_step(fns, opts, st, prompts, step, seed, schedule)
+    st, metrics = rl_step(fns, opts, st._replace(base=base), prompts, step, seed, schedule)
+    return st._replace(base=None), metrics
 
-  return jax.lax.scan(body, state, (prompts_l, steps_l))
+  state, metrics = jax.lax.scan(body, state._replace(base=None), (prompts_l, steps_l))
+  return state._replace(base=base), metrics
 
 
 class Programs(NamedTuple):
@@ -386,24 +423,51 @@ def programs(fns: StepFns, opts: ReplayOptions, state: RunState, *, over_seeds=F
   return memo[key]
 
 
+def _base_apart(fn: Callable, donates: bool) -> Callable:
+  """`fn(state, *args)` as `(base, state without base, *args)`, so the base is never donated.
+
+  The frozen base (`RunState.base`) is an argument of its own: the donated
+  state does not hold it, vmapped programs share it across seeds
+  (`in_axes=None`), and a sampler thread can read it while the trainer runs.
+  """
+
+  def apart(base, state, *args):
+    out = fn(state._replace(base=base), *args)
+    return (out[0]._replace(base=None), *out[1:]) if donates else out
+
+  return apart
+
+
+def _base_back(jitted: Callable, donates: bool) -> Callable:
+  def call(state, *args):
+    out = jitted(state.base, state._replace(base=None), *args)
+    return (out[0]._replace(base=state.base), *out[1:]) if donates else out
+
+  return call
+
+
 def _sharded(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable:
-  state_sh = jax.tree.map(lambda x: x.sharding, state)
+  state_sh = jax.tree.map(lambda x: x.sharding, state._replace(base=None))
   rep = sharding.replicated(fns.mesh)
-  if name in _DONATES_STATE:
-    jitted = jax.jit(fn, out_shardings=(state_sh, rep), donate_argnums=0)
+  donates = name in _DONATES_STATE
+  apart = _base_apart(fn, donates)
+  if donates:
+    jitted = jax.jit(apart, out_shardings=(state_sh, rep), donate_argnums=1)
   elif name == "behaviour":
     params_sh = jax.tree.map(lambda x: x.sharding, state.train.params)
-    jitted = jax.jit(fn, out_shardings=(params_sh, rep, rep))
+    jitted = jax.jit(apart, out_shardings=(params_sh, rep, rep))
   else:
-    jitted = jax.jit(fn)
-  return _with_mesh(jitted, fns.mesh)
+    jitted = jax.jit(apart)
+  return _with_mesh(_base_back(jitted, donates), fns.mesh)
 
 
 def _vmapped(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable:
   params = list(inspect.signature(fn).parameters)
-  in_axes = tuple(0 if p in SEED_ARGS else None for p in params)
-  donate = 0 if name in _DONATES_STATE else ()
-  return _with_mesh(jax.jit(jax.vmap(fn, in_axes=in_axes), donate_argnums=donate), fns.mesh)
+  in_axes = (None, *(0 if p in SEED_ARGS else None for p in params))
+  donates = name in _DONATES_STATE
+  vmapped = jax.vmap(_base_apart(fn, donates), in_axes=in_axes)
+  jitted = jax.jit(vmapped, donate_argnums=1 if donates else ())
+  return _with_mesh(_base_back(jitted, donates), fns.mesh)
 
 
 def _with_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from offpolicy_jax import lag
+from offpolicy_jax import lag, models
 from offpolicy_jax.run import pipeline, rl_step
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.scale.disagg import SamplerParams, row_shardings, transfer
@@ -41,7 +41,8 @@ class SamplerMesh:
 
   The copy holds the behaviour parameters of the schedule, v(t) (SCIENCE.md
   s5); a step whose v(t) differs from the copy's version first reshards the
-  trainer's parameters (or its snapshot of v(t)) onto the sampler mesh.
+  trainer's parameters (or its snapshot of v(t)) onto the sampler mesh. With
+  adapters, those are the adapters: the frozen base is placed once.
 
   Args:
     fns: the run's step functions (`fns.sampler_mesh` set).
@@ -57,6 +58,7 @@ class SamplerMesh:
     self.fns, self.replay, self.schedule, self.seed = fns, opts, schedule, seed
     self.mesh: Mesh = fns.sampler_mesh
     self.copy = SamplerParams(self.mesh)
+    self.base: Any = None  # a LoRA run's frozen base on the sampler mesh, placed once
     self._rep = sharding.replicated(fns.mesh)
 
   def _behaviour_loop_step(self, state: rl_step.RunState, step: int) -> int:
@@ -83,13 +85,16 @@ class SamplerMesh:
       step: the loop step, 1-indexed.
     """
     v = self._behaviour_loop_step(state, step)
+    if state.base is not None and self.base is None:
+      self.base = jax.block_until_ready(SamplerParams(self.mesh).place(state.base))
     found, info = True, {"reshard_time_s": 0.0, "reshard_bytes": 0}
     if v != self.copy.version:
       found, info = self._sync(state, step, v)
     prompts = pipeline.assemble_global(self.mesh, local)
     fns, trainer = self.fns, self.fns.mesh
     with jax.set_mesh(self.mesh):
-      out = pipeline.sample(fns, self.copy.params, prompts, step, self.seed)
+      params = models.lora.join(self.base, self.copy.params)
+      out = pipeline.sample(fns, params, prompts, step, self.seed)
       rewards = None
       if fns.reward.device is not None:
         rewards = pipeline.score_on_device(fns, prompts, out)

@@ -117,16 +117,16 @@ def make_sft_step(graphdef: Any, optimizer: optax.GradientTransformation) -> Cal
   (int32 []) is 1; otherwise it is 0.
   """
 
-  def loss_fn(params, batch: SFTBatch):
-    model = nnx.merge(graphdef, params)
+  def loss_fn(params, frozen, batch: SFTBatch):
+    model = nnx.merge(graphdef, models.lora.join(frozen, params))
     logp, _ = models.sequence_logprobs(
       model, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask
     )
     return -jnp.sum(logp * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
 
   @jax.jit
-  def step(params, opt_state, batch: SFTBatch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+  def step(params, opt_state, batch: SFTBatch, frozen=None):
+    loss, grads = jax.value_and_grad(loss_fn)(params, frozen, batch)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     ok = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
@@ -147,6 +147,7 @@ def run(
   steps: int,
   learning_rate: float,
   log_fn: Callable[[int, float], None] | None = None,
+  frozen: Any = None,
 ) -> SFTResult:
   """Runs `steps` supervised AdamW steps (global-norm clip 1) from `params`.
 
@@ -160,6 +161,8 @@ def run(
     steps: number of steps.
     learning_rate: AdamW learning rate (cosine decay to 10%).
     log_fn: optional callback `(step, loss)`.
+    frozen: the rest of the model's state, held fixed (the fresh adapters of
+      a LoRA run, whose base `params` is then what the warm start trains).
 
   Returns:
     An `SFTResult`: trained params, per-step losses, skipped steps.
@@ -171,7 +174,7 @@ def run(
   losses: list[float] = []
   skipped: list[int] = []
   for i in range(steps):
-    params, opt_state, loss, skip = step_fn(params, opt_state, next(batches))
+    params, opt_state, loss, skip = step_fn(params, opt_state, next(batches), frozen)
     loss, skip = jax.device_get((loss, skip))
     losses.append(float(loss))
     if skip:
@@ -213,6 +216,7 @@ def warm_start(
   learning_rate: float,
   seed: int,
   log_fn: Callable = print,
+  frozen: Any = None,
 ) -> Any:
   """Supervised phase of a run on its task's reference answers (see `run`).
 
@@ -226,6 +230,8 @@ def warm_start(
     steps, batch_size, learning_rate: the `config.sft` settings.
     seed: seed of the supervised prompt stream.
     log_fn: receives progress lines.
+    frozen: state held fixed (`run`): with adapters, `params` is the base
+      and `frozen` the fresh adapters (B = 0, so they do not change the model).
 
   Returns:
     The warm-started parameters (a copy the caller may donate).
@@ -249,6 +255,7 @@ def warm_start(
       steps=steps,
       learning_rate=learning_rate,
       log_fn=lambda i, loss: log_fn(f"sft step {i}: loss {loss:.4f}") if i % every == 0 else None,
+      frozen=frozen,
     )
     _check_warm_start(result, learning_rate, log_fn)
     if len(_WARM_START_CACHE) >= 2:

@@ -216,23 +216,33 @@ def _behavior_ratio(logp, mb: TrainBatch) -> dict[str, Any]:
   }
 
 
-def micro_batch_loss(params, mb: TrainBatch, graphdef, options: StepOptions, ref_params, anchor):
+def micro_batch_loss(
+  params, mb: TrainBatch, graphdef, options: StepOptions, ref_params, anchor, base=None
+):
   """``(loss_sum, typed metrics)`` of one micro-batch; differentiate the first output.
 
   Args:
-    params: the parameters being trained.
+    params: the parameters being trained (with `base`, the adapters).
     mb: a micro-batch.
     graphdef: the model's graph.
     options: static settings.
     ref_params: reference parameters (KL to reference), or None.
     anchor: proximal parameters, or None for ``stop_gradient(logp)`` (the
       current parameters are the anchor).
+    base: frozen base weights the parameters adapt (`models.lora`), or None.
+      Not differentiated: gradients and optimizer state cover `params` only.
   """
   spec, o = options.spec, options
   shared = options.group_size if options.shared_prefix else 0
   sg = jax.lax.stop_gradient
   score = lambda p: token_logprobs(
-    graphdef, p, mb, o.temperature, shared, truncated=o.truncated, top_k=o.top_k
+    graphdef,
+    models.lora.join(base, p),
+    mb,
+    o.temperature,
+    shared,
+    truncated=o.truncated,
+    top_k=o.top_k,
   )
   logp, ent = score(params)
   extra = {}
@@ -263,13 +273,13 @@ def micro_batch_loss(params, mb: TrainBatch, graphdef, options: StepOptions, ref
   return out.loss_sum, metrics
 
 
-def _gradients(params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor):
+def _gradients(params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor, base):
   """Summed gradients and merged metrics over `m` micro-batches (scan from zeros)."""
   if options.skips_rows:
-    return _gradients_skipping(params, batch, m, graphdef, options, ref_params, anchor)
+    return _gradients_skipping(params, batch, m, graphdef, options, ref_params, anchor, base)
   micro = _split_micro(batch, m, options.unit)
   grad_fn = jax.grad(micro_batch_loss, has_aux=True)
-  args = (graphdef, options, ref_params, anchor)
+  args = (graphdef, options, ref_params, anchor, base)
   init = _zero_accumulators(grad_fn, params, micro, args)
 
   def body(acc, mb):
@@ -286,10 +296,12 @@ def _zero_accumulators(grad_fn, params, micro: TrainBatch, args):
   return jax.tree.map(jnp.zeros_like, params), red.identity(shapes)
 
 
-def _gradients_skipping(params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor):
+def _gradients_skipping(
+  params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor, base
+):
   """`_gradients` with the rows whose advantages are all 0 left out (`batch_splits`)."""
   grad_fn = jax.grad(micro_batch_loss, has_aux=True)
-  args = (graphdef, options, ref_params, anchor)
+  args = (graphdef, options, ref_params, anchor, base)
   micro_rows = batch.tokens.shape[0] // m
   chunks = m * chunks_per_micro_batch(options, micro_rows, batch_splits.batch_shards())
   return batch_splits.gradients(
@@ -304,10 +316,18 @@ def _gradients_skipping(params, batch: TrainBatch, m: int, graphdef, options, re
 
 
 def optimizer_step(
-  state: TrainState, mb: TrainBatch, m: int, graphdef, optimizer, options, ref_params, anchor
+  state: TrainState,
+  mb: TrainBatch,
+  m: int,
+  graphdef,
+  optimizer,
+  options,
+  ref_params,
+  anchor,
+  base=None,
 ) -> tuple[TrainState, dict[str, Any]]:
   """One optimizer step on minibatch `mb`, skipped when empty or non-finite."""
-  g_sum, metrics = _gradients(state.params, mb, m, graphdef, options, ref_params, anchor)
+  g_sum, metrics = _gradients(state.params, mb, m, graphdef, options, ref_params, anchor, base)
   count = metrics["loss"].weight
   grads = jax.tree.map(lambda g: g / jnp.where(count > 0, count, 1.0), g_sum)
   grad_norm = optax.tree.norm(grads)
@@ -349,6 +369,7 @@ def train_step(
   key: jax.Array,
   ref_params: Any = None,
   proximal_params: Any = None,
+  base: Any = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
   """U = num_minibatches * num_epochs optimizer steps on `batch`.
 
@@ -362,6 +383,8 @@ def train_step(
     ref_params: reference parameters, required when the loss has ``needs_ref``.
     proximal_params: an explicit proximal anchor; None uses the parameters the
       call starts from (the decoupled-PPO default).
+    base: with low-rank adapters, the frozen base weights (`models.lora`):
+      `state.params`, `ref_params` and the anchor are then adapters over it.
 
   Returns:
     ``(state, metrics)``: metrics are scalars: token-weighted means, ``*_max``
@@ -374,7 +397,7 @@ def train_step(
   anchor = proximal_params
   if anchor is None and options.spec.needs_proximal and options.updates > 1:
     anchor = state.params  # the call's starting parameters, held by the trace (no copy)
-  args = (m, graphdef, optimizer, options, ref_params, anchor)
+  args = (m, graphdef, optimizer, options, ref_params, anchor, base)
   if options.updates == 1:
     state, metrics = optimizer_step(state, batch, *args)
   else:
@@ -398,10 +421,10 @@ def train_step(
 
 
 def _checked(fn: Callable, spec: losses.LossSpec) -> Callable:
-  def checked_step(state, batch, key, ref_params=None, proximal_params=None):
+  def checked_step(state, batch, key, ref_params=None, proximal_params=None, base=None):
     if spec.needs_ref and ref_params is None:
       raise ValueError("ref_params: the loss has kl_coef > 0 and needs reference params")
-    return fn(state, batch, key, ref_params, proximal_params)
+    return fn(state, batch, key, ref_params, proximal_params, base)
 
   return checked_step
 
@@ -442,7 +465,8 @@ def make_train_step(
     **loss_overrides: overrides for ``losses.get_spec``.
 
   Returns:
-    ``step(state, batch, key, ref_params=None, proximal_params=None) -> (state, metrics)``.
+    ``step(state, batch, key, ref_params=None, proximal_params=None, base=None)
+    -> (state, metrics)`` (``base``: the frozen weights under adapters, never donated).
 
   Raises:
     ValueError: naming the field for inconsistent sizes or missing params.
@@ -466,19 +490,21 @@ def make_train_step(
   )
   check_options(options)
 
-  def step(state, batch, key, ref_params=None, proximal_params=None):
-    return train_step(graphdef, optimizer, options, state, batch, key, ref_params, proximal_params)
+  def step(state, batch, key, ref_params=None, proximal_params=None, base=None):
+    return train_step(
+      graphdef, optimizer, options, state, batch, key, ref_params, proximal_params, base
+    )
 
   if not jit:
     return _checked(step, spec)
   cache: dict[tuple[bool, bool], tuple[Callable, Any]] = {}
 
-  def jitted(state, batch, key, ref_params=None, proximal_params=None):
-    sig = (ref_params is None, proximal_params is None)
+  def jitted(state, batch, key, ref_params=None, proximal_params=None, base=None):
+    sig = (ref_params is None, proximal_params is None, base is None)
     if sig not in cache:
-      cache[sig] = _jit_for(step, state, batch, ref_params, proximal_params, mesh, donate)
+      cache[sig] = _jit_for(step, state, batch, ref_params, proximal_params, base, mesh, donate)
     fn, in_sh = cache[sig]
-    args = (state, batch, key, ref_params, proximal_params)
+    args = (state, batch, key, ref_params, proximal_params, base)
     if in_sh is None:
       return fn(*args)
     # No-op for arrays already placed as expected; moves host data and snapshots
@@ -491,7 +517,7 @@ def make_train_step(
   return _checked(jitted, spec)
 
 
-def _jit_for(step, state, batch, ref_params, proximal_params, mesh, donate):
+def _jit_for(step, state, batch, ref_params, proximal_params, base, mesh, donate):
   """The jitted `step` for one argument signature, with its input shardings (or None)."""
   kw: dict[str, Any] = {"donate_argnums": (0,) if donate else ()}
   if mesh is None:
@@ -504,5 +530,6 @@ def _jit_for(step, state, batch, ref_params, proximal_params, mesh, donate):
     rep,
     None if ref_params is None else state_sh.params,
     None if proximal_params is None else state_sh.params,
+    None if base is None else sharding.tree_shardings(base, mesh),
   )
   return jax.jit(step, in_shardings=in_sh, out_shardings=(state_sh, rep), **kw), in_sh

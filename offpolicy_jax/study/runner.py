@@ -213,8 +213,9 @@ def evaluate(
   k: int = 0,
   step: int = 0,
   batch_size: int = 0,
+  base=None,
 ):
-  """Greedy accuracy [S] (and pass@k [S] when k >= 2) of seed-stacked `params`.
+  """Greedy accuracy [S] (and pass@k [S] when k >= 2) of seed-stacked `params` (over `base`).
 
   The run's evaluator (`evaluation.evaluate_seeds`) on the first `num_prompts`
   held-out prompts, `batch_size` at a time (0: all at once), pass@k sampled
@@ -222,7 +223,7 @@ def evaluate(
   """
   keys = jax.vmap(lambda s: pipeline.step_key(s, step, pipeline.EVAL))(jnp.asarray(seeds))
   ev = evaluation.evaluate_seeds(
-    fns, params, keys, num_prompts, k, batch_size=batch_size or num_prompts
+    fns, params, keys, num_prompts, k, batch_size=batch_size or num_prompts, base=base
   )
   return ev["accuracy"], ev.get(f"pass@{k}")
 
@@ -289,7 +290,7 @@ def run_cell(
   starts = {} if starts is None else starts
   for s in grid.seeds:
     if s not in starts:
-      starts[s] = warm_start(comps, s)
+      starts[s] = warm_start(comps, s, base_seed=grid.seeds[0])
   size = grid.vmap_seeds or len(grid.seeds)
   runs = []
   for lo in range(0, len(grid.seeds), size):
@@ -304,20 +305,24 @@ def run_cell(
 
 
 def _run_seeds(comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule_mn) -> list[dict]:
-  """One vmapped run of `seeds` from their warm starts: per-seed curves."""
+  """One vmapped run of `seeds` from their warm starts `(base, params)`: per-seed curves.
+
+  With adapters the seeds share one base (held once, not stacked) and only
+  their adapters and states are vmapped.
+  """
   fns, run = comps.fns, comps.run
   slots = grid_snapshot_slots(grid)
   state = _stack(
     [
       rl_step.init_state(fns, p, capacity_batches=run.replay_capacity_batches, snapshots=slots)
-      for p in starts
+      for _, p in starts
     ]
-  )
+  )._replace(base=starts[0][0])
   iters = [pipeline.prompt_iterator(fns, s) for s in seeds]
   seeds_a = jnp.asarray(seeds, jnp.int32)
   schedule = rl_step.LagSchedule(*(jnp.int32(x) for x in schedule_mn))
   device = fns.reward.device is not None
-  ev = dict(batch_size=grid.eval_batch)
+  ev = dict(batch_size=grid.eval_batch, base=state.base)
   acc0, _ = evaluate(fns, state.train.params, seeds, run.eval_prompts, **ev)
   eval_steps, accs, metrics_l, pass_k = [0], [acc0], [], None
   for start in range(0, run.total_steps, run.eval_every):
@@ -353,21 +358,29 @@ def _run_seeds(comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule
   ]
 
 
-def warm_start(comps: components.Components, seed: int):
-  """Seed `seed`'s warm-started parameters (shared by every cell through the sft cache)."""
+def warm_start(comps: components.Components, seed: int, base_seed: int | None = None):
+  """Seed `seed`'s warm start `(base, params)` (shared by every cell through the sft cache).
+
+  Without adapters `base` is None and `params` the whole warm-started model.
+  With adapters every seed of a study shares the base of `base_seed` (its
+  warm start), and `params` is seed `seed`'s fresh adapter.
+  """
   fns, run = comps.fns, comps.run
-  params = fns.init_params(seed)
-  if not run.sft_enabled:
-    return params
-  return sft.warm_start(
-    fns,
-    params,
+  base, params = fns.split(fns.init_params(seed))
+  kw: dict[str, Any] = dict(
     steps=run.sft_steps,
     batch_size=run.sft_batch_size,
     learning_rate=run.sft_learning_rate,
-    seed=seed,
     log_fn=lambda *_: None,
   )
+  if base is None:
+    return None, sft.warm_start(fns, params, seed=seed, **kw) if run.sft_enabled else params
+  base_seed = seed if base_seed is None else base_seed
+  if base_seed != seed:
+    base = fns.split(fns.init_params(base_seed))[0]
+  if run.sft_enabled:  # any adapter with B = 0 leaves the warm start of the base unchanged
+    base = sft.warm_start(fns, base, seed=base_seed, frozen=params, **kw)
+  return base, params
 
 
 def cell_path(path: str, method: str, lag_name: str) -> str:

@@ -8,47 +8,48 @@ Reward (`program_reward`): with `n` tests of which `p` pass,
 and r = 0 if the program (`extract_program(response)`, after the trusted
 `prefix`) does not compile or raises while it runs. A test fails if it raises.
 
+Grading never shares a process with the graded program. The program runs in
+an `isolation.Session`: a fresh process forked from a clean template, which
+never receives the example's expected values and is killed after the
+grading, so nothing the program does survives into the next call. The grader
+(this module, in the process that called the reward) sends the calls of the
+tests there and gets back their results as data (JSON values of exact types,
+or opaque handles), then compares them itself:
+
 * io tests ("code"): `y = f(*args)` passes iff `type(y) is type(want)` and
-  `y == want`, so an object whose `__eq__` returns True never passes.
-* assert tests (MBPP, HumanEval): the tests run in a namespace of their own,
-  built from trusted code only (`prefix`, `setup`, and the reference's imports
-  the tests use) plus the program's `entry_points`; the result of every call in
-  test code must be built from trusted types (static and importable types,
-  classes of the trusted code or named like a class of the reference, and
-  lists, dicts, tuples, sets and attributes of those), so a class defined by
-  the program cannot fake equality or truth. MBPP scores each assert (the
-  prompt shows the first); HumanEval's `check(candidate)` is one
-  all-or-nothing test.
+  `y == want`, `y` decoded from the program's answer (so an object whose
+  `__eq__` returns True cannot even reach the comparison).
+* assert tests (MBPP, HumanEval): the tests themselves (`prefix`, `setup` and
+  the asserts; HumanEval's `check(candidate)`) run here, as trusted code, with
+  each of the program's `entry_points` bound to a `Remote` that forwards its
+  calls to the program's process. What comes back is data; an object that is
+  not data stays in the program's process as a handle, which the tests can
+  pass back and read attributes of, but which has no truth value and equals
+  only itself. Instances of the classes the trusted code defines (e.g. a
+  linked list node of MBPP's setup) travel as values in both directions and
+  are rebuilt from the trusted class. Side effects of a call on its arguments
+  stay in the program's process. MBPP scores each assert (the prompt shows the
+  first); HumanEval's `check(candidate)` is one all-or-nothing test.
+
+Why split tests rather than run each test file with the program in a fresh
+process and read a verdict from it: whatever computes the verdict next to the
+program can be patched by it (the stack, the gc, builtins, the assert's own
+comparison), so the comparison must happen where the program never ran.
 
 The example formats are described in `tasks.code` (tasks) and
-`tasks.code_data` (MBPP / HumanEval rows).
-
-The program runs wherever the reward is called: `tasks.get_task` wraps it so
-that it runs only in sandboxed verifier workers (`rewards.score_batch`, and
-direct `task.reward(...)` calls too), never in the trainer. Inside its worker a
-program could still patch the worker's modules, so these checks stop a
-policy's accidental hacks, not a determined attacker; such a program can at
-worst forge the scores of calls in its own worker (the trainer reads replies
-as JSON data), never act on the host.
+`tasks.code_data` (MBPP / HumanEval rows). `tasks.get_task` wraps the reward
+so that the grading itself runs in sandboxed verifier workers, never in the
+trainer.
 """
 
-import ast
 import builtins
-import collections
-import functools
 import re
-import sys
-import types
 from typing import Any
 
+from offpolicy_jax.rewards import isolation
 from offpolicy_jax.rewards.tasks.base import Example
 
-_FAIL = (Exception, SystemExit)  # other BaseExceptions reach the caller, which scores 0
-_BUILTINS = dict(vars(builtins))
-_GUARD = "__plain__"
-_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: set for every class created by a class statement
-_MAX_VISITS = 100_000
-_TYPE_ATTR = {k: type.__dict__[k] for k in ("__flags__", "__module__", "__qualname__")}
+_TESTS = "__tests__"  # `__name__` of the trusted test namespace (and its classes' `__module__`)
 _FENCE_RE = re.compile(r"```[ \t]*([\w+.-]*)[ \t]*\n(.*?)^[ \t]*```", re.M | re.S)
 _PYTHON_TAGS = ("", "python", "py", "python3")
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
@@ -71,7 +72,9 @@ def extract_program(text: str) -> str:
   return answers[-1] if answers else text
 
 
-def program_reward(example: Example, text: str, partial_credit: bool = True) -> float:
+def program_reward(
+  example: Example, text: str, partial_credit: bool = True, timeout_s: float = 10.0
+) -> float:
   """Runs the response's program against the example's tests (see the module docstring).
 
   `r = passed / n` with partial credit, else `1{passed == n}`; 0 if the
@@ -82,113 +85,55 @@ def program_reward(example: Example, text: str, partial_credit: bool = True) -> 
     example: a "code" example (with `io`) or an MBPP / HumanEval example (with `tests`).
     text: the decoded response.
     partial_credit: fraction of tests passed instead of all-or-nothing.
+    timeout_s: wall-clock limit of the program's process (a verifier worker
+      caps it at its call's timeout).
 
   Returns:
     The reward in [0, 1].
+
+  Raises:
+    TimeoutError: the program ran past its time (a verifier worker reports a timeout).
   """
-  ns = _namespace("__program__")
+  program = example.get("prefix", "") + extract_program(text)
+  grade = _io_results if "io" in example else _assert_results
   try:
-    exec(compile(example.get("prefix", "") + extract_program(text), "<program>", "exec"), ns)
-  except _FAIL:
+    passed = grade(program, example, timeout_s)
+  except isolation.ProgramError:  # did not compile, or raised while it ran
     return 0.0
-  passed = _io_results(ns, example) if "io" in example else _assert_results(ns, example)
   if partial_credit:
     return sum(passed) / len(passed)
   return float(all(passed))
 
 
-def _namespace(name: str) -> dict[str, Any]:
-  return {"__builtins__": dict(_BUILTINS), "__name__": name}
+def _io_results(program: str, example: Example, timeout_s: float) -> list[bool]:
+  with isolation.Session(program, timeout_s=timeout_s) as prog:
+    got = prog.map(example["entry_point"], [args for args, _ in example["io"]])
+  return [
+    type(y) is type(want) and y == want for y, (_, want) in zip(got, example["io"], strict=True)
+  ]
 
 
-def _io_results(ns: dict[str, Any], example: Example) -> list[bool]:
-  fn = ns.get(example["entry_point"])
-  if not callable(fn):
-    return [False] * len(example["io"])
-  passed = []
-  for args, want in example["io"]:
-    try:
-      got = fn(*args)
-      passed.append(type(got) is type(want) and _check_plain(got, set()) is got and got == want)
-    except _FAIL:
-      passed.append(False)
-  return passed
-
-
-def _assert_results(program_ns: dict[str, Any], example: Example) -> list[bool]:
+def _assert_results(program: str, example: Example, timeout_s: float) -> list[bool]:
   tests = example["tests"]
-  ns = _namespace("__tests__")
+  ns: dict[str, Any] = {"__builtins__": builtins, "__name__": _TESTS}
   try:
     exec(example.get("prefix", ""), ns)
     exec(example.get("setup", ""), ns)
-  except _FAIL:
+  except Exception:  # noqa: BLE001  a broken trusted prefix or setup fails every test
     return [False] * len(tests)
-  trusted = {id(v) for v in ns.values() if issubclass(type(v), type)}
-  for name in example["entry_points"]:
-    ns.pop(name, None)
-    if name in program_ns:
-      ns[name] = program_ns[name]
-  for name in example.get("classes", ()):  # the reference's classes, if the program has them
-    if issubclass(type(program_ns.get(name)), type):
-      trusted.add(id(program_ns[name]))
-  ns[_GUARD] = functools.partial(_check_plain, trusted=trusted)
+  classes = {k: v for k, v in ns.items() if isinstance(v, type) and v.__module__ == _TESTS}
   passed = []
-  for src in tests:
-    try:
-      exec(_guarded(src), ns)
-      passed.append(True)
-    except _FAIL:
-      passed.append(False)
+  with isolation.Session(
+    program, setup=example.get("setup", ""), classes=classes, timeout_s=timeout_s
+  ) as prog:
+    for name in example["entry_points"]:
+      ns[name] = prog.remote(name)
+    for src in tests:
+      try:
+        exec(src, ns)
+        passed.append(True)
+      except Exception:  # noqa: BLE001  a failed assert, or an error in a call
+        if prog.timed_out:
+          raise TimeoutError("the program ran past its time") from None
+        passed.append(False)
   return passed
-
-
-class _GuardCalls(ast.NodeTransformer):
-  """Rewrites every call `g(x)` in trusted test code to `__plain__(g(x))`."""
-
-  def visit_Call(self, node: ast.Call) -> ast.AST:
-    self.generic_visit(node)
-    return ast.copy_location(ast.Call(ast.Name(_GUARD, ast.Load()), [node], []), node)
-
-
-@functools.lru_cache(maxsize=4096)
-def _guarded(src: str) -> types.CodeType:
-  tree = ast.fix_missing_locations(_GuardCalls().visit(ast.parse(src)))
-  return compile(tree, "<test>", "exec")
-
-
-def _trusted_type(cls: type, trusted: set[int]) -> bool:
-  """Static (C) types, classes of the trusted code, and classes importable by name.
-
-  Attributes are read through `type`'s own descriptors so a metaclass cannot lie.
-  """
-  if id(cls) in trusted or not _TYPE_ATTR["__flags__"].__get__(cls) & _HEAPTYPE:
-    return True
-  obj = sys.modules.get(_TYPE_ATTR["__module__"].__get__(cls))
-  if obj is None:
-    return False
-  for part in _TYPE_ATTR["__qualname__"].__get__(cls).split("."):
-    obj = getattr(obj, part, None)
-  return obj is cls
-
-
-def _check_plain(value: Any, trusted: set[int]) -> Any:
-  """Returns `value` if it is built only from trusted types, else raises AssertionError."""
-  stack, seen = [value], set()
-  while stack:
-    v = stack.pop()
-    if not _trusted_type(type(v), trusted):
-      raise AssertionError(f"value of untrusted type {type(v).__name__!r}")
-    if id(v) in seen or isinstance(v, (type, types.ModuleType)):
-      continue
-    seen.add(id(v))
-    if len(seen) > _MAX_VISITS:
-      raise AssertionError("value too large to check")
-    if isinstance(v, dict):
-      stack.extend(v.keys())
-      stack.extend(v.values())
-    elif isinstance(v, (list, tuple, set, frozenset, collections.deque)):
-      stack.extend(v)
-    attrs = getattr(v, "__dict__", None)
-    if isinstance(attrs, dict):
-      stack.append(attrs)
-  return value
