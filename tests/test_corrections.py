@@ -263,3 +263,16 @@ def test_spec_properties_and_validation():
     losses.get_spec("dppo_tv", level="seq_geo", shaping="mask")
   with pytest.raises(ValueError, match="old_logp"):
     losses.policy_loss("tis_old", **dict(INPUTS, old_logp=np.zeros((2, 2), np.float32)))
+
+
+@pytest.mark.parametrize(
+  "overrides,field",
+  [
+    ({"is_low": 5.0, "is_high": 0.5}, "is_low"),
+    ({"is_cap": 0.0}, "is_cap"),
+    ({"veto_threshold": 2.0}, "veto_threshold"),
+  ],
+)
+def test_inverted_or_empty_correction_bounds_are_refused(overrides, field):
+  with pytest.raises(ValueError, match=f"LossSpec.{field}="):
+    losses.get_spec("icepop_old", **overrides)

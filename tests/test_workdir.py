@@ -108,3 +108,14 @@ def test_the_schema_roles_decide_what_a_resume_may_change(tmp_path):
   _record(tmp_path, old)
   with pytest.raises(workdir.ConfigChanged, match="optimizer.micro_batches: 4 -> '<absent>'"):
     workdir.check_config(str(tmp_path), default.base_config(), step=2)
+
+
+def test_parameter_shape_fields_never_change_on_resume(tmp_path):
+  """A change the checkpoint's shapes follow is refused even with allow_change, naming it."""
+  old = {"seed": 0, "model": "tiny", "lora": {"rank": 8, "alpha": 32.0}}
+  (tmp_path / "config.json").write_text(json.dumps(old))
+  new = {**old, "lora": {"rank": 4, "alpha": 32.0}}
+  with pytest.raises(workdir.ConfigChanged, match="lora.rank: 8 -> 4") as e:
+    workdir.check_config(str(tmp_path), new, step=5, allow_change=True)
+  assert "--allow_config_change" not in str(e.value)
+  assert not (tmp_path / workdir.HISTORY_FILE).exists()

@@ -250,8 +250,12 @@ class LossSpec:
       raise ValueError(
         f"LossSpec.reject_low={self.reject_low} must be <= reject_high={self.reject_high}"
       )
-    if self.veto_threshold is not None and self.veto_threshold <= 0:
-      raise ValueError(f"LossSpec.veto_threshold={self.veto_threshold} must be > 0 or None")
+    if self.veto_threshold is not None and not 0 < self.veto_threshold < 1:
+      raise ValueError(f"LossSpec.veto_threshold={self.veto_threshold} must be in (0, 1) or None")
+    if not self.is_low <= self.is_high:
+      raise ValueError(f"LossSpec.is_low={self.is_low} must be <= is_high={self.is_high}")
+    if not self.is_cap > 0:
+      raise ValueError(f"LossSpec.is_cap={self.is_cap} must be > 0")
     if self.shaping == "mask" and self.mask_kind in ("tv", "binary_kl") and self.level != "token":
       raise ValueError(f"LossSpec.mask_kind={self.mask_kind!r} requires level='token'")
     if self.reg == "hazard":

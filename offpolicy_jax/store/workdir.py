@@ -37,6 +37,9 @@ from offpolicy_jax.store import metrics
 LOCK_FILE = ".lock"
 HOLDER_FILE = ".lock.json"
 HISTORY_FILE = metrics.CONFIG_HISTORY_FILE
+# Fields the checkpointed parameters' shapes follow: a resume is refused on a change
+# of them even with --allow_config_change (the checkpoint could not be restored).
+PARAMETER_SHAPE_FIELDS = ("model", "lora.rank", "lora.targets")
 ABSENT = "<absent>"
 
 
@@ -178,6 +181,13 @@ def check_config(path: str, config: Any, *, step: int, allow_change: bool = Fals
   if not changes:
     return
   listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in changes.items()))
+  fixed = [k for k in changes if k in PARAMETER_SHAPE_FIELDS]
+  if fixed:
+    raise ConfigChanged(
+      f"workdir {path} holds checkpoints whose parameter shapes follow "
+      f"{', '.join(fixed)}: {listed}. No resume can change them; use a new --workdir "
+      "or restore the old values."
+    )
   if not allow_change:
     raise ConfigChanged(
       f"workdir {path} holds a run started with another config ({record}): {listed}. "
