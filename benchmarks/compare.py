@@ -84,6 +84,10 @@ from offpolicy_jax.run import (
 from offpolicy_jax.sampling import sampler as sampling  # noqa: E402
 from offpolicy_jax.types import TrainBatch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import roofline  # noqa: E402
+
 # Our rows: "name:options;name:options". Edit to time new optimisations by default.
 # "baseline" is the plain train step; "optimized" runs each group's prompt once
 # and leaves zero-advantage rows out (both exact; the run layer's defaults).
@@ -174,19 +178,6 @@ def model_flops(config: models.ModelConfig, p: Protocol) -> dict[str, float]:
   s = p.prompt_len + p.new_tokens
   forward = p.rows * s * (2 * n_mm + 4 * config.num_layers * n * h * s)
   return {"generation_s": forward, "train_s": 3 * forward, "step_s": 4 * forward}
-
-
-def matmul_peak(size: int, repeats: int = 5) -> float:
-  """Median FLOP/s of a jitted float32 [size, size] @ [size, size]."""
-  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-  f = jax.jit(lambda x, y: x @ y)
-  f(a, a).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    f(a, a).block_until_ready()
-    times.append(time.perf_counter() - t0)
-  return 2 * size**3 / float(np.median(times))
 
 
 def _literal(text: str) -> Any:
@@ -546,7 +537,7 @@ def run(args) -> dict:
     finally:
       for peer in peers:
         peer.close()
-  peak = matmul_peak(args.peak_size)
+  peak = roofline.matmul_peak(args.peak_size)
   flops = model_flops(config, p)
   table = build_table(results, [f"offpolicy_jax {n}" for n in variants], peers, skipped)
   print()
