@@ -399,6 +399,11 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("lora.targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", PROGRAM,
      "Comma-separated projections that get adapters.",
      Names(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
+  _F("lora.dropout", 0.0, PROGRAM,
+     "Dropout p on each adapter's input, (alpha / r) dropout(x) A B (PEFT's lora_dropout), in "
+     "the train step's current-policy forward only (never the sampler, the old / behaviour "
+     "scoring, the reference or evaluation); needs lora.rank > 0.",
+     Float(0, 1, hi_open=True)),
   _F("mesh.data", 1, PLACEMENT, "Data-parallel mesh axis size (-1 fills the remaining devices).",
      Int(1, note=" or -1", also=(-1,))),
   _F("mesh.fsdp", 1, PLACEMENT, "Fully-sharded (parameter) axis size.",

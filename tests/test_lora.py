@@ -101,6 +101,9 @@ def test_config_checks():
     models.LoraConfig(rank=2, targets=("qkv",))
   with pytest.raises(ValueError, match="alpha"):
     models.LoraConfig(rank=2, alpha=0.0)
+  for p in (-0.1, 1.0):
+    with pytest.raises(ValueError, match="dropout"):
+      models.LoraConfig(rank=2, dropout=p)
 
 
 # ------------------------------------------------------------------ PEFT
@@ -126,11 +129,13 @@ def test_peft_round_trip_matches_hf_and_peft(tmp_path):
   base_dir, adapter_dir, merged_dir = (str(tmp_path / d) for d in ("base", "adapter", "merged"))
   hf_model.save_pretrained(base_dir)
   base = models.from_pretrained(base_dir)
-  model = _random_b(lora.with_adapters(base, _LORA, jax.random.key(0)), scale=0.2)
+  lc = dataclasses.replace(_LORA, dropout=0.1)  # exported, and inert outside training
+  model = _random_b(lora.with_adapters(base, lc, jax.random.key(0)), scale=0.2)
   lora.save_peft(model, adapter_dir, base_model_name_or_path=base_dir)
   lora.save_merged(model, merged_dir)
   config = json.load(open(os.path.join(adapter_dir, lora.CONFIG_FILE)))
   assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+  assert config["lora_dropout"] == 0.1
 
   tokens = np.array(_tokens(2, 9, 64))
   ours = np.asarray(model(jnp.asarray(tokens)))
@@ -144,7 +149,7 @@ def test_peft_round_trip_matches_hf_and_peft(tmp_path):
   np.testing.assert_allclose(ours, theirs_merged, atol=1e-5, rtol=0)
 
   back = lora.load_peft(base, adapter_dir)
-  assert back.config.lora == dataclasses.replace(_LORA, targets=tuple(sorted(_LORA.targets)))
+  assert back.config.lora == dataclasses.replace(lc, targets=tuple(sorted(lc.targets)))
   chex.assert_trees_all_close(
     nnx.to_pure_dict(nnx.state(back)), nnx.to_pure_dict(nnx.state(model)), atol=0, rtol=0
   )

@@ -66,6 +66,9 @@ BAD = [
   ("lora.rank", -1, "lora.rank"),
   ("lora.alpha", 0.0, "lora.alpha"),
   ("lora.targets", "q_proj,embed", "lora.targets"),
+  ("lora.dropout", 1.0, "lora.dropout"),
+  ("lora.dropout", -0.1, "lora.dropout"),
+  ("lora.dropout", 0.1, "lora.dropout"),  # without lora.rank > 0
   ("reward_timeout", 0.0, "reward_timeout"),
   ("reward_timeout", INF, "reward_timeout"),
   ("reward_batch_timeout", -1.0, "reward_batch_timeout"),

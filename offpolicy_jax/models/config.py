@@ -29,11 +29,15 @@ class LoraConfig:
     rank: r, the adapters' rank.
     alpha: the scale numerator (PEFT's ``lora_alpha``; scale = alpha / r).
     targets: projection names, a subset of `LORA_TARGETS`.
+    dropout: p of the dropout on each adapter's input, ``(alpha / r)
+      dropout(x) A B`` (PEFT's ``lora_dropout``), 0 <= p < 1. It acts only in
+      forward passes given a key: the train step's (`models.lora_ops`).
   """
 
   rank: int
   alpha: float = 32.0
   targets: tuple[str, ...] = LORA_TARGETS
+  dropout: float = 0.0
 
   def __post_init__(self):
     object.__setattr__(self, "targets", tuple(self.targets))
@@ -41,6 +45,8 @@ class LoraConfig:
       raise ValueError(f"lora rank must be an int >= 1, got {self.rank!r}")
     if not self.alpha > 0:
       raise ValueError(f"lora alpha must be > 0, got {self.alpha!r}")
+    if not 0 <= self.dropout < 1:
+      raise ValueError(f"lora dropout must be in [0, 1), got {self.dropout!r}")
     unknown = sorted(set(self.targets) - set(LORA_TARGETS))
     if unknown or not self.targets:
       raise ValueError(f"lora targets must be a non-empty subset of {LORA_TARGETS}, got {unknown}")

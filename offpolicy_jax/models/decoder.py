@@ -8,10 +8,12 @@ Grouped-query attention with rotary embeddings (`attention_ops`), optional
 q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
 
 With `config.lora`, each targeted projection carries a low-rank adapter,
-`y = x W + (alpha / r) x A B` (`nnx.LoRA` holds A and B as `nnx.LoRAParam`s,
-so `nnx.split(model, nnx.LoRAParam, ...)` separates the adapters from the
-frozen base); the adapters are added after every base parameter is drawn, so
-the base of a seed is the same with and without them.
+`y = x W + (alpha / r) dropout(x) A B` (`lora_ops`; `nnx.LoRA` holds A and B as
+`nnx.LoRAParam`s, so `nnx.split(model, nnx.LoRAParam, ...)` separates the
+adapters from the frozen base); the adapters are added after every base
+parameter is drawn, so the base of a seed is the same with and without them.
+The adapters' input dropout acts only in the teacher-forced forward passes
+given a `dropout_key` (the train step's); all others run without it.
 
 Every parameter carries logical axis names in its `out_sharding` metadata
 (`vocab`, `embed`, `mlp`, `heads`, `kv_heads`, `head_dim`), so
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from offpolicy_jax.models import attention_ops as ops
+from offpolicy_jax.models import lora_ops
 from offpolicy_jax.models.attention_ops import NEG_INF, default_positions
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.scale import sharding
@@ -58,55 +61,6 @@ def _param(key, shape, names, dtype, init="normal"):
   return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
-def _adapter(config: ModelConfig, in_out: tuple[int, int], names: tuple, rngs) -> nnx.LoRA:
-  """An `nnx.LoRA` (A [in, r] He-uniform, B [r, out] zero) with logical axis names."""
-  lc = config.lora
-  assert lc is not None
-  meta = lambda names: {"out_sharding": names, "eager_sharding": False}
-  return nnx.LoRA(
-    in_out[0],
-    lc.rank,
-    in_out[1],
-    dtype=jnp.dtype(config.dtype),
-    param_dtype=jnp.dtype(config.param_dtype),
-    rngs=rngs,
-    a_metadata=meta((names[0], None)),
-    b_metadata=meta((None, names[1])),
-  )
-
-
-# Logical names of each projection's (input, output) features (flattened heads).
-_ADAPTER_NAMES = {
-  "q_proj": (sharding.EMBED, sharding.HEADS),
-  "k_proj": (sharding.EMBED, sharding.KV_HEADS),
-  "v_proj": (sharding.EMBED, sharding.KV_HEADS),
-  "o_proj": (sharding.HEADS, sharding.EMBED),
-  "gate_proj": (sharding.EMBED, sharding.MLP),
-  "up_proj": (sharding.EMBED, sharding.MLP),
-  "down_proj": (sharding.MLP, sharding.EMBED),
-}
-
-
-class _Adapted(nnx.Module):
-  """Mixin: `add_adapters` on the module's targeted projections; `_delta` their outputs."""
-
-  config: ModelConfig
-
-  def add_adapters(self, targets: tuple[str, ...], rngs: nnx.Rngs) -> None:
-    shapes = self.config.adapter_shapes()
-    for name in targets:
-      adapter = _adapter(self.config, shapes[name], _ADAPTER_NAMES[name], rngs)
-      setattr(self, name.replace("_proj", "_lora"), adapter)
-
-  def _delta(self, name: str, x: jax.Array, shape: tuple) -> jax.Array | float:
-    """(alpha / r) x A B of projection `name`, reshaped to `shape` (0. when not adapted)."""
-    lc = self.config.lora
-    if lc is None or name not in lc.targets:
-      return 0.0
-    adapter = getattr(self, name.replace("_proj", "_lora"))
-    return (adapter(x) * jnp.asarray(lc.scale, x.dtype)).reshape(shape)
-
-
 class RMSNorm(nnx.Module):
   """y = x / sqrt(mean(x^2) + eps) * w, computed in float32 (Zhang & Sennrich, arXiv:1910.07467)."""
 
@@ -122,7 +76,7 @@ class RMSNorm(nnx.Module):
     return (w * x32.astype(x.dtype)).astype(self.dtype)
 
 
-class Attention(_Adapted):
+class Attention(lora_ops.Adapted):
   """Grouped-query self-attention with RoPE and an optional KV cache."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -142,8 +96,11 @@ class Attention(_Adapted):
       self.q_norm = RMSNorm(h, c.rms_norm_eps, ("head_dim",), c)
       self.k_norm = RMSNorm(h, c.rms_norm_eps, ("head_dim",), c)
 
-  def _qkv(self, x_btd, cos_bth, sin_bth):
-    """Rotated queries [B,T,N,H], keys and values [B,N_kv,T,H] (compute dtype)."""
+  def _qkv(self, x_btd, cos_bth, sin_bth, key=None):
+    """Rotated queries [B,T,N,H], keys and values [B,N_kv,T,H] (compute dtype).
+
+    `key`: the adapters' dropout key (`lora_ops`), None for none.
+    """
     c = self.config
     dt = jnp.dtype(c.dtype)
     q, k, v = (
@@ -151,7 +108,7 @@ class Attention(_Adapted):
     )
     if c.lora is not None:
       q, k, v = (
-        y + self._delta(name, x_btd, y.shape)
+        y + self._delta(name, x_btd, y.shape, key)
         for y, name in zip((q, k, v), ("q_proj", "k_proj", "v_proj"), strict=True)
       )
     if c.qkv_bias:
@@ -166,7 +123,7 @@ class Attention(_Adapted):
     k = ops.apply_rope(k, cos_bth, sin_bth)
     return ops.apply_rope(q, cos_bth, sin_bth), jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
 
-  def _out(self, out_btnh):
+  def _out(self, out_btnh, key=None):
     # One [B*T, N*H] x [N*H, D] matmul (a free reshape of both operands); as a
     # 4-D einsum XLA's CPU backend transposed the weight at every decode step.
     dt = jnp.dtype(self.config.dtype)
@@ -174,7 +131,7 @@ class Attention(_Adapted):
     w = self.o_proj[...].astype(dt)
     x = out_btnh.reshape(b, t, n * h)
     out = jnp.dot(x, w.reshape(n * h, w.shape[-1]))
-    return out + self._delta("o_proj", x, out.shape)
+    return out + self._delta("o_proj", x, out.shape, key)
 
   def _grouped(self, q_btnh):
     """Queries [B,T,N,H] as [B,T,N_kv,N/N_kv,H] (the query heads sharing each kv head)."""
@@ -182,15 +139,17 @@ class Attention(_Adapted):
     kv = self.config.num_kv_heads
     return q_btnh.reshape(b, t, kv, n // kv, h)
 
-  def __call__(self, x_btd, cos_bth, sin_bth, allowed_bts, cache_kv=None, cache_index=None):
-    q, k, v = self._qkv(x_btd, cos_bth, sin_bth)
+  def __call__(
+    self, x_btd, cos_bth, sin_bth, allowed_bts, cache_kv=None, cache_index=None, key=None
+  ):
+    q, k, v = self._qkv(x_btd, cos_bth, sin_bth, key)
     if cache_kv is not None:
       k_cache, v_cache = cache_kv
       start = (0, 0, cache_index, 0)
       k = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start)
       v = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start)
       cache_kv = (k, v)
-    return self._out(self._attend(q, k, v, allowed_bts)), cache_kv
+    return self._out(self._attend(q, k, v, allowed_bts), key), cache_kv
 
   def _attend(self, q_btnh, k_bksh, v_bksh, allowed_bts):
     """softmax(q k^T / sqrt(H), allowed) v over head-major keys/values; [B, T, N, H]."""
@@ -208,23 +167,25 @@ class Attention(_Adapted):
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     return jnp.einsum("bkgts,bksh->btkgh", probs, v_bksh.astype(dt)).reshape(q_btnh.shape)
 
-  def shared_prefix(self, x_p, x_s, rope_p, rope_s, prompt_mask_gp, group_size):
+  def shared_prefix(self, x_p, x_s, rope_p, rope_s, prompt_mask_gp, group_size, key=None):
     """Attention of G prompts [G,P,D] and their K continuations each [G*K,N,D].
 
     Prompt queries attend causally within their prompt (real tokens only); a
     continuation's queries attend to all real tokens of its group's prompt and
     causally to its own tokens. The prompt keys/values are computed once per
     group and shared by the K continuations; the softmax runs jointly over the
-    prompt and continuation keys, as in the concatenated sequence.
+    prompt and continuation keys, as in the concatenated sequence. With a
+    dropout `key`, the prompts' adapters fold in 0 and the continuations' 1.
     """
     p, n_len = prompt_mask_gp.shape[1], x_s.shape[1]
-    qp, kp, vp = self._qkv(x_p, *rope_p)
-    qs, ks, vs = self._qkv(x_s, *rope_s)
+    key_p, key_s = lora_ops.fold(key, 0), lora_ops.fold(key, 1)
+    qp, kp, vp = self._qkv(x_p, *rope_p, key_p)
+    qs, ks, vs = self._qkv(x_s, *rope_s, key_s)
     causal_p = jnp.tril(jnp.ones((p, p), bool))[None] & prompt_mask_gp[:, None, :]
     out_s = self._grouped_attention(
       qs, (kp, vp), (ks, vs), prompt_mask_gp, jnp.tril(jnp.ones((1, n_len, n_len), bool))
     )
-    return self._out(self._attend(qp, kp, vp, causal_p)), self._out(out_s)
+    return self._out(self._attend(qp, kp, vp, causal_p), key_p), self._out(out_s, key_s)
 
   def decode_shared(self, x_b1d, rope, prefix_kv, suffix_kv, prompt_mask_gp, index, block=0):
     """One decode step of K continuations per prompt against a per-group prompt cache.
@@ -280,7 +241,7 @@ class Attention(_Adapted):
     return out.reshape(q_btnh.shape)
 
 
-class MLP(_Adapted):
+class MLP(lora_ops.Adapted):
   """SwiGLU feed-forward: W_down (silu(x W_gate) * x W_up) (Shazeer, arXiv:2002.05202)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -292,16 +253,18 @@ class MLP(_Adapted):
     self.up_proj = _param(rngs.params(), (d, f), ("embed", "mlp"), pd)
     self.down_proj = _param(rngs.params(), (f, d), ("mlp", "embed"), pd)
 
-  def __call__(self, x_btd):
+  def __call__(self, x_btd, key=None):
     dt = self.dtype
     gate = x_btd @ self.gate_proj[...].astype(dt)
     up = x_btd @ self.up_proj[...].astype(dt)
     if self.config.lora is not None:
-      gate = gate + self._delta("gate_proj", x_btd, gate.shape)
-      up = up + self._delta("up_proj", x_btd, up.shape)
+      gate = gate + self._delta("gate_proj", x_btd, gate.shape, key)
+      up = up + self._delta("up_proj", x_btd, up.shape, key)
     hidden = jax.nn.silu(gate) * up
     out = hidden @ self.down_proj[...].astype(dt)
-    return out if self.config.lora is None else out + self._delta("down_proj", hidden, out.shape)
+    if self.config.lora is None:
+      return out
+    return out + self._delta("down_proj", hidden, out.shape, key)
 
 
 class DecoderLayer(nnx.Module):
@@ -315,16 +278,18 @@ class DecoderLayer(nnx.Module):
     )
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, h_btd, cos_bth, sin_bth, allowed_bts, cache_kv=None, cache_index=None):
+  def __call__(
+    self, h_btd, cos_bth, sin_bth, allowed_bts, cache_kv=None, cache_index=None, key=None
+  ):
     attn, cache_kv = self.self_attn(
-      self.input_layernorm(h_btd), cos_bth, sin_bth, allowed_bts, cache_kv, cache_index
+      self.input_layernorm(h_btd), cos_bth, sin_bth, allowed_bts, cache_kv, cache_index, key
     )
-    return self._feed_forward(h_btd + attn), cache_kv
+    return self._feed_forward(h_btd + attn, key), cache_kv
 
-  def _feed_forward(self, h_btd):
-    return h_btd + self.mlp(self.post_attention_layernorm(h_btd))
+  def _feed_forward(self, h_btd, key=None):
+    return h_btd + self.mlp(self.post_attention_layernorm(h_btd), key)
 
-  def shared_prefix(self, h_p, h_s, rope_p, rope_s, prompt_mask_gp, group_size):
+  def shared_prefix(self, h_p, h_s, rope_p, rope_s, prompt_mask_gp, group_size, key=None):
     """The block on prompts [G,P,D] and their continuations [G*K,N,D] (see `Attention`)."""
     attn_p, attn_s = self.self_attn.shared_prefix(
       self.input_layernorm(h_p),
@@ -333,8 +298,10 @@ class DecoderLayer(nnx.Module):
       rope_s,
       prompt_mask_gp,
       group_size,
+      key,
     )
-    return self._feed_forward(h_p + attn_p), self._feed_forward(h_s + attn_s)
+    key_p, key_s = lora_ops.fold(key, 0), lora_ops.fold(key, 1)  # as in the attention
+    return self._feed_forward(h_p + attn_p, key_p), self._feed_forward(h_s + attn_s, key_s)
 
   def decode_shared(self, h_b1d, rope, prefix_kv, suffix_kv, prompt_mask_gp, index, block=0):
     """The block for one decode step against a per-group prompt cache (see `Attention`)."""
@@ -387,9 +354,19 @@ class Decoder(nnx.Module):
     )
 
   def hidden_states(
-    self, tokens, positions=None, attention_mask=None, cache=None, cache_index=None
+    self,
+    tokens,
+    positions=None,
+    attention_mask=None,
+    cache=None,
+    cache_index=None,
+    dropout_key=None,
   ):
-    """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache (or None)."""
+    """Final-norm hidden states [B, T, D] (compute dtype) and the updated cache (or None).
+
+    `dropout_key` turns on the adapters' input dropout (`lora_ops`; no cache
+    only); ignored when the config has none.
+    """
     tokens = jnp.asarray(tokens)
     b, t = tokens.shape
     if cache is None:
@@ -409,8 +386,11 @@ class Decoder(nnx.Module):
     allowed = (jnp.arange(s)[None, :] <= q_idx[:, None])[None] & mask[:, None, :]
     h = self._embed(tokens)
     if cache is None:
-      block = lambda layer, h: _constrain(layer(h, cos, sin, allowed)[0])
-      return self.norm(self._apply_layers(block, h)), None
+      keys = lora_ops.fold_range(lora_ops.dropout_key(self.config, dropout_key), len(self.layers))
+      block = lambda layer, h, key: _constrain(layer(h, cos, sin, allowed, key=key)[0])
+      return self.norm(self._apply_layers(block, h, keys)), None
+    if dropout_key is not None:
+      raise ValueError("dropout_key: adapter dropout runs in the teacher-forced forward only")
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       h, kv = layer(h, cos, sin, allowed, (cache.k[i], cache.v[i]), cache_index)
@@ -419,7 +399,9 @@ class Decoder(nnx.Module):
       new_v.append(kv[1])
     return self.norm(h), KVCache(tuple(new_k), tuple(new_v))
 
-  def shared_prefix_hidden_states(self, prompt_tokens, prompt_mask, tokens, group_size: int):
+  def shared_prefix_hidden_states(
+    self, prompt_tokens, prompt_mask, tokens, group_size: int, dropout_key=None
+  ):
     """Final-norm hidden states of K continuations per prompt, each prompt run once.
 
     Equals `hidden_states` of the concatenations ``[prompt_g, tokens_b]`` with
@@ -432,6 +414,7 @@ class Decoder(nnx.Module):
       prompt_mask: [G, P] 1 on real prompt tokens.
       tokens: int32 [G*K, N] continuations, group-major.
       group_size: K.
+      dropout_key: turns on the adapters' input dropout (as in `hidden_states`).
 
     Returns:
       (h_prompt [G, P, D], h_tokens [G*K, N, D]).
@@ -444,12 +427,13 @@ class Decoder(nnx.Module):
     rope_p = self._rope(default_positions(prompt_mask))
     rope_s = self._rope(suffix_positions)
 
-    def block(layer, hs):
-      h_p, h_s = layer.shared_prefix(*hs, rope_p, rope_s, prompt_mask, group_size)
+    def block(layer, hs, key):
+      h_p, h_s = layer.shared_prefix(*hs, rope_p, rope_s, prompt_mask, group_size, key)
       return _constrain(h_p), _constrain(h_s)
 
     hs = (self._embed(prompt_tokens), self._embed(tokens))
-    h_p, h_s = self._apply_layers(block, hs)
+    keys = lora_ops.fold_range(lora_ops.dropout_key(self.config, dropout_key), len(self.layers))
+    h_p, h_s = self._apply_layers(block, hs, keys)
     return self.norm(h_p), self.norm(h_s)
 
   def decode_shared(
@@ -506,8 +490,10 @@ class Decoder(nnx.Module):
     freqs = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(freqs), jnp.sin(freqs)
 
-  def _apply_layers(self, block, carry):
-    """``carry = block(layer, carry)`` over the layers (no cache), with remat / scan per config.
+  def _apply_layers(self, block, carry, keys=None):
+    """``carry = block(layer, carry, key)`` over the layers (no cache), remat / scan per config.
+
+    `keys`: the layers' dropout keys [L] (`lora_ops.fold_range`), or None.
 
     ``scan_layers`` runs the blocks as one `lax.scan` over their stacked states
     (one block compiled); ``remat`` rematerialises each block in the backward pass.
@@ -518,22 +504,23 @@ class Decoder(nnx.Module):
       graphdef = splits[0][0]
       stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits))
 
-      def scanned(carry, state):
-        return block(nnx.merge(graphdef, state), carry), None
+      def scanned(carry, xs):
+        return block(nnx.merge(graphdef, xs[0]), carry, xs[1]), None
 
       if c.remat:
         scanned = jax.checkpoint(scanned)
-      return jax.lax.scan(scanned, carry, stacked)[0]
-    for layer in self.layers:
+      return jax.lax.scan(scanned, carry, (stacked, keys))[0]
+    for i, layer in enumerate(self.layers):
+      key = None if keys is None else keys[i]
       if c.remat:
         layer_def, state = nnx.split(layer)
 
-        def run(state, carry, layer_def=layer_def):
-          return block(nnx.merge(layer_def, state), carry)
+        def run(state, carry, key, layer_def=layer_def):
+          return block(nnx.merge(layer_def, state), carry, key)
 
-        carry = jax.checkpoint(run)(state, carry)
+        carry = jax.checkpoint(run)(state, carry, key)
       else:
-        carry = block(layer, carry)
+        carry = block(layer, carry, key)
     return carry
 
   def logits_from_hidden(self, h_btd: jax.Array) -> jax.Array:

@@ -152,6 +152,7 @@ def sequence_logprobs(
   chunk_size: int = DEFAULT_CHUNK,
   kept: ArrayLike | None = None,
   top_k: int = 0,
+  dropout_key: jax.Array | None = None,
 ):
   """Teacher-forced log-probs and entropies of response tokens after a left-padded prompt.
 
@@ -170,6 +171,8 @@ def sequence_logprobs(
       score the truncated distribution it drew from (module docstring);
       None scores the full tempered softmax.
     top_k: the sampler's top-k (0 = off), which bounds the kept set.
+    dropout_key: the adapters' input dropout key (`models.lora_ops`; the
+      train step's current-policy forward only); None runs without dropout.
 
   Returns:
     (logp, entropy), float32 [B, N] each, zero where mask is 0.
@@ -182,7 +185,7 @@ def sequence_logprobs(
   full_tokens = jnp.concatenate([prompt_tokens, tokens], axis=1)
   # Response tokens after the first invalid one never influence valid ones (causal).
   full_mask = jnp.concatenate([jnp.asarray(prompt_mask) > 0, jnp.ones(tokens.shape, bool)], axis=1)
-  h, _ = model.hidden_states(full_tokens, attention_mask=full_mask)
+  h, _ = model.hidden_states(full_tokens, attention_mask=full_mask, dropout_key=dropout_key)
   h = h[:, p - 1 : p - 1 + n]
   logp, entropy = _token_logp_entropy(model, h, tokens, temperature, chunk_size, kept, top_k)
   m = (mask > 0).astype(jnp.float32)
@@ -200,6 +203,7 @@ def shared_prefix_logprobs(
   chunk_size: int = DEFAULT_CHUNK,
   kept: ArrayLike | None = None,
   top_k: int = 0,
+  dropout_key: jax.Array | None = None,
 ):
   """`sequence_logprobs` for K responses per prompt, each prompt run once per group.
 
@@ -222,13 +226,14 @@ def shared_prefix_logprobs(
       score the truncated distribution it drew from (module docstring);
       None scores the full tempered softmax.
     top_k: the sampler's top-k (0 = off), which bounds the kept set.
+    dropout_key: as for `sequence_logprobs`.
 
   Returns:
     (logp, entropy), float32 [G*K, N] each, zero where mask is 0.
   """
   tokens = jnp.asarray(tokens, jnp.int32)
   h_p, h_s = model.shared_prefix_hidden_states(
-    jnp.asarray(prompt_tokens, jnp.int32), prompt_mask, tokens, group_size
+    jnp.asarray(prompt_tokens, jnp.int32), prompt_mask, tokens, group_size, dropout_key
   )
   # Position t scores token t: the first from the prompt's last state, the rest
   # from the response's own states.

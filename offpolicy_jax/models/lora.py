@@ -1,7 +1,8 @@
 """Low-rank adapters: base / adapter split, merging, and PEFT import / export.
 
 A decoder built with `ModelConfig.lora` holds, besides its base weights, an
-`nnx.LoRA` per targeted projection (`decoder`): ``y = x W + (alpha / r) x A B``.
+`nnx.LoRA` per targeted projection (`lora_ops`):
+``y = x W + (alpha / r) dropout(x) A B``, the dropout in the train step only.
 
   adapter, base = lora.split(params)       # nnx.LoRAParam leaves | the rest
   params = lora.join(base, adapter)        # one state again (no copy)
@@ -34,7 +35,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from offpolicy_jax import files
-from offpolicy_jax.models import hf
+from offpolicy_jax.models import hf, lora_ops
 from offpolicy_jax.models.config import LORA_TARGETS, LoraConfig, ModelConfig
 from offpolicy_jax.models.decoder import Decoder
 
@@ -55,10 +56,6 @@ def join(base: Any, params: Any) -> Any:
   A pytree operation, no copy: inside a jitted function it costs nothing.
   """
   return params if base is None else nnx.merge_state(base, params)
-
-
-def _adapter_key(target: str) -> str:
-  return target.replace("_proj", "_lora")
 
 
 def _module(target: str) -> str:
@@ -86,7 +83,7 @@ def merged(params: nnx.State, config: ModelConfig) -> nnx.State:
     name = path[-1]
     if not isinstance(name, str) or name not in lc.targets:
       return var
-    owner = (*path[:-1], _adapter_key(name))
+    owner = (*path[:-1], lora_ops.adapter_name(name))
     a, b = flat[(*owner, "lora_a")][...], flat[(*owner, "lora_b")][...]
     w = var[...]
     delta = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)) * lc.scale
@@ -167,7 +164,7 @@ def _rows(config: ModelConfig) -> list[tuple[tuple, str]]:
   for i in range(config.num_layers):
     for t in lc.targets:
       peft = f"base_model.model.model.layers.{i}.{_module(t)}.{t}"
-      rows.append((("layers", i, _module(t), _adapter_key(t)), peft))
+      rows.append((("layers", i, _module(t), lora_ops.adapter_name(t)), peft))
   return rows
 
 
@@ -179,7 +176,7 @@ def peft_config(lora: LoraConfig, base_model_name_or_path: str = "") -> dict[str
     "base_model_name_or_path": base_model_name_or_path or None,
     "r": lora.rank,
     "lora_alpha": lora.alpha,
-    "lora_dropout": 0.0,
+    "lora_dropout": lora.dropout,
     "target_modules": list(lora.targets),
     "bias": "none",
     "fan_in_fan_out": False,
@@ -240,7 +237,12 @@ def _read_peft_config(path: str) -> LoraConfig:
   if isinstance(targets, str):
     targets = list(LORA_TARGETS) if targets == "all-linear" else [targets]
   try:
-    return LoraConfig(int(c["r"]), float(c.get("lora_alpha", 8)), tuple(sorted(targets or [])))
+    return LoraConfig(
+      int(c["r"]),
+      float(c.get("lora_alpha", 8)),
+      tuple(sorted(targets or [])),
+      float(c.get("lora_dropout") or 0.0),
+    )
   except (KeyError, TypeError, ValueError) as e:
     raise ValueError(f"{file}: not a LoRA config this decoder supports: {e}") from e
 

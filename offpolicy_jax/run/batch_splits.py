@@ -99,7 +99,7 @@ def gradients(
   """Summed gradients and merged metrics over the chunks of `batch` that move the loss.
 
   Args:
-    grad_fn: ``(params, chunk) -> (grads, typed metrics)`` of one chunk.
+    grad_fn: ``(params, chunk, i) -> (grads, typed metrics)`` of chunk `i` (traced index).
     zero_accumulators: ``(chunks stacked) -> (zero grads, identity metrics)``.
     params: the parameters.
     batch: the minibatch, ``chunks`` times a whole number of units of rows.
@@ -123,7 +123,7 @@ def gradients(
   def body(i, acc):
     mb = jax.tree.map(lambda x: x[i], micro)
     mb = jax.tree.map(lambda x: sharding.constrain(x, _batch_names(x)), mb)
-    g, metrics = grad_fn(params, mb)
+    g, metrics = grad_fn(params, mb, i)
     return jax.tree.map(jnp.add, acc[0], g), red.merge(acc[1], metrics)
 
   grads, metrics = jax.lax.fori_loop(0, n_chunks, body, zero_accumulators(micro))

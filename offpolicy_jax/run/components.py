@@ -149,7 +149,9 @@ def lora_config(config) -> models.LoraConfig | None:
   if not c.rank:
     return None
   targets = tuple(t.strip() for t in c.targets.split(","))
-  return models.LoraConfig(rank=c.rank, alpha=float(c.alpha), targets=targets)
+  return models.LoraConfig(
+    rank=c.rank, alpha=float(c.alpha), targets=targets, dropout=float(c.dropout)
+  )
 
 
 def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
@@ -365,7 +367,7 @@ def _build_fns(config) -> rl_step.StepFns:
         c.task_kwargs.to_dict(),
         c.mesh.to_dict(),
         c.data.to_dict(),
-        c.lora.to_dict(),
+        {k: v for k, v in c.lora.to_dict().items() if k != "dropout"},  # SFT runs none
       ],
       sort_keys=True,
       default=str,

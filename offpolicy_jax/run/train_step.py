@@ -24,6 +24,14 @@ parameters or the new optimizer state. ``version`` counts optimizer steps
 (skipped ones included); staleness metrics are ``version - batch.versions``
 over valid tokens at the start of the call.
 
+Adapter dropout (`LoraConfig.dropout` = p > 0, `models.lora_ops`): only the
+current-policy forward of the loss runs ``(alpha / r) dropout_p(x) A B``; the
+reference and proximal log-probs (and the scorer, sampler and evaluation) run
+without it. Its key is ``fold_in(key, DROPOUT_FOLD)``, folded with the
+optimizer step's index and then the micro-batch's (or chunk's) index, so
+micro-batches draw distinct masks and a run is a pure function of its keys.
+With p = 0 no key is derived: the program is the one without dropout.
+
 Metrics are typed reductions (`reductions.Mean`/`Sum`/`Max`/`Min`): the type
 says how micro-batches and optimizer steps combine, and `results` divides once.
 """
@@ -39,6 +47,7 @@ from jax.sharding import Mesh
 
 from offpolicy_jax import losses, models, types
 from offpolicy_jax import reductions as red
+from offpolicy_jax.models import lora_ops
 from offpolicy_jax.run import batch_splits, diagnostics
 from offpolicy_jax.run.batch_splits import chunks_per_micro_batch
 from offpolicy_jax.run.batch_splits import micro_batches as _micro_batches
@@ -46,6 +55,9 @@ from offpolicy_jax.run.batch_splits import split_micro as _split_micro
 from offpolicy_jax.run.train_state import TrainState, all_finite, state_shardings
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.types import TrainBatch
+
+# The train-step key's fold that seeds adapter dropout (the epoch shuffles split the key itself).
+DROPOUT_FOLD = 1
 
 
 class StepOptions(NamedTuple):
@@ -124,13 +136,15 @@ def token_logprobs(
   *,
   truncated: bool = False,
   top_k: int = 0,
+  dropout_key: jax.Array | None = None,
 ):
   """Teacher-forced log-probs and entropies [B, N] of `mb`'s responses under `params`.
 
   With ``shared_group = K > 0`` the rows are groups of K sharing a prompt and
   each prompt runs once (`models.shared_prefix_logprobs`). With `truncated`
   the log-probs are those of the top-k / top-p truncated distribution of
-  ``mb.behavior_kept`` tokens (`StepOptions.truncated`).
+  ``mb.behavior_kept`` tokens (`StepOptions.truncated`). `dropout_key` turns
+  on the adapters' input dropout (the train step's current policy only).
   """
   model = nnx.merge(graphdef, params)
   kept = mb.behavior_kept if truncated else None
@@ -145,9 +159,18 @@ def token_logprobs(
       temperature,
       kept=kept,
       top_k=top_k,
+      dropout_key=dropout_key,
     )
   return models.sequence_logprobs(
-    model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask, temperature, kept=kept, top_k=top_k
+    model,
+    mb.prompt_tokens,
+    mb.prompt_mask,
+    mb.tokens,
+    mb.mask,
+    temperature,
+    kept=kept,
+    top_k=top_k,
+    dropout_key=dropout_key,
   )
 
 
@@ -217,7 +240,7 @@ def _behavior_ratio(logp, mb: TrainBatch) -> dict[str, Any]:
 
 
 def micro_batch_loss(
-  params, mb: TrainBatch, graphdef, options: StepOptions, ref_params, anchor, base=None
+  params, mb: TrainBatch, graphdef, options: StepOptions, ref_params, anchor, base=None, key=None
 ):
   """``(loss_sum, typed metrics)`` of one micro-batch; differentiate the first output.
 
@@ -231,11 +254,13 @@ def micro_batch_loss(
       current parameters are the anchor).
     base: frozen base weights the parameters adapt (`models.lora`), or None.
       Not differentiated: gradients and optimizer state cover `params` only.
+    key: the micro-batch's adapter-dropout key (None: no dropout); only the
+      current policy's forward uses it.
   """
   spec, o = options.spec, options
   shared = options.group_size if options.shared_prefix else 0
   sg = jax.lax.stop_gradient
-  score = lambda p: token_logprobs(
+  score = lambda p, key=None: token_logprobs(
     graphdef,
     models.lora.join(base, p),
     mb,
@@ -243,8 +268,9 @@ def micro_batch_loss(
     shared,
     truncated=o.truncated,
     top_k=o.top_k,
+    dropout_key=key,
   )
-  logp, ent = score(params)
+  logp, ent = score(params, key)
   extra = {}
   if spec.needs_ref:
     extra["ref_logp"] = sg(score(ref_params)[0])
@@ -273,20 +299,25 @@ def micro_batch_loss(
   return out.loss_sum, metrics
 
 
-def _gradients(params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor, base):
-  """Summed gradients and merged metrics over `m` micro-batches (scan from zeros)."""
+def _gradients(
+  params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor, base, key=None
+):
+  """Summed gradients and merged metrics over `m` micro-batches (scan from zeros).
+
+  `key`: the optimizer step's dropout key; micro-batch i uses ``fold_in(key, i)``.
+  """
   if options.skips_rows:
-    return _gradients_skipping(params, batch, m, graphdef, options, ref_params, anchor, base)
+    return _gradients_skipping(params, batch, m, graphdef, options, ref_params, anchor, base, key)
   micro = _split_micro(batch, m, options.unit)
   grad_fn = jax.grad(micro_batch_loss, has_aux=True)
   args = (graphdef, options, ref_params, anchor, base)
   init = _zero_accumulators(grad_fn, params, micro, args)
 
-  def body(acc, mb):
-    g, metrics = grad_fn(params, mb, *args)
+  def body(acc, xs):
+    g, metrics = grad_fn(params, xs[0], *args, xs[1])
     return (jax.tree.map(jnp.add, acc[0], g), red.merge(acc[1], metrics)), None
 
-  (grads, metrics), _ = jax.lax.scan(body, init, micro)
+  (grads, metrics), _ = jax.lax.scan(body, init, (micro, lora_ops.fold_range(key, m)))
   return grads, metrics
 
 
@@ -297,15 +328,18 @@ def _zero_accumulators(grad_fn, params, micro: TrainBatch, args):
 
 
 def _gradients_skipping(
-  params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor, base
+  params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor, base, key=None
 ):
-  """`_gradients` with the rows whose advantages are all 0 left out (`batch_splits`)."""
+  """`_gradients` with the rows whose advantages are all 0 left out (`batch_splits`).
+
+  Chunk i of the rows that run uses the dropout key ``fold_in(key, i)``.
+  """
   grad_fn = jax.grad(micro_batch_loss, has_aux=True)
   args = (graphdef, options, ref_params, anchor, base)
   micro_rows = batch.tokens.shape[0] // m
   chunks = m * chunks_per_micro_batch(options, micro_rows, batch_splits.batch_shards())
   return batch_splits.gradients(
-    lambda p, mb: grad_fn(p, mb, *args),
+    lambda p, mb, i: grad_fn(p, mb, *args, lora_ops.fold(key, i)),
     lambda micro: _zero_accumulators(grad_fn, params, micro, args),
     params,
     batch,
@@ -325,9 +359,13 @@ def optimizer_step(
   ref_params,
   anchor,
   base=None,
+  key=None,
 ) -> tuple[TrainState, dict[str, Any]]:
-  """One optimizer step on minibatch `mb`, skipped when empty or non-finite."""
-  g_sum, metrics = _gradients(state.params, mb, m, graphdef, options, ref_params, anchor, base)
+  """One optimizer step on minibatch `mb`, skipped when empty or non-finite.
+
+  `key`: the step's adapter-dropout key, or None (no dropout).
+  """
+  g_sum, metrics = _gradients(state.params, mb, m, graphdef, options, ref_params, anchor, base, key)
   count = metrics["loss"].weight
   grads = jax.tree.map(lambda g: g / jnp.where(count > 0, count, 1.0), g_sum)
   grad_norm = optax.tree.norm(grads)
@@ -379,7 +417,7 @@ def train_step(
     options: static settings.
     state: the train state.
     batch: ``B`` rows, ``B`` divisible by ``num_minibatches`` and the micro-batches.
-    key: PRNG key of the epoch shuffles.
+    key: PRNG key of the epoch shuffles and the adapters' dropout (module docstring).
     ref_params: reference parameters, required when the loss has ``needs_ref``.
     proximal_params: an explicit proximal anchor; None uses the parameters the
       call starts from (the decoupled-PPO default).
@@ -398,8 +436,9 @@ def train_step(
   if anchor is None and options.spec.needs_proximal and options.updates > 1:
     anchor = state.params  # the call's starting parameters, held by the trace (no copy)
   args = (m, graphdef, optimizer, options, ref_params, anchor, base)
+  dkey = _dropout_key(graphdef, state.params, base, key)
   if options.updates == 1:
-    state, metrics = optimizer_step(state, batch, *args)
+    state, metrics = optimizer_step(state, batch, *args, lora_ops.fold(dkey, 0))
   else:
     mb_rows = rows // options.num_minibatches
     unit = options.unit
@@ -409,15 +448,24 @@ def train_step(
       perms = (perms[..., None] * unit + jnp.arange(unit)[None, None]).reshape(-1, rows)
     order = perms.reshape(options.updates, mb_rows)
 
-    def scan_step(st, idx):
-      return optimizer_step(st, jax.tree.map(lambda x: x[idx], batch), *args)
+    def scan_step(st, xs):
+      return optimizer_step(st, jax.tree.map(lambda x: x[xs[0]], batch), *args, xs[1])
 
-    state, per_step = jax.lax.scan(scan_step, state, order)
+    state, per_step = jax.lax.scan(scan_step, state, (order, lora_ops.fold_range(dkey, len(order))))
     metrics = red.reduce(per_step)
   out = {**red.results(metrics), **stale, **diagnostics.mismatch_terms(batch)}
   out["num_skipped"] = state.num_skipped
   out["version"] = state.version
   return state._replace(step=state.step + 1), out
+
+
+def _dropout_key(graphdef, params, base, key) -> jax.Array | None:
+  """The call's adapter-dropout key, or None when the model has no adapter dropout.
+
+  Decided from the model's config at trace time (merging emits no operation).
+  """
+  lc = nnx.merge(graphdef, models.lora.join(base, params)).config.lora
+  return None if lc is None or lc.dropout == 0 else jax.random.fold_in(key, DROPOUT_FOLD)
 
 
 def _checked(fn: Callable, spec: losses.LossSpec) -> Callable:

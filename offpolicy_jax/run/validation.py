@@ -150,6 +150,7 @@ def validate_config(config) -> None:
   _validate_mesh(c)
   _validate_sources(c)
   _validate_sft(c)
+  _validate_lora(c)
 
 
 def _validate_sampling(c) -> None:
@@ -318,6 +319,15 @@ def _validate_sources(c) -> None:
     c.task in known or c.task.startswith("reasoning_gym:"),
     "task",
     f"unknown task {c.task!r}; known: {', '.join(known)}",
+  )
+
+
+def _validate_lora(c) -> None:
+  _need(
+    not c.lora.dropout or c.lora.rank > 0,
+    "lora.dropout",
+    f"adapter dropout {c.lora.dropout} needs adapters: set lora.rank > 0 (it is 0: full "
+    "fine-tuning)",
   )
 
 
