@@ -69,7 +69,7 @@ def format_plan(result) -> str:
   if result.peak_flops:
     seconds = result.step_flops / (result.peak_flops * n)
     lines.append(
-      f"step time >= {seconds:.3g} s (rough bound: 6ND train + 2ND sample FLOPs "
+      f"step time >= {seconds:.3g} s (rough bound: {result.flops_rule} FLOPs "
       f"at 100% of {result.peak_flops:.3g} FLOP/s per device)"
     )
   return "\n".join(lines)

@@ -177,3 +177,24 @@ def test_binary_bad_input_names_the_field(flags, field):
   out = _run("--config=configs/gsm8k_qwen25_1p5b.py", *flags)
   assert out.returncode != 0
   assert field in out.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+  "rank, kl, per_token, rule",
+  [
+    (0, 0.0, 6.0, "6ND train + 2ND sample"),
+    (2, 0.0, 4.0, "4ND train + 2ND sample"),
+    (2, 0.01, 6.0, "6ND train (incl. 2ND reference forward) + 2ND sample"),
+  ],
+)
+def test_step_flops_count_no_base_weight_gradients_with_adapters(rank, kl, per_token, rule):
+  """Full: 6ND per trained token; adapters: 4ND (frozen base); a reference forward: +2ND."""
+  c = default.base_config()
+  c.sft.enabled, c.lora.rank, c.loss.kl_coef, c.train.num_epochs = False, rank, kl, 2
+  got = planner.plan(c, devices=1, bytes_per_device=None, activations="analytic")
+  mc, _ = planner.model_config(c)
+  n_params = mc.num_params() + (mc.num_adapter_params() if rank else 0)
+  g, k, p, n = components.sizes(c)
+  want = per_token * n_params * g * k * (p + n) * 2 + 2 * n_params * (g * p + g * k * n)
+  assert got.step_flops == pytest.approx(want, rel=1e-12)
+  assert got.flops_rule == rule

@@ -38,9 +38,17 @@ t = micro-batch rows per device * (P + N) tokens ("analytic"; with
   + t_chunk * V * 4 * 2                      (float32 logits and log-softmax of one chunk)
   + 2 * trained params bytes                 (accumulated and micro-batch gradients)
 
-Step time, a rough lower bound: ``6 * params * tokens * epochs`` (training;
-``4 *`` with adapters, whose base needs no weight gradients) plus ``2 *
-params * tokens`` (sampling) FLOPs over ``devices * peak FLOP/s``.
+Step time, a rough lower bound: the step's FLOPs over ``devices * peak
+FLOP/s``, with N the parameters (base + adapters) and D tokens:
+
+  train    per epoch, per trained token (G K (P + N_new)): 2N forward + 2N
+           activation gradients + 2N weight gradients = 6N; with adapters the
+           frozen base has no weight gradients: 4N (the adapters' own weight
+           gradients, 2 r (in + out) per projection, are left out: negligible)
+  ref      2N per trained token and epoch (a forward) when the loss has a KL to the reference
+  sample   2N per sampled token (G P prefill + G K N_new decode)
+
+(`train_flops_per_token`; `Plan.flops_rule` says which terms a plan counts).
 """
 
 from __future__ import annotations
@@ -104,11 +112,12 @@ class Plan(NamedTuple):
     devices: devices available (the mesh uses `prod(mesh)` of them).
     bytes_per_device: memory of one device, or None (no verdict).
     activations_source: "compiled (...)" or "analytic".
-    step_flops: FLOPs of one loop step (6ND train + 2ND sample).
+    step_flops: FLOPs of one loop step (module docstring; `flops_rule`).
     peak_flops: per-device peak FLOP/s of the device type, or None.
     notes: where the model architecture came from, if not `config.model` itself.
     sampler: the sampler's own mesh `{"data": k, ...}` (mesh.sampler_devices = k), or None.
     sampler_params_bytes: per-device bytes of the sampler's parameter copy (0: shared mesh).
+    flops_rule: the terms `step_flops` counts, e.g. "4ND train + 2ND sample".
   """
 
   bytes: dict[str, int]
@@ -121,6 +130,7 @@ class Plan(NamedTuple):
   notes: tuple[str, ...]
   sampler: dict[str, int] | None = None
   sampler_params_bytes: int = 0
+  flops_rule: str = ""
 
   @property
   def state_bytes(self) -> int:
@@ -349,12 +359,33 @@ def plan(
   }
   g, k, p, n = components.sizes(config)
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(whole))
-  per_token = 6.0 if base is None else 4.0  # no weight gradients of a frozen base
-  train = per_token * num_params * g * k * (p + n) * options.num_epochs * (1 + needs_ref)
-  flops = train + 2.0 * num_params * (g * p + g * k * n)
+  per_token = train_flops_per_token(adapters=base is not None) + 2.0 * needs_ref
+  flops = per_token * num_params * g * k * (p + n) * options.num_epochs
+  flops += 2.0 * num_params * (g * p + g * k * n)
+  rule = f"{per_token:g}ND train" + (" (incl. 2ND reference forward)" if needs_ref else "")
   peak = DEVICES[device_type].peak_flops if device_type else None
   axes = dict(zip(sharding.MESH_AXES, sizes, strict=True))
   notes = (note,) if note else ()
   return Plan(
-    row_bytes, axes, devices, bytes_per_device, source, flops, peak, notes, sampler, sampler_params
+    row_bytes,
+    axes,
+    devices,
+    bytes_per_device,
+    source,
+    flops,
+    peak,
+    notes,
+    sampler,
+    sampler_params,
+    f"{rule} + 2ND sample",
   )
+
+
+def train_flops_per_token(*, adapters: bool) -> float:
+  """FLOPs per parameter and trained token of a forward + backward pass.
+
+  6: forward 2, activation gradients 2, weight gradients 2. With adapters 4:
+  the frozen base needs activation gradients (the adapters sit below it) but
+  no weight gradients; the adapters' weight gradients are negligible.
+  """
+  return 4.0 if adapters else 6.0
