@@ -12,6 +12,7 @@
   loop          train_and_evaluate(config, workdir): restore, iterate chunks, write rows
   producer      the async-mode sampler thread;  sampler_mesh: the disaggregated sampler's rollouts
   evaluation    greedy accuracy and pass@k on held-out prompts (the loop's and the study's)
+  export        a run's checkpoint as a PEFT adapter or an HF checkpoint
   sft           supervised warm start
   observability compile counter, jax.profiler traces
   planner       per-device memory of a config on any mesh, before allocating
@@ -25,6 +26,7 @@ from offpolicy_jax.run import (
   data,
   data_checks,
   evaluation,
+  export,
   loop,
   observability,
   pipeline,
@@ -45,6 +47,7 @@ __all__ = [
   "data",
   "data_checks",
   "evaluation",
+  "export",
   "loop",
   "observability",
   "planner",

@@ -1,0 +1,150 @@
+"""Export a run's checkpoint as a PEFT adapter or a Hugging Face checkpoint.
+
+  python -m experiments.export --workdir=DIR --out=OUT [--format=peft|merged] [--step=N]
+  export.export_checkpoint(workdir, out, fmt="peft")     # the same, from a notebook
+
+The run is rebuilt from its recorded config (`config.json`, with the changes
+`config_history.jsonl` records applied in order; fields added since take their
+defaults); the parameters of the checkpoint step (default: the latest) are read
+by name, as `loop.evaluate_checkpoint` reads them. Formats:
+
+- ``peft`` (a LoRA run): `models.lora.save_peft` writes the adapter to OUT.
+  The adapter belongs to the run's frozen base, rebuilt as at the run's start
+  (loaded from `config.model`, warm-started when `sft.enabled`) and checked
+  against the base fingerprint the checkpoint recorded. When that base is
+  exactly an HF directory on disk (`config.model` without a warm start),
+  ``adapter_config.json`` names it; otherwise (a preset, a warm-started base)
+  the base is written as an HF checkpoint to OUT/base and named instead, so
+  `peft.PeftModel.from_pretrained` always has the adapter's own base.
+- ``merged``: one HF checkpoint with W + (alpha / r) A B in every adapted
+  projection (`models.lora.save_merged`); for a run without adapters, the
+  trained model itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import ml_collections
+from flax import nnx
+
+from offpolicy_jax import config_schema, files, models
+from offpolicy_jax.run import components, loop
+from offpolicy_jax.store import checkpointing, metrics
+
+FORMATS = ("peft", "merged")
+BASE_DIR = "base"
+
+
+def recorded_config(workdir: str) -> ml_collections.ConfigDict:
+  """The config a run in `workdir` last ran with: `config.json` plus its recorded changes.
+
+  Raises:
+    FileNotFoundError: `workdir` has no `config.json` (not a run directory).
+    ValueError: `config.json` or `config_history.jsonl` is not readable JSON.
+  """
+  path = os.path.join(workdir, metrics.CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{workdir}: no {metrics.CONFIG_FILE}; not a run directory")
+  config = config_schema.config_dict()
+  flat = config_schema.flatten(files.read_json_object(path))
+  history = os.path.join(workdir, metrics.CONFIG_HISTORY_FILE)
+  if os.path.isfile(history):
+    with open(history) as f:
+      for i, line in enumerate(f):
+        try:
+          changes = json.loads(line)["changes"]
+        except (ValueError, KeyError, TypeError) as e:
+          raise ValueError(f"{history}: line {i + 1} is not a recorded change ({e})") from None
+        flat.update({k: new for k, (_, new) in changes.items()})
+  for name, value in flat.items():
+    *parents, leaf = name.split(".")
+    node = config
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def _restore(workdir: str, comps, step: int | None):
+  """`(base, params, meta)` of checkpoint `step`, the base checked against its record."""
+  base, params = loop.initial_weights(comps, warm_start=comps.fns.lora is not None)
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
+  try:
+    items, meta = ckpt.restore({"params": params}, step)
+  except FileNotFoundError as e:
+    raise FileNotFoundError(f"{workdir}: nothing to export ({e})") from None
+  except checkpointing.CheckpointError as e:
+    raise checkpointing.CheckpointError(
+      f"{workdir}: cannot export: {e}; pass --step for an older intact step", e.failures
+    ) from None
+  finally:
+    ckpt.close()
+  if base is not None:
+    want = meta.get("base") or {}
+    got = models.lora.fingerprint(base)
+    if want.get("fingerprint") != got:
+      raise ValueError(
+        f"{workdir}: the checkpoint's adapters belong to the base {want}, but the rebuilt "
+        f"base has fingerprint {got} (config.model or its files changed, or a warm start"
+        " rebuilt on other devices or XLA flags than the run's); refusing to export"
+      )
+  return base, items["params"], meta
+
+
+def export_checkpoint(
+  workdir: str, out: str, *, fmt: str = "peft", step: int | None = None, dtype: Any = None
+) -> dict[str, Any]:
+  """Writes a run's checkpoint as a PEFT adapter (`fmt="peft"`) or an HF checkpoint ("merged").
+
+  Args:
+    workdir: the run directory (config.json, checkpoints/).
+    out: output directory (created).
+    fmt: "peft" (LoRA runs only) or "merged".
+    step: checkpoint step; None for the latest.
+    dtype: storage dtype (default: the parameter dtype).
+
+  Returns:
+    `{"step", "format", "out", "base"}`; "base" is the adapter's base (PEFT) or None.
+
+  Raises:
+    ValueError: an unknown format, "peft" for a run without adapters, or a base mismatch.
+    FileNotFoundError / checkpointing.CheckpointError: no checkpoint, or a corrupt step.
+  """
+  if fmt not in FORMATS:
+    raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+  config = recorded_config(workdir)
+  if fmt == "peft" and not config.lora.rank:
+    raise ValueError(
+      f"{workdir}: the run has no adapters (lora.rank = 0); export it with format 'merged'"
+    )
+  comps = components.build_components(config)
+  base, params, meta = _restore(workdir, comps, step)
+  model = nnx.merge(comps.fns.graphdef, models.lora.join(base, params))
+  base_path = None
+  if fmt == "merged":
+    models.lora.save_merged(model, out, dtype)
+  else:
+    base_path = _base_path(config, model, out, dtype)
+    models.lora.save_peft(model, out, base_model_name_or_path=base_path, dtype=dtype)
+  return {"step": meta["step"], "format": fmt, "out": out, "base": base_path}
+
+
+def _base_path(config, model, out: str, dtype) -> str:
+  """The HF directory of the adapter's base: `config.model`, or the base written to OUT/base."""
+  if os.path.isdir(config.model) and not config.sft.enabled:
+    return os.path.abspath(config.model)
+  path = os.path.join(out, BASE_DIR)
+  models.save_pretrained(models.lora.without_adapters(_zeroed(model)), path, dtype)
+  return os.path.abspath(path)
+
+
+def _zeroed(model):
+  """`model` with its adapters' B set to 0: the plain base under them."""
+  graphdef, adapter, rest = nnx.split(model, nnx.LoRAParam, ...)
+  zero = nnx.map_state(
+    lambda path, v: v.replace(v[...] * 0) if path[-1] == "lora_b" else v, adapter
+  )
+  return nnx.merge(graphdef, zero, rest)
