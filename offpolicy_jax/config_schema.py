@@ -404,6 +404,21 @@ RUN_FIELDS: tuple[Field, ...] = (
      "the train step's current-policy forward only (never the sampler, the old / behaviour "
      "scoring, the reference or evaluation); needs lora.rank > 0.",
      Float(0, 1, hi_open=True)),
+  _F("multiturn.max_turns", 0, PROGRAM,
+     "Multi-turn episodes (docs/multiturn.md): at most this many policy turns per trajectory, "
+     "each answered by the task's environment in the sandboxed workers (0 = single-turn; "
+     "needs a task with an environment).", Int(0, note=" (0 = single-turn)")),
+  _F("multiturn.turn_tokens", 0, PROGRAM,
+     "Token budget of one policy turn (0 = max_new_tokens); max_new_tokens bounds the whole "
+     "trajectory, policy and observation tokens together.", Int(0, note=" (0 = max_new_tokens)")),
+  _F("multiturn.observation_tokens", 16, PROGRAM,
+     "Longest observation kept in a trajectory, in tokens (longer ones are cut and counted).",
+     _POS),
+  _F("multiturn.credit", "trajectory", PROGRAM,
+     "\"trajectory\": each trajectory's summed reward, advantages relative to the K "
+     "trajectories of its prompt; \"turn\": each turn's tokens get the group-relative "
+     "advantage of the reward still to come from that turn on (per-turn rewards).",
+     Choice(("trajectory", "turn"))),
   _F("mesh.data", 1, PLACEMENT, "Data-parallel mesh axis size (-1 fills the remaining devices).",
      Int(1, note=" or -1", also=(-1,))),
   _F("mesh.fsdp", 1, PLACEMENT, "Fully-sharded (parameter) axis size.",

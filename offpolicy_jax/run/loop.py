@@ -38,7 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag, models
-from offpolicy_jax.run import evaluation, observability, pipeline, producer, sampler_mesh, sft
+from offpolicy_jax.run import (
+  episodes,
+  evaluation,
+  observability,
+  pipeline,
+  producer,
+  sampler_mesh,
+  sft,
+)
 from offpolicy_jax.run.components import Components, build_components, snapshot_slots
 from offpolicy_jax.run.pipeline import EVAL, step_key
 from offpolicy_jax.run.rl_step import (
@@ -352,6 +360,15 @@ class _Loop:
     step_a = jax.device_put(np.int32(step), self._rep)
     if self.sampler is not None:  # on the sampler's mesh, moved back to the trainer's
       return prompts, device, truncated, step_a, self.sampler.sample(state, local, step)
+    if self.fns.episodes is not None:  # turns answered by the environment between decodes
+      progs = programs(self.fns, self.run_cfg.replay, state)
+      params, v, found = progs.behaviour(state, step_a, self.schedule)
+      out, rewards_b, info = episodes.sample(
+        self.fns, weights(state, params), prompts, step, self.seed
+      )
+      return prompts, device, truncated, step_a, sampler_mesh.Sampled(
+        out, v, found, rewards_b, info
+      )
     fn = programs(self.fns, self.run_cfg.replay, state).rollout
     out, v, found = fn(state, device, step_a, self.seed, self.schedule)
     return prompts, device, truncated, step_a, sampler_mesh.Sampled(out, v, found, None, {})
@@ -364,6 +381,8 @@ class _Loop:
     a prefetched batch).
     """
     run = self.run_cfg
+    if self.fns.episodes is not None:  # an episode's rollout runs on the host: nothing to overlap
+      return False
     if step >= run.total_steps or (run.checkpoint_every and step % run.checkpoint_every == 0):
       return False
     return lag.behavior_version(step + 1, run.sync_interval, run.sync_offset) < step

@@ -96,6 +96,8 @@ class StepFns:
   score_old: Callable | None = None
   # Low-rank adapters (`lora.rank > 0`): the trained parameters are the adapters.
   lora: models.LoraConfig | None = None
+  # Multi-turn episodes (`multiturn.max_turns > 0`, `run.episodes.Episodes`); None: single-turn.
+  episodes: Any = None
 
   @property
   def updates(self) -> int:

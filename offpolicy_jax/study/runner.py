@@ -32,7 +32,7 @@ import ml_collections
 import numpy as np
 
 from offpolicy_jax import advantages, config_schema, lag, losses
-from offpolicy_jax.run import components, evaluation, pipeline, rl_step, sft
+from offpolicy_jax.run import components, episodes, evaluation, pipeline, rl_step, sft
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweeps
 
@@ -329,7 +329,9 @@ def _run_seeds(comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule
     prompts = _prompt_chunk(iters, run.eval_every, not device)
     steps = jnp.arange(start + 1, start + run.eval_every + 1, dtype=jnp.int32)
     progs = rl_step.programs(fns, run.replay, state, over_seeds=True)
-    if device:
+    if fns.episodes is not None:
+      state, out = episodes.steps_over_seeds(fns, progs, state, prompts, steps, seeds_a, schedule)
+    elif device:
       state, out = progs.rl_steps(state, prompts, steps, seeds_a, schedule)
     else:
       state, out = _host_reward_steps(fns, progs, state, prompts, steps, seeds_a, schedule)
