@@ -315,7 +315,8 @@ def _episodes(config, task, tokenizer, graphdef, sampler_graphdef) -> episodes.E
   if task.environment is None:
     raise ValueError(
       f"config.multiturn.max_turns: task {c.task!r} has no environment to answer turns "
-      f"(multi-turn tasks: {', '.join(tasks.environment_tasks())})"
+      "(set multiturn.max_turns = 0, or pick a multi-turn task such as guess_number or "
+      "calculator)"
     )
   if jax.process_count() > 1:
     raise ValueError("config.multiturn.max_turns: multi-turn episodes run in one process")

@@ -69,6 +69,37 @@ def encode_targets(tokenizer: Any, texts: Sequence[str], max_len: int) -> tuple[
   return tokens, mask
 
 
+def encode_episodes(
+  tokenizer: Any, episodes: Sequence[Sequence[tuple[str, str]]], max_len: int
+) -> tuple[np.ndarray, ...]:
+  """Encodes demonstrated episodes as one trajectory each, the policy's turns masked in.
+
+  A multi-turn task's demonstration is `[(role, text), ...]` with role
+  "policy" or "env"; the trajectory is the concatenation (as the multi-turn
+  sampler builds it: observations appended as they are encoded), and the
+  target mask is 1 on the policy's tokens only, so the warm start does not
+  learn to write the environment's answers.
+
+  Returns:
+    (tokens int32 [B, N], mask float32 [B, N]), right-padded / truncated to `max_len`.
+  """
+  tokens = np.full((len(episodes), max_len), tokenizer.pad_id, np.int32)
+  mask = np.zeros((len(episodes), max_len), np.float32)
+  for i, turns in enumerate(episodes):
+    ids: list[int] = []
+    on: list[float] = []
+    for role, text in turns:
+      if role not in ("policy", "env"):
+        raise ValueError(f"demonstration turn {role!r}: the roles are 'policy' and 'env'")
+      piece = list(tokenizer.encode(text))
+      ids += piece
+      on += [float(role == "policy")] * len(piece)
+    ids, on = ids[:max_len], on[:max_len]
+    tokens[i, : len(ids)] = ids
+    mask[i, : len(ids)] = on
+  return tokens, mask
+
+
 def reference_batches(
   task: Any, tokenizer: Any, prompts: Iterator[dict], max_len: int
 ) -> Iterator[SFTBatch]:
@@ -88,8 +119,11 @@ def reference_batches(
   if task.answer is None:
     raise ValueError(f"task {task.name!r} has no reference answers for supervised warm start")
   for batch in prompts:
-    texts = [task.answer(ex) for ex in data.examples(task, "train", batch["index"])]
-    tokens, mask = encode_targets(tokenizer, texts, max_len)
+    examples = data.examples(task, "train", batch["index"])
+    if task.demonstration is not None:
+      tokens, mask = encode_episodes(tokenizer, [task.demonstration(ex) for ex in examples], max_len)
+    else:
+      tokens, mask = encode_targets(tokenizer, [task.answer(ex) for ex in examples], max_len)
     p = batch["prompt_tokens"].shape[1]
     prompt_mask = np.asarray(types.prompt_mask(batch["prompt_lengths"], p), np.float32)
     yield SFTBatch(batch["prompt_tokens"], prompt_mask, tokens, mask)
