@@ -309,6 +309,36 @@ def split_turns(text: str) -> list[tuple[str, str]]:
   return [("env" if line.startswith(OBS_PREFIX) else "policy", line) for line in lines]
 
 
+def episode_stats(finals: Sequence[EnvResult]) -> dict[str, float]:
+  """Episode metrics for logs, from the last `EnvResult` of each episode.
+
+  Returns:
+    `episodes`; `solved` (episodes whose `info["solved"]` is true) and
+    `success_rate`; `failed` (episodes that ended on a failure); for every
+    other number `k` of the infos, `k` (its mean over the episodes) and
+    `k_per_solved` (its sum over solved episodes / `solved`; 0 if none),
+    e.g. `tool_calls_per_solved`.
+  """
+  n = len(finals)
+  infos = [r.info or {} for r in finals]
+  solved = [bool(i.get("solved")) for i in infos]
+  num_solved = sum(solved)
+  out = {
+    "episodes": float(n),
+    "solved": float(num_solved),
+    "success_rate": num_solved / n if n else 0.0,
+    "failed": float(sum(bool(r.failure) for r in finals)),
+  }
+  keys = sorted({k for i in infos for k in i if k != "solved"})
+  for k in keys:
+    values = [float(i.get(k, 0.0)) for i in infos]
+    out[k] = sum(values) / n
+    out[f"{k}_per_solved"] = sum(v for v, s in zip(values, solved, strict=True) if s) / max(
+      num_solved, 1
+    )
+  return out
+
+
 def replay_reward(example: Any, text: str, *, env: Any) -> float:
   """The summed reward of the episode `text` replays against `env` (a task's host reward).
 
@@ -336,6 +366,7 @@ __all__ = [
   "EnvRunner",
   "Environment",
   "RebuildEnv",
+  "episode_stats",
   "failed",
   "observation_text",
   "replay_reward",
