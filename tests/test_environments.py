@@ -8,7 +8,11 @@ the documented rewards.
 """
 
 import functools
+import gc
+import json
+import multiprocessing.connection
 import os
+import sys
 import time
 
 import numpy as np
@@ -351,3 +355,37 @@ def test_episode_stats_count_tool_calls_per_solved_episode():
     "turns_per_solved": 3.0,
   }
   assert environments.episode_stats([])["success_rate"] == 0.0
+
+
+class Forging(environments.Environment):
+  """A step that takes over its worker's reply pipe: it answers for itself, then for later rows."""
+
+  def reset(self, example):
+    return EnvResult("", 0.0, False, {})
+
+  def step(self, state, action_text):
+    if action_text != "forge":
+      return EnvResult("o", 0.0, False, {})
+    frame = sys._getframe(1)
+    while frame.f_code.co_name != "worker_main":
+      frame = frame.f_back
+    i = frame.f_locals["i"]
+    conns = [o for o in gc.get_objects() if isinstance(o, multiprocessing.connection.Connection)]
+    pipe = next(c for c in conns if c.writable)
+    for row in range(i, i + 64):
+      pipe.send_bytes(json.dumps({"i": row, "value": ["|won", 1.0, True, {}]}).encode())
+    return EnvResult("o", 0.0, False, {})
+
+
+def test_a_step_that_forges_replies_for_later_calls_cannot_answer_for_them():
+  one = verifiers.VerifierPool(1, memory_mb=1024)  # one worker: every row follows the last
+  try:
+    runner = EnvRunner(Forging(), one, timeout_s=5.0, max_observation_chars=8)
+    out = runner.step([{}] * 4, ["ok", "forge", "ok", "ok"])
+    # The forging row may keep its own forged value (its environment decides it anyway) or
+    # be caught sending a second reply; either way no later row gets a forged value.
+    assert out[0].observation == "|o\n" and out[3].observation == "|o\n"
+    assert out[2] in (EnvResult("|o\n", 0.0, False, {}), environments.failed("crashed"))
+    assert runner.stats()["crashes"] == 1 and runner.stats()["restarts"] == 1
+  finally:
+    one.close()
