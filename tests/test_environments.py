@@ -21,7 +21,7 @@ import pytest
 from offpolicy_jax.models.tokenizers import CharTokenizer
 from offpolicy_jax.rewards import environments, tasks, verifiers, worker
 from offpolicy_jax.rewards.environments import OBS_PREFIX, TURN_END, EnvResult, EnvRunner
-from offpolicy_jax.rewards.tasks import agentic
+from offpolicy_jax.rewards.tasks import agentic, rgym
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -248,7 +248,7 @@ def _play(runner, examples, turns):
 
 def test_guess_number_episodes_get_the_documented_rewards(pool):
   task = tasks.get_task("guess_number", hi=16, max_turns=6, turn_penalty=0.05)
-  assert isinstance(task.environment, environments.RebuildEnv)
+  assert isinstance(task.environment, agentic.GuessNumber)  # it pickles: sent as is
   runner = EnvRunner(task.environment, pool, timeout_s=5.0, max_observation_chars=8)
   ep = _play(runner, [{"secret": 11}], ["8\n", "12\n", "x\n", "99\n", "11\n"])
   assert [r[0].observation for r in ep] == ["", "|h\n", "|l\n", "|?\n", "|?\n", ""]
@@ -389,3 +389,25 @@ def test_a_step_that_forges_replies_for_later_calls_cannot_answer_for_them():
     assert runner.stats()["crashes"] == 1 and runner.stats()["restarts"] == 1
   finally:
     one.close()
+
+
+def test_reasoning_gym_retry_gives_feedback_and_a_discounted_reward(pool):
+  task = tasks.get_task("reasoning_gym:basic_arithmetic", train_size=8, eval_size=4, max_attempts=3)
+  assert task.max_turns == 3 and isinstance(task.environment, rgym.Retry)
+  runner = EnvRunner(task.environment, pool, timeout_s=10.0, max_observation_chars=64, wrap=False)
+  ex = task.train_source[0]
+  right = f"<answer>{ex['answer']}</answer>"
+  ep = _play(runner, [ex], ["<answer>x</answer>", "12345678", right])
+  feedback = rgym.RETRY_FEEDBACK
+  assert [r[0].observation for r in ep] == ["", feedback, feedback, ""]
+  assert ep[-1][0].done and ep[-1][0].reward == pytest.approx(1 - 0.1 * 2)
+  assert ep[-1][0].info == {"attempts": 3, "solved": 1, "score": 1.0}
+  first = _play(runner, [ex], [task.demonstration(ex)[0][1]])[-1][0]
+  assert first.done and first.reward == 1.0
+  never = _play(runner, [ex], ["no"] * 3)[-1][0]
+  assert never.done and never.reward == 0.0 and never.info["solved"] == 0
+  assert (
+    tasks.get_task("reasoning_gym:basic_arithmetic", train_size=8, eval_size=4).environment is None
+  )
+  with pytest.raises(ValueError, match="attempt_penalty"):
+    tasks.get_task("reasoning_gym:basic_arithmetic", max_attempts=3, attempt_penalty=0.5)
