@@ -37,7 +37,7 @@ it as a tool or user message instead.
 Environments reach a worker as tasks' rewards do: an instance of a
 module-level class (pickled), or a `RebuildEnv(factory, kwargs, name)` that the
 worker resolves once to the environment `factory(**kwargs)` is or carries
-(`tasks.get_task` makes one for every task with an environment).
+(`tasks.get_task` makes one for a task whose environment does not pickle).
 """
 
 import math
