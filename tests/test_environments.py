@@ -411,3 +411,37 @@ def test_reasoning_gym_retry_gives_feedback_and_a_discounted_reward(pool):
   )
   with pytest.raises(ValueError, match="attempt_penalty"):
     tasks.get_task("reasoning_gym:basic_arithmetic", max_attempts=3, attempt_penalty=0.5)
+
+
+def _demonstrator(task, examples):
+  """A host policy that plays each example's demonstration, turn by turn."""
+
+  def policy(rows, texts):
+    out = []
+    for b, text in zip(rows, texts, strict=True):
+      mine = [t for r, t in task.demonstration(examples[b]) if r == "policy"]
+      out.append(mine[sum(r == "policy" for r, _ in environments.split_turns(text))])
+    return out
+
+  return policy
+
+
+def test_play_runs_episodes_to_done_and_stops_at_max_turns(pool):
+  task = tasks.get_task("guess_number")
+  runner = EnvRunner(task.environment, pool, timeout_s=5.0, max_observation_chars=8)
+  examples = list(task.eval_source)
+  eps = environments.play(runner, examples, _demonstrator(task, examples), task.max_turns)
+  assert eps.texts == [task.answer(ex) for ex in examples]
+  np.testing.assert_allclose(eps.returns, [task.reward(ex, task.answer(ex)) for ex in examples])
+  stats = environments.episode_stats(eps.finals)
+  assert stats["success_rate"] == 1.0 and stats["turns"] == 54 / 16 and not any(eps.truncated)
+  # Two turns of always guessing 1: only secret 1 is solved; the others are cut, not done.
+  short = environments.play(runner, examples, lambda rows, texts: ["1"] * len(rows), 2)
+  assert short.truncated == [False] + [True] * 15 and short.returns == [1.0] + [0.0] * 15
+  assert short.texts[1] == "1\n|h\n1\n|h\n"
+  calc = tasks.get_task("calculator")
+  runner = EnvRunner(calc.environment, pool, timeout_s=5.0, max_observation_chars=16)
+  examples = list(calc.eval_source)[:16]
+  eps = environments.play(runner, examples, _demonstrator(calc, examples), calc.max_turns)
+  stats = environments.episode_stats(eps.finals)
+  assert stats["success_rate"] == 1.0 and stats["tool_calls_per_solved"] == 1.0

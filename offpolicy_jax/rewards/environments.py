@@ -309,6 +309,69 @@ def split_turns(text: str) -> list[tuple[str, str]]:
   return [("env" if line.startswith(OBS_PREFIX) else "policy", line) for line in lines]
 
 
+class Episodes(NamedTuple):
+  """B episodes played by `play`.
+
+  Attributes:
+    texts: each episode after its prompt: policy turns and observations, as
+      the sampler's token rows hold them.
+    returns: the summed rewards of each episode.
+    finals: the last `EnvResult` of each episode (`episode_stats` reads them).
+    truncated: True where the episode hit `max_turns` before `done`.
+  """
+
+  texts: list[str]
+  returns: list[float]
+  finals: list[EnvResult]
+  truncated: list[bool]
+
+
+def play(
+  runner: EnvRunner,
+  examples: Sequence[Any],
+  policy: Callable[[list[int], list[str]], list[str]],
+  max_turns: int,
+) -> Episodes:
+  """Plays B episodes with a host policy: the multi-turn loop on text, for scripts and tests.
+
+  Each round asks `policy(rows, texts)` for the next turn of every episode
+  still running (`rows` their indices in `examples`, `texts` their episodes so
+  far), appends it (with `TURN_END` if it lacks one) and the environment's
+  observation, and steps only those episodes; an episode ends at `done` or
+  after `max_turns` policy turns. The sampler does the same on tokens.
+
+  Args:
+    runner: the environment's runner.
+    examples: B examples.
+    policy: `policy(rows, texts) -> actions`, one action per row.
+    max_turns: policy turns per episode at most.
+
+  Returns:
+    Episodes.
+  """
+  finals = runner.reset(examples)
+  texts = [r.observation for r in finals]
+  returns = [r.reward for r in finals]
+  active = [b for b, r in enumerate(finals) if not r.done]
+  for _ in range(max_turns):
+    if not active:
+      break
+    actions = [
+      a if a.endswith(TURN_END) else a + TURN_END
+      for a in policy(active, [texts[b] for b in active])
+    ]
+    if len(actions) != len(active):
+      raise ValueError(f"policy returned {len(actions)} actions for {len(active)} episodes.")
+    out = runner.step([finals[b].state for b in active], actions)
+    for b, action, r in zip(active, actions, out, strict=True):
+      texts[b] += action + r.observation
+      returns[b] += r.reward
+      finals[b] = r
+    active = [b for b in active if not finals[b].done]
+  truncated = [not r.done for r in finals]
+  return Episodes(texts, returns, finals, truncated)
+
+
 def episode_stats(finals: Sequence[EnvResult]) -> dict[str, float]:
   """Episode metrics for logs, from the last `EnvResult` of each episode.
 
@@ -365,10 +428,12 @@ __all__ = [
   "EnvResult",
   "EnvRunner",
   "Environment",
+  "Episodes",
   "RebuildEnv",
   "episode_stats",
   "failed",
   "observation_text",
+  "play",
   "replay_reward",
   "split_turns",
 ]
