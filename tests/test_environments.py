@@ -44,6 +44,8 @@ class Misbehaving(environments.Environment):
       return EnvResult("o", np.float32(0.25), False, ok)
     if act == "long":
       return EnvResult("y" * 50, 0.0, False, ok)
+    if act == "lines":
+      return EnvResult("a\nb", 0.0, False, ok)
     if act == "hang":
       time.sleep(60)
     if act == "spin":
@@ -115,8 +117,10 @@ def test_round_trip_from_an_instance_a_factory_and_a_rebuild(pool, tmp_path):
     assert nxt[1].observation == f"{OBS_PREFIX}o{TURN_END}" and nxt[1].reward == 0.25
     assert nxt[2].observation == "" and nxt[2].done and nxt[2].reward == 1.0
     assert runner.stats()["calls"] == 6 and runner.stats()["failures"] == 0
-  raw = _runner(pool, wrap=False).step([{"n": 0, "path": ""}], ["ok"])
-  assert raw[0].observation == "o1"
+  raw = _runner(pool, wrap=False).step([{"n": 0, "path": ""}] * 2, ["ok", "lines"])
+  assert [r.observation for r in raw] == ["o1", "a\nb"]
+  lines = runner.step([{"n": 0, "path": ""}], ["lines"])[0].observation
+  assert lines == "|a\n|b\n" and [r for r, _ in environments.split_turns(lines)] == ["env"] * 2
   assert runner.step([], []) == []
   with pytest.raises(ValueError, match="differ in length"):
     runner.step([{}], [])

@@ -28,9 +28,9 @@ nothing. A call that hangs, raises, returns something that is not
 
 Text conventions (the toy models' character alphabet has no roles): a policy
 turn ends with `TURN_END` (the sampler's stop text); the runner returns an
-observation `o` as `OBS_PREFIX + o + TURN_END` (`observation_text`), so the
-environment's text is marked as such and the next policy turn starts on a
-fresh line. An empty observation stays empty (nothing to append). A
+observation `o` as `OBS_PREFIX + o + TURN_END` (`observation_text`; each
+line so marked), so the environment's text is marked as such and the next
+policy turn starts on a fresh line. An empty observation stays empty (nothing to append). A
 chat-template run takes the environment's raw text (`wrap=False`) and renders
 it as a tool or user message instead.
 
@@ -75,7 +75,8 @@ class EnvResult(NamedTuple):
     reward: reward of this step (0 at reset).
     done: the episode is over (the policy gets no further turn).
     state: JSON data the next `step` receives (None after a failure).
-    failure: "" when the call succeeded, else one of `verifiers.FAILURES`.
+    failure: "" when the call succeeded, else one of `verifiers.FAILURES`
+      (set by `EnvRunner`; what an environment puts there is ignored).
     info: the episode's metrics so far, `{name: number}` (e.g. "tool_calls",
       "turns", "solved"), or None; read it at `done`.
   """
@@ -120,8 +121,12 @@ class Environment:
 
 
 def observation_text(text: str) -> str:
-  """`OBS_PREFIX + text + TURN_END`, or "" for an empty `text`."""
-  return OBS_PREFIX + text + TURN_END if text else ""
+  """`OBS_PREFIX + text + TURN_END` for each line of `text` ("" for an empty `text`).
+
+  Every line of a multi-line observation is marked, so no line of it can pass
+  for a policy turn (`split_turns`).
+  """
+  return "".join(OBS_PREFIX + line + TURN_END for line in text.split(TURN_END)) if text else ""
 
 
 def failed(failure: str) -> EnvResult:
