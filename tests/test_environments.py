@@ -449,3 +449,12 @@ def test_play_runs_episodes_to_done_and_stops_at_max_turns(pool):
   eps = environments.play(runner, examples, _demonstrator(calc, examples), calc.max_turns)
   stats = environments.episode_stats(eps.finals)
   assert stats["success_rate"] == 1.0 and stats["tool_calls_per_solved"] == 1.0
+
+
+def test_encode_turns_masks_the_policy_tokens_of_a_demonstration():
+  tok = CharTokenizer()
+  turns = agentic.calc_demonstration({"expr": "12*34", "answer": "408"})
+  ids, mask = environments.encode_turns(tok.encode, turns)
+  text = "<calc>12*34</calc>\n|408\n=408\n"
+  assert ids == tok.encode(text) and tok.decode(ids) == text
+  assert "".join(c for c, m in zip(text, mask, strict=True) if m) == "<calc>12*34</calc>\n=408\n"

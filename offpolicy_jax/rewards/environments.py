@@ -407,6 +407,32 @@ def episode_stats(finals: Sequence[EnvResult]) -> dict[str, float]:
   return out
 
 
+def encode_turns(
+  encode: Callable[[str], list[int]], turns: Sequence[tuple[str, str]]
+) -> tuple[list[int], list[int]]:
+  """Token ids of an episode's turns and its policy mask, each turn encoded on its own.
+
+  Encoding turn by turn (never the joined text) gives the ids a multi-turn
+  sampler produces: its policy tokens end at the turn's stop text and each
+  observation is encoded by itself, so a warm start on demonstrations
+  trains on the same token boundaries as the rollouts.
+
+  Args:
+    encode: `tokenizer.encode` (text -> ids, no special tokens added).
+    turns: `[(role, text), ...]` as `Task.demonstration` returns them.
+
+  Returns:
+    `(ids, mask)`: the concatenated ids, and 1 on the ids of "policy" turns, 0 elsewhere.
+  """
+  ids: list[int] = []
+  mask: list[int] = []
+  for role, text in turns:
+    t = list(encode(text))
+    ids += t
+    mask += [int(role == "policy")] * len(t)
+  return ids, mask
+
+
 def replay_reward(example: Any, text: str, *, env: Any) -> float:
   """The summed reward of the episode `text` replays against `env` (a task's host reward).
 
@@ -435,6 +461,7 @@ __all__ = [
   "Environment",
   "Episodes",
   "RebuildEnv",
+  "encode_turns",
   "episode_stats",
   "failed",
   "observation_text",
