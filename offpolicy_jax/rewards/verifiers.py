@@ -31,6 +31,11 @@ and replaced; a batch that is not done `batch_timeout_s` after it started
 (default `2 * timeout_s`) kills every worker still busy and fails what never
 started as timeouts. Nothing keeps running after `score` or `call` returns.
 
+Replies cannot be forged across calls: each call carries a random id that its
+reply must echo, and a worker that sends more than one reply to a call is
+replaced (its call fails as crashed). So code that takes over a worker's pipe
+can at worst forge the value of its own call, never that of a later one.
+
 Callables reach a worker by pickling: a module-level function, a
 `functools.partial` of one, or a `worker.Rebuild` (`RebuildReward`,
 `environments.RebuildEnv`) that rebuilds a registered task in the worker from
@@ -50,6 +55,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -143,6 +149,7 @@ class _Worker:
     self.calls_r.close()
     self.known: set[int] = set()
     self.busy: tuple[int, float] | None = None  # (row, start time)
+    self.call_id = -1  # of the call in flight
 
   def wait_ready(self) -> list[str]:
     if not self.replies.poll(_START_TIMEOUT_S):
@@ -377,16 +384,19 @@ class _Batch:
       self.errors.append(f"row {i}: {why}")
 
   def _dispatch(self, w: _Worker, i: int) -> None:
-    msg = (self.kind, i, self.fn_id, self.args[i], self.timeout_s)
+    # A random id, not the row: a call that writes to its pipe cannot answer for later calls.
+    call_id = secrets.randbits(62)
+    msg = (self.kind, call_id, self.fn_id, self.args[i], self.timeout_s)
     w = self.pool._send(w, self.fn_id, self.data, msg)
-    w.busy = (i, time.monotonic())
+    w.busy, w.call_id = (i, time.monotonic()), call_id
 
   def _receive(self, w: _Worker) -> None:
     i = w.busy[0] if w.busy else -1
     try:
       msg = parse_reply(w.replies.recv_bytes(MAX_REPLY_BYTES))
-      if msg.get("i") != i:
-        raise ValueError(f"reply for row {msg.get('i')!r}, expected {i}")
+      if msg.get("i") != w.call_id:
+        raise ValueError(f"reply to call {msg.get('i')!r}, expected {w.call_id}")
+      dead = not msg.get("recycle") and w.replies.poll(0) and _closed_after_reply(w)
     except (EOFError, OSError, ValueError) as e:  # died (SIGXCPU, os._exit) or garbled its pipe
       code = w.process.exitcode
       self._fail(i, CRASHED, f"worker lost ({type(e).__name__}: {e}; exit code {code})")
@@ -395,7 +405,7 @@ class _Batch:
     w.busy = None
     if "load_error" in msg:
       raise _LoadError(str(msg["load_error"]))
-    if msg.get("recycle"):
+    if msg.get("recycle") or dead:
       self.pool._replace(w)
     if "error" in msg or "value" not in msg:
       kind = TIMEOUT if msg.get("timed_out") is True else ERROR
@@ -441,6 +451,24 @@ class _Batch:
         for i in self.pending:
           self._fail(i, TIMEOUT, "batch timed out before the call started")
         break
+
+
+def _closed_after_reply(w: _Worker) -> bool:
+  """After a reply, the worker's pipe is readable: True if it closed (the worker died after
+  replying; the reply stands).
+
+  Raises:
+    ValueError: it holds another message. A worker sends one reply per call,
+      so the call wrote to the pipe itself, e.g. replies for the rows it
+      expects next; the reply and the worker are both dropped.
+  """
+  try:
+    w.replies.recv_bytes(MAX_REPLY_BYTES)
+  except EOFError:
+    return True
+  except OSError:
+    pass
+  raise ValueError("the worker sent more than one reply to one call")
 
 
 def _unreachable(name: str, fn, why) -> str:

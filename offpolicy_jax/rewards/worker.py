@@ -11,11 +11,12 @@ Protocol, over two one-way pipes per worker:
   trainer -> worker (pickled; the trusted direction)
     ("fn", fn_id, data)                   a callable, `data` its pickle,
                                           unpickled on first use
-    (kind, i, fn_id, args, timeout_s)     kind "score": row i is
-                                          `float(fn(*args))`; kind "call": row i
-                                          is `fn(*args)`, which must be JSON data
-                                          (`is_json_data`); kind "load": only
-                                          load fn_id
+    (kind, i, fn_id, args, timeout_s)     a call of `fn(*args)`; i: a random id
+                                          that the reply echoes; kind "score":
+                                          the value is `float(fn(*args))`;
+                                          "call": `fn(*args)`, which must be JSON
+                                          data (`is_json_data`); "load": none,
+                                          only load fn_id
     None                                  stop
 
   worker -> trainer (one JSON object per message, at most `MAX_REPLY_BYTES`)

@@ -48,18 +48,19 @@ def get_task(name: str, **kwargs) -> Task:
   Args:
     name: one of `task_names()`.
     **kwargs: synthetic: seed, num_eval, partial_credit, max_digits, min_len,
-      max_len; reasoning_gym: seed, train_size, eval_size, instruction, dataset
-      config fields; gsm8k/math: train_path, eval_path, format_coef, instruction; code: seed,
-      num_eval, partial_credit, num_shown, num_hidden, max_value; mbpp/humaneval:
-      train_path, eval_path, partial_credit, instruction; guess_number: seed, hi,
-      max_turns, turn_penalty; calculator: seed, num_eval, kind, num_terms,
+      max_len; reasoning_gym: seed, train_size, eval_size, instruction,
+      max_attempts, attempt_penalty, dataset config fields; gsm8k/math:
+      train_path, eval_path, format_coef, instruction; code: seed, num_eval,
+      partial_credit, num_shown, num_hidden, max_value; mbpp/humaneval:
+      train_path, eval_path, partial_credit, instruction; guess_number: seed,
+      hi, max_turns, turn_penalty; calculator: seed, num_eval, kind, num_terms,
       max_turns, max_expr_chars.
 
   Returns:
     The Task; its `reward` is a `rewards.SandboxedReward` (scored in sandboxed
     verifier workers, also when called directly); a multi-turn task's
-    `environment` is an `environments.RebuildEnv` (run by an
-    `environments.EnvRunner` in the same workers).
+    `environment` is an instance that pickles or an `environments.RebuildEnv`
+    (run by an `environments.EnvRunner` in the same workers).
 
   Raises:
     ValueError: unknown task name or bad kwargs (missing or malformed data files
@@ -80,15 +81,19 @@ def get_task(name: str, **kwargs) -> Task:
 
 
 def _sandboxed(task: Task, name: str, factory: Callable[..., Task], kwargs: dict) -> Task:
-  """`task` with its reward wrapped to run in verifier workers, its environment rebuilt there.
+  """`task` with its reward wrapped to run in verifier workers.
 
-  A reward that pickles is sent as is; a closure is rebuilt in the worker from
-  the (importable) factory and kwargs; `verifiers.VerifierPool.check` reports
-  one that can be neither, naming the task.
+  A reward (or an environment) that pickles is sent as is; a closure (or an
+  environment that does not pickle) is rebuilt in the worker from the
+  (importable) factory and kwargs (`RebuildReward`, `environments.RebuildEnv`);
+  `verifiers.VerifierPool.check` reports one that can be neither, naming the task.
   """
   if task.environment is not None and not isinstance(task.environment, environments.RebuildEnv):
-    env = environments.RebuildEnv(factory, kwargs, name)
-    task = dataclasses.replace(task, environment=env)
+    try:
+      pickle.dumps(task.environment)
+    except (pickle.PicklingError, TypeError, AttributeError):
+      env = environments.RebuildEnv(factory, kwargs, name)
+      task = dataclasses.replace(task, environment=env)
   if isinstance(task.reward, rewards.SandboxedReward):
     return task
   try:

@@ -213,7 +213,10 @@ def safe_eval(expr: str, max_chars: int = 32, max_abs: int = 10**12) -> int:
     tree = ast.parse(expr.strip(), mode="eval")
   except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
     raise ValueError(f"not an expression ({type(e).__name__})") from None
-  return _eval_node(tree.body, max_abs)
+  try:
+    return _eval_node(tree.body, max_abs)
+  except RecursionError:
+    raise ValueError("expression nested too deep") from None
 
 
 def _eval_node(node: ast.AST, max_abs: int) -> int:

@@ -74,9 +74,9 @@ class Task:
       None for single-turn tasks.
     demonstration: for a multi-turn task, `demonstration(example)` -> a solved
       episode as `[(role, text), ...]`, role "policy" or "env" (observations
-      as `EnvRunner` returns them); "".join of the texts is `answer(example)`,
-      so a supervised warm start on `answer` learns the format, and the roles
-      say which tokens are the policy's.
+      as `EnvRunner` returns them); the roles say which tokens are the
+      policy's. Where the task has `answer`, it is "".join of the texts, so a
+      supervised warm start on `answer` learns the format.
     max_turns: policy turns an episode may take (0: single-turn task).
     max_turn_len: characters of the longest policy turn of a demonstration,
       `TURN_END` included (a budget for one turn's tokens).
