@@ -1,4 +1,4 @@
-"""Multi-turn episodes through the run: training rows, exact resume with replay, flaky environments."""
+"""Multi-turn episodes through the run: training rows, exact resume with replay, flaky envs."""
 
 import dataclasses
 import os

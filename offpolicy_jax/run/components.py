@@ -34,9 +34,8 @@ from flax import nnx
 
 from offpolicy_jax import config_schema, lag, losses, models
 from offpolicy_jax.models import tokenizers
-from offpolicy_jax.rewards import environments
+from offpolicy_jax.rewards import environments, tasks
 from offpolicy_jax.rewards import scoring as rewards
-from offpolicy_jax.rewards import tasks
 from offpolicy_jax.run import (
   data_checks,
   episodes,

@@ -184,9 +184,9 @@ class _Turns:
 
   def __call__(self, turn: int, rows: np.ndarray, actions: list[np.ndarray], final: bool):
     del turn
-    rows = [int(r) for r in rows]
-    live = [r for r in rows if not self.dead[r]]
-    texts = {r: self.ep.fmt.action_text(a) for r, a in zip(rows, actions, strict=True)}
+    ids = [int(r) for r in rows]
+    live = [r for r in ids if not self.dead[r]]
+    texts = {r: self.ep.fmt.action_text(a.tolist()) for r, a in zip(ids, actions, strict=True)}
     results = self.ep.runner.step([self.states[r] for r in live], [texts[r] for r in live])
     replies: dict[int, tuple[np.ndarray, bool]] = {}
     for r, res in zip(live, results, strict=True):
@@ -195,14 +195,14 @@ class _Turns:
       self.states[r] = res.state
       obs = np.zeros(0, np.int32)
       if not done:
-        ids = self.ep.fmt.observation(res.observation)
-        if len(ids) > self.ep.observation_tokens:
+        obs_ids = self.ep.fmt.observation(res.observation)
+        if len(obs_ids) > self.ep.observation_tokens:
           self.cut += 1
-          ids = ids[: self.ep.observation_tokens]
-        obs = np.asarray(ids, np.int32)
-        self.obs_tokens += len(ids)
+          obs_ids = obs_ids[: self.ep.observation_tokens]
+        obs = np.asarray(obs_ids, np.int32)
+        self.obs_tokens += len(obs_ids)
       replies[r] = (obs, done)
-    return [replies.get(r, (np.zeros(0, np.int32), True)) for r in rows]
+    return [replies.get(r, (np.zeros(0, np.int32), True)) for r in ids]
 
 
 def play(

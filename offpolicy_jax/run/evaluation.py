@@ -125,7 +125,7 @@ def evaluate_seeds(
       sums["reward"][seed] += (r.rewards * valid).sum()
       sums["length"][seed] += (r.lengths * valid).sum()
       sums["fails"][seed] += r.failures
-      if r.turns is not None:
+      if r.turns is not None and r.tool_calls is not None:
         solved = (r.rewards > 0.5) * valid
         sums["turns"][seed] += (r.turns * valid).sum()
         sums["calls"][seed] += (r.tool_calls * solved).sum()

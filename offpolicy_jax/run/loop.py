@@ -366,8 +366,12 @@ class _Loop:
       out, rewards_b, info = episodes.sample(
         self.fns, weights(state, params), prompts, step, self.seed
       )
-      return prompts, device, truncated, step_a, sampler_mesh.Sampled(
-        out, v, found, rewards_b, info
+      return (
+        prompts,
+        device,
+        truncated,
+        step_a,
+        sampler_mesh.Sampled(out, v, found, rewards_b, info),
       )
     fn = programs(self.fns, self.run_cfg.replay, state).rollout
     out, v, found = fn(state, device, step_a, self.seed, self.schedule)

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from offpolicy_jax import models, types
+from offpolicy_jax.rewards import environments
 from offpolicy_jax.run import data, pipeline, train_state
 
 
@@ -70,15 +71,22 @@ def encode_targets(tokenizer: Any, texts: Sequence[str], max_len: int) -> tuple[
 
 
 def encode_episodes(
-  tokenizer: Any, episodes: Sequence[Sequence[tuple[str, str]]], max_len: int
+  tokenizer: Any,
+  episodes: Sequence[Sequence[tuple[str, str]]],
+  max_len: int,
+  policy_only: bool = False,
 ) -> tuple[np.ndarray, ...]:
-  """Encodes demonstrated episodes as one trajectory each, the policy's turns masked in.
+  """Encodes demonstrated episodes as one trajectory each.
 
   A multi-turn task's demonstration is `[(role, text), ...]` with role
-  "policy" or "env"; the trajectory is the concatenation (as the multi-turn
-  sampler builds it: observations appended as they are encoded), and the
-  target mask is 1 on the policy's tokens only, so the warm start does not
-  learn to write the environment's answers.
+  "policy" or "env"; the trajectory is the turns encoded one by one, the
+  token boundaries the multi-turn sampler produces
+  (`environments.encode_turns`). The warm start's targets are the whole
+  transcript by default: on `calculator`, a warm start that also predicts the
+  observation tokens copies the tool's value into its answer (greedy success
+  0.75 after 220 steps), one whose loss covers the policy's tokens only
+  (`policy_only`) does not (0.00 after 220 steps; docs/multiturn.md). The RL
+  steps never train on observation tokens.
 
   Returns:
     (tokens int32 [B, N], mask float32 [B, N]), right-padded / truncated to `max_len`.
@@ -86,17 +94,10 @@ def encode_episodes(
   tokens = np.full((len(episodes), max_len), tokenizer.pad_id, np.int32)
   mask = np.zeros((len(episodes), max_len), np.float32)
   for i, turns in enumerate(episodes):
-    ids: list[int] = []
-    on: list[float] = []
-    for role, text in turns:
-      if role not in ("policy", "env"):
-        raise ValueError(f"demonstration turn {role!r}: the roles are 'policy' and 'env'")
-      piece = list(tokenizer.encode(text))
-      ids += piece
-      on += [float(role == "policy")] * len(piece)
+    ids, on = environments.encode_turns(tokenizer.encode, turns)
     ids, on = ids[:max_len], on[:max_len]
     tokens[i, : len(ids)] = ids
-    mask[i, : len(ids)] = on
+    mask[i, : len(ids)] = on if policy_only else 1.0
   return tokens, mask
 
 
@@ -121,7 +122,8 @@ def reference_batches(
   for batch in prompts:
     examples = data.examples(task, "train", batch["index"])
     if task.demonstration is not None:
-      tokens, mask = encode_episodes(tokenizer, [task.demonstration(ex) for ex in examples], max_len)
+      demos = [task.demonstration(ex) for ex in examples]
+      tokens, mask = encode_episodes(tokenizer, demos, max_len)
     else:
       tokens, mask = encode_targets(tokenizer, [task.answer(ex) for ex in examples], max_len)
     p = batch["prompt_tokens"].shape[1]
