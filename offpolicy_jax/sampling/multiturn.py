@@ -391,21 +391,36 @@ class MultiTurnSampler:
     )
 
   def _reprefill(self, model, st: MultiTurnState, tokens_bn, filled_b):
-    """The prompts and every row's whole history encoded from scratch (`history="reprefill"`)."""
+    """The prompts and every row's whole history encoded from scratch (`history="reprefill"`).
+
+    As a system that re-prefills the conversation each turn: the prompts, then
+    the rows' first max(filled) suffix slots rounded up to `decode_block`
+    (one static width per `lax.switch` branch), into a fresh cache.
+    """
     g, p = st.prompt_tokens.shape
     _, prefix = model.hidden_states(
       st.prompt_tokens, attention_mask=st.prompt_mask, cache=model.init_cache(g, p), cache_index=0
     )
     b, n = tokens_bn.shape
-    return model.extend_shared(
-      tokens_bn,
-      filled_b,
-      prefix,
-      model.init_cache(b, n),
-      st.prompt_mask,
-      jnp.zeros((b,), jnp.int32),
-      self.decode_block,
-    )
+    block = self.decode_block or n
+    spans = [*range(block, n, block), n]
+
+    def branch(span):
+      def run():
+        return model.extend_shared(
+          tokens_bn[:, :span],
+          filled_b,
+          prefix,
+          model.init_cache(b, n),
+          st.prompt_mask,
+          jnp.zeros((b,), jnp.int32),
+          self.decode_block,
+        )
+
+      return run
+
+    index = jnp.clip((jnp.max(filled_b) - 1) // block, 0, len(spans) - 1)
+    return jax.lax.switch(index, [branch(s) for s in spans])
 
   def _limits(self, max_lengths, b: int) -> np.ndarray:
     n = self.max_new_tokens
