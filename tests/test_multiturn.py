@@ -135,7 +135,7 @@ def test_behaviour_logprobs_equal_teacher_forced_whole_trajectory(tiny, sampled_
 
 
 def test_greedy_logprobs_exact_and_argmax(tiny):
-  fn = multiturn.MultiTurnSampler(tiny[0], **OPTIONS, temperature=0.0)
+  fn = multiturn.MultiTurnSampler(tiny[0], **{**OPTIONS, "decode_block": 0}, temperature=0.0)
   out, info = fn(tiny[1], PROMPTS, LENGTHS, jax.random.key(0), Script())
   _check_layout(out, info)
   model = nnx.merge(*tiny)
@@ -224,13 +224,21 @@ def test_rows_do_not_depend_on_the_batch(tiny, sampled, sampled_run):
 
 def test_reprefill_gives_the_same_trajectories(tiny, sampled_run):
   out, _, _ = sampled_run
-  fn = multiturn.MultiTurnSampler(tiny[0], **OPTIONS, **SAMPLED, history="reprefill")
+  # decode_block 0 (the whole cache at every step): also the same as the spans of 8.
+  options = {**OPTIONS, "decode_block": 0}
+  fn = multiturn.MultiTurnSampler(tiny[0], **options, **SAMPLED, history="reprefill")
   again, _ = fn(tiny[1], PROMPTS, LENGTHS, jax.random.key(3), Script())
   np.testing.assert_array_equal(again.tokens, out.tokens)
   np.testing.assert_allclose(again.logprobs, out.logprobs, atol=1e-5, rtol=0)
 
 
-def test_limits_budget_and_max_turns(tiny, sampled):
+def test_limits_budget_and_max_turns(tiny, sampled, sampled_run):
+  out, info, script = sampled_run
+  turns, reason = np.asarray(info.turns), np.asarray(info.end_reason)
+  assert turns.max() == 4 and np.all(turns[reason == multiturn.END_TURNS] == 4)
+  last = [c for c in script.calls if c[0] == 3]
+  assert [c[3] for c in last] == [True]  # every row's last turn is final
+  assert not any(c[0] > 3 for c in script.calls)
   caps = np.array([3, 9, 14, 28, 20, 11], np.int32)
   script = Script()
   out, info = sampled(tiny[1], PROMPTS, LENGTHS, jax.random.key(4), script, max_lengths=caps)
@@ -242,13 +250,8 @@ def test_limits_budget_and_max_turns(tiny, sampled):
     multiturn.END_EOS,
   )
   budget = np.asarray(info.end_reason) == multiturn.END_BUDGET
+  assert budget.sum() >= 2
   np.testing.assert_array_equal(lengths[budget], caps[budget])
-  one = multiturn.MultiTurnSampler(tiny[0], **{**OPTIONS, "max_turns": 1}, **SAMPLED)
-  script = Script()
-  out1, info1 = one(tiny[1], PROMPTS, LENGTHS, jax.random.key(4), script)
-  np.testing.assert_array_equal(info1.turns, 1)
-  assert [c[3] for c in script.calls] == [True]
-  assert np.asarray(info1.observation_mask).sum() == 0
   with pytest.raises(ValueError, match="max_lengths"):
     sampled(tiny[1], PROMPTS, LENGTHS, jax.random.key(4), script, max_lengths=caps[:2])
 
@@ -271,7 +274,7 @@ def test_bad_options_and_answers_are_named(tiny, sampled):
 def test_extend_equals_decoding_token_by_token(numpy_init, tiny, attention):
   """One extension call == feeding the observation through decode_shared token by token."""
   config = dataclasses.replace(models.get_config("tiny"), attention=attention)
-  model = nnx.merge(numpy_init(config)[0], tiny[1])
+  graphdef, params = numpy_init(config)[0], tiny[1]
   g, p, s, t = 3, PROMPTS.shape[1], 16, 5
   prompt_mask = types.prompt_mask(LENGTHS, p)
   rng = np.random.RandomState(0)
@@ -280,39 +283,41 @@ def test_extend_equals_decoding_token_by_token(numpy_init, tiny, attention):
   counts = np.array([5, 0, 3, 5, 1, 5], np.int32)
 
   @jax.jit
-  def run():
-    _, prefix = model.hidden_states(
-      PROMPTS, attention_mask=prompt_mask, cache=model.init_cache(g, p), cache_index=0
-    )
-    cache = model.init_cache(g * K, s)
-    for i in range(6):  # each row's own history: slots 0..filled-1
-      _, new_cache = model.decode_shared(jnp.asarray(history[:, i]), prefix, cache, prompt_mask, i)
-      cache = _where(i < filled, new_cache, cache)
-    h_ext, c_ext = model.extend_shared(new, counts, prefix, cache, prompt_mask, filled, block=4)
-    hs, c_dec = [], cache
-    for j in range(t):
-      h, new_cache = model.decode_shared(
-        jnp.asarray(new[:, j]), prefix, c_dec, prompt_mask, jnp.asarray(filled + j), block=4
-      )
-      c_dec = _where(j < counts, new_cache, c_dec)
-      hs.append(h)
-    h_dec = jnp.stack(hs, 1)[jnp.arange(g * K), np.maximum(counts - 1, 0)]
-    return h_ext, c_ext, h_dec, c_dec, cache
+  def prefill(params):
+    model = nnx.merge(graphdef, params)
+    cache = model.init_cache(g, p)
+    return model.hidden_states(PROMPTS, attention_mask=prompt_mask, cache=cache, cache_index=0)[1]
 
-  h_ext, c_ext, h_dec, c_dec, before = run()
+  @jax.jit
+  def decode(params, tokens, prefix, cache, index, write):
+    """One decode_shared step; rows where `write` is False keep their cache."""
+    h, new = nnx.merge(graphdef, params).decode_shared(tokens, prefix, cache, prompt_mask, index, 4)
+    return h, jax.tree.map(lambda a, b: jnp.where(write[:, None, None, None], a, b), new, cache)
+
+  @jax.jit
+  def extend(params, prefix, cache):
+    model = nnx.merge(graphdef, params)
+    return model.extend_shared(new, counts, prefix, cache, prompt_mask, filled, block=4)
+
+  prefix = prefill(params)
+  cache = nnx.merge(graphdef, params).init_cache(g * K, s)
+  for i in range(6):  # each row's own history: slots 0..filled-1
+    cache = decode(params, history[:, i], prefix, cache, np.full(g * K, i), i < filled)[1]
+  h_ext, c_ext = extend(params, prefix, cache)
+  hs, c_dec = [], cache
+  for j in range(t):
+    h, c_dec = decode(params, new[:, j], prefix, c_dec, filled + j, j < counts)
+    hs.append(h)
+  h_dec = jnp.stack(hs, 1)[jnp.arange(g * K), np.maximum(counts - 1, 0)]
   real = counts > 0
   np.testing.assert_allclose(np.asarray(h_ext)[real], np.asarray(h_dec)[real], atol=1e-5)
-  leaves = (jax.tree.leaves(c) for c in (c_ext, c_dec, before))
+  leaves = (jax.tree.leaves(c) for c in (c_ext, c_dec, cache))
   for a, b, c in zip(*leaves, strict=True):
     np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(a)[~real], np.asarray(c)[~real])  # counts 0
 
 
-def _where(rows_b, new, old):
-  return jax.tree.map(lambda a, b: jnp.where(rows_b[:, None, None, None], a, b), new, old)
-
-
-def test_lora_and_dot_product_give_the_same_trajectories(numpy_init, tiny, sampled_run):
+def test_lora_and_dot_product_give_the_same_trajectories(numpy_init, tiny, sampled, sampled_run):
   out, _, _ = sampled_run
   fused = numpy_init(dataclasses.replace(models.get_config("tiny"), attention="dot_product"))
   fn = multiturn.MultiTurnSampler(fused[0], **OPTIONS, **SAMPLED)
@@ -322,16 +327,13 @@ def test_lora_and_dot_product_give_the_same_trajectories(numpy_init, tiny, sampl
   # Random (non-zero) adapters: the same trajectories as the merged plain model.
   config = models.get_config("tiny", lora=models.LoraConfig(rank=4))
   graphdef, params = numpy_init(config, scale=2.0)
-  merged = lora.merged(params, config)
-  outs = [
-    multiturn.MultiTurnSampler(gd, **OPTIONS, **SAMPLED)(
-      ps, PROMPTS, LENGTHS, jax.random.key(5), Script()
-    )[0]
-    for gd, ps in ((graphdef, params), (tiny[0], merged))
-  ]
-  np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
-  np.testing.assert_allclose(outs[0].logprobs, outs[1].logprobs, atol=1e-5, rtol=0)
-  assert np.asarray(outs[0].mask).sum() > 20
+  adapted, _ = multiturn.MultiTurnSampler(graphdef, **{**OPTIONS, "decode_block": 0}, **SAMPLED)(
+    params, PROMPTS, LENGTHS, jax.random.key(5), Script()
+  )
+  merged, _ = sampled(lora.merged(params, config), PROMPTS, LENGTHS, jax.random.key(5), Script())
+  np.testing.assert_array_equal(adapted.tokens, merged.tokens)
+  np.testing.assert_allclose(adapted.logprobs, merged.logprobs, atol=1e-5, rtol=0)
+  assert np.asarray(adapted.mask).sum() > 20
 
 
 def test_turn_ids_from_masks(sampled_run):
@@ -345,3 +347,12 @@ def test_turn_ids_from_masks(sampled_run):
       np.testing.assert_array_equal(np.asarray(rebuilt)[b][filled[b]], info.turn_ids[b][filled[b]])
     else:
       assert turns_seen[b] < int(info.turns[b])
+
+
+def test_turn_end_sequences_match_within_the_turn_only():
+  tokens = jnp.array([[1, 4, 4, 0], [1, 4, 4, 0], [4, 9, 0, 0], [4, 4, 4, 4]], jnp.int32)
+  steps = jnp.array([2, 2, 1, 3], jnp.int32)
+  starts = jnp.array([1, 2, 1, 3], jnp.int32)
+  hit = multiturn._ends_turn(tokens, jnp.arange(4), steps, starts, TURN_END)
+  # (4, 4) inside the turn; (4, 4) across the turn's start; 9; a single 4 in the turn.
+  np.testing.assert_array_equal(hit, [True, False, True, False])
