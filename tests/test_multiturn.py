@@ -356,3 +356,30 @@ def test_turn_end_sequences_match_within_the_turn_only():
   hit = multiturn._ends_turn(tokens, jnp.arange(4), steps, starts, TURN_END)
   # (4, 4) inside the turn; (4, 4) across the turn's start; 9; a single 4 in the turn.
   np.testing.assert_array_equal(hit, [True, False, True, False])
+
+
+def test_parameters_swapped_between_turns_give_exact_logprobs(tiny, sampled, scorer):
+  """Turns 0-1 under theta, turns 2-3 under theta': each token exact under its own parameters."""
+  params = tiny[1]
+  newer = jax.tree.map(lambda x: 1.05 * x, params)
+  out, info = sampled(
+    params,
+    PROMPTS,
+    LENGTHS,
+    jax.random.key(3),
+    Script(),
+    update_params=lambda turn: newer if turn == 2 else None,
+  )
+  _check_layout(out, info)
+  late = np.asarray(info.turn_ids) >= 2
+  policy = np.asarray(out.mask) > 0
+  assert (late & policy).sum() > 10 and (~late & policy).sum() > 10
+  for theta, part in ((params, ~late), (newer, late)):
+    shared, seq = scorer(theta, out.tokens, out.mask, out.kept, 0.8, 20)
+    for logp in (shared, seq):
+      np.testing.assert_allclose(
+        np.asarray(out.logprobs)[part], np.asarray(logp)[part], atol=1e-5, rtol=0
+      )
+  # The swap changed what was sampled: the late turns are not theta's.
+  shared, _ = scorer(params, out.tokens, out.mask, out.kept, 0.8, 20)
+  assert np.abs(np.asarray(out.logprobs - shared)[late & policy]).max() > 1e-3
