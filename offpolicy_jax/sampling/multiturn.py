@@ -527,24 +527,12 @@ class MultiTurnSampler:
         if not sel.size:
           continue
         actions = [tokens[r, start[r] : pos[r]] for r in sel]
-        answers = list(respond(turn, sel, actions, is_final))
-        if len(answers) != sel.size:
-          raise ValueError(
-            f"respond (turn {turn}) must answer each of its {sel.size} rows, got {len(answers)}"
-          )
-        for r, answer in zip(sel, answers, strict=True):
-          o, env_done = self._observation(turn, int(r), answer, vocab)
+        for r, (o, env_done) in zip(
+          sel, self._ask(respond, turn, sel, actions, is_final, vocab), strict=True
+        ):
           if is_final or env_done:
             done[r] = True
-            reason[r] = (
-              END_EOS
-              if eos[r]
-              else END_ENV
-              if env_done
-              else END_BUDGET
-              if pos[r] >= limit[r]
-              else END_TURNS
-            )
+            reason[r] = _end_reason(eos[r], env_done, pos[r] >= limit[r])
             continue
           c = min(o.size, self.observation_tokens, int(limit[r] - pos[r] - 1))
           cut[r] |= c < o.size
@@ -553,18 +541,43 @@ class MultiTurnSampler:
       st = self.extend(params, st, obs, counts, done.copy())
       if done.all():
         break
-    sample = SampleOutput(
-      tokens=st.tokens,
-      logprobs=jnp.where(st.policy, st.logprobs, 0.0),
-      mask=st.policy.astype(jnp.float32),
-      lengths=st.pos,
-      kept=jnp.where(st.policy, st.kept, 0),
-    )
-    info = EpisodeInfo(
-      turns=st.turn,
-      turn_ids=st.turn_ids,
-      observation_mask=st.observation.astype(jnp.float32),
-      end_reason=jnp.asarray(reason),
-      observation_truncated=jnp.asarray(cut),
-    )
-    return sample, info
+    return _outputs(st, reason, cut)
+
+  def _ask(self, respond, turn, rows, actions, final, vocab) -> list[tuple[np.ndarray, bool]]:
+    """`respond`'s answers for `rows`, checked: [(observation tokens, done)]."""
+    answers = list(respond(turn, rows, actions, final))
+    if len(answers) != rows.size:
+      raise ValueError(
+        f"respond (turn {turn}) must answer each of its {rows.size} rows, got {len(answers)}"
+      )
+    return [
+      self._observation(turn, int(r), answer, vocab)
+      for r, answer in zip(rows, answers, strict=True)
+    ]
+
+
+def _end_reason(eos: bool, env_done: bool, budget: bool) -> int:
+  """`EpisodeInfo.end_reason` of an ending row: EOS, else the environment, the budget, max_turns."""
+  if eos:
+    return END_EOS
+  if env_done:
+    return END_ENV
+  return END_BUDGET if budget else END_TURNS
+
+
+def _outputs(st: MultiTurnState, reason, cut) -> tuple[SampleOutput, EpisodeInfo]:
+  sample = SampleOutput(
+    tokens=st.tokens,
+    logprobs=jnp.where(st.policy, st.logprobs, 0.0),
+    mask=st.policy.astype(jnp.float32),
+    lengths=st.pos,
+    kept=jnp.where(st.policy, st.kept, 0),
+  )
+  info = EpisodeInfo(
+    turns=st.turn,
+    turn_ids=st.turn_ids,
+    observation_mask=st.observation.astype(jnp.float32),
+    end_reason=jnp.asarray(reason),
+    observation_truncated=jnp.asarray(cut),
+  )
+  return sample, info
