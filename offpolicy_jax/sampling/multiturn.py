@@ -384,8 +384,10 @@ class MultiTurnSampler:
     def run(suffix_logits):
       suffix, logits = suffix_logits
       if self.history == "extend":
+        # Rows without an observation write nothing; slot 0 keeps their span short.
+        index = jnp.where(counts_b > 0, st.pos, 0)
         h, suffix = model.extend_shared(
-          obs_bo, counts_b, st.prefix, suffix, st.prompt_mask, st.pos, self.decode_block
+          obs_bo, counts_b, st.prefix, suffix, st.prompt_mask, index, self.decode_block
         )
       else:
         h, suffix, _ = self._encode(model, st, at(st.tokens, obs_bo), st.pos + counts_b)
