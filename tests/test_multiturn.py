@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from offpolicy_jax import models, types
+from offpolicy_jax import losses, models, types
 from offpolicy_jax.models import lora
 from offpolicy_jax.sampling import multiturn
 
@@ -375,3 +375,35 @@ def test_parameters_swapped_between_turns_give_exact_logprobs(tiny, sampled, sco
   # The swap changed what was sampled: the late turns are not theta's.
   shared, _ = scorer(params, out.tokens, out.mask, out.kept, 0.8, 20)
   assert np.abs(np.asarray(out.logprobs - shared)[late & policy]).max() > 1e-3
+
+
+def test_observation_tokens_carry_no_loss_gradient_or_weight(sampled_run):
+  """st_ppo on a rollout: zero gradient at observation slots, which no metric counts."""
+  out, info, _ = sampled_run
+  rng = np.random.RandomState(0)
+  mu = np.asarray(out.logprobs)
+  logp = jnp.asarray(mu + 0.05 * rng.randn(*mu.shape), jnp.float32)
+  advantages = jnp.asarray(rng.randn(3 * K), jnp.float32)
+  obs = np.asarray(info.observation_mask) > 0
+
+  def loss(logp, turn_ids):
+    return losses.policy_loss(
+      "st_ppo",
+      logp=logp,
+      behavior_logp=out.logprobs,
+      advantages=advantages,
+      mask=out.mask,
+      turn_ids=turn_ids,
+    )
+
+  def objective(logp):
+    result = loss(logp, info.turn_ids)
+    return result.loss, result.metrics
+
+  (value, metrics), grad = jax.value_and_grad(objective, has_aux=True)(logp)
+  assert np.all(np.asarray(grad)[obs] == 0) and np.abs(np.asarray(grad)).max() > 0
+  assert float(metrics["valid_tokens"]) == float(np.asarray(out.mask).sum())
+  # Anything written at observation slots (log-probs, turn ids) changes nothing.
+  noisy = jnp.where(obs, -3.0 + logp, logp)
+  other_ids = jnp.where(obs, 0, info.turn_ids)
+  np.testing.assert_allclose(loss(noisy, other_ids).loss, value, rtol=1e-6)
