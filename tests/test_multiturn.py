@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from offpolicy_jax import models, types
+from offpolicy_jax import losses, models, types
 from offpolicy_jax.models import lora
 from offpolicy_jax.sampling import multiturn
 
@@ -134,8 +134,10 @@ def test_behaviour_logprobs_equal_teacher_forced_whole_trajectory(tiny, sampled_
   assert set(np.asarray(info.end_reason).tolist()) >= {multiturn.END_ENV, multiturn.END_TURNS}
 
 
-def test_greedy_logprobs_exact_and_argmax(tiny):
-  fn = multiturn.MultiTurnSampler(tiny[0], **OPTIONS, temperature=0.0)
+def test_greedy_reprefill_logprobs_exact_and_argmax(tiny):
+  """Greedy; the history re-encoded at each observation, whole cache: argmax, exact log-probs."""
+  options = {**OPTIONS, "decode_block": 0}
+  fn = multiturn.MultiTurnSampler(tiny[0], **options, temperature=0.0, history="reprefill")
   out, info = fn(tiny[1], PROMPTS, LENGTHS, jax.random.key(0), Script())
   _check_layout(out, info)
   model = nnx.merge(*tiny)
@@ -222,15 +224,13 @@ def test_rows_do_not_depend_on_the_batch(tiny, sampled, sampled_run):
     np.testing.assert_allclose(alone.logprobs, out.logprobs[rows], atol=1e-5, rtol=0)
 
 
-def test_reprefill_gives_the_same_trajectories(tiny, sampled_run):
-  out, _, _ = sampled_run
-  fn = multiturn.MultiTurnSampler(tiny[0], **OPTIONS, **SAMPLED, history="reprefill")
-  again, _ = fn(tiny[1], PROMPTS, LENGTHS, jax.random.key(3), Script())
-  np.testing.assert_array_equal(again.tokens, out.tokens)
-  np.testing.assert_allclose(again.logprobs, out.logprobs, atol=1e-5, rtol=0)
-
-
-def test_limits_budget_and_max_turns(tiny, sampled):
+def test_limits_budget_and_max_turns(tiny, sampled, sampled_run):
+  out, info, script = sampled_run
+  turns, reason = np.asarray(info.turns), np.asarray(info.end_reason)
+  assert turns.max() == 4 and np.all(turns[reason == multiturn.END_TURNS] == 4)
+  last = [c for c in script.calls if c[0] == 3]
+  assert [c[3] for c in last] == [True]  # every row's last turn is final
+  assert not any(c[0] > 3 for c in script.calls)
   caps = np.array([3, 9, 14, 28, 20, 11], np.int32)
   script = Script()
   out, info = sampled(tiny[1], PROMPTS, LENGTHS, jax.random.key(4), script, max_lengths=caps)
@@ -242,13 +242,8 @@ def test_limits_budget_and_max_turns(tiny, sampled):
     multiturn.END_EOS,
   )
   budget = np.asarray(info.end_reason) == multiturn.END_BUDGET
+  assert budget.sum() >= 2
   np.testing.assert_array_equal(lengths[budget], caps[budget])
-  one = multiturn.MultiTurnSampler(tiny[0], **{**OPTIONS, "max_turns": 1}, **SAMPLED)
-  script = Script()
-  out1, info1 = one(tiny[1], PROMPTS, LENGTHS, jax.random.key(4), script)
-  np.testing.assert_array_equal(info1.turns, 1)
-  assert [c[3] for c in script.calls] == [True]
-  assert np.asarray(info1.observation_mask).sum() == 0
   with pytest.raises(ValueError, match="max_lengths"):
     sampled(tiny[1], PROMPTS, LENGTHS, jax.random.key(4), script, max_lengths=caps[:2])
 
@@ -271,7 +266,7 @@ def test_bad_options_and_answers_are_named(tiny, sampled):
 def test_extend_equals_decoding_token_by_token(numpy_init, tiny, attention):
   """One extension call == feeding the observation through decode_shared token by token."""
   config = dataclasses.replace(models.get_config("tiny"), attention=attention)
-  model = nnx.merge(numpy_init(config)[0], tiny[1])
+  graphdef, params = numpy_init(config)[0], tiny[1]
   g, p, s, t = 3, PROMPTS.shape[1], 16, 5
   prompt_mask = types.prompt_mask(LENGTHS, p)
   rng = np.random.RandomState(0)
@@ -280,58 +275,57 @@ def test_extend_equals_decoding_token_by_token(numpy_init, tiny, attention):
   counts = np.array([5, 0, 3, 5, 1, 5], np.int32)
 
   @jax.jit
-  def run():
-    _, prefix = model.hidden_states(
-      PROMPTS, attention_mask=prompt_mask, cache=model.init_cache(g, p), cache_index=0
-    )
-    cache = model.init_cache(g * K, s)
-    for i in range(6):  # each row's own history: slots 0..filled-1
-      _, new_cache = model.decode_shared(jnp.asarray(history[:, i]), prefix, cache, prompt_mask, i)
-      cache = _where(i < filled, new_cache, cache)
-    h_ext, c_ext = model.extend_shared(new, counts, prefix, cache, prompt_mask, filled, block=4)
-    hs, c_dec = [], cache
-    for j in range(t):
-      h, new_cache = model.decode_shared(
-        jnp.asarray(new[:, j]), prefix, c_dec, prompt_mask, jnp.asarray(filled + j), block=4
-      )
-      c_dec = _where(j < counts, new_cache, c_dec)
-      hs.append(h)
-    h_dec = jnp.stack(hs, 1)[jnp.arange(g * K), np.maximum(counts - 1, 0)]
-    return h_ext, c_ext, h_dec, c_dec, cache
+  def prefill(params):
+    model = nnx.merge(graphdef, params)
+    cache = model.init_cache(g, p)
+    return model.hidden_states(PROMPTS, attention_mask=prompt_mask, cache=cache, cache_index=0)[1]
 
-  h_ext, c_ext, h_dec, c_dec, before = run()
+  @jax.jit
+  def decode(params, tokens, prefix, cache, index, write):
+    """One decode_shared step; rows where `write` is False keep their cache."""
+    h, new = nnx.merge(graphdef, params).decode_shared(tokens, prefix, cache, prompt_mask, index, 4)
+    return h, jax.tree.map(lambda a, b: jnp.where(write[:, None, None, None], a, b), new, cache)
+
+  @jax.jit
+  def extend(params, prefix, cache):
+    model = nnx.merge(graphdef, params)
+    return model.extend_shared(new, counts, prefix, cache, prompt_mask, filled, block=4)
+
+  prefix = prefill(params)
+  cache = nnx.merge(graphdef, params).init_cache(g * K, s)
+  for i in range(6):  # each row's own history: slots 0..filled-1
+    cache = decode(params, history[:, i], prefix, cache, np.full(g * K, i), i < filled)[1]
+  h_ext, c_ext = extend(params, prefix, cache)
+  hs, c_dec = [], cache
+  for j in range(t):
+    h, c_dec = decode(params, new[:, j], prefix, c_dec, filled + j, j < counts)
+    hs.append(h)
+  h_dec = jnp.stack(hs, 1)[jnp.arange(g * K), np.maximum(counts - 1, 0)]
   real = counts > 0
   np.testing.assert_allclose(np.asarray(h_ext)[real], np.asarray(h_dec)[real], atol=1e-5)
-  leaves = (jax.tree.leaves(c) for c in (c_ext, c_dec, before))
+  leaves = (jax.tree.leaves(c) for c in (c_ext, c_dec, cache))
   for a, b, c in zip(*leaves, strict=True):
     np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(a)[~real], np.asarray(c)[~real])  # counts 0
 
 
-def _where(rows_b, new, old):
-  return jax.tree.map(lambda a, b: jnp.where(rows_b[:, None, None, None], a, b), new, old)
-
-
-def test_lora_and_dot_product_give_the_same_trajectories(numpy_init, tiny, sampled_run):
+def test_lora_and_dot_product_give_the_same_trajectories(numpy_init, tiny, sampled, sampled_run):
   out, _, _ = sampled_run
   fused = numpy_init(dataclasses.replace(models.get_config("tiny"), attention="dot_product"))
-  fn = multiturn.MultiTurnSampler(fused[0], **OPTIONS, **SAMPLED)
+  fn = multiturn.MultiTurnSampler(fused[0], **{**OPTIONS, "decode_block": 0}, **SAMPLED)
   again, _ = fn(tiny[1], PROMPTS, LENGTHS, jax.random.key(3), Script())
   np.testing.assert_array_equal(again.tokens, out.tokens)
   np.testing.assert_allclose(again.logprobs, out.logprobs, atol=1e-5, rtol=0)
   # Random (non-zero) adapters: the same trajectories as the merged plain model.
   config = models.get_config("tiny", lora=models.LoraConfig(rank=4))
   graphdef, params = numpy_init(config, scale=2.0)
-  merged = lora.merged(params, config)
-  outs = [
-    multiturn.MultiTurnSampler(gd, **OPTIONS, **SAMPLED)(
-      ps, PROMPTS, LENGTHS, jax.random.key(5), Script()
-    )[0]
-    for gd, ps in ((graphdef, params), (tiny[0], merged))
-  ]
-  np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
-  np.testing.assert_allclose(outs[0].logprobs, outs[1].logprobs, atol=1e-5, rtol=0)
-  assert np.asarray(outs[0].mask).sum() > 20
+  adapted, _ = multiturn.MultiTurnSampler(graphdef, **{**OPTIONS, "decode_block": 0}, **SAMPLED)(
+    params, PROMPTS, LENGTHS, jax.random.key(5), Script()
+  )
+  merged, _ = sampled(lora.merged(params, config), PROMPTS, LENGTHS, jax.random.key(5), Script())
+  np.testing.assert_array_equal(adapted.tokens, merged.tokens)
+  np.testing.assert_allclose(adapted.logprobs, merged.logprobs, atol=1e-5, rtol=0)
+  assert np.asarray(adapted.mask).sum() > 20
 
 
 def test_turn_ids_from_masks(sampled_run):
@@ -345,3 +339,71 @@ def test_turn_ids_from_masks(sampled_run):
       np.testing.assert_array_equal(np.asarray(rebuilt)[b][filled[b]], info.turn_ids[b][filled[b]])
     else:
       assert turns_seen[b] < int(info.turns[b])
+
+
+def test_turn_end_sequences_match_within_the_turn_only():
+  tokens = jnp.array([[1, 4, 4, 0], [1, 4, 4, 0], [4, 9, 0, 0], [4, 4, 4, 4]], jnp.int32)
+  steps = jnp.array([2, 2, 1, 3], jnp.int32)
+  starts = jnp.array([1, 2, 1, 3], jnp.int32)
+  hit = multiturn._ends_turn(tokens, jnp.arange(4), steps, starts, TURN_END)
+  # (4, 4) inside the turn; (4, 4) across the turn's start; 9; a single 4 in the turn.
+  np.testing.assert_array_equal(hit, [True, False, True, False])
+
+
+def test_parameters_swapped_between_turns_give_exact_logprobs(tiny, sampled, scorer):
+  """Turns 0-1 under theta, turns 2-3 under theta': each token exact under its own parameters."""
+  params = tiny[1]
+  newer = jax.tree.map(lambda x: 1.05 * x, params)
+  out, info = sampled(
+    params,
+    PROMPTS,
+    LENGTHS,
+    jax.random.key(3),
+    Script(),
+    update_params=lambda turn: newer if turn == 2 else None,
+  )
+  _check_layout(out, info)
+  late = np.asarray(info.turn_ids) >= 2
+  policy = np.asarray(out.mask) > 0
+  assert (late & policy).sum() > 10 and (~late & policy).sum() > 10
+  for theta, part in ((params, ~late), (newer, late)):
+    shared, seq = scorer(theta, out.tokens, out.mask, out.kept, 0.8, 20)
+    for logp in (shared, seq):
+      np.testing.assert_allclose(
+        np.asarray(out.logprobs)[part], np.asarray(logp)[part], atol=1e-5, rtol=0
+      )
+  # The swap changed what was sampled: the late turns are not theta's.
+  shared, _ = scorer(params, out.tokens, out.mask, out.kept, 0.8, 20)
+  assert np.abs(np.asarray(out.logprobs - shared)[late & policy]).max() > 1e-3
+
+
+def test_observation_tokens_carry_no_loss_gradient_or_weight(sampled_run):
+  """st_ppo on a rollout: zero gradient at observation slots, which no metric counts."""
+  out, info, _ = sampled_run
+  rng = np.random.RandomState(0)
+  mu = np.asarray(out.logprobs)
+  logp = jnp.asarray(mu + 0.05 * rng.randn(*mu.shape), jnp.float32)
+  advantages = jnp.asarray(rng.randn(3 * K), jnp.float32)
+  obs = np.asarray(info.observation_mask) > 0
+
+  def loss(logp, turn_ids):
+    return losses.policy_loss(
+      "st_ppo",
+      logp=logp,
+      behavior_logp=out.logprobs,
+      advantages=advantages,
+      mask=out.mask,
+      turn_ids=turn_ids,
+    )
+
+  def objective(logp):
+    result = loss(logp, info.turn_ids)
+    return result.loss, result.metrics
+
+  (value, metrics), grad = jax.value_and_grad(objective, has_aux=True)(logp)
+  assert np.all(np.asarray(grad)[obs] == 0) and np.abs(np.asarray(grad)).max() > 0
+  assert float(metrics["valid_tokens"]) == float(np.asarray(out.mask).sum())
+  # Anything written at observation slots (log-probs, turn ids) changes nothing.
+  noisy = jnp.where(obs, -3.0 + logp, logp)
+  other_ids = jnp.where(obs, 0, info.turn_ids)
+  np.testing.assert_allclose(loss(noisy, other_ids).loss, value, rtol=1e-6)

@@ -386,6 +386,11 @@ class Decoder(nnx.Module):
   cache_index=i) -> (logits[B,T,V], cache)`; the T new tokens are written at cache
   slots i..i+T-1, query t attends to slots j <= i + t with kv_mask[b, j] = 1, and
   default positions are `cumsum(kv_mask) - 1` at slots i..i+T-1.
+
+  Sampling K continuations per prompt against a prompt cache shared by the
+  group: `decode_shared` (one token per row) and `extend_shared` (up to T
+  tokens per row at each row's own slots, e.g. a multi-turn environment's
+  observation appended in one pass).
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):

@@ -47,10 +47,15 @@ Keys. The token at suffix slot t of sample k of prompt g is drawn with
 on the other rows, on which rows are live or on the batch, so a group sampled
 alone (same key and `prompt_ids`) gives the same tokens.
 
-Parameters are fixed during one call: every policy token's behaviour log-prob
-is the teacher-forced log-prob of the whole trajectory (prompt + suffix,
-observations included) at those parameters (within float32 tolerance;
-`tests/test_multiturn.py`).
+Exactness. Every policy token's behaviour log-prob is the teacher-forced
+log-prob of the whole trajectory (prompt + suffix, observations included) at
+the parameters that drew it (within float32 tolerance; `tests/test_multiturn.py`).
+The parameters may change between turns (`update_params`, e.g. a newer
+version under lag): the prompts' and rows' caches are then recomputed under
+the new parameters before the next turn (`reencode`, one forward over every
+row's history), never reused across versions: keys and values of older
+parameters would make the next tokens' log-probs belong to no single version
+(the argument of `sampling.partial`).
 """
 
 from __future__ import annotations
@@ -189,12 +194,19 @@ class MultiTurnSampler:
   (1 on policy tokens only), lengths (filled suffix slots, policy +
   observation), kept (0 off policy tokens). `max_lengths` int [B] caps each
   row's suffix (1 <= cap, clipped to N); `prompt_ids` int [G] are the ids the
-  keys fold in (default 0..G-1).
+  keys fold in (default 0..G-1). `update_params(turn) -> params | None`, called
+  before every turn but the first, swaps in newer parameters mid-episode
+  (None keeps the current ones): the caches are then recomputed under them
+  (`reencode`), so every policy token's log-prob is exact under the
+  parameters that drew it. All rows take turn t together, so the parameters
+  of a policy token are those in effect at its `EpisodeInfo.turn_ids`.
 
   The jitted pieces are public for callers that drive the loop themselves:
   ``start(params, prompt_tokens, prompt_lengths, limit) -> MultiTurnState``,
-  ``turn(params, state, key, ids_b, samples_b) -> state`` and
-  ``extend(params, state, observations [B, O], counts [B], done [B]) -> state``.
+  ``turn(params, state, key, ids_b, samples_b) -> state``,
+  ``extend(params, state, observations [B, O], counts [B], done [B]) -> state`` and
+  ``reencode(params, state) -> state`` (the caches and logits under new parameters).
+  Each instance compiles its own pieces: build one per run, not per call.
   """
 
   def __init__(
@@ -271,6 +283,7 @@ class MultiTurnSampler:
     self.start = jax.jit(self._start)
     self.turn = jax.jit(self._turn, donate_argnums=(1,))
     self.extend = jax.jit(self._extend, donate_argnums=(1,))
+    self.reencode = jax.jit(self._reencode, donate_argnums=(1,))
 
   def _start(self, params, prompt_tokens, prompt_lengths, limit) -> MultiTurnState:
     """Prefills the prompts once per group; every row starts its first turn."""
@@ -371,11 +384,13 @@ class MultiTurnSampler:
     def run(suffix_logits):
       suffix, logits = suffix_logits
       if self.history == "extend":
+        # Rows without an observation write nothing; slot 0 keeps their span short.
+        index = jnp.where(counts_b > 0, st.pos, 0)
         h, suffix = model.extend_shared(
-          obs_bo, counts_b, st.prefix, suffix, st.prompt_mask, st.pos, self.decode_block
+          obs_bo, counts_b, st.prefix, suffix, st.prompt_mask, index, self.decode_block
         )
       else:
-        h, suffix = self._reprefill(model, st, at(st.tokens, obs_bo), st.pos + counts_b)
+        h, suffix, _ = self._encode(model, st, at(st.tokens, obs_bo), st.pos + counts_b)
       new = model.logits_from_hidden(h)
       return suffix, jnp.where((counts_b > 0)[:, None], new, logits)
 
@@ -390,22 +405,55 @@ class MultiTurnSampler:
       turn_ids=at(st.turn_ids, answered),
     )
 
-  def _reprefill(self, model, st: MultiTurnState, tokens_bn, filled_b):
-    """The prompts and every row's whole history encoded from scratch (`history="reprefill"`)."""
+  def _encode(self, model, st: MultiTurnState, tokens_bn, filled_b):
+    """The prompts and every row's first `filled_b` suffix tokens encoded from scratch.
+
+    As a system that re-prefills the conversation: the prompts, then the
+    rows' first max(filled) suffix slots rounded up to `decode_block` (one
+    static width per `lax.switch` branch), into a fresh cache.
+
+    Returns:
+      (h [R, D] at each row's last filled slot (for filled 0: the prompt's last
+      token), suffix cache, prefix cache).
+    """
     g, p = st.prompt_tokens.shape
-    _, prefix = model.hidden_states(
+    h_p, prefix = model.hidden_states(
       st.prompt_tokens, attention_mask=st.prompt_mask, cache=model.init_cache(g, p), cache_index=0
     )
     b, n = tokens_bn.shape
-    return model.extend_shared(
-      tokens_bn,
-      filled_b,
-      prefix,
-      model.init_cache(b, n),
-      st.prompt_mask,
-      jnp.zeros((b,), jnp.int32),
-      self.decode_block,
-    )
+    block = self.decode_block or n
+    spans = [*range(block, n, block), n]
+
+    def branch(span):
+      def run():
+        return model.extend_shared(
+          tokens_bn[:, :span],
+          filled_b,
+          prefix,
+          model.init_cache(b, n),
+          st.prompt_mask,
+          jnp.zeros((b,), jnp.int32),
+          self.decode_block,
+        )
+
+      return run
+
+    index = jnp.clip((jnp.max(filled_b) - 1) // block, 0, len(spans) - 1)
+    h, suffix = jax.lax.switch(index, [branch(s) for s in spans])
+    first = jnp.repeat(h_p[:, -1], self.group_size, axis=0)
+    return jnp.where((filled_b > 0)[:, None], h, first), suffix, prefix
+
+  def _reencode(self, params, st: MultiTurnState) -> MultiTurnState:
+    """The caches and next-token logits of every row recomputed under `params`.
+
+    Between turns, for parameters that changed mid-episode (a newer version):
+    the tokens that follow are then drawn from, and their log-probs are
+    exact under, the new parameters given the whole trajectory so far, with
+    no key or value computed by older parameters left in the caches.
+    """
+    model = nnx.merge(self.graphdef, params)
+    h, suffix, prefix = self._encode(model, st, st.tokens, st.pos)
+    return st._replace(prefix=prefix, suffix=suffix, logits=model.logits_from_hidden(h))
 
   def _limits(self, max_lengths, b: int) -> np.ndarray:
     n = self.max_new_tokens
@@ -447,6 +495,7 @@ class MultiTurnSampler:
     respond: Respond,
     max_lengths=None,
     prompt_ids=None,
+    update_params: Callable[[int], object] | None = None,
   ) -> tuple[SampleOutput, EpisodeInfo]:
     """Samples K trajectories per prompt, calling `respond` after every turn (class docstring)."""
     prompt_tokens = np.asarray(prompt_tokens, np.int32)
@@ -464,6 +513,11 @@ class MultiTurnSampler:
     cut = np.zeros((b,), bool)
     done = np.zeros((b,), bool)
     for turn in range(self.max_turns):
+      if turn and update_params is not None:
+        new_params = update_params(turn)
+        if new_params is not None:
+          params = new_params
+          st = self.reencode(params, st)
       rows = np.flatnonzero(~done)
       st = self.turn(params, st, key, ids_b, samples_b)
       pos, start, eos, tokens = jax.device_get((st.pos, st.turn_start, st.eos, st.tokens))
@@ -475,24 +529,12 @@ class MultiTurnSampler:
         if not sel.size:
           continue
         actions = [tokens[r, start[r] : pos[r]] for r in sel]
-        answers = list(respond(turn, sel, actions, is_final))
-        if len(answers) != sel.size:
-          raise ValueError(
-            f"respond (turn {turn}) must answer each of its {sel.size} rows, got {len(answers)}"
-          )
-        for r, answer in zip(sel, answers, strict=True):
-          o, env_done = self._observation(turn, int(r), answer, vocab)
+        for r, (o, env_done) in zip(
+          sel, self._ask(respond, turn, sel, actions, is_final, vocab), strict=True
+        ):
           if is_final or env_done:
             done[r] = True
-            reason[r] = (
-              END_EOS
-              if eos[r]
-              else END_ENV
-              if env_done
-              else END_BUDGET
-              if pos[r] >= limit[r]
-              else END_TURNS
-            )
+            reason[r] = _end_reason(eos[r], env_done, pos[r] >= limit[r])
             continue
           c = min(o.size, self.observation_tokens, int(limit[r] - pos[r] - 1))
           cut[r] |= c < o.size
@@ -501,18 +543,43 @@ class MultiTurnSampler:
       st = self.extend(params, st, obs, counts, done.copy())
       if done.all():
         break
-    sample = SampleOutput(
-      tokens=st.tokens,
-      logprobs=jnp.where(st.policy, st.logprobs, 0.0),
-      mask=st.policy.astype(jnp.float32),
-      lengths=st.pos,
-      kept=jnp.where(st.policy, st.kept, 0),
-    )
-    info = EpisodeInfo(
-      turns=st.turn,
-      turn_ids=st.turn_ids,
-      observation_mask=st.observation.astype(jnp.float32),
-      end_reason=jnp.asarray(reason),
-      observation_truncated=jnp.asarray(cut),
-    )
-    return sample, info
+    return _outputs(st, reason, cut)
+
+  def _ask(self, respond, turn, rows, actions, final, vocab) -> list[tuple[np.ndarray, bool]]:
+    """`respond`'s answers for `rows`, checked: [(observation tokens, done)]."""
+    answers = list(respond(turn, rows, actions, final))
+    if len(answers) != rows.size:
+      raise ValueError(
+        f"respond (turn {turn}) must answer each of its {rows.size} rows, got {len(answers)}"
+      )
+    return [
+      self._observation(turn, int(r), answer, vocab)
+      for r, answer in zip(rows, answers, strict=True)
+    ]
+
+
+def _end_reason(eos: bool, env_done: bool, budget: bool) -> int:
+  """`EpisodeInfo.end_reason` of an ending row: EOS, else the environment, the budget, max_turns."""
+  if eos:
+    return END_EOS
+  if env_done:
+    return END_ENV
+  return END_BUDGET if budget else END_TURNS
+
+
+def _outputs(st: MultiTurnState, reason, cut) -> tuple[SampleOutput, EpisodeInfo]:
+  sample = SampleOutput(
+    tokens=st.tokens,
+    logprobs=jnp.where(st.policy, st.logprobs, 0.0),
+    mask=st.policy.astype(jnp.float32),
+    lengths=st.pos,
+    kept=jnp.where(st.policy, st.kept, 0),
+  )
+  info = EpisodeInfo(
+    turns=st.turn,
+    turn_ids=st.turn_ids,
+    observation_mask=st.observation.astype(jnp.float32),
+    end_reason=jnp.asarray(reason),
+    observation_truncated=jnp.asarray(cut),
+  )
+  return sample, info
