@@ -414,11 +414,6 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("multiturn.observation_tokens", 16, PROGRAM,
      "Longest observation kept in a trajectory, in tokens (longer ones are cut and counted).",
      _POS),
-  _F("multiturn.credit", "trajectory", PROGRAM,
-     "\"trajectory\": each trajectory's summed reward, advantages relative to the K "
-     "trajectories of its prompt; \"turn\": each turn's tokens get the group-relative "
-     "advantage of the reward still to come from that turn on (per-turn rewards).",
-     Choice(("trajectory", "turn"))),
   _F("mesh.data", 1, PLACEMENT, "Data-parallel mesh axis size (-1 fills the remaining devices).",
      Int(1, note=" or -1", also=(-1,))),
   _F("mesh.fsdp", 1, PLACEMENT, "Fully-sharded (parameter) axis size.",

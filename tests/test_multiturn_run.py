@@ -120,6 +120,8 @@ def test_flaky_environment_is_counted_and_the_run_goes_on(tmp_path):
     **{
       "task_kwargs.directory": str(tmp_path),
       "reward_timeout": 1.0,
+      # Its own workers: hung calls get them killed and replaced.
+      "reward_memory_mb": 1536,
       "sft.enabled": False,
       "eval_prompts": 0,
       "prompts_per_step": 4,

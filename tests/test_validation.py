@@ -69,6 +69,9 @@ BAD = [
   ("lora.dropout", 1.0, "lora.dropout"),
   ("lora.dropout", -0.1, "lora.dropout"),
   ("lora.dropout", 0.1, "lora.dropout"),  # without lora.rank > 0
+  ("multiturn.max_turns", -1, "multiturn.max_turns"),
+  ("multiturn.turn_tokens", -1, "multiturn.turn_tokens"),
+  ("multiturn.observation_tokens", 0, "multiturn.observation_tokens"),
   ("reward_timeout", 0.0, "reward_timeout"),
   ("reward_timeout", INF, "reward_timeout"),
   ("reward_batch_timeout", -1.0, "reward_batch_timeout"),

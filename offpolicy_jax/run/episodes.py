@@ -69,7 +69,7 @@ class TurnFormat(NamedTuple):
     eos_id: the token that ends an episode from the policy's side, or None
       (chat: the end-of-turn token is the EOS, so only the environment ends it).
     action_text: a turn's token ids -> the text the environment reads.
-    observation: an observation's text -> the token ids appended.
+    observation: an observation's text -> its token ids (`reply` adds what a cut turn lacks).
   """
 
   name: str
@@ -77,6 +77,17 @@ class TurnFormat(NamedTuple):
   eos_id: int | None
   action_text: Callable[[Sequence[int]], str]
   observation: Callable[[str], list[int]]
+
+  def reply(self, action: Sequence[int], text: str) -> list[int]:
+    """The tokens appended after a policy turn `action` (ids): its observation `text`.
+
+    A turn cut by its token budget has no turn end; the turn end is written
+    first, so the trajectory stays a well-formed transcript (in the chat
+    format: the template's rendering of the conversation).
+    """
+    ids = [int(t) for t in action]
+    ended = any(len(e) <= len(ids) and tuple(ids[len(ids) - len(e) :]) == e for e in self.turn_end)
+    return ([] if ended else list(self.turn_end[0])) + self.observation(text)
 
 
 def turn_format(tokenizer: Any, chat: bool) -> TurnFormat:
@@ -91,7 +102,9 @@ def turn_format(tokenizer: Any, chat: bool) -> TurnFormat:
     return TurnFormat("plain", (end,), tokenizer.eos_id, plain_action, tokenizer.encode)
   if tokenizer.eos_id is None:
     raise ValueError("a chat-template turn format needs the tokenizer's end-of-turn (EOS) token")
-  eos_text = tokenizer.decode([tokenizer.eos_id], skip_special_tokens=False)
+  eos_text = getattr(tokenizer, "eos_token", None)
+  if not eos_text:
+    raise ValueError("a chat-template turn format needs the text of the tokenizer's EOS token")
   probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
   before = tokenizer.apply_chat_template(probe, add_generation_prompt=False)
   cut = before.rfind(eos_text)
@@ -186,7 +199,8 @@ class _Turns:
     del turn
     ids = [int(r) for r in rows]
     live = [r for r in ids if not self.dead[r]]
-    texts = {r: self.ep.fmt.action_text(a.tolist()) for r, a in zip(ids, actions, strict=True)}
+    actions_of = {r: a.tolist() for r, a in zip(ids, actions, strict=True)}
+    texts = {r: self.ep.fmt.action_text(a) for r, a in actions_of.items()}
     results = self.ep.runner.step([self.states[r] for r in live], [texts[r] for r in live])
     replies: dict[int, tuple[np.ndarray, bool]] = {}
     for r, res in zip(live, results, strict=True):
@@ -195,7 +209,7 @@ class _Turns:
       self.states[r] = res.state
       obs = np.zeros(0, np.int32)
       if not done:
-        obs_ids = self.ep.fmt.observation(res.observation)
+        obs_ids = self.ep.fmt.reply(actions_of[r], res.observation)
         if len(obs_ids) > self.ep.observation_tokens:
           self.cut += 1
           obs_ids = obs_ids[: self.ep.observation_tokens]
