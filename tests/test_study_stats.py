@@ -151,6 +151,10 @@ def test_report_verdicts_holm_power_note_and_aa_rate(tmp_path):
   # A/A: 1 of the 2 final-accuracy pairs is called different: 1/2 [0.013, 0.987].
   assert "permutation test at alpha = 0.05): 1/2 = 0.500 [0.013, 0.987]; nominal 0.05." in text
   assert "aa-grpo" not in text.split("## Final greedy accuracy")[1].split("## Paired")[0]
+  # Pooled: the shifted pair is false on all 3 metrics (its twin reaches the threshold at
+  # step 10); at `lag` no run reaches it, those differences are all 0 and left out: 3/5.
+  assert "permutation test: 3/5 = 0.600 [0.147, 0.947]" in text
+  assert "left out of the rates: 1 comparisons whose per-seed differences are all 0" in text
   few = {k: v[:5] for k, v in cells.items() if not k[0].startswith("aa-")}
   path = study_report.write_tables(
     _rows(few, 5), str(tmp_path / "few.md"), baseline=("grpo", "on"), title="t"

@@ -188,13 +188,12 @@ def _speed_section(values, main, lags, baseline_method, seeds, alpha) -> list[st
       got = values.get((m, g, metric))
       if not got:
         return "-"
-      text = str(study_stats.bootstrap(_by_seed(got, seeds)))
-      if steps:
-        iv = study_stats.bootstrap(_by_seed(got, seeds))
-        reached = values.get((m, g, "threshold_reached"), {})
-        k = int(sum(_by_seed(reached, seeds))) if reached else "?"
-        text = f"{iv.mean:.1f} [{iv.low:.1f}, {iv.high:.1f}] ({k}/{len(seeds)})"
-      return text
+      iv = study_stats.bootstrap(_by_seed(got, seeds))
+      if not steps:
+        return str(iv)
+      reached = values.get((m, g, "threshold_reached"), {})
+      k = int(sum(_by_seed(reached, seeds))) if reached else "?"
+      return f"{iv.mean:.1f} [{iv.low:.1f}, {iv.high:.1f}] ({k}/{len(seeds)})"
 
     comps = {
       (m, g): study_stats.compare(
@@ -224,7 +223,9 @@ def _speed_section(values, main, lags, baseline_method, seeds, alpha) -> list[st
   return lines
 
 
-def aa_tests(values, aa_methods, lags, seeds, alpha) -> list[tuple[str, str, str, Any, str]]:
+def aa_tests(
+  values, aa_methods, lags, seeds, alpha
+) -> list[tuple[str, str, str, study_stats.Comparison, str]]:
   """(A/A method, lag, metric, Comparison, permutation verdict at alpha) of every A/A pair."""
   out = []
   for a in aa_methods:
@@ -240,15 +241,25 @@ def aa_tests(values, aa_methods, lags, seeds, alpha) -> list[tuple[str, str, str
 
 
 def _aa_section(tests, alpha) -> tuple[list[str], str]:
-  """(the A/A section, its one-line false-verdict rate of final accuracy)."""
+  """(the A/A section, its one-line false-verdict rate of final accuracy).
+
+  The rates leave out pairs whose differences are all 0 (e.g. steps to the
+  threshold when no run reached it): no test can call those different.
+  """
+  skipped = sum(t[3].diff.low == t[3].diff.high == 0 for t in tests)
+  shown, tests = tests, [t for t in tests if not t[3].diff.low == t[3].diff.high == 0]
   final = [t for t in tests if t[2] == "final_accuracy"]
   perm = sum(t[4] != study_stats.SAME for t in final)
   boot = sum(t[3].bootstrap_verdict != study_stats.SAME for t in final)
   perm_all = sum(t[4] != study_stats.SAME for t in tests)
   boot_all = sum(t[3].bootstrap_verdict != study_stats.SAME for t in tests)
+
+  def rate(k, n):
+    return study_stats.rate(k, n) if n else "no informative pair"
+
   headline = (
     f"A/A false-verdict rate (final accuracy, permutation test at alpha = {alpha:g}): "
-    f"{study_stats.rate(perm, len(final))}; nominal {alpha:g}."
+    f"{rate(perm, len(final))}; nominal {alpha:g}."
   )
   lines = [
     "",
@@ -263,7 +274,7 @@ def _aa_section(tests, alpha) -> tuple[list[str], str]:
     "",
   ]
   rows = []
-  for a, g, metric, c, verdict in tests:
+  for a, g, metric, c, verdict in shown:
     fmt = "+.1f" if metric == "steps_to_threshold" else "+.3f"
     rows.append(
       [a, g, metric, _signed(c.diff, fmt), f"{c.p:.3g}", MARK[verdict], MARK[c.bootstrap_verdict]]
@@ -273,11 +284,11 @@ def _aa_section(tests, alpha) -> tuple[list[str], str]:
   )
   lines += [
     "",
-    f"- final accuracy, permutation test: {study_stats.rate(perm, len(final))} (nominal {alpha:g})",
-    f"- final accuracy, bootstrap rule: {study_stats.rate(boot, len(final))} (nominal 0.05)",
+    f"- final accuracy, permutation test: {rate(perm, len(final))} (nominal {alpha:g})",
+    f"- final accuracy, bootstrap rule: {rate(boot, len(final))} (nominal 0.05)",
     f"- all {len(AA_METRICS)} metrics pooled (correlated within a pair), permutation test: "
-    f"{study_stats.rate(perm_all, len(tests))}; bootstrap rule: "
-    f"{study_stats.rate(boot_all, len(tests))}",
+    f"{rate(perm_all, len(tests))}; bootstrap rule: {rate(boot_all, len(tests))}",
+    f"- left out of the rates: {skipped} comparisons whose per-seed differences are all 0",
   ]
   return lines, headline
 
