@@ -476,6 +476,15 @@ STUDY_FIELDS: tuple[Field, ...] = (
      "a cell keeps every evaluation).", _POS),
   _F("study.baseline", "grpo@onpolicy", NO_CELL_EFFECT,
      "Every cell is compared with this one on the same seeds: <method>@<lag>.", Str()),
+  _F("study.alpha", 0.05, NO_CELL_EFFECT,
+     "Level of the report's verdicts: `better`/`worse` when the Holm-adjusted (over the "
+     "grid's comparisons) paired sign-flip permutation p-value is <= alpha (study.stats).",
+     Float(0, 1, lo_open=True, hi_open=True)),
+  _F("study.aa_lags", "all", NO_CELL_EFFECT,
+     "A/A calibration: lags at which the baseline method runs a second time with other "
+     "random streams on the same warm starts and prompts ('all', '' for none, or lag "
+     "names, comma-separated); the report gives the false-verdict rate of these pairs.",
+     Str()),
   _F("study.bandit_steps", 300, NO_CELL_EFFECT, "The bandit study: SGD steps.", _POS),
   _F("study.bandit_group_size", 8, NO_CELL_EFFECT, "The bandit study: arms sampled per step.",
      _POS),

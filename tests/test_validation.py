@@ -163,6 +163,30 @@ def test_bad_value_fails_naming_the_field(field, value, named):
     validation.validate_config(_config(**{field: value}))
 
 
+# Fields of `config.study` (configs/lag_study.py), with values the study refuses.
+STUDY_BAD = [
+  ("study.alpha", 0.0, "study.alpha"),
+  ("study.alpha", 1.0, "study.alpha"),
+  ("study.alpha", NAN, "study.alpha"),
+  ("study.alpha", "0.05", "study.alpha"),
+  ("study.aa_lags", 3, "study.aa_lags"),
+  ("study.aa_lags", "nowhere", "study.aa_lags"),
+  ("study.aa_lags", "onpolicy,onpolicy", "study.aa_lags"),
+]
+
+
+@pytest.mark.parametrize(
+  "field,value,named", STUDY_BAD, ids=[f"{f}={v!r}" for f, v, _ in STUDY_BAD]
+)
+def test_bad_study_value_fails_naming_the_field(field, value, named):
+  from offpolicy_jax.study import runner
+
+  d = lag_study.get_config().to_dict()
+  d["study"][field.split(".")[1]] = value
+  with pytest.raises(ValueError, match=f"^config.{named}:"):
+    runner.grid_from_config(ml_collections.ConfigDict(d))
+
+
 @pytest.mark.parametrize("module", [default, code, lag_study], ids=lambda m: m.__name__)
 def test_shipped_configs_pass(module):
   validation.validate_config(module.get_config())
