@@ -84,8 +84,15 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c = gsm8k_qwen25_1p5b.get_config()
     c.unlock()
     c.total_steps = 300
+  elif scale == "calculator":  # multi-turn tool use (configs/calculator.py, docs/multiturn.md)
+    from configs import calculator
+
+    c = calculator.get_config()
+    c.unlock()
   else:
-    raise ValueError(f"configs/lag_study.py: unknown scale {scale!r} (toy or gsm8k)")
+    raise ValueError(
+      f"configs/lag_study.py: unknown scale {scale!r} (toy, gsm8k or calculator)"
+    )
   c.eval_every = 50
   # pass@k of the final parameters, k samples per prompt at the training temperature.
   c.eval_samples = 4
@@ -96,6 +103,9 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   config_schema.config_dict(config_schema.STUDY_FIELDS, into=c)
   c.study.methods = METHODS
   c.study.lags = LAGS
+  if scale == "calculator":  # episodes run on the host, one seed after another: a small grid
+    c.study.methods = "grpo,rec_oneside_nois,reinforce"
+    c.study.lags = "onpolicy=1/0,interval20=20/0,offline=offline"
   # 12 seeds: the fewest for which the report's verdicts (sign-flip permutation tests,
   # Holm-corrected over the grid's 79 comparisons at alpha 0.05) can be anything but `~`:
   # the smallest two-sided p-value of n seeds is 2 / 2^n, and Holm's first step needs

@@ -168,3 +168,34 @@ def test_turn_ids_are_the_runs_of_policy_tokens():
   mask = np.array([[1, 1, 0, 0, 1, 0, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0]], np.float32)
   got = np.asarray(types.turn_ids(jax.numpy.asarray(mask)))
   np.testing.assert_array_equal(got, [[0, 0, 0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0]])
+
+
+def test_miniature_multi_turn_study_runs_its_seeds_and_reports(tmp_path):
+  """The study's vmapped seeds with episodes played per seed (`episodes.steps_over_seeds`)."""
+  from configs import lag_study
+  from offpolicy_jax.study import runner as study
+
+  c = lag_study.get_config("calculator")
+  c.unlock()
+  c.task = "guess_number"
+  c.task_kwargs = {"hi": 8, "max_turns": 4}
+  for key, value in {**_GUESS, "total_steps": 2, "eval_every": 2, "prompts_per_step": 2}.items():
+    if not key.startswith("task"):
+      node, *path = key.split(".")
+      (c[node] if path else c)[path[0] if path else node] = value
+  c.group_size = 4
+  c.max_prompt_len = 12
+  c.eval_prompts = 8
+  c.eval_samples = 2
+  c.study.methods = "grpo"
+  c.study.lags = "onpolicy=1/0"  # the baseline's lag
+  c.study.seeds = 2
+  c.study.aa_lags = ""
+  c.study.eval_last = 1
+  c.lock()
+  cells = study.run_study(c, str(tmp_path), log=lambda s: None)
+  runs = cells[("grpo", "onpolicy")]["runs"]
+  assert [r["seed"] for r in runs] == [0, 1]
+  for r in runs:
+    assert len(r["train_reward"]) == 2 and all(0.0 <= x <= 1.0 for x in r["train_reward"])
+    assert len(r["eval_accuracy"]) == 2
