@@ -1,4 +1,4 @@
-"""Static vs continuous batching on long-tailed response lengths, at equal memory.
+"""Static vs continuous batching on long-tailed response lengths, at equal response-cache rows.
 
 The workload: W prompt groups of K samples, P random prompt tokens, responses
 capped at N tokens, and each response's length drawn from a Pareto tail
@@ -9,15 +9,17 @@ capped at N tokens, and each response's length drawn from a Pareto tail
 imposed through the samplers' per-row `max_lengths` (the tokens are real
 samples of a random model; only where a response ends is set, so both
 samplers do the same work per response and the measured difference is the
-batching). Both hold B = S * K rows of cache: the static sampler
+batching). Both hold R = S * K rows of response cache: the static sampler
 (`make_sampler`) decodes the W groups in W / S batches of S groups, each
 until its longest row ends; the continuous sampler
 (`make_continuous_sampler`, S slots) takes all W groups in one call and
-refills a slot as soon as its group has ended. One warm-up, then `--rounds`
+refills a row slot as soon as its row has ended (its prompt cache holds up
+to Q prompts, printed with the static one's). One warm-up, then `--rounds`
 interleaved rounds; medians.
 
   python benchmarks/longtail.py [--preset small] [--groups 128] [--group 1] [--slots 32] \
-      [--prompt_len 32] [--new_tokens 128] [--x_m 8] [--alpha 1.0]
+      [--prompt_len 32] [--new_tokens 128] [--x_m 8] [--alpha 1.0] \
+      [--prefill_batch 0] [--prompt_slots 0]
 """
 
 import argparse
@@ -48,6 +50,8 @@ def main():
   parser.add_argument("--new_tokens", type=int, default=128)
   parser.add_argument("--x_m", type=float, default=8.0)
   parser.add_argument("--alpha", type=float, default=1.0)
+  parser.add_argument("--prefill_batch", type=int, default=0, help="continuous: A (0: S)")
+  parser.add_argument("--prompt_slots", type=int, default=0, help="continuous: Q (0: S * K + A)")
   parser.add_argument("--rounds", type=int, default=3)
   args = parser.parse_args()
 
@@ -65,7 +69,13 @@ def main():
 
   static = sampling.make_sampler(graphdef, max_new_tokens=n, group_size=k, eos_id=None)
   cont = continuous.make_continuous_sampler(
-    graphdef, max_new_tokens=n, group_size=k, slots=s, eos_id=None
+    graphdef,
+    max_new_tokens=n,
+    group_size=k,
+    slots=s,
+    eos_id=None,
+    prefill_batch=args.prefill_batch,
+    prompt_slots=args.prompt_slots,
   )
 
   def run_static():
@@ -101,9 +111,13 @@ def main():
     f"of groups at the cap; device={jax.devices()[0].platform}; medians of {args.rounds} "
     "interleaved rounds after a warm-up"
   )
+  q = args.prompt_slots or s * k + (args.prefill_batch or s)
   print(
     f"decode steps: static {static_steps} (each batch runs to its longest row), continuous "
-    f">= {int(np.ceil(group_len.sum() / s))} (sum of group lengths / slots)"
+    f">= {int(np.ceil(caps.sum() / (s * k)))} (sum of row lengths / rows); cache slots per "
+    f"layer: static {s} x {p} prompt + {s * k} x {n} rows = {s * p + s * k * n}, continuous "
+    f"{q} x {p} prompt + {s * k} x {n} rows = {q * p + s * k * n} (+ {s * k} x {p} prompts "
+    "gathered by row per step)"
   )
   print("| sampler | s | response tokens/s | speed-up |")
   print("|---|---|---|---|")
