@@ -236,9 +236,10 @@ RUN_FIELDS: tuple[Field, ...] = (
      "of this many slots (0 = the whole max_new_tokens cache at every step). Same numbers.",
      Int(0, note=" (0 = whole cache)")),
   _F("rollout.continuous_slots", 0, PROGRAM,
-     "Continuous batching (sampling.continuous): this many prompt groups decode at once and a "
-     "group that has ended frees its slot for the next prompt inside the same compiled loop, so "
-     "no row decodes past its end; worth it when response lengths vary (EOS). Its draws use "
+     "Continuous batching (sampling.continuous): this many times group_size rows "
+     "decode at once and a row that has ended frees its slot for the next waiting row inside "
+     "the same compiled loop, so no row decodes past its end (groups stay whole in the "
+     "output); worth it when response lengths vary (EOS). Its draws use "
      "per-(prompt, sample, token) keys, so its samples differ from the static sampler's for the "
      "same seed. 0 = the static batch of all prompts_per_step groups. With "
      "rollout.continuous_auto_steps > 0, the number of slots the run switches to.",
