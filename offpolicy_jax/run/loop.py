@@ -265,7 +265,10 @@ class _Loop:
     """Evaluates the trainer's parameters at `step`, writing an eval row when there is one."""
     run = self.run_cfg
     key = step_key(run.seed, step, EVAL)
-    ev = evaluation.evaluate(self.fns, weights(state), key, run.eval_prompts, run.eval_samples)
+    # The run as built: evaluation does not use the sampler a switch replaces (no recompile).
+    ev = evaluation.evaluate(
+      self.comps.fns, weights(state), key, run.eval_prompts, run.eval_samples
+    )
     if ev:
       self.rows.append(self.writer.write(step, ev))
       text = ", ".join(f"{k}={v:.3f}" for k, v in ev.items())
