@@ -2,15 +2,20 @@
 
   python -m experiments.study --config=configs/lag_study.py --workdir=/tmp/lag_study
 
-writes `study.md` (tables with 95% bootstrap intervals and paired verdicts
-against GRPO on-policy), `study.csv` (one row per run and metric) and plots
+writes `study.md` (tables with 95% bootstrap intervals, verdicts against GRPO
+on-policy from paired sign-flip permutation tests with Holm's correction,
+learning speed within each lag, the A/A calibration's false-verdict rate;
+docs/lag_and_study.md), `study.csv` (one row per run and metric) and plots
 (`curves_<lag>.png`, `final.png`); killed and rerun, it runs the missing cells
 only. Every run with a given seed starts from the same supervised warm start
 and reads the same prompts; the seeds of a cell run together under `jax.vmap`.
 
-Cost on a 2-core CPU (the default, toy scale): the `reverse` task with the
-tiny decoder, 8 prompts x 8 samples, 200 steps per run, 16 methods x 5 lags x
-5 seeds = 400 runs in 52 minutes (measured; see the README). The step count is
+Cost on a 2-core CPU (toy scale): the `reverse` task with the tiny decoder,
+8 prompts x 8 samples, 200 steps per run, 16 methods x 5 lags x 5 seeds = 400
+runs took 52 minutes (measured with 5 seeds, before the A/A cells; see the
+README). The default is now 12 seeds (why: `c.study.seeds` below) plus GRPO's
+A/A twin at the 5 lags; the seeds of a cell are one vmapped program, but on a
+CPU its work grows with the seeds. The step count is
 what fits the 60-minute budget with 5 lags: enough for lag to separate the
 methods (REINFORCE collapses within 50 steps of stale data), not enough for
 on-policy training to move greedy accuracy much above the warm start (the main
@@ -91,6 +96,15 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   config_schema.config_dict(config_schema.STUDY_FIELDS, into=c)
   c.study.methods = METHODS
   c.study.lags = LAGS
+  # 12 seeds: the fewest for which the report's verdicts (sign-flip permutation tests,
+  # Holm-corrected over the grid's 79 comparisons at alpha 0.05) can be anything but `~`:
+  # the smallest two-sided p-value of n seeds is 2 / 2^n, and Holm's first step needs
+  # p <= 0.05 / 79 = 0.00063 (n = 10: 0.0020, n = 12: 0.00049). study.stats.needed_seeds.
+  c.study.seeds = 12
+  c.study.alpha = 0.05
+  # A/A calibration at every lag: GRPO runs twice with independent random streams on the
+  # same warm starts; study.md reports how often the tests call the two different.
+  c.study.aa_lags = "all"
   # One seed per vmapped program and 64 held-out prompts per sampler call for large models.
   c.study.vmap_seeds = 0 if scale == "toy" else 1
   c.study.eval_batch = 0 if scale == "toy" else 64

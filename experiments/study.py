@@ -2,9 +2,10 @@ r"""Runs a seeded study (methods x lags x seeds) and writes its tables and plots
 
   python -m experiments.study --config=configs/lag_study.py --workdir=/tmp/lag_study
 
-Writes `workdir/study.md` (final accuracy with 95% bootstrap intervals, paired
-verdicts against the baseline, pass@k, area under the training curve,
-collapses, the bandit), `workdir/study.csv` (one row per run and metric) and
+Writes `workdir/study.md` (final accuracy with 95% bootstrap intervals,
+verdicts against the baseline from Holm-corrected sign-flip permutation tests,
+learning speed, the A/A calibration's false-verdict rate, pass@k, area under
+the training curve, collapses, the bandit), `workdir/study.csv` (one row per run and metric) and
 `workdir/curves_<lag>.png`, `workdir/final.png`. Finished cells are kept in
 `workdir/cells/`; a rerun (after a kill, say) runs only the missing ones, and
 refuses a workdir holding a study with another config. `--report_only`

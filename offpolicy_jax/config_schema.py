@@ -419,6 +419,16 @@ RUN_FIELDS: tuple[Field, ...] = (
      "the train step's current-policy forward only (never the sampler, the old / behaviour "
      "scoring, the reference or evaluation); needs lora.rank > 0.",
      Float(0, 1, hi_open=True)),
+  _F("multiturn.max_turns", 0, PROGRAM,
+     "Multi-turn episodes (docs/multiturn.md): at most this many policy turns per trajectory, "
+     "each answered by the task's environment in the sandboxed workers (0 = single-turn; "
+     "needs a task with an environment).", Int(0, note=" (0 = single-turn)")),
+  _F("multiturn.turn_tokens", 0, PROGRAM,
+     "Token budget of one policy turn (0 = max_new_tokens); max_new_tokens bounds the whole "
+     "trajectory, policy and observation tokens together.", Int(0, note=" (0 = max_new_tokens)")),
+  _F("multiturn.observation_tokens", 16, PROGRAM,
+     "Longest observation kept in a trajectory, in tokens (longer ones are cut and counted).",
+     _POS),
   _F("mesh.data", 1, PLACEMENT, "Data-parallel mesh axis size (-1 fills the remaining devices).",
      Int(1, note=" or -1", also=(-1,))),
   _F("mesh.fsdp", 1, PLACEMENT, "Fully-sharded (parameter) axis size.",
@@ -481,6 +491,15 @@ STUDY_FIELDS: tuple[Field, ...] = (
      "a cell keeps every evaluation).", _POS),
   _F("study.baseline", "grpo@onpolicy", NO_CELL_EFFECT,
      "Every cell is compared with this one on the same seeds: <method>@<lag>.", Str()),
+  _F("study.alpha", 0.05, NO_CELL_EFFECT,
+     "Level of the report's verdicts: `better`/`worse` when the Holm-adjusted (over the "
+     "grid's comparisons) paired sign-flip permutation p-value is <= alpha (study.stats).",
+     Float(0, 1, lo_open=True, hi_open=True)),
+  _F("study.aa_lags", "all", NO_CELL_EFFECT,
+     "A/A calibration: lags at which the baseline method runs a second time with other "
+     "random streams on the same warm starts and prompts ('all', '' for none, or lag "
+     "names, comma-separated); the report gives the false-verdict rate of these pairs.",
+     Str()),
   _F("study.bandit_steps", 300, NO_CELL_EFFECT, "The bandit study: SGD steps.", _POS),
   _F("study.bandit_group_size", 8, NO_CELL_EFFECT, "The bandit study: arms sampled per step.",
      _POS),

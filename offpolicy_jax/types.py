@@ -52,6 +52,18 @@ class TrainBatch(NamedTuple):
   old_logp: jax.Array
 
 
+def turn_ids(mask_bn: ArrayLike) -> jax.Array:
+  """int32 [B, N]: the turn of each response token, turns being runs of policy tokens (mask 1).
+
+  A multi-turn trajectory (`run.episodes`) interleaves policy turns with
+  observation tokens of mask 0; turn j is the j-th run of mask-1 tokens. A
+  single-turn row is one turn (0). Observation tokens get the turn they answer.
+  """
+  on = jnp.asarray(mask_bn) > 0
+  starts = on & ~jnp.pad(on, ((0, 0), (1, 0)))[:, :-1]
+  return jnp.maximum(jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1, 0)
+
+
 def prompt_mask(prompt_lengths: ArrayLike, width: int) -> jax.Array:
   """bool [G, P]: True on the real tokens of left-padded prompts of `prompt_lengths` [G]."""
   return jnp.arange(width)[None, :] >= width - jnp.asarray(prompt_lengths)[:, None]

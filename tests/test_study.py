@@ -147,10 +147,18 @@ def test_miniature_study_writes_tables_csv_and_plots(mini):
   assert all(os.path.getsize(f) > 0 for f in files)
   rows = study_report.read_csv(os.path.join(path, "study.csv"))
   finals = [r for r in rows if r["metric"] == "final_accuracy"]
-  assert len(finals) == 2 * 2 * 2  # methods x lags x seeds
+  assert len(finals) == (2 + 1) * 2 * 2  # (methods + the A/A twin) x lags x seeds
   curve = [r for r in rows if r["metric"] == "eval_accuracy" and r["method"] == "grpo"]
   assert sorted({r["step"] for r in curve}) == [0, 2, 4]
-  assert {r["metric"] for r in rows} >= {"auc", "collapsed", "start_accuracy", "pass@2"}
+  assert {r["metric"] for r in rows} >= {
+    "auc",
+    "collapsed",
+    "start_accuracy",
+    "pass@2",
+    "accuracy_auc",
+    "steps_to_threshold",
+    "threshold_reached",
+  }
   text = open(os.path.join(path, "study.md")).read()
   # The twin's runs equal grpo's: marked indistinguishable, difference exactly 0.
   line = next(x for x in text.splitlines() if x.startswith("| twin |"))
@@ -173,7 +181,7 @@ def test_interrupted_study_reruns_only_missing_cells_and_gets_the_same_numbers(m
   os.remove(victim)
   logs = []
   again = study.run_study(config, path, log=logs.append)
-  assert "3/4 cells done, 1 to run" in logs[0]
+  assert "5/6 cells done, 1 to run" in logs[0]
   assert {f: os.path.getmtime(study.cell_path(path, *f)) for f in before} == before
   old, new = cells["twin", "offline"]["runs"], again["twin", "offline"]["runs"]
   for a, b in zip(old, new, strict=True):
@@ -361,3 +369,53 @@ def test_engine_settings_reach_the_cells_config_and_the_report(mini, monkeypatch
   )
   section = open(md).read().split("## Off-policy diagnostics")[1]
   assert "`mismatch_kl_k3`" in section and "| grpo | 0.25 | 0.25 |" in section
+
+
+def test_aa_twin_runs_the_baseline_with_other_streams_and_the_report_counts_it(mini):
+  """The A/A path end to end: `aa-grpo` cells at both lags (the default `aa_lags=all`)."""
+  config, path, cells, _ = mini
+  _, grid = study.grid_from_config(config)
+  assert grid.aa_method == "aa-grpo" and grid.aa_lags == ("onpolicy", "offline")
+  for lag_name in grid.lags:
+    aa, base = cells["aa-grpo", lag_name], cells["grpo", lag_name]
+    twin = cells["twin", lag_name]
+    assert aa["aa_of"] == "grpo" and aa["stream_offset"] == study.AA_STREAM_OFFSET
+    for a, b, t in zip(aa["runs"], base["runs"], twin["runs"], strict=True):
+      assert a["seed"] == b["seed"]
+      assert a["eval_accuracy"][0] == b["eval_accuracy"][0]  # the same warm start
+      # The twin (same streams) samples the same tokens, bit for bit; the A/A twin other
+      # tokens (the miniature's rewards are all 0, so its diagnostics tell them apart).
+      assert t["off_policy"] == b["off_policy"]
+      assert a["off_policy"]["behavior_kl_k3"] != b["off_policy"]["behavior_kl_k3"]
+  rows = study_report.read_csv(os.path.join(path, "study.csv"))
+  _, lags, values = study_report._table(rows)
+  tests = study_report.aa_tests(values, ["aa-grpo"], lags, [0, 1], 0.05)
+  assert [(t[1], t[2]) for t in tests] == [
+    (g, m) for g in ("onpolicy", "offline") for m in study_report.AA_METRICS
+  ]
+  text = open(os.path.join(path, "study.md")).read()
+  # With 2 seeds a two-sided sign-flip p-value is at least 2/4: no A/A verdict can be false.
+  assert all(t[3].p >= 0.5 and t[4] == study_stats.SAME for t in tests)
+  # The miniature's 3-step warm start solves nothing: every accuracy is 0, so every pair's
+  # differences are 0 and none counts (the counting itself: tests/test_study_stats.py).
+  assert all(r["eval_accuracy"] == [0.0] * 3 for c in cells.values() for r in c["runs"])
+  headline = "A/A false-verdict rate (final accuracy, permutation test at alpha = 0.05): "
+  assert headline + "no informative pair; nominal 0.05." in text
+  assert "left out of the rates: 6 comparisons" in text
+  section = text.split("## A/A calibration")[1].split("\n## ")[0]
+  assert sum(x.startswith("| aa-grpo |") for x in section.splitlines()) == 6
+  # The twin is no method of the grid's tables.
+  grid_table = text.split("## Final greedy accuracy")[1].split("## Paired")[0]
+  assert "aa-grpo" not in grid_table and "No verdict is attainable" in grid_table
+
+
+def test_aa_lags_and_reserved_names_are_checked():
+  _, grid = study.grid_from_config(mini_config(aa_lags="offline"))
+  assert grid.aa_lags == ("offline",)
+  assert grid.cells()[-1] == ("aa-grpo", "offline") and len(grid.cells()) == 5
+  assert study.grid_from_config(mini_config(aa_lags=""))[1].aa_lags == ()
+  for spec in ("nowhere", "offline,offline"):
+    with pytest.raises(ValueError, match="config.study.aa_lags"):
+      study.grid_from_config(mini_config(aa_lags=spec))
+  with pytest.raises(ValueError, match="config.study.methods: 'aa-x'"):
+    study.grid_from_config(mini_config(methods="grpo,aa-x=grpo"))

@@ -74,6 +74,9 @@ BAD = [
   ("lora.dropout", 1.0, "lora.dropout"),
   ("lora.dropout", -0.1, "lora.dropout"),
   ("lora.dropout", 0.1, "lora.dropout"),  # without lora.rank > 0
+  ("multiturn.max_turns", -1, "multiturn.max_turns"),
+  ("multiturn.turn_tokens", -1, "multiturn.turn_tokens"),
+  ("multiturn.observation_tokens", 0, "multiturn.observation_tokens"),
   ("reward_timeout", 0.0, "reward_timeout"),
   ("reward_timeout", INF, "reward_timeout"),
   ("reward_batch_timeout", -1.0, "reward_batch_timeout"),
@@ -170,6 +173,30 @@ def test_continuous_auto_needs_sync_mode():
   validation.validate_config(_config(**auto))
   with pytest.raises(ValueError, match="^config.rollout.continuous_auto_steps:.*'sync' only"):
     validation.validate_config(_config(**auto, **{"lag.mode": "async"}))
+
+
+# Fields of `config.study` (configs/lag_study.py), with values the study refuses.
+STUDY_BAD = [
+  ("study.alpha", 0.0, "study.alpha"),
+  ("study.alpha", 1.0, "study.alpha"),
+  ("study.alpha", NAN, "study.alpha"),
+  ("study.alpha", "0.05", "study.alpha"),
+  ("study.aa_lags", 3, "study.aa_lags"),
+  ("study.aa_lags", "nowhere", "study.aa_lags"),
+  ("study.aa_lags", "onpolicy,onpolicy", "study.aa_lags"),
+]
+
+
+@pytest.mark.parametrize(
+  "field,value,named", STUDY_BAD, ids=[f"{f}={v!r}" for f, v, _ in STUDY_BAD]
+)
+def test_bad_study_value_fails_naming_the_field(field, value, named):
+  from offpolicy_jax.study import runner
+
+  d = lag_study.get_config().to_dict()
+  d["study"][field.split(".")[1]] = value
+  with pytest.raises(ValueError, match=f"^config.{named}:"):
+    runner.grid_from_config(ml_collections.ConfigDict(d))
 
 
 @pytest.mark.parametrize("module", [default, code, lag_study], ids=lambda m: m.__name__)

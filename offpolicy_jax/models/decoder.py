@@ -229,6 +229,52 @@ class Attention(lora_ops.Adapted):
       out = attend((ks, vs), allowed)
     return self._out(out), (ks, vs)
 
+  def extend_shared(
+    self, x_btd, rope, prefix_kv, suffix_kv, prompt_mask_gp, index_b, counts_b, block=0
+  ):
+    """T new tokens per row written into its own suffix cache at once (`Decoder.extend_shared`).
+
+    Query t of row b sits at suffix slot index[b] + t; it attends to its
+    group's real prompt keys and causally to the row's own slots
+    0..index[b] + t. Only the first counts[b] new keys/values of a row are
+    written (the rest are dropped: the cache is unchanged beyond them, and
+    the outputs of those queries are meaningless).
+
+    Args:
+      x_btd: [G*K, T, D] normalised hidden states of the new tokens.
+      rope: (cos, sin) [G*K, T, H] at the new tokens' positions.
+      prefix_kv: (k, v) [G, N_kv, P, H] of the prompts.
+      suffix_kv: (k, v) [G*K, N_kv, S, H] of the rows so far.
+      prompt_mask_gp: [G, P] real prompt tokens.
+      index_b: int32 [G*K] suffix slot of each row's first new token.
+      counts_b: int32 [G*K] real new tokens of each row (0..T).
+      block: as for `decode_shared` (spans over the filled slots only).
+
+    Returns:
+      (attention output [G*K, T, D], updated suffix (k, v)).
+    """
+    q, k, v = self._qkv(x_btd, *rope)
+    b, t = x_btd.shape[:2]
+    s = suffix_kv[0].shape[2]
+    steps = jnp.arange(t)[None, :]
+    slots = index_b[:, None] + steps  # [B, T]
+    dest = jnp.where(steps < counts_b[:, None], slots, s)  # slot s is out of range: dropped
+    rows = jnp.arange(b)[:, None]
+    ks, vs = (
+      c.at[rows, :, dest].set(jnp.swapaxes(x, 1, 2).astype(c.dtype), mode="drop")
+      for c, x in zip(suffix_kv, (k, v), strict=True)
+    )
+    allowed = jnp.arange(s)[None, None, :] <= slots[:, :, None]
+
+    def attend(own_kv, allowed):
+      return self._grouped_attention(q, prefix_kv, own_kv, prompt_mask_gp, allowed)
+
+    if block:
+      out = ops.over_filled(attend, (ks, vs), allowed, jnp.max(index_b + counts_b), block)
+    else:
+      out = attend((ks, vs), allowed)
+    return self._out(out), (ks, vs)
+
   def _grouped_attention(self, q_btnh, prefix_kv, own_kv, prompt_mask_gp, own_allowed_bts):
     dt = jnp.dtype(self.config.dtype)
     if self.config.attention == "dot_product":
@@ -310,6 +356,22 @@ class DecoderLayer(nnx.Module):
     )
     return self._feed_forward(h_b1d + attn), suffix_kv
 
+  def extend_shared(
+    self, h_btd, rope, prefix_kv, suffix_kv, prompt_mask_gp, index_b, counts_b, block=0
+  ):
+    """The block for T new tokens per row against a per-group prompt cache (see `Attention`)."""
+    attn, suffix_kv = self.self_attn.extend_shared(
+      self.input_layernorm(h_btd),
+      rope,
+      prefix_kv,
+      suffix_kv,
+      prompt_mask_gp,
+      index_b,
+      counts_b,
+      block,
+    )
+    return self._feed_forward(h_btd + attn), suffix_kv
+
 
 def _constrain(h_btd: jax.Array) -> jax.Array:
   """Activations [B, T, D] with rows over the batch axes of the ambient mesh (if any)."""
@@ -324,6 +386,11 @@ class Decoder(nnx.Module):
   cache_index=i) -> (logits[B,T,V], cache)`; the T new tokens are written at cache
   slots i..i+T-1, query t attends to slots j <= i + t with kv_mask[b, j] = 1, and
   default positions are `cumsum(kv_mask) - 1` at slots i..i+T-1.
+
+  Sampling K continuations per prompt against a prompt cache shared by the
+  group: `decode_shared` (one token per row) and `extend_shared` (up to T
+  tokens per row at each row's own slots, e.g. a multi-turn environment's
+  observation appended in one pass).
   """
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -480,6 +547,71 @@ class Decoder(nnx.Module):
       new_k.append(k)
       new_v.append(v)
     return self.norm(h)[:, 0], KVCache(tuple(new_k), tuple(new_v))
+
+  def extend_shared(
+    self,
+    tokens_bt,
+    counts_b,
+    prefix: KVCache,
+    suffix: KVCache,
+    prompt_mask,
+    index_b,
+    block: int = 0,
+  ):
+    """Appends up to T tokens per row to its suffix cache in one pass (e.g. an observation).
+
+    Row b's tokens ``tokens_bt[b, :counts[b]]`` are written at suffix slots
+    ``index[b] .. index[b] + counts[b] - 1`` (positions prompt length + slot),
+    attending to the group's prompt cache and causally to the row's own
+    filled slots, as `decode_shared` would one token at a time (within float
+    tolerance; `tests/test_multiturn.py`), in one call of T queries instead
+    of T calls. Tokens past ``counts[b]`` are padding: their keys and values
+    are not written, so nothing a later step reads changes; a row with
+    counts 0 keeps its cache as it was.
+
+    Args:
+      tokens_bt: int32 [G*K, T] new tokens (group-major rows), padded past counts.
+      counts_b: int32 [G*K] real new tokens of each row, 0 <= counts <= T.
+      prefix: the prompts' cache, [G, N_kv, P, H] per layer (the prefill's).
+      suffix: the rows' own cache, [G*K, N_kv, S, H] per layer.
+      prompt_mask: [G, P] 1 on real prompt tokens.
+      index_b: int32 [G*K] suffix slot of each row's first new token (its
+        filled slots so far); index + counts <= S.
+      block: 0 attends over every suffix slot; else over the filled ones
+        only, in spans of `block` (`attention_ops.over_filled`).
+
+    Returns:
+      (h [G*K, D] final-norm hidden state at each row's last real new token,
+      whose logits predict the row's next token (meaningless for counts 0),
+      updated suffix cache).
+    """
+    prompt_mask = jnp.asarray(prompt_mask) > 0
+    tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
+    b, t = tokens_bt.shape
+    index_b = jnp.broadcast_to(jnp.asarray(index_b, jnp.int32), (b,))
+    counts_b = jnp.broadcast_to(jnp.asarray(counts_b, jnp.int32), (b,))
+    lengths = jnp.sum(prompt_mask, axis=-1).astype(jnp.int32)
+    start = jnp.repeat(lengths, b // prompt_mask.shape[0]) + index_b
+    rope = self._rope(start[:, None] + jnp.arange(t)[None, :])
+    h = self._embed(tokens_bt)
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      h, (k, v) = layer.extend_shared(
+        h,
+        rope,
+        (prefix.k[i], prefix.v[i]),
+        (suffix.k[i], suffix.v[i]),
+        prompt_mask,
+        index_b,
+        counts_b,
+        block,
+      )
+      h = _constrain(h)
+      new_k.append(k)
+      new_v.append(v)
+    last = jnp.maximum(counts_b - 1, 0)[:, None, None]
+    h_last = jnp.take_along_axis(h, last, axis=1)[:, 0]
+    return self.norm(h_last), KVCache(tuple(new_k), tuple(new_v))
 
   def _embed(self, tokens):
     return _constrain(jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.config.dtype))

@@ -131,6 +131,7 @@ class HFTokenizer:
   Attributes:
     vocab_size: size of the vocabulary including added tokens.
     eos_id: id of `eos_token` from tokenizer_config.json.
+    eos_token: its text (e.g. "<|im_end|>"), or None.
     pad_id: id of `pad_token`, falling back to `eos_id` when there is none.
     bos_id: id of `bos_token` or None.
   """
@@ -142,6 +143,7 @@ class HFTokenizer:
       name: _token_content(config.get(name))
       for name in ("bos_token", "eos_token", "pad_token", "unk_token")
     }
+    self.eos_token = self._special["eos_token"]
     self.bos_id = self._id(self._special["bos_token"])
     self.eos_id = self._id(self._special["eos_token"])
     pad = self._id(self._special["pad_token"])

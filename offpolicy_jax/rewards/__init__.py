@@ -3,15 +3,27 @@
   scoring      `score_batch`: host rewards in sandboxed verifier workers; answer/format parsing
   verifiers    the pool of killable verifier worker processes (forkserver, JSON replies, timeouts)
   worker       what runs inside a verifier worker, and the messages on its pipes
+  environments multi-turn environments: the protocol, run batched in the verifier workers
   sandbox      worker confinement: rlimits, capabilities, Landlock (an allow-list of reads), seccomp
   isolation    untrusted programs in a fresh process per grading; only JSON data comes back
   answer_gate  the safe-grammar gate for answers a verifier would eval / sympify
-  tasks        prompts + template + reward: synthetic, reasoning-gym, GSM8K / MATH, code
+  tasks        prompts + template + reward: synthetic, reasoning-gym, GSM8K / MATH, code,
+               multi-turn (guess_number, calculator)
 
 May import: the maths modules.
 """
 
-from offpolicy_jax.rewards import answer_gate, isolation, sandbox, scoring, tasks, verifiers, worker
+from offpolicy_jax.rewards import (
+  answer_gate,
+  environments,
+  isolation,
+  sandbox,
+  scoring,
+  tasks,
+  verifiers,
+  worker,
+)
+from offpolicy_jax.rewards.environments import Environment, EnvResult, EnvRunner
 from offpolicy_jax.rewards.scoring import (
   RewardError,
   SandboxedReward,
@@ -23,11 +35,15 @@ from offpolicy_jax.rewards.scoring import (
 from offpolicy_jax.rewards.verifiers import RewardResult, VerifierPool, get_pool
 
 __all__ = [
+  "EnvResult",
+  "EnvRunner",
+  "Environment",
   "RewardError",
   "RewardResult",
   "SandboxedReward",
   "VerifierPool",
   "answer_gate",
+  "environments",
   "extract_answer",
   "follows_format",
   "get_pool",

@@ -5,6 +5,7 @@ code task's unit tests) on model output. None of it runs in the trainer:
 
   pool = verifiers.get_pool(num_workers=4)
   result = pool.score(task.reward, examples, texts, timeout_s=10.0)
+  batch = pool.call(fn, [(x, y), ...], timeout_s=10.0)   # any JSON-data function
 
 Each worker is a separate process, started from a `forkserver` (so it inherits
 no JAX runtime state, threads or device handles of the trainer) that has
@@ -20,16 +21,26 @@ so a worker taken over can at worst forge its own scores (graded programs
 never run in a worker: see `isolation`). A
 `ProcessPoolExecutor` also cannot stop a running call.
 
-Timeouts: a call that runs longer than `timeout_s` in its worker scores 0,
-is counted as a timeout, and its worker is killed (SIGKILL) and replaced; a
-batch that is not done `batch_timeout_s` after it started (default
-`2 * timeout_s`) kills every worker still busy and scores what never started
-as timeouts. Nothing keeps running after `score` returns.
+`score` (rewards: a float per row) and `call` (any function whose value is
+JSON data, such as the environments of multi-turn tasks, see `environments`)
+share one dispatch loop, `_Batch`.
 
-Rewards reach a worker by pickling: a module-level function, a
-`functools.partial` of one, or a `RebuildReward` that rebuilds a registered
-task in the worker from its factory and keyword arguments. `check` probes this
-at start-up, so a reward that cannot reach a worker fails there, naming it.
+Timeouts: a call that runs longer than `timeout_s` in its worker fails (a
+reward scores 0), is counted as a timeout, and its worker is killed (SIGKILL)
+and replaced; a batch that is not done `batch_timeout_s` after it started
+(default `2 * timeout_s`) kills every worker still busy and fails what never
+started as timeouts. Nothing keeps running after `score` or `call` returns.
+
+Replies cannot be forged across calls: each call carries a random id that its
+reply must echo, and a worker that sends more than one reply to a call is
+replaced (its call fails as crashed). So code that takes over a worker's pipe
+can at worst forge the value of its own call, never that of a later one.
+
+Callables reach a worker by pickling: a module-level function, a
+`functools.partial` of one, or a `worker.Rebuild` (`RebuildReward`,
+`environments.RebuildEnv`) that rebuilds a registered task in the worker from
+its factory and keyword arguments. `check` probes this at start-up, so a
+reward that cannot reach a worker fails there, naming it.
 
 This module is the trainer's side. What runs inside a worker (`worker_main`),
 the messages on its pipes and `RebuildReward` are in `worker`.
@@ -44,6 +55,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -52,7 +64,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from offpolicy_jax.rewards import sandbox
-from offpolicy_jax.rewards.worker import MAX_REPLY_BYTES, RebuildReward, parse_reply, worker_main
+from offpolicy_jax.rewards.worker import (
+  MAX_REPLY_BYTES,
+  Rebuild,
+  RebuildReward,
+  parse_reply,
+  worker_main,
+)
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _START_TIMEOUT_S = 120.0
@@ -81,6 +99,44 @@ class RewardResult(NamedTuple):
   errors: tuple[str, ...] = ()
 
 
+# Why a call of `VerifierPool.call` failed (`Outcome.failure`).
+TIMEOUT = "timeout"  # ran past its timeout, or the batch's (its worker was killed)
+ERROR = "error"  # raised
+GARBAGE = "garbage"  # returned something that is not JSON data, or too large
+CRASHED = "crashed"  # its worker died or garbled its pipe (the worker was replaced)
+FAILURES = (TIMEOUT, ERROR, GARBAGE, CRASHED)
+
+
+class Outcome(NamedTuple):
+  """What one call of a batch gave.
+
+  Attributes:
+    value: the call's value, JSON data parsed in this process (None if it failed).
+    failure: "" if the call returned, else one of `FAILURES`.
+    error: why it failed (a message for logs), "" if it did not.
+  """
+
+  value: Any = None
+  failure: str = ""
+  error: str = ""
+
+
+class CallResult(NamedTuple):
+  """The outcomes of a batch of calls (`VerifierPool.call`).
+
+  Attributes:
+    outcomes: one `Outcome` per row, in the order of the rows.
+    seconds: wall-clock time of the batch.
+    restarts: workers killed and replaced during the batch.
+    errors: the first few failure messages, for logs.
+  """
+
+  outcomes: list[Outcome]
+  seconds: float = 0.0
+  restarts: int = 0
+  errors: tuple[str, ...] = ()
+
+
 class _Worker:
   def __init__(self, ctx, limits: sandbox.Limits, strict: bool):
     self.calls_r, self.calls = ctx.Pipe(duplex=False)
@@ -93,6 +149,7 @@ class _Worker:
     self.calls_r.close()
     self.known: set[int] = set()
     self.busy: tuple[int, float] | None = None  # (row, start time)
+    self.call_id = -1  # of the call in flight
 
   def wait_ready(self) -> list[str]:
     if not self.replies.poll(_START_TIMEOUT_S):
@@ -174,7 +231,7 @@ class VerifierPool:
     """Makes a worker load `fn`; raises ValueError naming `name` if it cannot."""
     fn_id, data = self._fn_id(fn, name)
     with self._lock:
-      w = self._send(self._workers[0], fn_id, data, ("load", -1, fn_id, None, "", timeout_s))
+      w = self._send(self._workers[0], fn_id, data, ("load", -1, fn_id, (), timeout_s))
       if not w.replies.poll(timeout_s):
         self._replace(w)
         raise ValueError(_unreachable(name, fn, f"loading took over {timeout_s} s"))
@@ -233,12 +290,61 @@ class VerifierPool:
     """
     if len(examples) != len(texts):
       raise ValueError(f"examples ({len(examples)}) and texts ({len(texts)}) differ in length.")
+    args = [(ex, str(t)) for ex, t in zip(examples, texts, strict=True)]
+    res = self._run(fn, "score", args, timeout_s, batch_timeout_s)
+    n = len(args)
+    scores = np.zeros(n, np.float32)
+    failed = np.zeros(n, bool)
+    timed_out = np.zeros(n, bool)
+    errors = list(res.errors)
+    for i, out in enumerate(res.outcomes):
+      score = out.value
+      if out.failure:
+        failed[i], timed_out[i] = True, out.failure == TIMEOUT
+      elif type(score) not in (int, float) or not (
+        math.isfinite(score) and abs(score) <= _FLOAT32_MAX
+      ):
+        failed[i] = True
+        if len(errors) < 5:
+          errors.append(f"row {i}: score {score!r} is not finite in float32")
+      else:
+        scores[i] = score
+    return RewardResult(scores, failed, timed_out, res.seconds, res.restarts, tuple(errors))
+
+  def call(
+    self,
+    fn,
+    args: Sequence[Sequence[Any]],
+    timeout_s: float = 10.0,
+    batch_timeout_s: float | None = None,
+  ) -> CallResult:
+    """Runs `fn(*args[b])` for every b in the workers; values come back as JSON data.
+
+    The value of a call must be JSON data (`worker.is_json_data`: None, bool,
+    int, finite float, str, lists, dicts with str keys; the reply at most
+    `worker.MAX_REPLY_BYTES`): anything else fails as `GARBAGE`. A call that
+    raises fails as `ERROR` (as `TIMEOUT` if it raised TimeoutError), one past
+    its timeout as `TIMEOUT`, one whose worker dies as `CRASHED`; the others
+    still return. Failures are for the caller to count.
+
+    Args:
+      fn: `fn(*row) -> JSON data` that pickles (see the module docstring).
+      args: B argument tuples (picklable).
+      timeout_s: limit of one call, from the moment a worker starts it.
+      batch_timeout_s: limit of the whole batch (default `2 * timeout_s`).
+
+    Returns:
+      CallResult with one `Outcome` per row.
+    """
+    return self._run(fn, "call", [tuple(a) for a in args], timeout_s, batch_timeout_s)
+
+  def _run(self, fn, kind, args, timeout_s, batch_timeout_s) -> CallResult:
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
       raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s}")
     fn_id, data = self._fn_id(fn)
     with self._lock:
       try:
-        return _Batch(self, fn_id, data, examples, texts, timeout_s, batch_timeout_s).run()
+        return _Batch(self, fn_id, data, kind, args, timeout_s, batch_timeout_s).run()
       except _LoadError as e:
         raise ValueError(_unreachable(getattr(fn, "name", ""), fn, e)) from None
 
@@ -260,56 +366,55 @@ class _LoadError(Exception):
 
 
 class _Batch:
-  """The dispatch loop of one `VerifierPool.score` call."""
+  """The dispatch loop of one `VerifierPool.score` or `VerifierPool.call`."""
 
-  def __init__(self, pool, fn_id, data, examples, texts, timeout_s, batch_timeout_s):
-    self.pool, self.fn_id, self.data = pool, fn_id, data
-    self.examples, self.texts, self.timeout_s = examples, texts, float(timeout_s)
-    n = len(texts)
-    self.scores = np.zeros(n, np.float32)
-    self.failed = np.zeros(n, bool)
-    self.timed_out = np.zeros(n, bool)
+  def __init__(self, pool, fn_id, data, kind, args, timeout_s, batch_timeout_s):
+    self.pool, self.fn_id, self.data, self.kind = pool, fn_id, data, kind
+    self.args, self.timeout_s = args, float(timeout_s)
+    self.outcomes = [Outcome()] * len(args)
     self.errors: list[str] = []
-    self.pending = collections.deque(range(n))
+    self.pending = collections.deque(range(len(args)))
     self.start = time.monotonic()
     self.deadline = self.start + (batch_timeout_s or 2.0 * self.timeout_s)
     self.restarts0 = pool.restarts
 
-  def _fail(self, i: int, why: str, timeout: bool = False) -> None:
-    self.failed[i], self.timed_out[i] = True, timeout
+  def _fail(self, i: int, failure: str, why: str) -> None:
+    self.outcomes[i] = Outcome(None, failure, why)
     if len(self.errors) < 5:
       self.errors.append(f"row {i}: {why}")
 
   def _dispatch(self, w: _Worker, i: int) -> None:
-    msg = ("call", i, self.fn_id, self.examples[i], str(self.texts[i]), self.timeout_s)
+    # A random id, not the row: a call that writes to its pipe cannot answer for later calls.
+    call_id = secrets.randbits(62)
+    msg = (self.kind, call_id, self.fn_id, self.args[i], self.timeout_s)
     w = self.pool._send(w, self.fn_id, self.data, msg)
-    w.busy = (i, time.monotonic())
+    w.busy, w.call_id = (i, time.monotonic()), call_id
 
   def _receive(self, w: _Worker) -> None:
     i = w.busy[0] if w.busy else -1
     try:
       msg = parse_reply(w.replies.recv_bytes(MAX_REPLY_BYTES))
-      if msg.get("i") != i:
-        raise ValueError(f"reply for row {msg.get('i')!r}, expected {i}")
+      if msg.get("i") != w.call_id:
+        raise ValueError(f"reply to call {msg.get('i')!r}, expected {w.call_id}")
+      dead = not msg.get("recycle") and w.replies.poll(0) and _closed_after_reply(w)
     except (EOFError, OSError, ValueError) as e:  # died (SIGXCPU, os._exit) or garbled its pipe
       code = w.process.exitcode
-      self._fail(i, f"worker lost ({type(e).__name__}: {e}; exit code {code})")
+      self._fail(i, CRASHED, f"worker lost ({type(e).__name__}: {e}; exit code {code})")
       self.pool._replace(w)
       return
     w.busy = None
     if "load_error" in msg:
       raise _LoadError(str(msg["load_error"]))
-    if msg.get("recycle"):
+    if msg.get("recycle") or dead:
       self.pool._replace(w)
-    score = msg.get("score")
-    if "error" in msg or not isinstance(score, (int, float)):
-      self._fail(i, str(msg.get("error", "no score")), timeout=msg.get("timed_out") is True)
-    elif not (math.isfinite(score) and abs(score) <= _FLOAT32_MAX):
-      self._fail(i, f"score {score!r} is not finite in float32")
+    if "error" in msg or "value" not in msg:
+      kind = TIMEOUT if msg.get("timed_out") is True else ERROR
+      kind = GARBAGE if msg.get("garbage") is True else kind
+      self._fail(i, kind, str(msg.get("error", "no value"))[:500])
     else:
-      self.scores[i] = score
+      self.outcomes[i] = Outcome(msg["value"])
 
-  def run(self) -> RewardResult:
+  def run(self) -> CallResult:
     pool = self.pool
     pool._replace_dead()
     try:
@@ -319,14 +424,8 @@ class _Batch:
         if w.busy is not None:
           pool._replace(w)
       raise
-    return RewardResult(
-      self.scores,
-      self.failed,
-      self.timed_out,
-      time.monotonic() - self.start,
-      pool.restarts - self.restarts0,
-      tuple(self.errors),
-    )
+    seconds = time.monotonic() - self.start
+    return CallResult(self.outcomes, seconds, pool.restarts - self.restarts0, tuple(self.errors))
 
   def _loop(self) -> None:
     pool = self.pool
@@ -346,20 +445,39 @@ class _Batch:
       now = time.monotonic()
       for w in list(pool._workers):
         if w.busy is not None and (now >= w.busy[1] + self.timeout_s or now >= self.deadline):
-          self._fail(w.busy[0], f"timed out after {now - w.busy[1]:.1f} s", timeout=True)
+          self._fail(w.busy[0], TIMEOUT, f"timed out after {now - w.busy[1]:.1f} s")
           pool._replace(w)
       if now >= self.deadline:
         for i in self.pending:
-          self._fail(i, "batch timed out before the call started", timeout=True)
+          self._fail(i, TIMEOUT, "batch timed out before the call started")
         break
 
 
+def _closed_after_reply(w: _Worker) -> bool:
+  """After a reply, the worker's pipe is readable: True if it closed (the worker died after
+  replying; the reply stands).
+
+  Raises:
+    ValueError: it holds another message. A worker sends one reply per call,
+      so the call wrote to the pipe itself, e.g. replies for the rows it
+      expects next; the reply and the worker are both dropped.
+  """
+  try:
+    w.replies.recv_bytes(MAX_REPLY_BYTES)
+  except EOFError:
+    return True
+  except OSError:
+    pass
+  raise ValueError("the worker sent more than one reply to one call")
+
+
 def _unreachable(name: str, fn, why) -> str:
-  what = f"task {name!r}" if name else f"reward {fn!r}"
+  what = f"task {name!r}" if name else f"{fn!r}"
   return (
-    f"{what}: its reward cannot run in a sandboxed verifier worker ({why}). Make the reward a "
-    "module-level function (or functools.partial of one) of an importable module, or register "
-    "the task with a module-level factory of an importable module."
+    f"{what}: its reward or environment cannot run in a sandboxed verifier worker ({why}). Make "
+    "the reward a module-level function (or functools.partial of one) of an importable module, "
+    "the environment an instance of a module-level class, or register the task with a "
+    "module-level factory of an importable module."
   )
 
 
@@ -387,4 +505,18 @@ def close_pools() -> None:
     _POOLS.clear()
 
 
-__all__ = ["RebuildReward", "RewardResult", "VerifierPool", "close_pools", "get_pool"]
+__all__ = [
+  "CRASHED",
+  "ERROR",
+  "FAILURES",
+  "GARBAGE",
+  "TIMEOUT",
+  "CallResult",
+  "Outcome",
+  "Rebuild",
+  "RebuildReward",
+  "RewardResult",
+  "VerifierPool",
+  "close_pools",
+  "get_pool",
+]

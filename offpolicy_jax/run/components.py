@@ -22,6 +22,7 @@ cannot go stale.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -33,11 +34,19 @@ from flax import nnx
 
 from offpolicy_jax import config_schema, lag, losses, models
 from offpolicy_jax.models import tokenizers
+from offpolicy_jax.rewards import environments, tasks
 from offpolicy_jax.rewards import scoring as rewards
-from offpolicy_jax.rewards import tasks
-from offpolicy_jax.run import data_checks, pipeline, rl_step, train_state, train_step, validation
+from offpolicy_jax.run import (
+  data_checks,
+  episodes,
+  pipeline,
+  rl_step,
+  train_state,
+  train_step,
+  validation,
+)
 from offpolicy_jax.run.pipeline import INIT, step_key
-from offpolicy_jax.sampling import continuous
+from offpolicy_jax.sampling import continuous, multiturn
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.scale import disagg, sharding
@@ -258,6 +267,8 @@ def snapshot_slots(lag_mode: str, sync_interval: int, sync_offset: int) -> int:
 
 
 def _reward(config, task) -> pipeline.Reward:
+  if config.multiturn.max_turns:  # the environment scores the episodes (`_episodes`)
+    return pipeline.Reward()
   if task.device_reward is not None:
     return pipeline.Reward(device=jax.jit(task.device_reward))
   c = config
@@ -294,6 +305,54 @@ def _partial_sampler(config, graphdef, task, tokenizer) -> partial_rollouts.Part
   )
   slots = partial_rollouts.steps_to_finish(c.max_new_tokens, budget) * c.prompts_per_step
   return partial_rollouts.PartialSampler(advance, slots, c.group_size, c.max_new_tokens)
+
+
+def _episodes(config, task, tokenizer, graphdef, sampler_graphdef) -> episodes.Episodes | None:
+  """The multi-turn rollout parts of `config.multiturn.max_turns` (None when 0)."""
+  c, mt = config, config.multiturn
+  if not mt.max_turns:
+    return None
+  if task.environment is None:
+    raise ValueError(
+      f"config.multiturn.max_turns: task {c.task!r} has no environment to answer turns "
+      "(set multiturn.max_turns = 0, or pick a multi-turn task such as guess_number or "
+      "calculator)"
+    )
+  if jax.process_count() > 1:
+    raise ValueError("config.multiturn.max_turns: multi-turn episodes run in one process")
+  chat = task.use_chat_template and getattr(tokenizer, "chat_template", None) is not None
+  fmt = episodes.turn_format(tokenizer, chat)
+  pool = rewards.get_pool(c.reward_workers or None, c.reward_memory_mb, c.reward_sandbox)
+  runner = environments.EnvRunner(
+    task.environment,
+    pool,
+    timeout_s=c.reward_timeout,
+    batch_timeout_s=c.reward_batch_timeout or None,
+    # Characters are at least tokens; the token cap applies after encoding.
+    max_observation_chars=8 * mt.observation_tokens,
+    wrap=not chat,  # a chat template frames observations itself
+    alphabet=getattr(tokenizer, "alphabet", None),
+  )
+
+  @functools.lru_cache(maxsize=4)
+  def make_sampler(group_size: int, greedy: bool) -> multiturn.MultiTurnSampler:
+    return multiturn.MultiTurnSampler(
+      graphdef if greedy else sampler_graphdef,
+      max_new_tokens=c.max_new_tokens,
+      turn_tokens=mt.turn_tokens or c.max_new_tokens,
+      max_turns=mt.max_turns,
+      observation_tokens=mt.observation_tokens,
+      group_size=group_size,
+      temperature=0.0 if greedy else c.temperature,
+      top_p=c.top_p,
+      top_k=c.top_k,
+      eos_id=fmt.eos_id,
+      turn_end=fmt.turn_end,
+      behavior_logp=_recorded_logp(c),
+      decode_block=c.rollout.decode_block,
+    )
+
+  return episodes.Episodes(make_sampler, runner, fmt, mt.observation_tokens)
 
 
 def replay_capacity(config) -> int:
@@ -361,6 +420,7 @@ def _build_fns(config) -> rl_step.StepFns:
     partial=partial,
     score_old=train_step.make_scorer(graphdef, options) if _scores_old(c) else None,
     reward=_reward(c, task),
+    episodes=_episodes(c, task, tokenizer, graphdef, sampler_graphdef),
     truncate_prompts=c.data.truncate_prompts,
     sampler_mesh=sampler_mesh,
     lora=lora_config(c),

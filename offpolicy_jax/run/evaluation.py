@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import models
-from offpolicy_jax.run import pipeline
+from offpolicy_jax.run import data, episodes, pipeline
 from offpolicy_jax.sampling import sampler as sampling
 
 # Per `StepFns`: the eval prompt batches and the eval samplers, built once.
@@ -112,28 +112,27 @@ def evaluate_seeds(
   """
   keys_s = keys if over_seeds else jnp.asarray(keys)[None]
   s = keys_s.shape[0]
-  sums = {m: np.zeros(s) for m in ("correct", "reward", "length", "fails", "pass", "sample")}
+  names = ("correct", "reward", "length", "fails", "pass", "sample", "turns", "calls", "solved")
+  sums = {m: np.zeros(s) for m in names}
   n = 0.0
-  greedy, sample_k = _sampler(fns, 1, over_seeds), _sampler(fns, k, over_seeds) if k >= 2 else None
   for i, prompts in enumerate(eval_prompts(fns, num_prompts, batch_size)):
     valid = np.asarray(prompts["valid"], np.float64)
-    tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
     keys_i = keys_s if i == 0 else jax.vmap(lambda key, i=i: jax.random.fold_in(key, i))(keys_s)
     n += valid.sum()
-    keys_i = keys_i if over_seeds else keys_i[0]
-    call = lambda fn, keys_i=keys_i: fn(base, params, tokens, lengths, keys_i)
-    out = call(greedy)
-    for seed in range(s):
-      r, stats = _scores(fns, prompts, out, seed if over_seeds else None, 1)
-      sums["correct"][seed] += ((r > 0.5) * valid).sum()
-      sums["reward"][seed] += (r * valid).sum()
-      lengths_b = np.asarray(out.lengths[seed] if over_seeds else out.lengths)
-      sums["length"][seed] += (lengths_b * valid).sum()
-      sums["fails"][seed] += stats["reward_failures"]
-    if sample_k is not None:
-      out = call(sample_k)
-      for seed in range(s):
-        hit_gk = _scores(fns, prompts, out, seed if over_seeds else None, k)[0].reshape(-1, k) > 0.5
+    rows = _episode_rows if fns.episodes is not None else _sampled_rows
+    for seed, r in enumerate(rows(fns, params, base, prompts, keys_i, 1, over_seeds)):
+      sums["correct"][seed] += ((r.rewards > 0.5) * valid).sum()
+      sums["reward"][seed] += (r.rewards * valid).sum()
+      sums["length"][seed] += (r.lengths * valid).sum()
+      sums["fails"][seed] += r.failures
+      if r.turns is not None and r.tool_calls is not None:
+        solved = (r.rewards > 0.5) * valid
+        sums["turns"][seed] += (r.turns * valid).sum()
+        sums["calls"][seed] += (r.tool_calls * solved).sum()
+        sums["solved"][seed] += solved.sum()
+    if k >= 2:
+      for seed, r in enumerate(rows(fns, params, base, prompts, keys_i, k, over_seeds)):
+        hit_gk = r.rewards.reshape(-1, k) > 0.5
         sums["pass"][seed] += (hit_gk.any(axis=1) * valid).sum()
         sums["sample"][seed] += (hit_gk.mean(axis=1) * valid).sum()
   n = max(n, 1.0)
@@ -143,17 +142,57 @@ def evaluate_seeds(
     "response_len": sums["length"] / n,
     "reward_failures": sums["fails"],
   }
+  if fns.episodes is not None:
+    ev["turns"] = sums["turns"] / n
+    ev["tool_calls_per_solved"] = sums["calls"] / np.maximum(sums["solved"], 1.0)
   if k >= 2:
     ev[f"pass@{k}"] = sums["pass"] / n
     ev["sample_accuracy"] = sums["sample"] / n
   return ev
 
 
-def _scores(fns, prompts, out, seed: int | None, k: int) -> tuple[np.ndarray, dict]:
-  """Rewards of one seed's rows of a sampler output (device or sandboxed host reward)."""
-  one = out if seed is None else jax.tree.map(lambda x: x[seed], out)
-  r, stats = pipeline.score(fns, prompts, one, split="eval", group_size=k)
-  return np.asarray(r), stats
+class _Rows(NamedTuple):
+  """One seed's evaluated rows: rewards, lengths (and for episodes turns, tool calls) [G * k]."""
+
+  rewards: np.ndarray
+  lengths: np.ndarray
+  failures: int
+  turns: np.ndarray | None = None
+  tool_calls: np.ndarray | None = None
+
+
+def _sampled_rows(fns, params, base, prompts, keys, k: int, over_seeds: bool) -> list[_Rows]:
+  """Greedy (k = 1) or k sampled responses per prompt, scored (device or sandboxed host reward)."""
+  fn = _sampler(fns, k, over_seeds)
+  tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
+  out = fn(base, params, tokens, lengths, keys if over_seeds else keys[0])
+  rows = []
+  for seed in range(keys.shape[0]):
+    one = out if not over_seeds else jax.tree.map(lambda x, seed=seed: x[seed], out)
+    r, stats = pipeline.score(fns, prompts, one, split="eval", group_size=k)
+    rows.append(_Rows(np.asarray(r), np.asarray(one.lengths), stats["reward_failures"]))
+  return rows
+
+
+def _episode_rows(fns, params, base, prompts, keys, k: int, over_seeds: bool) -> list[_Rows]:
+  """Greedy (k = 1) or k sampled episodes per prompt, one seed at a time (a host loop)."""
+  examples = data.examples(fns.task, "eval", np.asarray(prompts["index"]).tolist())
+  rows = []
+  for seed in range(keys.shape[0]):
+    one = params if not over_seeds else jax.tree.map(lambda x, seed=seed: x[seed], params)
+    played = episodes.play(
+      fns.episodes,
+      models.lora.join(base, one),
+      prompts,
+      examples,
+      keys[seed],
+      group_size=k,
+      greedy=k == 1,
+    )
+    lengths = np.asarray(played.out.mask).sum(axis=1)  # policy tokens
+    failures = int(played.failures.sum())
+    rows.append(_Rows(played.rewards, lengths, failures, played.turns, played.tool_calls))
+  return rows
 
 
 def evaluate(fns, params, key: jax.Array, num_prompts: int, k: int) -> dict[str, float]:

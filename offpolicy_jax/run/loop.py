@@ -42,6 +42,7 @@ import numpy as np
 
 from offpolicy_jax import lag, models
 from offpolicy_jax.run import (
+  episodes,
   evaluation,
   observability,
   pipeline,
@@ -389,6 +390,19 @@ class _Loop:
     step_a = jax.device_put(np.int32(step), self._rep)
     if self.sampler is not None:  # on the sampler's mesh, moved back to the trainer's
       return prompts, device, truncated, step_a, self.sampler.sample(state, local, step)
+    if self.fns.episodes is not None:  # turns answered by the environment between decodes
+      progs = programs(self.fns, self.run_cfg.replay, state)
+      params, v, found = progs.behaviour(state, step_a, self.schedule)
+      out, rewards_b, info = episodes.sample(
+        self.fns, weights(state, params), prompts, step, self.seed
+      )
+      return (
+        prompts,
+        device,
+        truncated,
+        step_a,
+        sampler_mesh.Sampled(out, v, found, rewards_b, info),
+      )
     fn = programs(self.fns, self.run_cfg.replay, state).rollout
     out, v, found = fn(state, device, step_a, self.seed, self.schedule)
     return prompts, device, truncated, step_a, sampler_mesh.Sampled(out, v, found, None, {})
@@ -401,6 +415,8 @@ class _Loop:
     a prefetched batch).
     """
     run = self.run_cfg
+    if self.fns.episodes is not None:  # an episode's rollout runs on the host: nothing to overlap
+      return False
     if step >= run.total_steps or (run.checkpoint_every and step % run.checkpoint_every == 0):
       return False
     if self.choice.pending(step) and step == self.choice.steps:  # step + 1 may switch

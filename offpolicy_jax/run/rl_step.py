@@ -101,6 +101,8 @@ class StepFns:
   # and may switch to it after that many steps (`sampler_choice`).
   continuous: Callable | None = None
   continuous_auto_steps: int = 0
+  # Multi-turn episodes (`multiturn.max_turns > 0`, `run.episodes.Episodes`); None: single-turn.
+  episodes: Any = None
 
   @property
   def updates(self) -> int:

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from offpolicy_jax import models, types
+from offpolicy_jax.rewards import environments
 from offpolicy_jax.run import data, pipeline, train_state
 
 
@@ -69,6 +70,37 @@ def encode_targets(tokenizer: Any, texts: Sequence[str], max_len: int) -> tuple[
   return tokens, mask
 
 
+def encode_episodes(
+  tokenizer: Any,
+  episodes: Sequence[Sequence[tuple[str, str]]],
+  max_len: int,
+  policy_only: bool = False,
+) -> tuple[np.ndarray, ...]:
+  """Encodes demonstrated episodes as one trajectory each.
+
+  A multi-turn task's demonstration is `[(role, text), ...]` with role
+  "policy" or "env"; the trajectory is the turns encoded one by one, the
+  token boundaries the multi-turn sampler produces
+  (`environments.encode_turns`). The warm start's targets are the whole
+  transcript by default: on `calculator`, a warm start that also predicts the
+  observation tokens copies the tool's value into its answer (greedy success
+  0.75 after 220 steps), one whose loss covers the policy's tokens only
+  (`policy_only`) does not (0.00 after 220 steps; docs/multiturn.md). The RL
+  steps never train on observation tokens.
+
+  Returns:
+    (tokens int32 [B, N], mask float32 [B, N]), right-padded / truncated to `max_len`.
+  """
+  tokens = np.full((len(episodes), max_len), tokenizer.pad_id, np.int32)
+  mask = np.zeros((len(episodes), max_len), np.float32)
+  for i, turns in enumerate(episodes):
+    ids, on = environments.encode_turns(tokenizer.encode, turns)
+    ids, on = ids[:max_len], on[:max_len]
+    tokens[i, : len(ids)] = ids
+    mask[i, : len(ids)] = on if policy_only else 1.0
+  return tokens, mask
+
+
 def reference_batches(
   task: Any, tokenizer: Any, prompts: Iterator[dict], max_len: int
 ) -> Iterator[SFTBatch]:
@@ -88,8 +120,12 @@ def reference_batches(
   if task.answer is None:
     raise ValueError(f"task {task.name!r} has no reference answers for supervised warm start")
   for batch in prompts:
-    texts = [task.answer(ex) for ex in data.examples(task, "train", batch["index"])]
-    tokens, mask = encode_targets(tokenizer, texts, max_len)
+    examples = data.examples(task, "train", batch["index"])
+    if task.demonstration is not None:
+      demos = [task.demonstration(ex) for ex in examples]
+      tokens, mask = encode_episodes(tokenizer, demos, max_len)
+    else:
+      tokens, mask = encode_targets(tokenizer, [task.answer(ex) for ex in examples], max_len)
     p = batch["prompt_tokens"].shape[1]
     prompt_mask = np.asarray(types.prompt_mask(batch["prompt_lengths"], p), np.float32)
     yield SFTBatch(batch["prompt_tokens"], prompt_mask, tokens, mask)

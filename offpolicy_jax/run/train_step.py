@@ -280,6 +280,8 @@ def micro_batch_loss(
     extra["old_logp"] = mb.old_logp
   if spec.entropy_coef > 0:
     extra["entropy"] = ent
+  if spec.level == "turn_geo":  # a multi-turn row's turns are its runs of policy tokens
+    extra["turn_ids"] = types.turn_ids(mb.mask)
   out = losses.policy_loss(
     spec,
     logp=logp,

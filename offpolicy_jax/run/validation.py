@@ -151,6 +151,7 @@ def validate_config(config) -> None:
   _validate_sources(c)
   _validate_sft(c)
   _validate_lora(c)
+  _validate_multiturn(c)
 
 
 def _validate_sampling(c) -> None:
@@ -341,6 +342,30 @@ def _validate_lora(c) -> None:
     "lora.dropout",
     f"adapter dropout {c.lora.dropout} needs adapters: set lora.rank > 0 (it is 0: full "
     "fine-tuning)",
+  )
+
+
+def _validate_multiturn(c) -> None:
+  mt = c.multiturn
+  if not mt.max_turns:
+    return
+  _need(
+    mt.turn_tokens <= c.max_new_tokens,
+    "multiturn.turn_tokens",
+    f"a turn of {mt.turn_tokens} tokens does not fit the trajectory's max_new_tokens = "
+    f"{c.max_new_tokens}",
+  )
+  # Each of these samples whole single-turn responses without stopping for the environment.
+  for field, on in (
+    ("rollout.partial_budget", c.rollout.partial_budget),
+    ("rollout.continuous_slots", c.rollout.continuous_slots),
+    ("mesh.sampler_devices", c.mesh.sampler_devices),
+  ):
+    _need(not on, field, f"multi-turn episodes (multiturn.max_turns > 0) do not take {field}")
+  _need(
+    c.lag.mode == "sync",
+    "lag.mode",
+    f"multi-turn episodes run in lag.mode='sync' (every sync lag schedule), got {c.lag.mode!r}",
   )
 
 

@@ -5,22 +5,29 @@
   continuous  continuous batching: S * K row slots, a finished row's slot refilled with the
             next waiting row inside the compiled loop, groups kept whole in the output
             (`make_continuous_sampler`)
+  multiturn multi-turn agent rollouts, token in / token out: one row per trajectory, policy
+            turns interleaved with environment observations appended to the KV cache
+            (`MultiTurnSampler`, `EpisodeInfo`)
   partial   APRIL partial rollouts: a per-step token budget, unfinished responses resumed
             under newer parameters, a version and behaviour log-prob per token
 
 May import: the maths modules, `scale`, `models`.
 """
 
-from offpolicy_jax.sampling import continuous, partial, sampler
+from offpolicy_jax.sampling import continuous, multiturn, partial, sampler
 from offpolicy_jax.sampling.continuous import make_continuous_sampler
+from offpolicy_jax.sampling.multiturn import EpisodeInfo, MultiTurnSampler
 from offpolicy_jax.sampling.sampler import SampleOutput, generate, make_sampler, select_token
 
 __all__ = [
+  "EpisodeInfo",
+  "MultiTurnSampler",
   "SampleOutput",
   "continuous",
   "generate",
   "make_continuous_sampler",
   "make_sampler",
+  "multiturn",
   "partial",
   "sampler",
   "select_token",

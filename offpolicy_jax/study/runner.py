@@ -14,6 +14,13 @@ skips them, so an interrupted study resumes (`study.report` makes the tables),
 unless a field a finished cell depends on has changed (`config_schema`: every
 field whose role reaches a study cell; not how seeds are batched, the report's
 settings, checkpoints, logging, the mesh or the reward workers).
+
+A/A calibration: for every lag of `config.study.aa_lags` the baseline method
+runs a second time as the cell `aa-<method>@<lag>`, from the same warm starts
+on the same prompts, with every other random stream (sampling, advantages,
+replay, training) drawn from seed + `AA_STREAM_OFFSET` instead of seed. The
+two runs differ only by chance, so `study.report` counts how often its tests
+call them different (`study.stats`).
 """
 
 from __future__ import annotations
@@ -32,12 +39,16 @@ import ml_collections
 import numpy as np
 
 from offpolicy_jax import advantages, config_schema, lag, losses
-from offpolicy_jax.run import components, evaluation, pipeline, rl_step, sft
+from offpolicy_jax.run import components, episodes, evaluation, pipeline, rl_step, sft
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweeps
 
 CELLS_DIR = "cells"
 CONFIG_FILE = "study_config.json"
+# The A/A twin of the baseline method is the method `AA_PREFIX + method`.
+AA_PREFIX = "aa-"
+# Added to each seed for the A/A twin's random streams (not its warm start or prompts).
+AA_STREAM_OFFSET = 1_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +64,18 @@ class Grid:
   eval_batch: int = 0  # held-out prompts per sampler call (0: all at once)
   # Engine-mismatch overrides of a lag entry (`ENGINES`, "name=m/n+engine"); none: exact.
   engines: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+  # Lags at which the baseline method runs again as its A/A twin (`aa_method`).
+  aa_lags: tuple[str, ...] = ()
+
+  @property
+  def aa_method(self) -> str:
+    """The name of the baseline method's A/A twin (cells `aa-<method>@<lag>`)."""
+    return AA_PREFIX + self.baseline[0]
 
   def cells(self) -> list[tuple[str, str]]:
-    return [(m, g) for m in self.methods for g in self.lags]
+    """Every cell: methods x lags, then the A/A twins."""
+    cells = [(m, g) for m in self.methods for g in self.lags]
+    return cells + [(self.aa_method, g) for g in self.aa_lags]
 
 
 def _parse_pairs(field: str, spec: str) -> list[tuple[str, str]]:
@@ -149,6 +169,20 @@ def parse_lags(spec: str, total_steps: int) -> dict[str, tuple[int, int]]:
   return out
 
 
+def parse_aa_lags(spec: str, lags: Mapping[str, Any]) -> tuple[str, ...]:
+  """`"all"` -> every lag, `""` -> none, `"onpolicy,offline"` -> those (names of `lags`)."""
+  if spec.strip() == "all":
+    return tuple(lags)
+  names = tuple(s.strip() for s in spec.split(",") if s.strip())
+  unknown = [g for g in names if g not in lags]
+  if unknown or len(set(names)) != len(names):
+    raise ValueError(
+      f"config.study.aa_lags: {spec!r} must be 'all', '' or distinct lags of the grid "
+      f"(unknown {unknown}; lags {list(lags)})"
+    )
+  return names
+
+
 def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, Grid]:
   """(the base run config without `study`, the grid of `config.study`)."""
   config_schema.check(config, config_schema.STUDY_FIELDS)
@@ -179,6 +213,10 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
         f"config.study.methods: {name}={loss}{'+' + adv if adv else ''} names an unknown "
         f"loss or advantage (losses.names(), advantages.names())"
       )
+    if name.startswith(AA_PREFIX):
+      raise ValueError(
+        f"config.study.methods: {name!r}: names starting with {AA_PREFIX!r} are the A/A twins"
+      )
   lags = parse_lags(st.lags, run.total_steps)
   method, _, lag_name = st.baseline.partition("@")
   if method not in methods or lag_name not in lags:
@@ -196,6 +234,7 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     st.vmap_seeds,
     st.eval_batch,
     parse_engines(st.lags),
+    parse_aa_lags(st.aa_lags, lags),
   )
   return base, grid
 
@@ -278,10 +317,14 @@ def run_cell(
 
   Seeds run `grid.vmap_seeds` at a time under one `vmap` (0: all at once).
   `starts` keeps the warm-started parameters of each seed between cells (filled here).
+  The A/A twin (`grid.aa_method`) runs the baseline method with its random
+  streams drawn from seed + `AA_STREAM_OFFSET`.
   """
   m, n = grid.lags[lag_name]
+  aa = method == grid.aa_method and lag_name in grid.aa_lags
+  offset = AA_STREAM_OFFSET if aa else 0
   overrides = {
-    **grid.methods[method],
+    **grid.methods[grid.baseline[0] if aa else method],
     **grid.engines.get(lag_name, {}),
     "lag.sync_interval": m,
     "lag.sync_offset": n,
@@ -295,20 +338,26 @@ def run_cell(
   runs = []
   for lo in range(0, len(grid.seeds), size):
     seeds = grid.seeds[lo : lo + size]
-    runs += _run_seeds(comps, grid, seeds, [starts[s] for s in seeds], (m, n))
+    runs += _run_seeds(comps, grid, seeds, [starts[s] for s in seeds], (m, n), offset)
   if any(r.pop("snapshot_missing") for r in runs):
     raise RuntimeError(f"{method}@{lag_name}: a behaviour snapshot was missing (a bug)")
   record: dict[str, Any] = {"method": method, "lag": lag_name, "schedule": [m, n], "runs": runs}
+  if aa:
+    record |= {"aa_of": grid.baseline[0], "stream_offset": offset}
   if lag_name in grid.engines:
     record["engine"] = dict(grid.engines[lag_name])
   return record
 
 
-def _run_seeds(comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule_mn) -> list[dict]:
+def _run_seeds(
+  comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule_mn, stream_offset: int = 0
+) -> list[dict]:
   """One vmapped run of `seeds` from their warm starts `(base, params)`: per-seed curves.
 
-  With adapters the seeds share one base (held once, not stacked) and only
-  their adapters and states are vmapped.
+  The prompts are each seed's; the random streams of the steps and the
+  pass@k evaluation are those of seed + `stream_offset`. With adapters the
+  seeds share one base (held once, not stacked) and only their adapters and
+  states are vmapped.
   """
   fns, run = comps.fns, comps.run
   slots = grid_snapshot_slots(grid)
@@ -319,24 +368,27 @@ def _run_seeds(comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule
     ]
   )._replace(base=starts[0][0])
   iters = [pipeline.prompt_iterator(fns, s) for s in seeds]
-  seeds_a = jnp.asarray(seeds, jnp.int32)
+  streams = tuple(s + stream_offset for s in seeds)
+  seeds_a = jnp.asarray(streams, jnp.int32)
   schedule = rl_step.LagSchedule(*(jnp.int32(x) for x in schedule_mn))
   device = fns.reward.device is not None
   ev = dict(batch_size=grid.eval_batch, base=state.base)
-  acc0, _ = evaluate(fns, state.train.params, seeds, run.eval_prompts, **ev)
+  acc0, _ = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
   eval_steps, accs, metrics_l, pass_k = [0], [acc0], [], None
   for start in range(0, run.total_steps, run.eval_every):
     prompts = _prompt_chunk(iters, run.eval_every, not device)
     steps = jnp.arange(start + 1, start + run.eval_every + 1, dtype=jnp.int32)
     progs = rl_step.programs(fns, run.replay, state, over_seeds=True)
-    if device:
+    if fns.episodes is not None:
+      state, out = episodes.steps_over_seeds(fns, progs, state, prompts, steps, seeds_a, schedule)
+    elif device:
       state, out = progs.rl_steps(state, prompts, steps, seeds_a, schedule)
     else:
       state, out = _host_reward_steps(fns, progs, state, prompts, steps, seeds_a, schedule)
     metrics_l.append(jax.device_get(out))
     end = start + run.eval_every
     k = run.eval_samples if end == run.total_steps else 0
-    acc, solved = evaluate(fns, state.train.params, seeds, run.eval_prompts, k=k, step=end, **ev)
+    acc, solved = evaluate(fns, state.train.params, streams, run.eval_prompts, k=k, step=end, **ev)
     eval_steps.append(end)
     accs.append(acc)
     pass_k = solved if solved is not None else pass_k
@@ -400,6 +452,8 @@ def load_cells(path: str, grid: Grid) -> dict[tuple[str, str], dict]:
       seeds = [r["seed"] for r in cell["runs"]]
       if (cell["method"], cell["lag"]) != (method, lag_name) or seeds != list(grid.seeds):
         raise ValueError(f"holds {cell['method']}@{cell['lag']} seeds {seeds}")
+      if method == grid.aa_method and cell.get("stream_offset") != AA_STREAM_OFFSET:
+        raise ValueError(f"an A/A cell with stream offset {cell.get('stream_offset')!r}")
     except (OSError, ValueError, KeyError, TypeError) as e:
       raise ValueError(f"{file}: unreadable cell record ({e}); delete it to rerun the cell") from e
     cells[method, lag_name] = cell

@@ -3,6 +3,7 @@
   task = tasks.get_task("reverse")                            # synthetic, on-device reward
   task = tasks.get_task("reasoning_gym:basic_arithmetic")     # any reasoning-gym dataset
   task = tasks.get_task("gsm8k", train_path="train.jsonl", eval_path="test.jsonl")
+  task = tasks.get_task("calculator", kind="mul")              # multi-turn, task.environment
 
 New tasks: build a `Task` (any grain RandomAccessDataSource of dicts, a prompt
 function and a host reward; optionally an answer and a jittable device reward)
@@ -14,8 +15,9 @@ import functools
 import pickle
 from collections.abc import Callable
 
+from offpolicy_jax.rewards import environments
 from offpolicy_jax.rewards import scoring as rewards
-from offpolicy_jax.rewards.tasks import code, math_data, rgym, synthetic
+from offpolicy_jax.rewards.tasks import agentic, code, math_data, rgym, synthetic
 from offpolicy_jax.rewards.tasks.base import ListSource, Task
 
 _RG_PREFIX = "reasoning_gym:"
@@ -24,6 +26,7 @@ _REGISTRY: dict[str, Callable[..., Task]] = {
   "gsm8k": functools.partial(math_data.make_task, "gsm8k"),
   "math": functools.partial(math_data.make_task, "math"),
   **{name: functools.partial(code.make_task, name) for name in code.KINDS},
+  **agentic.FACTORIES,
 }
 
 
@@ -45,14 +48,19 @@ def get_task(name: str, **kwargs) -> Task:
   Args:
     name: one of `task_names()`.
     **kwargs: synthetic: seed, num_eval, partial_credit, max_digits, min_len,
-      max_len; reasoning_gym: seed, train_size, eval_size, instruction, dataset
-      config fields; gsm8k/math: train_path, eval_path, format_coef, instruction; code: seed,
-      num_eval, partial_credit, num_shown, num_hidden, max_value; mbpp/humaneval:
-      train_path, eval_path, partial_credit, instruction.
+      max_len; reasoning_gym: seed, train_size, eval_size, instruction,
+      max_attempts, attempt_penalty, dataset config fields; gsm8k/math:
+      train_path, eval_path, format_coef, instruction; code: seed, num_eval,
+      partial_credit, num_shown, num_hidden, max_value; mbpp/humaneval:
+      train_path, eval_path, partial_credit, instruction; guess_number: seed,
+      hi, max_turns, turn_penalty; calculator: seed, num_eval, kind, num_terms,
+      max_turns, max_expr_chars.
 
   Returns:
     The Task; its `reward` is a `rewards.SandboxedReward` (scored in sandboxed
-    verifier workers, also when called directly).
+    verifier workers, also when called directly); a multi-turn task's
+    `environment` is an instance that pickles or an `environments.RebuildEnv`
+    (run by an `environments.EnvRunner` in the same workers).
 
   Raises:
     ValueError: unknown task name or bad kwargs (missing or malformed data files
@@ -75,10 +83,17 @@ def get_task(name: str, **kwargs) -> Task:
 def _sandboxed(task: Task, name: str, factory: Callable[..., Task], kwargs: dict) -> Task:
   """`task` with its reward wrapped to run in verifier workers.
 
-  A reward that pickles is sent as is; a closure is rebuilt in the worker from
-  the (importable) factory and kwargs; `verifiers.VerifierPool.check` reports
-  one that can be neither, naming the task.
+  A reward (or an environment) that pickles is sent as is; a closure (or an
+  environment that does not pickle) is rebuilt in the worker from the
+  (importable) factory and kwargs (`RebuildReward`, `environments.RebuildEnv`);
+  `verifiers.VerifierPool.check` reports one that can be neither, naming the task.
   """
+  if task.environment is not None and not isinstance(task.environment, environments.RebuildEnv):
+    try:
+      pickle.dumps(task.environment)
+    except (pickle.PicklingError, TypeError, AttributeError):
+      env = environments.RebuildEnv(factory, kwargs, name)
+      task = dataclasses.replace(task, environment=env)
   if isinstance(task.reward, rewards.SandboxedReward):
     return task
   try:

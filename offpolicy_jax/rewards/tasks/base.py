@@ -68,6 +68,18 @@ class Task:
       `device_reward(answer_tokens[B, A], tokens[B, N], mask[B, N]) -> [B] f32`;
       `answer_tokens` rows are the answer ids then EOS, padded with -1, repeated
       K times per group to align with the group-major response rows.
+    environment: for a multi-turn task, its environment (`environments`): an
+      instance from the task's factory, a `environments.RebuildEnv` after
+      `get_task`; run it with `environments.EnvRunner`, never in this process.
+      None for single-turn tasks.
+    demonstration: for a multi-turn task, `demonstration(example)` -> a solved
+      episode as `[(role, text), ...]`, role "policy" or "env" (observations
+      as `EnvRunner` returns them); the roles say which tokens are the
+      policy's. Where the task has `answer`, it is "".join of the texts, so a
+      supervised warm start on `answer` learns the format.
+    max_turns: policy turns an episode may take (0: single-turn task).
+    max_turn_len: characters of the longest policy turn of a demonstration,
+      `TURN_END` included (a budget for one turn's tokens).
   """
 
   name: str
@@ -79,3 +91,7 @@ class Task:
   answer: Callable[[Example], str] | None = None
   max_answer_len: int = 0
   device_reward: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] | None = None
+  environment: Any = None
+  demonstration: Callable[[Example], list[tuple[str, str]]] | None = None
+  max_turns: int = 0
+  max_turn_len: int = 0

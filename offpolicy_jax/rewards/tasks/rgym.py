@@ -7,13 +7,20 @@ re-serialised, safe form; an answer outside the grammar scores 0. The verifier
 itself runs in a sandboxed worker (`rewards.score_batch`) all the same.
 `tests/test_rgym_gate.py` fails when a reasoning-gym release adds an
 evaluating call that this table has not reviewed.
+
+With `max_attempts > 1` the task is multi-turn (`Retry`): after a wrong
+answer the environment says so and the policy answers again, up to
+`max_attempts` times; the episode's reward is the score of its last answer
+times `1 - attempt_penalty * (t - 1)` for an episode that ends at attempt t.
 """
 
 import functools
 import json
+from typing import Any
 
-from offpolicy_jax.rewards import answer_gate
+from offpolicy_jax.rewards import answer_gate, isolation
 from offpolicy_jax.rewards import scoring as rewards
+from offpolicy_jax.rewards.environments import Environment, EnvResult
 from offpolicy_jax.rewards.tasks.base import INSTRUCTION, Example, ListSource, Task
 
 # Datasets whose `score_answer` evaluates the model's answer, and the gate kind.
@@ -54,6 +61,44 @@ def score(
   return float(ds.score_answer(answer, entry=example))
 
 
+# The observation after a wrong answer.
+RETRY_FEEDBACK = "That is not correct. Try again."
+
+
+def _no_handle(value: Any) -> Any:
+  raise TypeError(f"a {type(value).__name__} in an example is not data")
+
+
+class Retry(Environment):
+  """Answer a reasoning-gym question; after a wrong answer, hear so and try again.
+
+  State: `{"entry": the example (isolation.encode: tuples and sets keep their
+  type), "attempt": int}`; info: `attempts`, `solved`, `score` (of the last
+  answer). A step scores its answer with the dataset's verifier (`score`); an
+  answer scoring 1 ends the episode, and so does attempt `max_attempts`, with
+  reward `score * (1 - attempt_penalty * (attempt - 1))`.
+  """
+
+  def __init__(self, score_fn, max_attempts: int, attempt_penalty: float):
+    self.score_fn, self.max_attempts, self.attempt_penalty = score_fn, max_attempts, attempt_penalty
+
+  def reset(self, example: Example) -> EnvResult:
+    state = {"entry": isolation.encode(example, {}, _no_handle), "attempt": 0}
+    return EnvResult("", 0.0, False, state, info={"attempts": 0, "solved": 0, "score": 0.0})
+
+  def step(self, state: Any, action_text: str) -> EnvResult:
+    entry = isolation.decode(state["entry"], {}, _no_handle)
+    attempt = int(state["attempt"]) + 1
+    score_t = float(self.score_fn(entry, action_text))
+    solved = score_t >= 1.0
+    state = {"entry": state["entry"], "attempt": attempt}
+    info = {"attempts": attempt, "solved": int(solved), "score": score_t}
+    if solved or attempt >= self.max_attempts:
+      reward = score_t * (1.0 - self.attempt_penalty * (attempt - 1))
+      return EnvResult("", reward, True, state, info=info)
+    return EnvResult(RETRY_FEEDBACK, 0.0, False, state, info=info)
+
+
 def make_task(
   dataset_name: str,
   *,
@@ -61,6 +106,8 @@ def make_task(
   train_size: int = 10000,
   eval_size: int = 200,
   instruction: str = INSTRUCTION,
+  max_attempts: int = 1,
+  attempt_penalty: float = 0.1,
   **dataset_kwargs,
 ) -> Task:
   """`reasoning_gym.create_dataset(dataset_name, seed=, size=, **dataset_kwargs)`.
@@ -77,13 +124,24 @@ def make_task(
     train_size: number of training examples.
     eval_size: number of evaluation examples.
     instruction: appended to every question.
+    max_attempts: answers per episode; > 1 makes the task multi-turn (`Retry`).
+    attempt_penalty: reward lost per attempt after the first, in
+      [0, 1 / (max_attempts - 1)).
     **dataset_kwargs: the dataset's own config fields.
 
   Returns:
-    The Task (chat-templated prompts, host reward only).
+    The Task (chat-templated prompts, host reward only; with `max_attempts > 1`
+    an `environment` and a one-turn `demonstration` with the true answer).
   """
   import reasoning_gym
 
+  if max_attempts < 1:
+    raise ValueError(f"reasoning_gym: max_attempts must be >= 1, got {max_attempts}.")
+  if not (attempt_penalty >= 0 and 1.0 - attempt_penalty * (max_attempts - 1) > 0):
+    raise ValueError(
+      "reasoning_gym: attempt_penalty must be in [0, 1 / (max_attempts - 1)), got "
+      f"{attempt_penalty}."
+    )
   try:
     train = reasoning_gym.create_dataset(dataset_name, seed=seed, size=train_size, **dataset_kwargs)
     evals = reasoning_gym.create_dataset(
@@ -92,17 +150,27 @@ def make_task(
   except (KeyError, ValueError, TypeError) as e:
     raise ValueError(f"reasoning_gym dataset {dataset_name!r}: {e}") from e
 
+  reward = functools.partial(
+    score,
+    dataset_name=dataset_name,
+    seed=seed,
+    size=train_size,
+    kwargs_json=json.dumps(dataset_kwargs, sort_keys=True),
+  )
+  multi = max_attempts > 1
   return Task(
     name=f"reasoning_gym:{dataset_name}",
     train_source=ListSource([train[i] for i in range(len(train))]),
     eval_source=ListSource([evals[i] for i in range(len(evals))]),
     prompt=lambda ex: ex["question"] + instruction,
-    reward=functools.partial(
-      score,
-      dataset_name=dataset_name,
-      seed=seed,
-      size=train_size,
-      kwargs_json=json.dumps(dataset_kwargs, sort_keys=True),
-    ),
+    reward=reward,
     use_chat_template=True,
+    environment=Retry(reward, max_attempts, float(attempt_penalty)) if multi else None,
+    demonstration=_demonstration if multi else None,
+    max_turns=max_attempts if multi else 0,
   )
+
+
+def _demonstration(example: Example) -> list[tuple[str, str]]:
+  """One turn: the dataset's answer in the think/answer format."""
+  return [("policy", f"<think></think><answer>{example['answer']}</answer>")]

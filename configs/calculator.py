@@ -1,0 +1,41 @@
+"""Multi-turn tool use: a tiny decoder learns to call a calculator it cannot do without.
+
+Run:
+  python -m experiments.train --config=configs/calculator.py --workdir=/tmp/opj_calc
+
+Task "calculator" (offpolicy_jax.rewards.tasks.agentic): the prompt is a
+3-digit times 2-digit product, `123*45=?`. A policy turn is either a tool call
+`<calc>123*45</calc>`, which the environment (in the sandboxed verifier
+workers, parsed with `ast`, never evaluated as code) answers with its value
+`|5535`, or a final answer `=5535`, which ends the episode with reward 1 if it
+is right. The tiny model cannot multiply in its head, so reward comes only
+from calling the tool with the right expression and copying its answer. A
+short supervised warm start on one-call episodes leaves it far from perfect
+(it miscopies operands and answers), then REC-OneSide-NoIS under the default
+sawtooth lag; `episode/tool_calls_per_solved` and `eval/tool_calls_per_solved`
+report tool use (docs/multiturn.md).
+"""
+
+import ml_collections
+
+from configs import default
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = default.base_config()
+  c.task = "calculator"
+  c.task_kwargs = ml_collections.ConfigDict({"kind": "mul", "max_turns": 3})
+  c.multiturn.max_turns = 3
+  # The longest turn: "<calc>123*45</calc>\n" (20 characters).
+  c.multiturn.turn_tokens = 24
+  c.multiturn.observation_tokens = 8
+  # BOS + "123*45=?\n".
+  c.max_prompt_len = 12
+  c.max_new_tokens = 64
+  c.total_steps = 300
+  c.sft.steps = 220
+  c.eval_every = 100
+  c.eval_prompts = 64
+  c.reward_timeout = 5.0
+  c.lock()
+  return c

@@ -1,0 +1,329 @@
+"""Multi-turn episodes: the run's rollout when its task has an environment.
+
+With `multiturn.max_turns > 0` a rollout is an episode per row: the policy
+writes a turn (`sampling.multiturn`), the task's environment answers it in
+the sandboxed verifier workers (`rewards.environments.EnvRunner`: never in
+this process), and the answer's tokens are appended to the row's trajectory
+and to its KV cache, until the environment says done or a limit is reached.
+Everything after that is the single-turn pipeline: one row per trajectory,
+whose `mask` is 1 on the policy's tokens only (observation tokens carry no
+loss, ratio, KL, entropy or token count), per-token behaviour log-probs and
+versions, packed and learnt from by `rl_step.learn_scored` like any batch.
+
+Token in, token out. A trajectory's tokens are the sampled ones and the
+observation tokens exactly as appended: nothing is decoded and re-encoded
+between turns. Only what crosses the process boundary is text: a turn's
+tokens are decoded for the environment, and its observation is encoded once.
+
+Turn formats (`turn_format`):
+  plain  (character / raw-text tasks) a policy turn ends with
+         `environments.TURN_END`; the observation text is appended as is
+         (it starts with `environments.OBS_PREFIX` and ends with TURN_END).
+  chat   (tokenizers with a chat template, `Task.use_chat_template`) a policy
+         turn is an assistant message ending with the template's end-of-turn
+         token (the tokenizer's EOS); the observation is appended as the
+         template renders a user message after it, followed by the generation
+         prompt of the next assistant message. So the final trajectory is the
+         template's rendering of the whole conversation (a test checks it).
+
+Credit: each trajectory's reward is the sum of its environment rewards, and
+advantages are group-relative over the K trajectories of a prompt (the task's
+advantage estimator, as for single-turn rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from offpolicy_jax import models
+from offpolicy_jax.rewards import environments
+from offpolicy_jax.run import data, pipeline
+from offpolicy_jax.sampling import SampleOutput
+
+# Per-step episode statistics (every metrics row of a multi-turn run carries them).
+EPISODE_STATS = (
+  "episode/turns",
+  "episode/solved",
+  "episode/tool_calls",
+  "episode/tool_calls_per_solved",
+  "episode/observation_tokens",
+  "episode/observations_cut",
+  "episode/env_failures",
+)
+
+
+class TurnFormat(NamedTuple):
+  """How turns meet tokens (module docstring).
+
+  Attributes:
+    name: "plain" or "chat".
+    turn_end: token sequences that end a policy turn.
+    eos_id: the token that ends an episode from the policy's side, or None
+      (chat: the end-of-turn token is the EOS, so only the environment ends it).
+    action_text: a turn's token ids -> the text the environment reads.
+    observation: an observation's text -> its token ids (`reply` adds what a cut turn lacks).
+  """
+
+  name: str
+  turn_end: tuple[tuple[int, ...], ...]
+  eos_id: int | None
+  action_text: Callable[[Sequence[int]], str]
+  observation: Callable[[str], list[int]]
+
+  def reply(self, action: Sequence[int], text: str) -> list[int]:
+    """The tokens appended after a policy turn `action` (ids): its observation `text`.
+
+    A turn cut by its token budget has no turn end; the turn end is written
+    first, so the trajectory stays a well-formed transcript (in the chat
+    format: the template's rendering of the conversation).
+    """
+    ids = [int(t) for t in action]
+    ended = any(len(e) <= len(ids) and tuple(ids[len(ids) - len(e) :]) == e for e in self.turn_end)
+    return ([] if ended else list(self.turn_end[0])) + self.observation(text)
+
+
+def turn_format(tokenizer: Any, chat: bool) -> TurnFormat:
+  """The turn format of a tokenizer: `chat` renders turns with its chat template."""
+  if not chat:
+    end = tuple(tokenizer.encode(environments.TURN_END))
+
+    def plain_action(ids: Sequence[int]) -> str:
+      text = tokenizer.decode(ids)
+      return text[: -len(environments.TURN_END)] if text.endswith(environments.TURN_END) else text
+
+    return TurnFormat("plain", (end,), tokenizer.eos_id, plain_action, tokenizer.encode)
+  if tokenizer.eos_id is None:
+    raise ValueError("a chat-template turn format needs the tokenizer's end-of-turn (EOS) token")
+  eos_text = getattr(tokenizer, "eos_token", None)
+  if not eos_text:
+    raise ValueError("a chat-template turn format needs the text of the tokenizer's EOS token")
+  probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+  before = tokenizer.apply_chat_template(probe, add_generation_prompt=False)
+  cut = before.rfind(eos_text)
+  if cut < 0:
+    raise ValueError(
+      f"the chat template does not end an assistant message with the EOS token {eos_text!r}"
+    )
+  cut += len(eos_text)
+
+  def chat_observation(text: str) -> list[int]:
+    msgs = [*probe, {"role": "user", "content": text}]
+    after = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    if not after.startswith(before[:cut]):
+      raise ValueError("the chat template renders earlier turns differently after a new one")
+    return tokenizer.encode(after[cut:])
+
+  def chat_action(ids: Sequence[int]) -> str:
+    return tokenizer.decode(ids)  # stops at the EOS
+
+  eos = int(tokenizer.eos_id)
+  return TurnFormat("chat", ((eos,),), None, chat_action, chat_observation)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Episodes:
+  """The static parts of a run's multi-turn rollouts (`components` builds it).
+
+  Attributes:
+    make_sampler: `(group_size, greedy) -> sampling.multiturn.MultiTurnSampler`,
+      memoised (the behaviour sampler is `make_sampler(K, False)`).
+    runner: the environment in the verifier workers.
+    fmt: the turn format.
+    observation_tokens: the longest observation kept, in tokens.
+  """
+
+  make_sampler: Callable[[int, bool], Any]
+  runner: environments.EnvRunner
+  fmt: TurnFormat
+  observation_tokens: int
+
+
+class Played(NamedTuple):
+  """A batch of episodes: the trajectories, their rewards and statistics.
+
+  Attributes:
+    out: `SampleOutput` [B, N], `mask` on policy tokens only.
+    rewards: float32 [B] summed environment rewards.
+    turns: int32 [B] policy turns of each trajectory.
+    tool_calls: int32 [B] tool calls the environment counted (0 if it does not).
+    failures: int32 [B] environment calls that failed (timeout, error, garbage).
+    stats: host statistics (`pipeline.REWARD_STATS` keys and `EPISODE_STATS`).
+  """
+
+  out: SampleOutput
+  rewards: np.ndarray
+  turns: np.ndarray
+  tool_calls: np.ndarray
+  failures: np.ndarray
+  stats: dict[str, Any]
+
+
+class _Turns:
+  """The `respond` callback of one batch: steps the rows' environments, keeps their records."""
+
+  def __init__(self, ep: Episodes, examples: list[dict[str, Any]]):
+    self.ep = ep
+    b = len(examples)
+    self.rewards = np.zeros(b, np.float64)
+    self.failures = np.zeros(b, np.int32)
+    self.tool_calls = np.zeros(b, np.int32)
+    self.cut = 0
+    self.obs_tokens = 0
+    self.timeouts = 0
+    first = ep.runner.reset(examples)
+    self.states = [r.state for r in first]
+    self.dead = np.zeros(b, bool)
+    for i, r in enumerate(first):
+      self._record(i, r)
+
+  def _record(self, i: int, r: environments.EnvResult) -> None:
+    if r.failure:
+      self.failures[i] += 1
+      self.timeouts += r.failure == "timeout"
+      self.dead[i] = True
+      return
+    self.rewards[i] += r.reward
+    calls = (r.info or {}).get("tool_calls")
+    if isinstance(calls, int | float) and not isinstance(calls, bool):
+      self.tool_calls[i] = int(calls)
+
+  def __call__(self, turn: int, rows: np.ndarray, actions: list[np.ndarray], final: bool):
+    del turn
+    ids = [int(r) for r in rows]
+    live = [r for r in ids if not self.dead[r]]
+    actions_of = {r: a.tolist() for r, a in zip(ids, actions, strict=True)}
+    texts = {r: self.ep.fmt.action_text(a) for r, a in actions_of.items()}
+    results = self.ep.runner.step([self.states[r] for r in live], [texts[r] for r in live])
+    replies: dict[int, tuple[np.ndarray, bool]] = {}
+    for r, res in zip(live, results, strict=True):
+      self._record(r, res)
+      done = bool(res.done) or final or bool(res.failure)
+      self.states[r] = res.state
+      obs = np.zeros(0, np.int32)
+      if not done:
+        obs_ids = self.ep.fmt.reply(actions_of[r], res.observation)
+        if len(obs_ids) > self.ep.observation_tokens:
+          self.cut += 1
+          obs_ids = obs_ids[: self.ep.observation_tokens]
+        obs = np.asarray(obs_ids, np.int32)
+        self.obs_tokens += len(obs_ids)
+      replies[r] = (obs, done)
+    return [replies.get(r, (np.zeros(0, np.int32), True)) for r in ids]
+
+
+def play(
+  ep: Episodes,
+  params,
+  prompts: dict[str, Any],
+  examples: list[dict[str, Any]],
+  key: jax.Array,
+  *,
+  group_size: int,
+  greedy: bool = False,
+) -> Played:
+  """Plays one episode per row: G prompts x `group_size` trajectories.
+
+  Args:
+    ep: the run's `Episodes`.
+    params: the whole model state to sample with.
+    prompts: `prompt_tokens` [G, P] and `prompt_lengths` [G].
+    examples: the G source examples of the prompts (their environments' input).
+    key: the sampling key.
+    group_size: K trajectories per prompt.
+    greedy: decode greedily (evaluation) instead of the behaviour sampler.
+  """
+  t0 = time.perf_counter()
+  rows = [ex for ex in examples for _ in range(group_size)]
+  turns_cb = _Turns(ep, rows)
+  sampler = ep.make_sampler(group_size, greedy)
+  out, info = sampler(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key, turns_cb)
+  turns = np.asarray(info.turns, np.int32)
+  rewards = turns_cb.rewards.astype(np.float32)
+  solved = rewards > 0.5
+  calls = turns_cb.tool_calls
+  b = max(len(rows), 1)
+  counts = ep.runner.stats()
+  stats = {
+    "reward_failures": int(turns_cb.failures.sum()),
+    "reward_timeouts": int(turns_cb.timeouts),
+    "reward_worker_restarts": int(counts.get("restarts", 0)),
+    "reward_time_s": time.perf_counter() - t0,
+    "episode/turns": float(turns.mean()) if len(turns) else 0.0,
+    "episode/solved": float(solved.mean()) if len(solved) else 0.0,
+    "episode/tool_calls": float(calls.sum() / b),
+    "episode/tool_calls_per_solved": float(calls[solved].mean()) if solved.any() else 0.0,
+    "episode/observation_tokens": turns_cb.obs_tokens / b,
+    "episode/observations_cut": int(turns_cb.cut),
+    "episode/env_failures": int(turns_cb.failures.sum()),
+  }
+  return Played(out, rewards, turns, calls, turns_cb.failures, stats)
+
+
+def sample(fns, params, prompts: dict[str, Any], step, seed) -> tuple[SampleOutput, Any, dict]:
+  """The run's multi-turn rollout of step `step`: `(out, rewards [B] on device, host stats)`.
+
+  The multi-turn counterpart of `pipeline.sample` + `pipeline.score` (same
+  sampling key, same pi_old scoring with `rollout.score_old`).
+  """
+  if jax.process_count() > 1:
+    raise ValueError("multiturn.max_turns: multi-turn episodes run in one process")
+  key = pipeline.step_key(seed, step, pipeline.SAMPLE)
+  examples = data.examples(fns.task, "train", np.asarray(prompts["index"]).tolist())
+  played = play(fns.episodes, params, prompts, examples, key, group_size=fns.sizes.group_size)
+  out = played.out
+  if fns.score_old is not None:
+    tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
+    out = out._replace(old_logprobs=fns.score_old(params, tokens, lengths, out))
+  return out, jnp.asarray(played.rewards), played.stats
+
+
+def describe(played: Played, tokenizer: Any, row: int) -> str:
+  """One trajectory as JSON text (for logs and debugging): its tokens decoded per segment."""
+  out = played.out
+  n = int(out.lengths[row])
+  ids, mask = np.asarray(out.tokens[row, :n]), np.asarray(out.mask[row, :n]) > 0
+  segments, start = [], 0
+  for t in range(1, n + 1):
+    if t == n or mask[t] != mask[start]:
+      role = "policy" if mask[start] else "environment"
+      segments.append({role: tokenizer.decode(ids[start:t].tolist())})
+      start = t
+  return json.dumps({"reward": float(played.rewards[row]), "turns": segments})
+
+
+def steps_over_seeds(fns, progs, state, prompts_l: dict, steps, seeds, schedule):
+  """Loop steps of S seeds' runs (the study's vmapped state): `(state, metrics [S, L])`.
+
+  Per step: the vmapped behaviour parameters, each seed's episodes played on
+  the host with its own parameters and key, the seeds' trajectories stacked,
+  and the vmapped learning (`rl_step.Programs.learn_scored`), exactly the
+  loop's step of each seed.
+  """
+  rows = []
+  for i, step in enumerate(steps):
+    prompts = {k: x[:, i] for k, x in prompts_l.items()}
+    device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
+    params, v, found = progs.behaviour(state, step, schedule)
+    outs, rewards, stats = [], [], []
+    for s, seed in enumerate(np.asarray(seeds).tolist()):
+      one = {k: x[s] for k, x in prompts.items()}
+      whole = models.lora.join(state.base, jax.tree.map(lambda x, s=s: x[s], params))
+      out, r, st = sample(fns, whole, one, int(step), seed)
+      outs.append(out)
+      rewards.append(r)
+      stats.append(st)
+    out = jax.tree.map(lambda *x: jnp.stack(x), *outs)
+    state, m = progs.learn_scored(state, device, out, jnp.stack(rewards), v, step, seeds, schedule)
+    m = dict(m)
+    for name in EPISODE_STATS:
+      m[name] = jnp.asarray([st[name] for st in stats], jnp.float32)
+    rows.append({**m, "snapshot_missing": (~found).astype(jnp.int32)})
+  return state, jax.tree.map(lambda *x: jnp.stack(x, axis=1), *rows)

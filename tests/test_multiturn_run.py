@@ -1,0 +1,170 @@
+"""Multi-turn episodes through the run: training rows, exact resume with replay, flaky envs."""
+
+import dataclasses
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from offpolicy_jax import types  # noqa: E402
+from offpolicy_jax.models import tokenizers  # noqa: E402
+from offpolicy_jax.rewards import environments, tasks  # noqa: E402
+from offpolicy_jax.rewards.tasks import agentic  # noqa: E402
+from offpolicy_jax.run import components, episodes, loop  # noqa: E402
+from offpolicy_jax.store import metrics_files  # noqa: E402
+from tests.test_loop import small_config, strip_timing  # noqa: E402
+
+# guess 1..8 in at most 4 turns: "8\n" + "|h\n" per turn.
+_GUESS = {
+  "task": "guess_number",
+  "task_kwargs.hi": 8,
+  "task_kwargs.max_turns": 4,
+  "multiturn.max_turns": 4,
+  "multiturn.turn_tokens": 3,
+  "multiturn.observation_tokens": 3,
+  "max_new_tokens": 24,
+  "sft.steps": 40,
+  "optimizer.learning_rate": 3e-3,
+}
+
+
+def _config(**overrides):
+  cfg = small_config(**{**_GUESS, **overrides})
+  return cfg
+
+
+def _no_timing(rows):
+  return [{k: v for k, v in r.items() if k != "reward_time_s"} for r in strip_timing(rows)]
+
+
+def _check_training_rows(rows):
+  train, evals = metrics_files.split_rows(rows)
+  assert [r["step"] for r in train] == list(range(1, len(train) + 1))
+  for r in train:
+    assert 1.0 <= r["episode/turns"] <= 4.0
+    assert 0.0 <= r["reward_mean"] <= 1.0 and np.isfinite(r["loss"])
+    # `tokens` (the loss's count) and `response_tokens` are the policy's tokens only:
+    # at most turn_tokens (3) per turn, observations never counted.
+    assert r["tokens"] <= 3 * 4 * 8
+    assert r["response_tokens"] == pytest.approx(r["tokens"])
+    assert r["reward_failures"] == 0
+  assert any(r["grad_norm"] > 0 for r in train)
+  assert "eval/turns" in evals[-1] and "eval/tool_calls_per_solved" in evals[-1]
+
+
+def test_episode_run_trains_and_resumes_exactly_with_trajectories_in_replay(tmp_path):
+  """A killed multi-turn run resumes exactly: trajectories in replay, lagged versions."""
+  common = {
+    "lag.sync_interval": 2,
+    "replay.capacity_batches": 2,
+    "replay.policy": "uniform",
+  }
+  full = loop.train_and_evaluate(_config(total_steps=6, **common), str(tmp_path / "full"))
+  _check_training_rows(full)
+  part = str(tmp_path / "part")
+  loop.train_and_evaluate(_config(total_steps=3, **common), part)
+  loop.train_and_evaluate(_config(total_steps=6, **common), part)
+  got_train, got_eval = metrics_files.split_rows(metrics_files.read_metrics(part))
+  want_train, want_eval = metrics_files.split_rows(full)
+  assert _no_timing(got_train) == _no_timing(want_train)
+  assert got_eval[-1] == want_eval[-1]
+  # The lag schedule's behaviour versions reached the trajectories (sync_interval 2).
+  assert {r["behavior_version"] for r in want_train} != {r["step"] - 1 for r in want_train}
+
+
+class FlakyGuess(agentic.GuessNumber):
+  """guess_number whose environment misbehaves on some secrets (module level: reaches workers)."""
+
+  def step(self, state, action_text):
+    secret, turn = state["secret"], state["turn"] + 1
+    if turn == 1 and secret == 1:
+      time.sleep(60)  # hangs: killed at the timeout
+    if turn == 1 and secret == 2:
+      raise RuntimeError("environment bug")
+    if turn == 1 and secret == 3:
+      return environments.EnvResult("o", float("nan"), False, state)  # garbage
+    if turn == 1 and secret == 4:  # acts on the host: the sandbox refuses the write
+      with open(os.path.join(state["dir"], "pwned"), "w") as f:
+        f.write("x")
+    return super().step(state, action_text)
+
+  def reset(self, example):
+    r = super().reset(example)
+    return r._replace(state={**r.state, "dir": example["dir"]})
+
+
+def make_flaky_guess(*, hi: int = 8, max_turns: int = 4, directory: str = "/nonexistent"):
+  task = agentic.make_guess_number(hi=hi, max_turns=max_turns)
+  train = [{"secret": s, "dir": directory} for s in range(1, hi + 1)]
+  return dataclasses.replace(
+    task,
+    name="flaky_guess",
+    train_source=tasks.ListSource(train),
+    eval_source=tasks.ListSource(train),
+    environment=FlakyGuess(hi, max_turns, 0.05),
+  )
+
+
+def test_flaky_environment_is_counted_and_the_run_goes_on(tmp_path):
+  if "flaky_guess" not in tasks.task_names():
+    tasks.register("flaky_guess", make_flaky_guess)
+  components.clear_cache()
+  cfg = _config(
+    total_steps=3,
+    task="flaky_guess",
+    **{
+      "task_kwargs.directory": str(tmp_path),
+      "reward_timeout": 1.0,
+      # Its own workers: hung calls get them killed and replaced.
+      "reward_memory_mb": 1536,
+      "sft.enabled": False,
+      "eval_prompts": 0,
+      "prompts_per_step": 4,
+      "group_size": 2,
+    },
+  )
+  rows = loop.train_and_evaluate(cfg, str(tmp_path / "run"))
+  train, _ = metrics_files.split_rows(rows)
+  assert [r["step"] for r in train] == [1, 2, 3]
+  assert sum(r["reward_failures"] for r in train) > 0
+  assert sum(r["reward_timeouts"] for r in train) > 0
+  assert all(np.isfinite(r["loss"]) and np.isfinite(r["reward_mean"]) for r in train)
+  assert not os.path.exists(tmp_path / "pwned")
+
+
+@pytest.mark.parametrize(
+  "overrides, field",
+  [
+    ({"rollout.partial_budget": 4}, "rollout.partial_budget"),
+    ({"rollout.continuous_slots": 2}, "rollout.continuous_slots"),
+    ({"lag.mode": "async"}, "lag.mode"),
+    ({"multiturn.turn_tokens": 99}, "multiturn.turn_tokens"),
+  ],
+)
+def test_combinations_it_does_not_take_are_refused_by_name(overrides, field):
+  with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+    components.build_components(_config(**overrides))
+
+
+def test_a_task_without_an_environment_is_refused():
+  with pytest.raises(ValueError, match=r"multiturn\.max_turns: task 'reverse' has no environment"):
+    components.build_components(small_config(**{"multiturn.max_turns": 2}))
+
+
+def test_plain_turn_format_round_trips_actions_and_observations():
+  tok = tokenizers.CharTokenizer()
+  fmt = episodes.turn_format(tok, chat=False)
+  assert fmt.turn_end == (tuple(tok.encode("\n")),)
+  assert fmt.action_text(tok.encode("12\n")) == "12"
+  assert fmt.observation("|h\n") == tok.encode("|h\n")
+
+
+def test_turn_ids_are_the_runs_of_policy_tokens():
+  mask = np.array([[1, 1, 0, 0, 1, 0, 1, 1], [1, 1, 1, 1, 0, 0, 0, 0]], np.float32)
+  got = np.asarray(types.turn_ids(jax.numpy.asarray(mask)))
+  np.testing.assert_array_equal(got, [[0, 0, 0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0]])

@@ -1,0 +1,164 @@
+"""Tests for the study's statistics: permutation test, Holm, learning speed, the report's verdicts.
+
+Golden values are hand calculations; the report tests use synthetic rows (no runs).
+"""
+
+import itertools
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from offpolicy_jax.study import report as study_report  # noqa: E402
+from offpolicy_jax.study import stats  # noqa: E402
+
+
+def test_sign_flip_pvalue_on_hand_computed_cases():
+  # n = 5 differences of one sign: only the identity and the all-flipped pattern reach |sum|.
+  assert stats.sign_flip_pvalue([0.1, 0.2, 0.05, 0.3, 0.01]) == pytest.approx(2 / 32)
+  assert stats.sign_flip_pvalue([-0.1, -0.2, -0.05, -0.3, -0.01]) == pytest.approx(2 / 32)
+  # d = (3, 1, 1): |sum| = 5; patterns with |sum| >= 5 are +++ and --- only: p = 2/8.
+  assert stats.sign_flip_pvalue([3, 1, 1]) == pytest.approx(2 / 8)
+  # d = (3, -1, 1), sum 3: with s1 = +1 the sums are 3 (+++), 1 (++-), 5 (+-+), 3 (+--):
+  # three reach |3|, and their mirror images: p = 6/8. Also against an independent loop.
+  d = np.array([3.0, -1.0, 1.0])
+  want = np.mean([abs(np.dot(s, d)) >= abs(d.sum()) for s in itertools.product((-1, 1), repeat=3)])
+  assert stats.sign_flip_pvalue(d) == pytest.approx(want) == pytest.approx(6 / 8)
+  assert stats.sign_flip_pvalue([0.0, 0.0, 0.0]) == 1.0
+  assert stats.smallest_p(5) == 2 / 32 and stats.needed_seeds(79, 0.05) == 12
+
+
+def test_sign_flip_monte_carlo_is_fixed_and_agrees_with_the_exact_test():
+  rng = np.random.default_rng(1)
+  d = rng.normal(0.3, 1.0, 14)
+  exact = stats.sign_flip_pvalue(d)
+  mc = stats.sign_flip_pvalue(d, exact_max=10, resamples=40_000)
+  assert mc == stats.sign_flip_pvalue(d, exact_max=10, resamples=40_000)  # the fixed key
+  assert abs(mc - exact) < 4 * math.sqrt(exact * (1 - exact) / 40_000) + 1e-4
+  # 30 positive differences: p = 1 / (1 + resamples) (no random pattern reaches the identity).
+  assert stats.sign_flip_pvalue(np.ones(30), resamples=999) == pytest.approx(1 / 1000)
+  with pytest.raises(ValueError, match="non-finite"):
+    stats.sign_flip_pvalue([0.1, math.nan])
+
+
+def test_sign_flip_test_keeps_its_level_under_the_null():
+  """Symmetric noise, 8 seeds, 2000 studies: the rejection rate at 0.05 is at most 0.05 + noise."""
+  rng = np.random.default_rng(0)
+  p = np.array([stats.sign_flip_pvalue(rng.standard_t(3, 8)) for _ in range(2000)])
+  assert np.mean(p <= 0.05) <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 2000)
+  assert np.mean(p <= 0.5) > 0.4  # and it does reject when alpha allows
+
+
+def test_holm_on_a_known_set():
+  # sorted 0.005, 0.01, 0.03, 0.04 -> 4*0.005, 3*0.01, 2*0.03, 1*0.04 = .02, .03, .06, .04,
+  # made monotone: .02, .03, .06, .06; returned in the input order.
+  got = stats.holm([0.01, 0.04, 0.03, 0.005])
+  np.testing.assert_allclose(got, [0.03, 0.06, 0.06, 0.02])
+  np.testing.assert_allclose(stats.holm([0.5, 0.9]), [1.0, 1.0])
+  assert stats.holm([]).size == 0
+  with pytest.raises(ValueError, match="p-values"):
+    stats.holm([0.1, 1.5])
+
+
+def test_verdicts_reject_by_the_adjusted_p_and_the_sign():
+  up, down, flat = np.arange(1, 7) * 0.01, -np.arange(1, 7) * 0.01, np.array([1, -1] * 3) * 0.01
+  zeros = np.zeros(6)
+  comps = {k: stats.compare(x, zeros) for k, x in {"up": up, "down": down, "flat": flat}.items()}
+  # p = 2/64 each for up and down; Holm over 3: 3 * 2/64 = 0.094 -> nothing at 0.05, both at 0.1.
+  at05, at10 = stats.verdicts(comps, 0.05), stats.verdicts(comps, 0.10)
+  assert at05["up"] == (pytest.approx(6 / 64), stats.SAME)
+  assert at10["up"][1] == stats.BETTER and at10["down"][1] == stats.WORSE
+  assert at10["flat"][1] == stats.SAME
+  assert comps["up"].bootstrap_verdict == stats.BETTER  # the bootstrap rule has no such brake
+  with pytest.raises(ValueError, match="alpha"):
+    stats.verdicts(comps, 1.0)
+
+
+def test_clopper_pearson_known_values():
+  assert stats.clopper_pearson(0, 5) == (0.0, pytest.approx(1 - 0.025 ** (1 / 5)))
+  low, high = stats.clopper_pearson(5, 5)
+  assert high == 1.0 and low == pytest.approx(0.025 ** (1 / 5))
+  low, high = stats.clopper_pearson(1, 10)
+  assert low == pytest.approx(0.00253, abs=1e-5) and high == pytest.approx(0.4450, abs=1e-4)
+  assert stats.rate(1, 10) == "1/10 = 0.100 [0.003, 0.445]"
+  with pytest.raises(ValueError, match="k <= n"):
+    stats.clopper_pearson(3, 2)
+
+
+def test_steps_to_threshold_and_auc_on_hand_made_curves():
+  steps = [0, 50, 100, 150, 200]
+  assert stats.steps_to_threshold(steps, [0.3, 0.35, 0.40, 0.5, 0.6]) == (100, True)
+  assert stats.steps_to_threshold(steps, [0.3, 0.45, 0.1, 0.1, 0.1]) == (50, True)
+  # Never reached: censored at the budget.
+  assert stats.steps_to_threshold(steps, [0.3, 0.39, 0.35, 0.3, 0.2]) == (200, False)
+  assert stats.steps_to_threshold(steps, [0.3, 0.3, 0.3, 0.3, 0.4]) == (200, True)
+  # AUC / steps: a flat curve gives its level; a ramp 0 -> 1 gives 0.5; trapezoids.
+  assert stats.accuracy_auc(steps, [0.4] * 5) == pytest.approx(0.4)
+  assert stats.accuracy_auc([0, 100], [0.0, 1.0]) == pytest.approx(0.5)
+  # (0.2+0.4)/2*50 + (0.4+0.4)/2*150 = 15 + 60 = 75 over 200 steps.
+  assert stats.accuracy_auc([0, 50, 200], [0.2, 0.4, 0.4]) == pytest.approx(75 / 200)
+  with pytest.raises(ValueError, match="increasing"):
+    stats.accuracy_auc([0, 0], [0.1, 0.2])
+  s = stats.run_summary(steps, [0.3, 0.35, 0.40, 0.5, 0.6], [0.5] * 200, last=2)
+  assert (s["steps_to_threshold"], s["threshold_reached"]) == (100.0, 1.0)
+  assert s["accuracy_auc"] == pytest.approx((0.65 + 0.75 + 0.9 + 1.1) / 2 * 50 / 200)
+
+
+def _rows(cells: dict, seeds: int) -> list[dict]:
+  """Synthetic study rows: {(method, lag): [final accuracy per seed]}, curves from them."""
+  rows = []
+  for (m, g), finals in cells.items():
+    for seed in range(seeds):
+      start, final = 0.3, finals[seed]
+      curve = [start, (start + final) / 2, final]
+      summary = stats.run_summary([0, 10, 20], curve, [0.5], last=1)
+      for metric, value in summary.items():
+        rows.append(dict(method=m, lag=g, seed=seed, metric=metric, step=None, value=value))
+  return rows
+
+
+def test_report_verdicts_holm_power_note_and_aa_rate(tmp_path):
+  n = 12
+  rng = np.random.default_rng(0)
+  base = 0.3 + rng.uniform(0, 0.1, n)
+  cells = {
+    ("grpo", "on"): base,
+    ("grpo", "lag"): base - 0.05 - rng.uniform(0, 0.01, n),  # worse on every seed
+    ("ok", "on"): base + rng.normal(0, 0.02, n),
+    ("ok", "lag"): base + 0.2,  # reaches the threshold at step 10 on every seed
+    ("aa-grpo", "on"): base + 0.2,  # a "false" A/A difference on purpose
+    ("aa-grpo", "lag"): base - 0.05 - rng.uniform(0, 0.01, n) + rng.normal(0, 0.001, n),
+  }
+  path = study_report.write_tables(
+    _rows(cells, n), str(tmp_path / "s.md"), baseline=("grpo", "on"), title="t", alpha=0.05
+  )
+  text = open(path).read()
+  tests = text.split("## Tests against the baseline")[1].split("\n## ")[0]
+  row = next(x for x in tests.splitlines() if x.startswith("| grpo | lag |"))
+  # 12 negative differences: p = 2/4096; Holm over 3 comparisons: 3 * 2/4096.
+  assert f"| {2 / 4096:.3g} | {6 / 4096:.3g} | worse |" in row
+  assert "No verdict is attainable" not in text
+  speed_steps = text.split("### Steps to reach")[1].split("### ")[0]
+  assert "| -10.0 [-10.0, -10.0] p=0.00049 faster |" in speed_steps
+  # Learning speed: differences within the lag; grpo reaches +0.10 nowhere (censored, 0/12).
+  speed = text.split("### Steps to reach the warm start + 0.10")[1]
+  assert "| grpo | 20.0 [20.0, 20.0] (0/12) |" in speed
+  assert "| ok | +0.0 [+0.0, +0.0] p=1 ~ |" in speed.split("### ")[0]
+  # A/A: 1 of the 2 final-accuracy pairs is called different: 1/2 [0.013, 0.987].
+  assert "permutation test at alpha = 0.05): 1/2 = 0.500 [0.013, 0.987]; nominal 0.05." in text
+  assert "aa-grpo" not in text.split("## Final greedy accuracy")[1].split("## Paired")[0]
+  # Pooled: the shifted pair is false on all 3 metrics (its twin reaches the threshold at
+  # step 10); at `lag` no run reaches it, those differences are all 0 and left out: 3/5.
+  assert "permutation test: 3/5 = 0.600 [0.147, 0.947]" in text
+  assert "left out of the rates: 1 comparisons whose per-seed differences are all 0" in text
+  few = {k: v[:5] for k, v in cells.items() if not k[0].startswith("aa-")}
+  path = study_report.write_tables(
+    _rows(few, 5), str(tmp_path / "few.md"), baseline=("grpo", "on"), title="t"
+  )
+  text = open(path).read()
+  assert "No verdict is attainable here**: that needs >= 7 seeds" in text
+  assert "## A/A calibration" not in text
