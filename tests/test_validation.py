@@ -175,6 +175,16 @@ def test_continuous_auto_needs_sync_mode():
     validation.validate_config(_config(**auto, **{"lag.mode": "async"}))
 
 
+def test_a_study_refuses_the_automatic_sampler_choice():
+  from offpolicy_jax.study import runner
+
+  c = lag_study.get_config()
+  runner.grid_from_config(c)
+  c.rollout.continuous_slots, c.rollout.continuous_auto_steps = 1, 2
+  with pytest.raises(ValueError, match="^config.rollout.continuous_auto_steps: a study"):
+    runner.grid_from_config(c)
+
+
 # Fields of `config.study` (configs/lag_study.py), with values the study refuses.
 STUDY_BAD = [
   ("study.alpha", 0.0, "study.alpha"),
