@@ -236,12 +236,27 @@ RUN_FIELDS: tuple[Field, ...] = (
      "of this many slots (0 = the whole max_new_tokens cache at every step). Same numbers.",
      Int(0, note=" (0 = whole cache)")),
   _F("rollout.continuous_slots", 0, PROGRAM,
-     "Continuous batching (sampling.continuous): this many prompt groups decode at once and a "
-     "group that has ended frees its slot for the next prompt inside the same compiled loop, so "
-     "no row decodes past its end; worth it when response lengths vary (EOS). Its draws use "
+     "Continuous batching (sampling.continuous): this many times group_size rows "
+     "decode at once and a row that has ended frees its slot for the next waiting row inside "
+     "the same compiled loop, so no row decodes past its end (groups stay whole in the "
+     "output); worth it when response lengths vary (EOS). Its draws use "
      "per-(prompt, sample, token) keys, so its samples differ from the static sampler's for the "
-     "same seed. 0 = the static batch of all prompts_per_step groups.",
+     "same seed. 0 = the static batch of all prompts_per_step groups. With "
+     "rollout.continuous_auto_steps > 0, the number of slots the run switches to.",
      Int(0, note=" (0 = static batch)")),
+  _F("rollout.continuous_auto_steps", 0, PROGRAM,
+     "Automatic continuous batching: the run samples with the static batch for this many "
+     "steps, measuring its decode waste (sampler/decode_waste: the fraction of decoded "
+     "row-steps after a row had ended), then switches to continuous batching with "
+     "rollout.continuous_slots slots if the mean waste over those steps exceeds "
+     "rollout.continuous_waste_threshold (sampler/continuous in every row; the choice is "
+     "kept in the checkpoints, so a resumed run makes the same one). lag.mode='sync' only. "
+     "0 = no switch: continuous from the start if rollout.continuous_slots > 0.",
+     Int(0, note=" (0 = off)")),
+  _F("rollout.continuous_waste_threshold", 0.5, NUMBERS,
+     "Mean decode waste of the static batch over the first rollout.continuous_auto_steps "
+     "steps above which the run switches to continuous batching.",
+     Float(0.0, 1.0, lo_open=True, hi_open=True)),
   _F("tokenizer", "", PROGRAM,
      "Tokenizer: \"\" uses the task's built-in character tokenizer; else a local HF directory.",
      Str()),

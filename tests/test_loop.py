@@ -526,6 +526,44 @@ def test_truncated_sampling_on_policy_has_unit_ratios(tmp_path, slots):
       assert abs(row[key] - 1.0) < 1e-5, (key, row)
 
 
+def _auto(**overrides):
+  """Automatic continuous batching: 2 static steps, then 1 slot if their mean waste > 0.05."""
+  auto = {
+    "rollout.continuous_slots": 1,
+    "rollout.continuous_auto_steps": 2,
+    "rollout.continuous_waste_threshold": 0.05,
+    "eval_prompts": 0,
+  }
+  return small_config(**{**auto, **overrides})
+
+
+def test_continuous_auto_switches_when_lengths_vary_and_resume_keeps_the_choice(tmp_path):
+  """EOS makes lengths vary: steps 1-2 static, then continuous; resumed runs choose the same.
+
+  One run is stopped after step 1 (before the choice: the waste seen so far is
+  in its checkpoint) and after step 3 (after it), and resumed each time.
+  """
+  full = loop.train_and_evaluate(_auto(total_steps=5), str(tmp_path / "full"))
+  waste = [r["sampler/decode_waste"] for r in full]
+  assert [r["sampler/continuous"] for r in full] == [0, 0, 1, 1, 1]
+  assert full[1]["sampler/auto_waste"] == pytest.approx(np.mean(waste[:2]))
+  assert full[1]["sampler/auto_waste"] > 0.05
+  assert "sampler/auto_waste" not in full[0] and "sampler/auto_waste" not in full[2]
+  part = str(tmp_path / "part")
+  for total in (1, 3, 5):
+    loop.train_and_evaluate(_auto(total_steps=total), part)
+  got = metrics_files.split_rows(metrics_files.read_metrics(part))[0]
+  assert strip_timing(got) == strip_timing(full)
+
+
+def test_continuous_auto_stays_static_when_lengths_do_not_vary(tmp_path):
+  """One-token responses: no decode waste, the static batch stays."""
+  rows = loop.train_and_evaluate(_auto(total_steps=3, max_new_tokens=1), str(tmp_path))
+  assert [r["sampler/decode_waste"] for r in rows] == [0.0, 0.0, 0.0]
+  assert [r["sampler/continuous"] for r in rows] == [0, 0, 0]
+  assert rows[1]["sampler/auto_waste"] == 0.0
+
+
 def test_bf16_sampler_mismatch_and_staleness_are_reported_apart(tmp_path):
   """`rollout.score_old` with a bf16 sampler under lag: both factors in every row."""
   cfg = small_config(

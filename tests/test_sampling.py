@@ -278,16 +278,29 @@ LENGTHS_4 = np.array([3, 6, 4, 5], np.int32)
 
 @pytest.fixture(scope="module")
 def continuous_fn(tiny):
-  """(slots) -> continuous sampler of K samples per prompt with EOS, temperature 0.7, top-k 20."""
-  return lambda slots: continuous.make_continuous_sampler(
-    tiny[0], max_new_tokens=N, slots=slots, group_size=K, temperature=0.7, top_k=20, eos_id=EOS
+  """(slots, **kw) -> continuous sampler of K per prompt with EOS, temperature 0.7, top-k 20."""
+  return lambda slots, **kw: continuous.make_continuous_sampler(
+    tiny[0],
+    max_new_tokens=N,
+    slots=slots,
+    group_size=K,
+    temperature=0.7,
+    top_k=20,
+    eos_id=EOS,
+    **kw,
   )
 
 
-def test_continuous_batching_equals_each_prompt_alone(tiny, continuous_fn):
+@pytest.mark.parametrize(
+  "kw",
+  [dict(slots=2), dict(slots=1, prefill_batch=1, prompt_slots=2)],
+  ids=["2slots", "1slot_scarce_prompts"],
+)
+def test_continuous_batching_equals_each_prompt_alone(tiny, continuous_fn, kw):
+  """Rows released one by one (groups straddling slots, prompts waiting for a prompt slot)."""
   params = tiny[1]
   key = jax.random.key(11)
-  out = continuous_fn(2)(params, PROMPTS_4, LENGTHS_4, key)  # 4 groups through 2 slots
+  out = continuous_fn(**kw)(params, PROMPTS_4, LENGTHS_4, key)  # 4 groups through 2 or 1 slots
   alone_fn = continuous_fn(1)
   lengths = np.asarray(out.lengths)
   assert 1 <= lengths.min() < N and len(set(lengths.tolist())) > 2, lengths
@@ -298,6 +311,68 @@ def test_continuous_batching_equals_each_prompt_alone(tiny, continuous_fn):
     np.testing.assert_array_equal(out.mask[rows], alone.mask)
     np.testing.assert_array_equal(out.kept[rows], alone.kept)
     np.testing.assert_allclose(out.logprobs[rows], alone.logprobs, atol=1e-5, rtol=0)
+
+
+def _first_stop_end(row, stops):
+  """Length of `row` cut after the first complete stop sequence (len(row) if none)."""
+  for t in range(len(row)):
+    if any(t + 1 >= len(s) and tuple(row[t + 1 - len(s) : t + 1]) == s for s in stops):
+      return t + 1
+  return len(row)
+
+
+def test_continuous_batching_stop_sequences_cut_the_same_draws(tiny, continuous_fn):
+  """A stop sequence ends a row at its first occurrence; tokens before it are the draws without.
+
+  The keys depend on (prompt, sample, position) only, so the run with stop
+  sequences must give each row's no-stop tokens up to and including the first
+  complete stop sequence (and nothing after), also with rows released early.
+  """
+  params, key = tiny[1], jax.random.key(5)
+  free = continuous_fn(2)(params, PROMPTS_4, LENGTHS_4, key)
+  tokens, lengths = np.asarray(free.tokens), np.asarray(free.lengths)
+  # Stops that occur: the bigram at positions 1-2 of the longest row, the first token of the
+  # next longest (each cuts its row short).
+  b, other = (int(i) for i in np.argsort(-lengths, stable=True)[:2])
+  assert lengths[b] >= 3 and lengths[other] >= 2, lengths
+  stops = (tuple(int(t) for t in tokens[b, 1:3]), (int(tokens[other, 0]),))
+  fn = continuous_fn(2, stop_sequences=stops)
+  out = fn(params, PROMPTS_4, LENGTHS_4, key)
+  cut = [_first_stop_end(tokens[i, : lengths[i]].tolist(), stops) for i in range(4 * K)]
+  assert cut[b] <= 3 and sum(c < n for c, n in zip(cut, lengths, strict=True)) >= 2, cut
+  np.testing.assert_array_equal(out.lengths, cut)
+  for i, c in enumerate(cut):
+    np.testing.assert_array_equal(out.tokens[i, :c], tokens[i, :c])
+    assert not np.any(np.asarray(out.tokens[i, c:])) and not np.any(np.asarray(out.mask[i, c:]))
+    np.testing.assert_allclose(out.logprobs[i, :c], free.logprobs[i, :c], atol=1e-5, rtol=0)
+  # One slot, prompts released and admitted in another order: the same rows.
+  one = continuous_fn(1, stop_sequences=stops)(params, PROMPTS_4, LENGTHS_4, key)
+  np.testing.assert_array_equal(one.tokens, out.tokens)
+  np.testing.assert_array_equal(one.lengths, out.lengths)
+
+
+def test_continuous_batching_under_a_mesh_equals_unsharded(tiny, continuous_fn):
+  """8 fake devices (data 2 x fsdp 2 x tensor 2), 8 groups through 4 slots: the same tokens."""
+  from offpolicy_jax.scale import sharding
+
+  params = tiny[1]
+  prompts, lengths = (
+    np.concatenate([PROMPTS_4, PROMPTS_4[::-1]]),
+    np.concatenate([LENGTHS_4, LENGTHS_4[::-1]]),
+  )
+  key = jax.random.key(2)
+  fn = continuous_fn(4)
+  ref = fn(params, prompts, lengths, key)
+  mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+  placed = sharding.shard_params(params, mesh)
+  assert any(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(placed))
+  with jax.set_mesh(mesh):
+    out = fn(placed, prompts, lengths, key)
+  assert len(out.tokens.sharding.device_set) == 8
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.mask, ref.mask)
+  np.testing.assert_array_equal(out.kept, ref.kept)
+  np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5, rtol=0)
 
 
 def test_continuous_batching_logprobs_are_exact(tiny, teacher, continuous_fn):

@@ -63,6 +63,11 @@ BAD = [
   ("rollout.score_old", "yes", "rollout.score_old"),
   ("rollout.decode_block", -1, "rollout.decode_block"),
   ("rollout.continuous_slots", -1, "rollout.continuous_slots"),
+  ("rollout.continuous_auto_steps", -1, "rollout.continuous_auto_steps"),
+  ("rollout.continuous_auto_steps", 2, "rollout.continuous_auto_steps"),  # without slots
+  ("rollout.continuous_waste_threshold", 0.0, "rollout.continuous_waste_threshold"),
+  ("rollout.continuous_waste_threshold", 1.0, "rollout.continuous_waste_threshold"),
+  ("rollout.continuous_waste_threshold", NAN, "rollout.continuous_waste_threshold"),
   ("lora.rank", -1, "lora.rank"),
   ("lora.alpha", 0.0, "lora.alpha"),
   ("lora.targets", "q_proj,embed", "lora.targets"),
@@ -161,6 +166,23 @@ def test_every_field_is_covered():
 def test_bad_value_fails_naming_the_field(field, value, named):
   with pytest.raises(ValueError, match=f"^config.{named}:"):
     validation.validate_config(_config(**{field: value}))
+
+
+def test_continuous_auto_needs_sync_mode():
+  auto = {"rollout.continuous_slots": 1, "rollout.continuous_auto_steps": 3}
+  validation.validate_config(_config(**auto))
+  with pytest.raises(ValueError, match="^config.rollout.continuous_auto_steps:.*'sync' only"):
+    validation.validate_config(_config(**auto, **{"lag.mode": "async"}))
+
+
+def test_a_study_refuses_the_automatic_sampler_choice():
+  from offpolicy_jax.study import runner
+
+  c = lag_study.get_config()
+  runner.grid_from_config(c)
+  c.rollout.continuous_slots, c.rollout.continuous_auto_steps = 1, 2
+  with pytest.raises(ValueError, match="^config.rollout.continuous_auto_steps: a study"):
+    runner.grid_from_config(c)
 
 
 # Fields of `config.study` (configs/lag_study.py), with values the study refuses.

@@ -87,6 +87,7 @@ class RunSettings:
   progress: bool
   log_every: int
   profile_steps: int
+  rollout_continuous_waste_threshold: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,12 +394,14 @@ def _build_fns(config) -> rl_step.StepFns:
     decode_block=c.rollout.decode_block,
     **sample_kw,
   )
+  sampler = sampling.make_sampler(sampler_graphdef, **behaviour_kw)
+  continuous_sampler = None
   if c.rollout.continuous_slots:
-    sampler = continuous.make_continuous_sampler(
+    continuous_sampler = continuous.make_continuous_sampler(
       sampler_graphdef, slots=c.rollout.continuous_slots, **behaviour_kw
     )
-  else:
-    sampler = sampling.make_sampler(sampler_graphdef, **behaviour_kw)
+    if not c.rollout.continuous_auto_steps:  # continuous from the start
+      sampler = continuous_sampler
   return rl_step.StepFns(
     mesh=mesh,
     graphdef=graphdef,
@@ -411,6 +414,8 @@ def _build_fns(config) -> rl_step.StepFns:
     sizes=sizes(c),
     sample_kw={**sample_kw, "temperature": c.temperature},
     sampler=sampler,
+    continuous=continuous_sampler,
+    continuous_auto_steps=c.rollout.continuous_auto_steps,
     greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
     partial=partial,
     score_old=train_step.make_scorer(graphdef, options) if _scores_old(c) else None,

@@ -14,6 +14,9 @@ halves around the (sandboxed) scoring. Every row carries per-phase wall
 times (`time/sample_s`, `time/reward_s`, `time/train_s`, `time/device_s`,
 `time/other_s`) and the number of XLA compilations so far (`compiles`).
 
+With `rollout.continuous_auto_steps`, the loop measures the static batch's
+decode waste and may switch to continuous batching once (`sampler_choice`).
+
 Checkpoints hold the run state by field name (`params`, `opt_state`,
 `counters`, `replay`, `snapshots`, `ref_params`) plus the data iterator's
 state in their meta; a run killed at any moment resumes from its last
@@ -44,6 +47,7 @@ from offpolicy_jax.run import (
   observability,
   pipeline,
   producer,
+  sampler_choice,
   sampler_mesh,
   sft,
 )
@@ -104,7 +108,7 @@ def train_and_evaluate(
       if latest and primary:
         workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
       data_iter = producer.LockedIterator(pipeline.prompt_iterator(comps.fns, comps.run.seed))
-      state, start, start_accuracy, base = _restore_or_init(
+      state, start, start_accuracy, base, choice = _restore_or_init(
         comps, ckpt, data_iter, workdir, config.model
       )
       writer = _make_writer(comps, config, workdir, start)
@@ -113,6 +117,7 @@ def train_and_evaluate(
       raise
     loop = _Loop(comps, ckpt, writer, data_iter, workdir, on_step)
     loop.base_record = base
+    loop.resume_choice(choice)
     try:
       if not start:
         start_accuracy = loop.evaluate(state, 0).get("eval/accuracy")
@@ -179,7 +184,9 @@ def _base_record(base, model: str) -> dict[str, str] | None:
 
 
 def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str):
-  """The run state, its step, the starting accuracy and the base record (checkpoint or fresh).
+  """The run state, its step, the starting accuracy, the base record and the sampler choice.
+
+  From the latest checkpoint, or fresh (choice None: `sampler_choice.SamplerChoice.state`).
 
   Raises:
     ValueError: the checkpoint's adapters were trained on another base.
@@ -200,9 +207,10 @@ def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: st
       )
     data_iter.set_state(meta["data_state"])
     print(f"resumed from step {start} in {workdir}", flush=True)
-    return state_from_items(items, template), start, meta.get("start_accuracy"), record
+    state = state_from_items(items, template)
+    return state, start, meta.get("start_accuracy"), record, meta.get("sampler_choice")
   base, params = initial_weights(comps)
-  return _fresh_state(comps, params, base), 0, None, _base_record(base, model)
+  return _fresh_state(comps, params, base), 0, None, _base_record(base, model), None
 
 
 # ------------------------------------------------------------------ the loop
@@ -236,6 +244,19 @@ class _Loop:
     if comps.fns.sampler_mesh is not None and run.lag_mode == "sync":
       schedule = (run.sync_interval, run.sync_offset)
       self.sampler = sampler_mesh.SamplerMesh(comps.fns, run.replay, schedule, run.seed)
+    self.choice = sampler_choice.SamplerChoice(comps.fns, run.rollout_continuous_waste_threshold)
+
+  def resume_choice(self, saved: dict[str, Any] | None) -> None:
+    """Takes up the automatic sampler choice saved in the checkpoint the run resumes from."""
+    self.choice = sampler_choice.SamplerChoice(
+      self.comps.fns, self.run_cfg.rollout_continuous_waste_threshold, saved
+    )
+    self._sample_with(self.choice.fns(self.comps.fns))
+
+  def _sample_with(self, fns) -> None:
+    self.fns = fns
+    if self.sampler is not None:
+      self.sampler.fns = fns
 
   def close(self) -> None:
     self.profiler.stop()
@@ -245,7 +266,10 @@ class _Loop:
     """Evaluates the trainer's parameters at `step`, writing an eval row when there is one."""
     run = self.run_cfg
     key = step_key(run.seed, step, EVAL)
-    ev = evaluation.evaluate(self.fns, weights(state), key, run.eval_prompts, run.eval_samples)
+    # The run as built: evaluation does not use the sampler a switch replaces (no recompile).
+    ev = evaluation.evaluate(
+      self.comps.fns, weights(state), key, run.eval_prompts, run.eval_samples
+    )
     if ev:
       self.rows.append(self.writer.write(step, ev))
       text = ", ".join(f"{k}={v:.3f}" for k, v in ev.items())
@@ -263,7 +287,7 @@ class _Loop:
     if run.lag_mode == "async" or self.fns.reward.device is None or self.sampler is not None:
       return 1
     length = math.gcd(run.log_every, run.eval_every, run.checkpoint_every)
-    return min(length, run.total_steps - step)
+    return self.choice.chunk(step, min(length, run.total_steps - step))
 
   def run(self, state: RunState, start: int) -> None:
     run = self.run_cfg
@@ -289,7 +313,11 @@ class _Loop:
         self.profiler.after(step + n)
         done = time.perf_counter()
         per_step = (done - begin) / n
+        continuous = int(sampler_choice.is_continuous(self.fns))
         for i, row in enumerate(rows):
+          row["sampler/continuous"] = continuous
+          if self.choice.observe(step + i + 1, row):
+            self._sample_with(self.choice.fns(self.comps.fns))
           self._write(step + i + 1, row, per_step)
         step += n
         writing = time.perf_counter() - done  # charged to the next chunk
@@ -328,6 +356,8 @@ class _Loop:
       }
       if self.base_record is not None:
         meta["base"] = self.base_record
+      if self.choice.auto:
+        meta["sampler_choice"] = self.choice.state()
       self.ckpt.save(step, state_items(state), meta)
 
   def _prompts(self, n: int) -> tuple[list[dict], list[int]]:
@@ -388,6 +418,8 @@ class _Loop:
     if self.fns.episodes is not None:  # an episode's rollout runs on the host: nothing to overlap
       return False
     if step >= run.total_steps or (run.checkpoint_every and step % run.checkpoint_every == 0):
+      return False
+    if self.choice.pending(step) and step == self.choice.steps:  # step + 1 may switch
       return False
     return lag.behavior_version(step + 1, run.sync_interval, run.sync_offset) < step
 

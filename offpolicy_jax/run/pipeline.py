@@ -255,6 +255,19 @@ def sample(fns, params, prompts: dict, step, seed) -> SampleOutput:
   return out
 
 
+def decode_waste(mask_bn) -> jax.Array:
+  """The static batch's decode waste on these responses: row-steps decoded after a row ended.
+
+  The static sampler decodes all B rows until the longest ends, B * max_b L_b
+  row-steps for sum_b L_b tokens; the waste is 1 - sum_b L_b / (B * max_b L_b)
+  (0 when every response has the same length). Computed from the lengths, so
+  it is the same whichever sampler produced them.
+  """
+  lengths = jnp.sum(jnp.asarray(mask_bn, jnp.float32), axis=1)
+  longest = jnp.maximum(jnp.max(lengths), 1.0)
+  return 1.0 - jnp.sum(lengths) / (lengths.shape[0] * longest)
+
+
 def score_on_device(fns, prompts: dict, rollout, group_size: int | None = None) -> jax.Array:
   """Rewards [B] of a device-reward task (traceable): each response against its prompt's answer."""
   k = group_size or fns.sizes.group_size

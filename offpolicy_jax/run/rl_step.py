@@ -96,6 +96,11 @@ class StepFns:
   score_old: Callable | None = None
   # Low-rank adapters (`lora.rank > 0`): the trained parameters are the adapters.
   lora: models.LoraConfig | None = None
+  # The continuous-batching sampler (`rollout.continuous_slots` > 0), or None. `sampler`
+  # is this one unless `rollout.continuous_auto_steps` > 0: then the run starts static
+  # and may switch to it after that many steps (`sampler_choice`).
+  continuous: Callable | None = None
+  continuous_auto_steps: int = 0
   # Multi-turn episodes (`multiturn.max_turns > 0`, `run.episodes.Episodes`); None: single-turn.
   episodes: Any = None
 
@@ -285,6 +290,7 @@ def learn_scored(fns, opts, state, prompts, out, rewards_b, v, step, seed, sched
   batch = pipeline.pack(fns, prompts, out, rewards_b, fns.version(v), key)
   state, metrics = learn(fns, opts, state, batch, step, seed, schedule)
   metrics["behavior_version"] = fns.version(v)
+  metrics["sampler/decode_waste"] = pipeline.decode_waste(out.mask)
   return state, metrics
 
 

@@ -155,6 +155,19 @@ def validate_config(config) -> None:
 
 
 def _validate_sampling(c) -> None:
+  if c.rollout.continuous_auto_steps:
+    _need(
+      c.rollout.continuous_slots > 0,
+      "rollout.continuous_auto_steps",
+      "the automatic switch to continuous batching needs the slots to switch to "
+      "(rollout.continuous_slots > 0)",
+    )
+    _need(
+      c.lag.mode == "sync",
+      "rollout.continuous_auto_steps",
+      f"the automatic switch to continuous batching runs in lag.mode='sync' only, got "
+      f"{c.lag.mode!r} (set rollout.continuous_slots without it)",
+    )
   if c.rollout.partial_budget:
     _need(
       c.lag.mode == "sync",

@@ -2,8 +2,9 @@
 
   sampler   the jitted KV-cache sampler (`generate`, `make_sampler`): prefill once per
             prompt, shared by its K samples, exact log-probs of the sampling distribution
-  continuous  continuous batching: S group slots, a finished group's slot refilled with the
-            next prompt inside the compiled loop (`make_continuous_sampler`)
+  continuous  continuous batching: S * K row slots, a finished row's slot refilled with the
+            next waiting row inside the compiled loop, groups kept whole in the output
+            (`make_continuous_sampler`)
   multiturn multi-turn agent rollouts, token in / token out: one row per trajectory, policy
             turns interleaved with environment observations appended to the KV cache
             (`MultiTurnSampler`, `EpisodeInfo`)

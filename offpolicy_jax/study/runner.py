@@ -205,6 +205,11 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
       "config.mesh.sampler_devices: a study runs every seed's step as one program on one "
       "mesh; it must be 0"
     )
+  if base.rollout.continuous_auto_steps:
+    raise ValueError(
+      "config.rollout.continuous_auto_steps: a study runs one sampler for every seed and "
+      "cell; it must be 0 (choose with rollout.continuous_slots)"
+    )
   methods = parse_methods(st.methods)
   for name, overrides in methods.items():
     loss, adv = overrides["loss.name"], overrides.get("advantage.name")
