@@ -90,9 +90,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c = calculator.get_config()
     c.unlock()
   else:
-    raise ValueError(
-      f"configs/lag_study.py: unknown scale {scale!r} (toy, gsm8k or calculator)"
-    )
+    raise ValueError(f"configs/lag_study.py: unknown scale {scale!r} (toy, gsm8k or calculator)")
   c.eval_every = 50
   # pass@k of the final parameters, k samples per prompt at the training temperature.
   c.eval_samples = 4
