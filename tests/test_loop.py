@@ -558,7 +558,8 @@ def test_continuous_auto_switches_when_lengths_vary_and_resume_keeps_the_choice(
 
 def test_continuous_auto_stays_static_when_lengths_do_not_vary(tmp_path):
   """One-token responses: no decode waste, the static batch stays."""
-  rows = loop.train_and_evaluate(_auto(total_steps=3, max_new_tokens=1), str(tmp_path))
+  cfg = _auto(total_steps=3, max_new_tokens=1, **{"sft.enabled": False, "checkpoint_every": 0})
+  rows = loop.train_and_evaluate(cfg, str(tmp_path))
   assert [r["sampler/decode_waste"] for r in rows] == [0.0, 0.0, 0.0]
   assert [r["sampler/continuous"] for r in rows] == [0, 0, 0]
   assert rows[1]["sampler/auto_waste"] == 0.0

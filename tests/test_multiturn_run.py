@@ -185,8 +185,9 @@ def test_miniature_multi_turn_study_runs_its_seeds_and_reports(tmp_path):
       (c[node] if path else c)[path[0] if path else node] = value
   c.group_size = 4
   c.max_prompt_len = 12
-  c.eval_prompts = 8
-  c.eval_samples = 2
+  c.eval_prompts = 4
+  c.eval_samples = 1  # greedy only
+  c.sft.steps = 10
   c.study.methods = "grpo"
   c.study.lags = "onpolicy=1/0"  # the baseline's lag
   c.study.seeds = 2
