@@ -328,9 +328,9 @@ def test_lora_and_dot_product_give_the_same_trajectories(numpy_init, tiny, sampl
   assert np.asarray(adapted.mask).sum() > 20
 
 
-def test_turn_ids_from_masks(sampled_run):
+def test_turn_ids_rebuilt_from_the_policy_mask(sampled_run):
   out, info, _ = sampled_run
-  rebuilt = multiturn.turn_ids_from_masks(out.mask, info.observation_mask)
+  rebuilt = types.turn_ids(out.mask)  # what the train step gives st_ppo
   filled = np.arange(N)[None] < np.asarray(out.lengths)[:, None]
   # Equal wherever no empty observation merged two turns.
   turns_seen = np.asarray(rebuilt).max(axis=1) + 1

@@ -162,28 +162,6 @@ def _ends_turn(tokens_bn, rows_b, steps_b, starts_b, seqs):
   return hit
 
 
-def turn_ids_from_masks(policy_mask: jax.Array, observation_mask: jax.Array) -> jax.Array:
-  """Turn ids [B, N] rebuilt from the masks: a turn starts at a policy token after an observation.
-
-  Equals `EpisodeInfo.turn_ids` on policy and observation tokens when every
-  observation between two turns is non-empty (with an empty one, the two
-  turns merge); 0 on other slots. For batches that kept only the masks.
-
-  Args:
-    policy_mask: [B, N] 1 on policy tokens.
-    observation_mask: [B, N] 1 on observation tokens.
-
-  Returns:
-    int32 [B, N].
-  """
-  policy = jnp.asarray(policy_mask) > 0
-  obs = jnp.asarray(observation_mask) > 0
-  after_obs = jnp.pad(obs[:, :-1], ((0, 0), (1, 0)))
-  starts = policy & after_obs
-  ids = jnp.cumsum(starts, axis=1, dtype=jnp.int32)
-  return jnp.where(policy | obs, ids, 0)
-
-
 class MultiTurnSampler:
   """Samples multi-turn trajectories, one row each (module docstring).
 
