@@ -271,3 +271,47 @@ def compute(
       raise ValueError("advantage 'red_drop' needs a PRNG `key`.")
     kwargs["key"] = key
   return _FNS[name](r_gk, _group(r_gk, valid), **kwargs)
+
+
+def per_turn(
+  name: str,
+  rewards: ArrayLike,
+  key: ArrayLike | None = None,
+  *,
+  gamma: float = 1.0,
+  **overrides,
+) -> jax.Array:
+  """Turn-level credit of multi-turn groups: `[G, K, T]` rewards -> `[G, K, T]` advantages.
+
+  Reward `r[g, k, t]` is what the environment paid after turn t of trajectory
+  k (0 after a trajectory ended). Each turn index is a group of its own: the
+  estimator `name` makes the K rewards of turn t relative (`compute` on
+  `r[:, :, t]`; a trajectory that ended earlier takes part with reward 0), and
+  the advantage of turn t is the discounted sum of what follows it,
+  `A[t] = sum_{t' >= t} gamma^(t' - t) a[t']` (reward to go, in relative
+  units). This is MT-GRPO's turn-level credit (arXiv:2505.11821) for any
+  number of turns; with one turn, or rewards paid only after each
+  trajectory's last turn at the same turn index, it is the trajectory
+  credit `compute(name, r.sum(-1))` (with gamma 1).
+
+  Args:
+    name: one of `names()`.
+    rewards: [G, K, T] per-turn rewards.
+    key: PRNG key (`red_drop`); turn t uses `fold_in(key, t)`.
+    gamma: discount per turn, in [0, 1].
+    **overrides: the estimator's hyper-parameters (`compute`).
+  """
+  r_gkt = jnp.asarray(rewards, jnp.float32)
+  if r_gkt.ndim != 3:
+    raise ValueError(f"per-turn rewards must be [G, K, T], got shape {r_gkt.shape}.")
+  if not 0.0 <= gamma <= 1.0:
+    raise ValueError(f"gamma must be in [0, 1], got {gamma}.")
+  t = r_gkt.shape[-1]
+  keys = [None if key is None else jax.random.fold_in(key, i) for i in range(t)]
+  a_gkt = jnp.stack(
+    [compute(name, r_gkt[:, :, i], keys[i], **overrides) for i in range(t)], axis=-1
+  )
+  # discount[t, t'] = gamma^(t' - t) for t' >= t: the reward to go of every turn at once.
+  i = jnp.arange(t)
+  discount = jnp.where(i[None, :] >= i[:, None], gamma ** (i[None, :] - i[:, None]), 0.0)
+  return jnp.einsum("gku,tu->gkt", a_gkt, discount.astype(jnp.float32))

@@ -429,6 +429,13 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("multiturn.observation_tokens", 16, PROGRAM,
      "Longest observation kept in a trajectory, in tokens (longer ones are cut and counted).",
      _POS),
+  _F("multiturn.credit", "trajectory", PROGRAM,
+     "Credit of multi-turn trajectories: 'trajectory' (the summed reward, group-relative over "
+     "the K trajectories of a prompt) or 'turn' (each turn's tokens get the discounted sum of "
+     "the group-relative rewards paid after it and later turns; advantages.per_turn).",
+     Choice(("trajectory", "turn"))),
+  _F("multiturn.gamma", 1.0, PROGRAM,
+     "Per-turn discount of multiturn.credit = 'turn'.", Float(0, 1)),
   _F("mesh.data", 1, PLACEMENT, "Data-parallel mesh axis size (-1 fills the remaining devices).",
      Int(1, note=" or -1", also=(-1,))),
   _F("mesh.fsdp", 1, PLACEMENT, "Fully-sharded (parameter) axis size.",

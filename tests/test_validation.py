@@ -77,6 +77,9 @@ BAD = [
   ("multiturn.max_turns", -1, "multiturn.max_turns"),
   ("multiturn.turn_tokens", -1, "multiturn.turn_tokens"),
   ("multiturn.observation_tokens", 0, "multiturn.observation_tokens"),
+  ("multiturn.credit", "token", "multiturn.credit"),
+  ("multiturn.credit", "turn", "multiturn.credit"),  # single-turn run: no turns to credit
+  ("multiturn.gamma", 1.5, "multiturn.gamma"),
   ("reward_timeout", 0.0, "reward_timeout"),
   ("reward_timeout", INF, "reward_timeout"),
   ("reward_batch_timeout", -1.0, "reward_batch_timeout"),

@@ -255,7 +255,11 @@ def _whole_groups(config) -> bool:
 def sizes(config) -> pipeline.Sizes:
   """The static batch shape of `config`."""
   return pipeline.Sizes(
-    config.prompts_per_step, config.group_size, config.max_prompt_len, config.max_new_tokens
+    config.prompts_per_step,
+    config.group_size,
+    config.max_prompt_len,
+    config.max_new_tokens,
+    token_advantages=bool(config.multiturn.max_turns) and config.multiturn.credit == "turn",
   )
 
 
@@ -352,7 +356,9 @@ def _episodes(config, task, tokenizer, graphdef, sampler_graphdef) -> episodes.E
       decode_block=c.rollout.decode_block,
     )
 
-  return episodes.Episodes(make_sampler, runner, fmt, mt.observation_tokens)
+  return episodes.Episodes(
+    make_sampler, runner, fmt, mt.observation_tokens, credit=mt.credit, gamma=mt.gamma
+  )
 
 
 def replay_capacity(config) -> int:

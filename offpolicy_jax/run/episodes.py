@@ -26,9 +26,12 @@ Turn formats (`turn_format`):
          prompt of the next assistant message. So the final trajectory is the
          template's rendering of the whole conversation (a test checks it).
 
-Credit: each trajectory's reward is the sum of its environment rewards, and
-advantages are group-relative over the K trajectories of a prompt (the task's
-advantage estimator, as for single-turn rows).
+Credit (`multiturn.credit`): `trajectory` (default) sums each trajectory's
+environment rewards, and advantages are group-relative over the K
+trajectories of a prompt (the task's advantage estimator, as for single-turn
+rows). `turn` keeps the reward paid after each turn, [B, max_turns], and
+gives every token of turn t the discounted sum (`multiturn.gamma`) of the
+group-relative rewards of turns t, t+1, ... (`advantages.per_turn`).
 """
 
 from __future__ import annotations
@@ -138,12 +141,16 @@ class Episodes:
     runner: the environment in the verifier workers.
     fmt: the turn format.
     observation_tokens: the longest observation kept, in tokens.
+    credit: "trajectory" or "turn" (module docstring).
+    gamma: the per-turn discount of `turn` credit.
   """
 
   make_sampler: Callable[[int, bool], Any]
   runner: environments.EnvRunner
   fmt: TurnFormat
   observation_tokens: int
+  credit: str = "trajectory"
+  gamma: float = 1.0
 
 
 class Played(NamedTuple):
@@ -152,6 +159,8 @@ class Played(NamedTuple):
   Attributes:
     out: `SampleOutput` [B, N], `mask` on policy tokens only.
     rewards: float32 [B] summed environment rewards.
+    turn_rewards: float32 [B, max_turns] the reward paid after each turn (a
+      reward of the reset counts for turn 0).
     turns: int32 [B] policy turns of each trajectory.
     tool_calls: int32 [B] tool calls the environment counted (0 if it does not).
     failures: int32 [B] environment calls that failed (timeout, error, garbage).
@@ -160,6 +169,7 @@ class Played(NamedTuple):
 
   out: SampleOutput
   rewards: np.ndarray
+  turn_rewards: np.ndarray
   turns: np.ndarray
   tool_calls: np.ndarray
   failures: np.ndarray
@@ -169,10 +179,11 @@ class Played(NamedTuple):
 class _Turns:
   """The `respond` callback of one batch: steps the rows' environments, keeps their records."""
 
-  def __init__(self, ep: Episodes, examples: list[dict[str, Any]]):
+  def __init__(self, ep: Episodes, examples: list[dict[str, Any]], max_turns: int):
     self.ep = ep
     b = len(examples)
     self.rewards = np.zeros(b, np.float64)
+    self.turn_rewards = np.zeros((b, max(max_turns, 1)), np.float64)
     self.failures = np.zeros(b, np.int32)
     self.tool_calls = np.zeros(b, np.int32)
     self.cut = 0
@@ -182,21 +193,21 @@ class _Turns:
     self.states = [r.state for r in first]
     self.dead = np.zeros(b, bool)
     for i, r in enumerate(first):
-      self._record(i, r)
+      self._record(i, r, 0)
 
-  def _record(self, i: int, r: environments.EnvResult) -> None:
+  def _record(self, i: int, r: environments.EnvResult, turn: int) -> None:
     if r.failure:
       self.failures[i] += 1
       self.timeouts += r.failure == "timeout"
       self.dead[i] = True
       return
     self.rewards[i] += r.reward
+    self.turn_rewards[i, min(turn, self.turn_rewards.shape[1] - 1)] += r.reward
     calls = (r.info or {}).get("tool_calls")
     if isinstance(calls, int | float) and not isinstance(calls, bool):
       self.tool_calls[i] = int(calls)
 
   def __call__(self, turn: int, rows: np.ndarray, actions: list[np.ndarray], final: bool):
-    del turn
     ids = [int(r) for r in rows]
     live = [r for r in ids if not self.dead[r]]
     actions_of = {r: a.tolist() for r, a in zip(ids, actions, strict=True)}
@@ -204,7 +215,7 @@ class _Turns:
     results = self.ep.runner.step([self.states[r] for r in live], [texts[r] for r in live])
     replies: dict[int, tuple[np.ndarray, bool]] = {}
     for r, res in zip(live, results, strict=True):
-      self._record(r, res)
+      self._record(r, res, turn)
       done = bool(res.done) or final or bool(res.failure)
       self.states[r] = res.state
       obs = np.zeros(0, np.int32)
@@ -242,8 +253,8 @@ def play(
   """
   t0 = time.perf_counter()
   rows = [ex for ex in examples for _ in range(group_size)]
-  turns_cb = _Turns(ep, rows)
   sampler = ep.make_sampler(group_size, greedy)
+  turns_cb = _Turns(ep, rows, sampler.max_turns)
   out, info = sampler(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key, turns_cb)
   turns = np.asarray(info.turns, np.int32)
   rewards = turns_cb.rewards.astype(np.float32)
@@ -264,11 +275,15 @@ def play(
     "episode/observations_cut": int(turns_cb.cut),
     "episode/env_failures": int(turns_cb.failures.sum()),
   }
-  return Played(out, rewards, turns, calls, turns_cb.failures, stats)
+  turn_rewards = turns_cb.turn_rewards.astype(np.float32)
+  return Played(out, rewards, turn_rewards, turns, calls, turns_cb.failures, stats)
 
 
 def sample(fns, params, prompts: dict[str, Any], step, seed) -> tuple[SampleOutput, Any, dict]:
-  """The run's multi-turn rollout of step `step`: `(out, rewards [B] on device, host stats)`.
+  """The run's multi-turn rollout of step `step`: `(out, rewards on device, host stats)`.
+
+  Rewards are [B], or [B, max_turns] per turn under `multiturn.credit = "turn"`
+  (`pipeline.pack` takes both).
 
   The multi-turn counterpart of `pipeline.sample` + `pipeline.score` (same
   sampling key, same pi_old scoring with `rollout.score_old`).
@@ -282,7 +297,8 @@ def sample(fns, params, prompts: dict[str, Any], step, seed) -> tuple[SampleOutp
   if fns.score_old is not None:
     tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
     out = out._replace(old_logprobs=fns.score_old(params, tokens, lengths, out))
-  return out, jnp.asarray(played.rewards), played.stats
+  rewards = played.turn_rewards if fns.episodes.credit == "turn" else played.rewards
+  return out, jnp.asarray(rewards), played.stats
 
 
 def describe(played: Played, tokenizer: Any, row: int) -> str:

@@ -50,12 +50,17 @@ REWARD_STATS = ("reward_failures", "reward_timeouts", "reward_worker_restarts", 
 
 
 class Sizes(NamedTuple):
-  """Static batch shape: G prompts of K responses, P prompt and N response tokens."""
+  """Static batch shape: G prompts of K responses, P prompt and N response tokens.
+
+  `token_advantages`: advantages are per token, [B, N] (turn-level credit of
+  multi-turn trajectories), not per row.
+  """
 
   prompts_per_step: int
   group_size: int
   max_prompt_len: int
   max_new_tokens: int
+  token_advantages: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -291,13 +296,25 @@ def pack(fns, prompts: dict, rollout, rewards_b, version, key) -> TrainBatch:
     prompts: dict with `prompt_tokens` [G, P] and `prompt_lengths` [G].
     rollout: the sampler's output for the G * K rows.
     rewards_b: float32 [B]; a non-finite reward makes the loss non-finite and
-      the train step skips that update (failing host rewards score 0).
+      the train step skips that update (failing host rewards score 0). Or
+      float32 [B, T], the rewards after each turn of multi-turn trajectories
+      (`multiturn.credit = "turn"`): token advantages are then per turn
+      (`advantages.per_turn`, turns = runs of policy tokens, `types.turn_ids`)
+      and the batch's reward is their sum.
     version: the behaviour parameters' version, in optimizer steps (`fns.version`).
     key: PRNG key of stochastic advantage estimators.
   """
   g, k = fns.sizes.prompts_per_step, fns.sizes.group_size
   rewards_b = jnp.asarray(rewards_b, jnp.float32)
-  adv = advantages.compute(fns.advantage, rewards_b.reshape(g, k), key=key).reshape(g * k)
+  if rewards_b.ndim == 2:
+    adv_bt = advantages.per_turn(
+      fns.advantage, rewards_b.reshape(g, k, -1), key, gamma=fns.episodes.gamma
+    ).reshape(g * k, -1)
+    turn = jnp.minimum(types.turn_ids(rollout.mask), adv_bt.shape[1] - 1)
+    adv = jnp.take_along_axis(adv_bt, turn, axis=1) * (rollout.mask > 0)
+    rewards_b = rewards_b.sum(axis=1)
+  else:
+    adv = advantages.compute(fns.advantage, rewards_b.reshape(g, k), key=key).reshape(g * k)
   versions = jnp.full(rollout.tokens.shape, version, jnp.int32)
   return types.pack_groups(
     prompts["prompt_tokens"],
@@ -335,8 +352,9 @@ def empty_batch(sizes: Sizes) -> TrainBatch:
   b, n, p = sizes.prompts_per_step * sizes.group_size, sizes.max_new_tokens, sizes.max_prompt_len
   f = lambda *s: jnp.zeros(s, jnp.float32)
   i = lambda *s: jnp.zeros(s, jnp.int32)
+  adv = f(b, n) if sizes.token_advantages else f(b)
   return TrainBatch(
-    i(b, p), f(b, p), i(b, n), f(b, n), f(b, n), f(b), f(b), i(b, n), f(b), i(b, n), f(b, n)
+    i(b, p), f(b, p), i(b, n), f(b, n), f(b, n), adv, f(b), i(b, n), f(b), i(b, n), f(b, n)
   )
 
 

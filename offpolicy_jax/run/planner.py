@@ -262,7 +262,7 @@ def sampler_caches(config) -> tuple[tuple[int, int], ...]:
   slots, L = `steps_to_finish`), each re-prefilled into W = P + (L - 1) * b
   positions plus b new ones.
   """
-  g, k, p, n = components.sizes(config)
+  g, k, p, n = components.sizes(config)[:4]
   budget = config.rollout.partial_budget
   if not budget:
     return ((g, p), (g * k, n))
@@ -357,7 +357,7 @@ def plan(
     ROWS[5]: _kv_cache_bytes(config, mc, sampler_sizes),
     ROWS[6]: act,
   }
-  g, k, p, n = components.sizes(config)
+  g, k, p, n = components.sizes(config)[:4]
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(whole))
   per_token = train_flops_per_token(adapters=base is not None) + 2.0 * needs_ref
   flops = per_token * num_params * g * k * (p + n) * options.num_epochs

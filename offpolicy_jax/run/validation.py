@@ -348,6 +348,11 @@ def _validate_lora(c) -> None:
 def _validate_multiturn(c) -> None:
   mt = c.multiturn
   if not mt.max_turns:
+    _need(
+      mt.credit == "trajectory",
+      "multiturn.credit",
+      "turn-level credit needs multi-turn episodes (multiturn.max_turns > 0)",
+    )
     return
   _need(
     mt.turn_tokens <= c.max_new_tokens,

@@ -295,4 +295,4 @@ def rate(k: int, n: int) -> str:
 
 def needed_seeds(comparisons: int, alpha: float) -> int:
   """The fewest seeds for which Holm over `comparisons` exact sign-flip tests can reject."""
-  return max(1, math.ceil(math.log2(2 * comparisons / alpha)))
+  return max(1, math.ceil(math.log2(2 * max(comparisons, 1) / alpha)))
