@@ -142,7 +142,7 @@ def test_flaky_environment_is_counted_and_the_run_goes_on(tmp_path):
   [
     ({"rollout.partial_budget": 4}, "rollout.partial_budget"),
     ({"rollout.continuous_slots": 2}, "rollout.continuous_slots"),
-    ({"lag.mode": "async"}, "lag.mode"),
+    ({"mesh.sampler_devices": 2}, "mesh.sampler_devices"),
     ({"multiturn.turn_tokens": 99}, "multiturn.turn_tokens"),
   ],
 )

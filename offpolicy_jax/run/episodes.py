@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax import models
+from offpolicy_jax import models, types
 from offpolicy_jax.rewards import environments
 from offpolicy_jax.run import data, pipeline
 from offpolicy_jax.sampling import SampleOutput
@@ -239,6 +239,7 @@ def play(
   *,
   group_size: int,
   greedy: bool = False,
+  update_params: Callable[[int], Any] | None = None,
 ) -> Played:
   """Plays one episode per row: G prompts x `group_size` trajectories.
 
@@ -250,12 +251,22 @@ def play(
     key: the sampling key.
     group_size: K trajectories per prompt.
     greedy: decode greedily (evaluation) instead of the behaviour sampler.
+    update_params: `turn -> params | None`, asked before every turn but the
+      first: newer parameters the episodes continue under
+      (`MultiTurnSampler`).
   """
   t0 = time.perf_counter()
   rows = [ex for ex in examples for _ in range(group_size)]
   sampler = ep.make_sampler(group_size, greedy)
   turns_cb = _Turns(ep, rows, sampler.max_turns)
-  out, info = sampler(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key, turns_cb)
+  out, info = sampler(
+    params,
+    prompts["prompt_tokens"],
+    prompts["prompt_lengths"],
+    key,
+    turns_cb,
+    update_params=update_params,
+  )
   turns = np.asarray(info.turns, np.int32)
   rewards = turns_cb.rewards.astype(np.float32)
   solved = rewards > 0.5
@@ -299,6 +310,68 @@ def sample(fns, params, prompts: dict[str, Any], step, seed) -> tuple[SampleOutp
     out = out._replace(old_logprobs=fns.score_old(params, tokens, lengths, out))
   rewards = played.turn_rewards if fns.episodes.credit == "turn" else played.rewards
   return out, jnp.asarray(rewards), played.stats
+
+
+def produce(fns, params, prompts: dict[str, Any], step: int, seed: int, version: int, latest=None):
+  """The async producer's multi-turn batch: `(TrainBatch, host stats)` (`pipeline.produce`).
+
+  `latest() -> (params, version)` gives the newest published parameters; it is
+  asked before every turn but the first, and a newer version takes over the
+  episodes in flight (their caches are recomputed under it, so every policy
+  token's behaviour log-prob is exact under the parameters that drew it). Each
+  token records its version; with `rollout.score_old` each token is scored by
+  the learner at its own version's parameters.
+  """
+  if jax.process_count() > 1:
+    raise ValueError("multiturn.max_turns: multi-turn episodes run in one process")
+  used = [(params, int(version))]
+  turn_version = [int(version)]
+
+  def update(turn: int):
+    del turn  # every row takes turn t together: the version of turn t is appended here
+    newer = None
+    if latest is not None:
+      p, v = latest()
+      if int(v) > used[-1][1]:
+        used.append((p, int(v)))
+        newer = p
+    turn_version.append(used[-1][1])
+    return newer
+
+  key = pipeline.step_key(seed, step, pipeline.SAMPLE)
+  examples = data.examples(fns.task, "train", np.asarray(prompts["index"]).tolist())
+  played = play(
+    fns.episodes,
+    params,
+    prompts,
+    examples,
+    key,
+    group_size=fns.sizes.group_size,
+    update_params=update,
+  )
+  out = played.out
+  turn = np.asarray(types.turn_ids(out.mask))
+  versions = np.asarray(turn_version, np.int32)[np.minimum(turn, len(turn_version) - 1)]
+  if fns.score_old is not None:
+    tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
+    old = None
+    for p, v in used:
+      s_v = fns.score_old(p, tokens, lengths, out)
+      old = s_v if old is None else jnp.where(jnp.asarray(versions) == v, s_v, old)
+    out = out._replace(old_logprobs=old)
+  rewards = played.turn_rewards if fns.episodes.credit == "turn" else played.rewards
+  device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
+  batch = pipeline.pack_jit(
+    fns,
+    device,
+    out,
+    jnp.asarray(rewards),
+    jnp.asarray(versions),
+    pipeline.step_key(seed, step, pipeline.ADV),
+  )
+  stats = dict(played.stats)
+  stats["episode/parameter_updates"] = len(used) - 1
+  return batch, stats
 
 
 def describe(played: Played, tokenizer: Any, row: int) -> str:

@@ -301,7 +301,8 @@ def pack(fns, prompts: dict, rollout, rewards_b, version, key) -> TrainBatch:
       (`multiturn.credit = "turn"`): token advantages are then per turn
       (`advantages.per_turn`, turns = runs of policy tokens, `types.turn_ids`)
       and the batch's reward is their sum.
-    version: the behaviour parameters' version, in optimizer steps (`fns.version`).
+    version: the behaviour parameters' version, in optimizer steps (`fns.version`),
+      or int [B, N] per token (episodes whose turns were drawn by different versions).
     key: PRNG key of stochastic advantage estimators.
   """
   g, k = fns.sizes.prompts_per_step, fns.sizes.group_size
@@ -315,7 +316,7 @@ def pack(fns, prompts: dict, rollout, rewards_b, version, key) -> TrainBatch:
     rewards_b = rewards_b.sum(axis=1)
   else:
     adv = advantages.compute(fns.advantage, rewards_b.reshape(g, k), key=key).reshape(g * k)
-  versions = jnp.full(rollout.tokens.shape, version, jnp.int32)
+  versions = jnp.broadcast_to(jnp.asarray(version, jnp.int32), rollout.tokens.shape)
   return types.pack_groups(
     prompts["prompt_tokens"],
     prompts["prompt_lengths"],
@@ -341,10 +342,11 @@ def produce(fns, params, prompts: dict, step: int, seed: int, version: int):
   """
   out = sample(fns, params, prompts, step, seed)  # `fns.sampler` is jitted
   rewards_b, stats = score(fns, prompts, out)
-  return _pack(fns, prompts, out, rewards_b, version, step_key(seed, step, ADV)), stats
+  return pack_jit(fns, prompts, out, rewards_b, version, step_key(seed, step, ADV)), stats
 
 
-_pack = jax.jit(pack, static_argnums=0)
+# `pack` jitted, for callers on the host (the async producer).
+pack_jit = jax.jit(pack, static_argnums=0)
 
 
 def empty_batch(sizes: Sizes) -> TrainBatch:

@@ -5,7 +5,10 @@ scores and packs the batch; the trainer's `rl_step.learn` consumes it. In a
 disaggregated run (`disagg`) the thread samples on the sampler's own mesh,
 each publish reshards the parameters onto it, and each batch moves to the
 trainer mesh on the thread, so sampling overlaps training. Batches
-more than `lag.max_staleness` loop steps old are dropped (and counted). Not
+more than `lag.max_staleness` loop steps old are dropped (and counted).
+Multi-turn episodes (`run.episodes.produce`) look for newer parameters before
+every turn: an episode in flight continues under them, and each policy token
+records the version that drew it. Not
 bit-reproducible (thread timing decides versions), and on resume the batches
 that were queued when the checkpoint was taken are not replayed.
 """
@@ -24,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag, models
-from offpolicy_jax.run import pipeline, rl_step
+from offpolicy_jax.run import episodes, pipeline, rl_step
 from offpolicy_jax.scale import disagg, sharding
 
 
@@ -96,12 +99,19 @@ class AsyncProducer:
     own_mesh = jax.set_mesh(self._mesh) if self._copy else contextlib.nullcontext()
     with own_mesh:
       full = models.lora.join(self._base, params)
-      batch, info = pipeline.produce(fns, full, prompts, step, self._seed, version)
+      if fns.episodes is not None:  # an episode continues under parameters published mid-way
+        latest = lambda: self._joined(*self.sampler.latest())
+        batch, info = episodes.produce(fns, full, prompts, step, self._seed, version, latest)
+      else:
+        batch, info = pipeline.produce(fns, full, prompts, step, self._seed, version)
     if self._copy is not None:  # to the trainer mesh, on this thread
       batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.mesh))
     info["prompts_truncated"] = int((local["truncated"] & local["valid"]).sum())
     info["sample_time_s"] = time.perf_counter() - start
     return batch, info
+
+  def _joined(self, params, version: int) -> tuple[Any, int]:
+    return models.lora.join(self._base, params), version
 
   def get(self, step: int) -> tuple[Any, dict[str, Any]]:
     """The next batch within the staleness bound for loop step `step`, and its host info."""
@@ -189,6 +199,11 @@ class SamplerThread:
     self.stats = {"produced": 0, "consumed": 0, "dropped_batches": 0, "downweighted_rows": 0}
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
+
+  def latest(self) -> tuple[Any, int]:
+    """The newest published ``(params, version)`` (the sampler's copy)."""
+    with self._lock:
+      return self._latest
 
   def publish(self, params: Any, version: int) -> None:
     """Makes ``params`` (at ``version``) the sampler's parameters from now on.

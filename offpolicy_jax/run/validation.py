@@ -360,18 +360,15 @@ def _validate_multiturn(c) -> None:
     f"a turn of {mt.turn_tokens} tokens does not fit the trajectory's max_new_tokens = "
     f"{c.max_new_tokens}",
   )
-  # Each of these samples whole single-turn responses without stopping for the environment.
+  # Each of these samples whole single-turn responses without stopping for the environment
+  # (partial rollouts: under lag.mode='async' an episode in flight already continues under
+  # the parameters published while it runs, `run.episodes.produce`).
   for field, on in (
     ("rollout.partial_budget", c.rollout.partial_budget),
     ("rollout.continuous_slots", c.rollout.continuous_slots),
     ("mesh.sampler_devices", c.mesh.sampler_devices),
   ):
     _need(not on, field, f"multi-turn episodes (multiturn.max_turns > 0) do not take {field}")
-  _need(
-    c.lag.mode == "sync",
-    "lag.mode",
-    f"multi-turn episodes run in lag.mode='sync' (every sync lag schedule), got {c.lag.mode!r}",
-  )
 
 
 def _validate_sft(c) -> None:
