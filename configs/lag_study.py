@@ -130,6 +130,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   if scale == "code":  # 9 cells x 5 seeds in under an hour on a 2-core CPU (docs/lag_and_study.md)
     c.study.seeds = 5
     c.study.aa_lags = ""
+    c.eval_samples = 1  # greedy only: every sampled program is one more sandboxed process
   c.lock()
   return c
 
