@@ -284,19 +284,19 @@ def per_turn(
   """Turn-level credit of multi-turn groups: `[G, K, T]` rewards -> `[G, K, T]` advantages.
 
   Reward `r[g, k, t]` is what the environment paid after turn t of trajectory
-  k (0 after a trajectory ended). Each turn index is a group of its own: the
-  estimator `name` makes the K rewards of turn t relative (`compute` on
-  `r[:, :, t]`; a trajectory that ended earlier takes part with reward 0), and
-  the advantage of turn t is the discounted sum of what follows it,
-  `A[t] = sum_{t' >= t} gamma^(t' - t) a[t']` (reward to go, in relative
-  units). This is MT-GRPO's turn-level credit (arXiv:2505.11821) for any
-  number of turns; with one turn, or rewards paid only after each
-  trajectory's last turn at the same turn index, it is the trajectory
-  credit `compute(name, r.sum(-1))` (with gamma 1).
+  k, NaN for a turn the trajectory did not take (it had ended). The return
+  to go of turn t, `R[t] = sum_{t' >= t} gamma^(t' - t) r[t']`, is made
+  group-relative among the trajectories that took turn t (the estimator
+  `name`, `compute` with `valid` = took turn t). So an episode that solves
+  early is compared at turn 0 with the others' whole returns (the speed
+  incentive holds), and a later turn only with the trajectories still playing
+  it. With one turn, or every trajectory of a group taking the same turns and
+  gamma 1 with rewards only at the end, this is the trajectory credit
+  `compute(name, r.sum(-1))`.
 
   Args:
     name: one of `names()`.
-    rewards: [G, K, T] per-turn rewards.
+    rewards: [G, K, T] per-turn rewards, NaN for turns not taken.
     key: PRNG key (`red_drop`); turn t uses `fold_in(key, t)`.
     gamma: discount per turn, in [0, 1].
     **overrides: the estimator's hyper-parameters (`compute`).
@@ -307,11 +307,15 @@ def per_turn(
   if not 0.0 <= gamma <= 1.0:
     raise ValueError(f"gamma must be in [0, 1], got {gamma}.")
   t = r_gkt.shape[-1]
-  keys = [None if key is None else jax.random.fold_in(key, i) for i in range(t)]
-  a_gkt = jnp.stack(
-    [compute(name, r_gkt[:, :, i], keys[i], **overrides) for i in range(t)], axis=-1
-  )
-  # discount[t, t'] = gamma^(t' - t) for t' >= t: the reward to go of every turn at once.
+  taken = ~jnp.isnan(r_gkt)
+  paid = jnp.where(taken, r_gkt, 0.0)
+  # discount[t, t'] = gamma^(t' - t) for t' >= t: every turn's return to go at once.
   i = jnp.arange(t)
-  discount = jnp.where(i[None, :] >= i[:, None], gamma ** (i[None, :] - i[:, None]), 0.0)
-  return jnp.einsum("gku,tu->gkt", a_gkt, discount.astype(jnp.float32))
+  power = jnp.maximum(i[None, :] - i[:, None], 0)
+  discount = jnp.where(i[None, :] >= i[:, None], gamma**power, 0.0).astype(jnp.float32)
+  togo = jnp.einsum("gku,tu->gkt", paid, discount)
+  keys = [None if key is None else jax.random.fold_in(key, j) for j in range(t)]
+  return jnp.stack(
+    [compute(name, togo[:, :, j], keys[j], valid=taken[:, :, j], **overrides) for j in range(t)],
+    axis=-1,
+  )

@@ -452,6 +452,11 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("sft.steps", 150, NUMBERS, "Supervised steps."),
   _F("sft.batch_size", 64, NUMBERS, "Examples per supervised step."),
   _F("sft.learning_rate", 3e-3, NUMBERS, "Supervised learning rate (AdamW).", Float(0)),
+  _F("sft.distractor", 0.0, NUMBERS,
+     "Fraction of warm-start examples whose demonstration is the task's distractor answer "
+     "(Task.distractor: reverse shows the digits unreversed), a fixed draw per example: a "
+     "warm start that imitates a mix of right and wrong behaviour, which RL has to sort out.",
+     Float(0, 1, hi_open=True)),
   _F("eval_every", 200, CONTROL, "Evaluate every this many steps (0 = only at the end).",
      _NONNEG),
   _F("eval_prompts", 64, CONTROL, "Held-out prompts per evaluation.", _NONNEG),

@@ -42,7 +42,8 @@ SAMPLED = dict(temperature=0.8, top_k=20)
 class Script:
   """A scripted environment: row r's observation after turn t depends on (r + offset, t, action).
 
-  Observations have (r + t) % 5 tokens (0 to 4; 4 exceeds `observation_tokens`);
+  Observations have 1 + (r + t) % 4 tokens (1 to 4; 4 exceeds `observation_tokens`; an
+  empty one would end the episode);
   rows with r % 3 == 0 end (done) after turn 1. Every call is recorded.
   """
 
@@ -55,7 +56,7 @@ class Script:
     out = []
     for r, action in zip(rows, actions, strict=True):
       r = int(r) + self.offset
-      n = (r + turn) % 5
+      n = 1 + (r + turn) % 4
       base = 7 * r + 3 * turn + int(np.sum(action))
       obs = np.array([1 + (base + j) % 60 for j in range(n)], np.int32)
       out.append((obs, r % 3 == 0 and turn == 1))
@@ -243,7 +244,9 @@ def test_limits_budget_and_max_turns(tiny, sampled, sampled_run):
   )
   budget = np.asarray(info.end_reason) == multiturn.END_BUDGET
   assert budget.sum() >= 2
-  np.testing.assert_array_equal(lengths[budget], caps[budget])
+  # A row ends by its budget when fewer than two slots are left (no room for an
+  # observation and another policy token).
+  assert np.all(lengths[budget] >= caps[budget] - 1)
   with pytest.raises(ValueError, match="max_lengths"):
     sampled(tiny[1], PROMPTS, LENGTHS, jax.random.key(4), script, max_lengths=caps[:2])
 

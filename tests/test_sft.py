@@ -68,3 +68,47 @@ def test_warm_start_checks_its_result(sft_env, monkeypatch, nonfinite_params):
   else:
     np.testing.assert_array_equal(warm()["w"], params["w"])
     assert "sft: skipped 1 of 3 steps with non-finite values (step 2)" in logs
+
+
+def test_distractor_demonstrations_are_a_fixed_fraction_of_examples():
+  from offpolicy_jax.rewards import tasks
+
+  task = tasks.get_task("reverse")
+  tok = tokenizers.CharTokenizer()
+  ex = task.train_source[3]
+  digits = ex["prompt"][len("rev:") : -1]
+  assert task.distractor(ex) == digits and task.answer(ex) == digits[::-1]
+  n = 2000
+  index = np.arange(n)
+  prompts = iter(
+    [{"prompt_tokens": np.ones((n, 4), np.int32), "prompt_lengths": np.full(n, 4), "index": index}]
+  )
+  batch = next(sft.reference_batches(task, tok, prompts, 8, distractor=0.6))
+  examples = [task.train_source[int(i)] for i in index]
+  shown = [tok.decode([t for t in row if t != tok.eos_id and t != 0]) for row in batch.tokens]
+  wrong = np.array(
+    [s == task.distractor(e) and s != task.answer(e) for s, e in zip(shown, examples, strict=True)]
+  )
+  right = np.array([s == task.answer(e) for s, e in zip(shown, examples, strict=True)])
+  assert (wrong | right).all()
+  assert 0.55 < wrong.mean() < 0.65  # palindromes count as right
+  # The draw is per example: the same examples show the same targets in another batch.
+  again = next(
+    sft.reference_batches(
+      task,
+      tok,
+      iter(
+        [
+          {
+            **{"prompt_tokens": np.ones((n, 4), np.int32), "prompt_lengths": np.full(n, 4)},
+            "index": index,
+          }
+        ]
+      ),
+      8,
+      distractor=0.6,
+    )
+  )
+  np.testing.assert_array_equal(batch.tokens, again.tokens)
+  with pytest.raises(ValueError, match=r"sft\.distractor: task 'add'"):
+    next(sft.reference_batches(tasks.get_task("add"), tok, iter([{"index": index[:2]}]), 8, 0.5))

@@ -26,17 +26,31 @@ def _grpo(r):
   return np.where(sd > 0, (r - r.mean(axis=-1, keepdims=True)) / (sd + 1e-6), 0.0)
 
 
-def test_per_turn_is_the_discounted_sum_of_group_relative_turn_rewards():
+def test_per_turn_makes_returns_to_go_relative_among_the_trajectories_taking_each_turn():
   rng = np.random.default_rng(0)
   r = rng.random((3, 4, 5)).astype(np.float32)
+  r[0, 1, 2:] = np.nan  # ended after two turns
+  r[2, 3, 1:] = np.nan  # after one
   gamma = 0.5
   got = np.asarray(advantages.per_turn("grpo", r, gamma=gamma))
-  a = np.stack([_grpo(r[:, :, t]) for t in range(5)], axis=-1)
-  want = np.zeros_like(a)
-  for t in range(5):
-    for u in range(t, 5):
-      want[:, :, t] += gamma ** (u - t) * a[:, :, u]
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  paid = np.nan_to_num(r)
+  for g in range(3):
+    for t in range(5):
+      togo = sum(gamma ** (u - t) * paid[g, :, u] for u in range(t, 5))
+      live = ~np.isnan(r[g, :, t])
+      want = np.zeros(4)
+      want[live] = _grpo(togo[live])
+      np.testing.assert_allclose(got[g, :, t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_early_solver_keeps_its_advantage_over_slower_ones():
+  # Trajectory 0 solves at turn 0 (reward 1), the others at turn 1 (0.9) or never.
+  nan = np.nan
+  r = np.array([[[1.0, nan], [0.0, 0.9], [0.0, 0.9], [0.0, 0.0]]], np.float32)
+  a = np.asarray(advantages.per_turn("grpo", r))
+  traj = np.asarray(advantages.compute("grpo", np.nansum(r, -1)))
+  np.testing.assert_allclose(a[:, :, 0], traj, atol=1e-6)  # turn 0: whole returns
+  assert a[0, 0, 0] > a[0, 1, 0] > a[0, 3, 0]
 
 
 def test_per_turn_with_one_rewarded_turn_is_trajectory_credit():
@@ -66,6 +80,7 @@ def test_pack_gives_each_turns_tokens_its_reward_to_go():
   # 1 prompt, K = 2 trajectories, 3 turns each; mask 0 on observation tokens.
   mask = np.array([[1, 1, 0, 1, 0, 0, 1, 1], [1, 0, 0, 1, 1, 0, 1, 0]], np.float32)
   r_bt = np.array([[0.0, 1.0, 0.0], [0.5, 0.0, 1.0]], np.float32)
+  r_bt[0, 2] = 0.2
   n = mask.shape[1]
   out = SampleOutput(
     tokens=jnp.ones((2, n), jnp.int32),
@@ -86,7 +101,7 @@ def test_pack_gives_each_turns_tokens_its_reward_to_go():
   turn = np.asarray(types.turn_ids(jnp.asarray(mask)))
   want = np.take_along_axis(a_t, turn, axis=1) * mask
   np.testing.assert_allclose(np.asarray(batch.advantages), want, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(batch.rewards), r_bt.sum(1))
+  np.testing.assert_allclose(np.asarray(batch.rewards), np.nansum(r_bt, 1))
   assert np.asarray(batch.advantages)[0, 2] == 0.0  # an observation token: no advantage
 
 
@@ -129,8 +144,10 @@ def test_played_episodes_pack_to_per_turn_advantages_and_the_run_trains(tmp_path
     fns.episodes, params, prompts, examples, jax.random.key(3), group_size=fns.sizes.group_size
   )
   assert played.turn_rewards.shape == (len(examples) * fns.sizes.group_size, 4)
-  np.testing.assert_allclose(played.turn_rewards.sum(1), played.rewards, atol=1e-6)
-  assert (played.turn_rewards[:, 1:] != 0).any()  # later turns were paid
+  np.testing.assert_allclose(np.nansum(played.turn_rewards, 1), played.rewards, atol=1e-6)
+  taken = ~np.isnan(played.turn_rewards)
+  np.testing.assert_array_equal(taken.sum(1), played.turns)  # NaN after the last turn
+  assert (played.turn_rewards[:, 1:][taken[:, 1:]] != 0).any()  # later turns were paid
   device = {k: jnp.asarray(prompts[k]) for k in pipeline.DEVICE_FIELDS}
   batch = pipeline.pack(fns, device, played.out, played.turn_rewards, 0, jax.random.key(0))
   a_t = np.asarray(
@@ -143,8 +160,8 @@ def test_played_episodes_pack_to_per_turn_advantages_and_the_run_trains(tmp_path
   np.testing.assert_allclose(
     np.asarray(batch.advantages), np.take_along_axis(a_t, turn, axis=1) * mask, atol=1e-5
   )
-  # Turn ids from the mask agree with the turns the environment paid for.
-  assert (turn.max(axis=1) + 1 <= np.asarray(played.turns)).all()
+  # Turn ids from the mask are exactly the turns the environment answered and paid for.
+  np.testing.assert_array_equal(turn.max(axis=1) + 1, np.asarray(played.turns))
 
   rows = loop.train_and_evaluate(
     _step_paid_config(total_steps=3, **{"multiturn.credit": "turn"}), str(tmp_path / "run")
@@ -167,3 +184,5 @@ def test_turn_credit_without_episodes_is_refused_by_name():
     components.build_components(small_config(**{"multiturn.credit": "turn"}))
   with pytest.raises(ValueError, match=r"multiturn\.gamma"):
     components.build_components(_config(**{"multiturn.gamma": 2.0}))
+  with pytest.raises(ValueError, match=r"multiturn\.gamma: a turn discount needs"):
+    components.build_components(_config(**{"multiturn.gamma": 0.9}))

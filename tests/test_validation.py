@@ -128,6 +128,8 @@ BAD = [
   ("sft.batch_size", 0, "sft.batch_size"),
   ("sft.learning_rate", -1e-3, "sft.learning_rate"),
   ("sft.learning_rate", INF, "sft.learning_rate"),
+  ("sft.distractor", 1.0, "sft.distractor"),
+  ("sft.distractor", -0.1, "sft.distractor"),
   ("eval_every", -1, "eval_every"),
   ("eval_prompts", -1, "eval_prompts"),
   ("eval_samples", 0, "eval_samples"),

@@ -76,6 +76,7 @@ class RunSettings:
   sft_steps: int
   sft_batch_size: int
   sft_learning_rate: float
+  sft_distractor: float
   eval_every: int
   eval_prompts: int
   eval_samples: int

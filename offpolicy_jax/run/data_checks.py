@@ -99,6 +99,11 @@ def validate_data(
     "sft.enabled",
     f"task {task.name!r} has no reference answers for the supervised warm start",
   )
+  _need(
+    not (c.sft.enabled and c.sft.distractor) or task.distractor is not None,
+    "sft.distractor",
+    f"task {task.name!r} has no distractor answers (Task.distractor)",
+  )
   stats = {split: _scan(c, task, tokenizer, split, cache_dir) for split in ("train", "eval")}
   for s in stats.values():
     _check_split(c, task, s, mcfg.vocab_size)

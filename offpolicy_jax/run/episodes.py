@@ -160,7 +160,7 @@ class Played(NamedTuple):
     out: `SampleOutput` [B, N], `mask` on policy tokens only.
     rewards: float32 [B] summed environment rewards.
     turn_rewards: float32 [B, max_turns] the reward paid after each turn (a
-      reward of the reset counts for turn 0).
+      reward of the reset counts for turn 0), NaN for turns not taken.
     turns: int32 [B] policy turns of each trajectory.
     tool_calls: int32 [B] tool calls the environment counted (0 if it does not).
     failures: int32 [B] environment calls that failed (timeout, error, garbage).
@@ -286,7 +286,9 @@ def play(
     "episode/observations_cut": int(turns_cb.cut),
     "episode/env_failures": int(turns_cb.failures.sum()),
   }
-  turn_rewards = turns_cb.turn_rewards.astype(np.float32)
+  # Turns a trajectory did not take are NaN (`advantages.per_turn`).
+  taken = np.arange(turns_cb.turn_rewards.shape[1])[None, :] < np.maximum(turns[:, None], 1)
+  turn_rewards = np.where(taken, turns_cb.turn_rewards, np.nan).astype(np.float32)
   return Played(out, rewards, turn_rewards, turns, calls, turns_cb.failures, stats)
 
 

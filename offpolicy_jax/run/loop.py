@@ -168,6 +168,7 @@ def initial_weights(comps: Components, *, warm_start: bool = True, log_fn=print)
       steps=run.sft_steps,
       batch_size=run.sft_batch_size,
       learning_rate=run.sft_learning_rate,
+      distractor=run.sft_distractor,
       seed=run.seed,
       log_fn=log_fn,
     )

@@ -313,7 +313,7 @@ def pack(fns, prompts: dict, rollout, rewards_b, version, key) -> TrainBatch:
     ).reshape(g * k, -1)
     turn = jnp.minimum(types.turn_ids(rollout.mask), adv_bt.shape[1] - 1)
     adv = jnp.take_along_axis(adv_bt, turn, axis=1) * (rollout.mask > 0)
-    rewards_b = rewards_b.sum(axis=1)
+    rewards_b = jnp.nansum(rewards_b, axis=1)
   else:
     adv = advantages.compute(fns.advantage, rewards_b.reshape(g, k), key=key).reshape(g * k)
   versions = jnp.broadcast_to(jnp.asarray(version, jnp.int32), rollout.tokens.shape)
@@ -360,6 +360,14 @@ def empty_batch(sizes: Sizes) -> TrainBatch:
   )
 
 
+def _row_abs_advantage(batch: TrainBatch) -> jax.Array:
+  """[B] mean |advantage| of each row (over its response tokens when per token)."""
+  a = jnp.abs(batch.advantages)
+  if a.ndim == 1:
+    return a
+  return (a * batch.mask).sum(1) / jnp.maximum(batch.mask.sum(1), 1.0)
+
+
 def batch_stats(batch: TrainBatch, group_size: int) -> dict[str, jax.Array]:
   """Reward and length statistics of a batch's rows (filler rows, weight 0, excluded)."""
   w = (batch.weights > 0).astype(jnp.float32)
@@ -374,5 +382,5 @@ def batch_stats(batch: TrainBatch, group_size: int) -> dict[str, jax.Array]:
     "response_len": (batch.mask.sum(1) * w).sum() / n,
     "response_tokens": (batch.mask.sum(1) * w).sum(),
     "groups_all_equal": (r_gk.max(1) == r_gk.min(1)).mean(),
-    "adv_abs_mean": (jnp.abs(batch.advantages.reshape(r.shape[0], -1)).mean(1) * w).sum() / n,
+    "adv_abs_mean": (_row_abs_advantage(batch) * w).sum() / n,
   }

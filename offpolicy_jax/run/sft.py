@@ -101,8 +101,13 @@ def encode_episodes(
   return tokens, mask
 
 
+def shows_distractor(index: int, fraction: float) -> bool:
+  """Whether training example `index` shows its distractor (a fixed draw per example)."""
+  return fraction > 0 and np.random.default_rng([0x5F7, int(index)]).random() < fraction
+
+
 def reference_batches(
-  task: Any, tokenizer: Any, prompts: Iterator[dict], max_len: int
+  task: Any, tokenizer: Any, prompts: Iterator[dict], max_len: int, distractor: float = 0.0
 ) -> Iterator[SFTBatch]:
   """Supervised batches: each prompt of a `data.prompt_iterator` with its reference answer.
 
@@ -113,19 +118,28 @@ def reference_batches(
     prompts: a training prompt iterator (dicts with prompt_tokens [G, P],
       prompt_lengths [G], index [G]).
     max_len: N, target length (reference answer + EOS, right-padded).
+    distractor: the fraction of examples (a fixed draw per example index,
+      `shows_distractor`) whose target is `task.distractor(example)` instead:
+      imperfect demonstrations, a mix of right and wrong behaviour.
 
   Yields:
     SFTBatch of G rows.
   """
   if task.answer is None:
     raise ValueError(f"task {task.name!r} has no reference answers for supervised warm start")
+  if distractor and task.distractor is None:
+    raise ValueError(f"config.sft.distractor: task {task.name!r} has no distractor answers")
   for batch in prompts:
     examples = data.examples(task, "train", batch["index"])
     if task.demonstration is not None:
       demos = [task.demonstration(ex) for ex in examples]
       tokens, mask = encode_episodes(tokenizer, demos, max_len)
     else:
-      tokens, mask = encode_targets(tokenizer, [task.answer(ex) for ex in examples], max_len)
+      texts = [
+        task.distractor(ex) if shows_distractor(i, distractor) else task.answer(ex)
+        for i, ex in zip(np.asarray(batch["index"]).tolist(), examples, strict=True)
+      ]
+      tokens, mask = encode_targets(tokenizer, texts, max_len)
     p = batch["prompt_tokens"].shape[1]
     prompt_mask = np.asarray(types.prompt_mask(batch["prompt_lengths"], p), np.float32)
     yield SFTBatch(batch["prompt_tokens"], prompt_mask, tokens, mask)
@@ -253,6 +267,7 @@ def warm_start(
   seed: int,
   log_fn: Callable = print,
   frozen: Any = None,
+  distractor: float = 0.0,
 ) -> Any:
   """Supervised phase of a run on its task's reference answers (see `run`).
 
@@ -268,6 +283,7 @@ def warm_start(
     log_fn: receives progress lines.
     frozen: state held fixed (`run`): with adapters, `params` is the base
       and `frozen` the fresh adapters (B = 0, so they do not change the model).
+    distractor: `config.sft.distractor` (`reference_batches`).
 
   Returns:
     The warm-started parameters (a copy the caller may donate).
@@ -278,11 +294,11 @@ def warm_start(
   """
   if fns.task.answer is None:
     raise ValueError("config.sft.enabled: the task has no reference answers")
-  cache_key = json.dumps([fns.model_key, seed, steps, batch_size, learning_rate])
+  cache_key = json.dumps([fns.model_key, seed, steps, batch_size, learning_rate, distractor])
   if cache_key not in _WARM_START_CACHE:
     # Its own prompt stream (seed + 1): the RL iterator still starts from the beginning.
     it = pipeline.prompt_iterator(fns, seed + 1, "train", batch_size=batch_size)
-    batches = reference_batches(fns.task, fns.tokenizer, it, fns.sizes.max_new_tokens)
+    batches = reference_batches(fns.task, fns.tokenizer, it, fns.sizes.max_new_tokens, distractor)
     every = max(1, steps // 5)
     result = run(
       fns.graphdef,

@@ -347,6 +347,11 @@ def _validate_lora(c) -> None:
 
 def _validate_multiturn(c) -> None:
   mt = c.multiturn
+  _need(
+    mt.gamma == 1.0 or mt.credit == "turn",
+    "multiturn.gamma",
+    "a turn discount needs multiturn.credit = 'turn'",
+  )
   if not mt.max_turns:
     _need(
       mt.credit == "trajectory",

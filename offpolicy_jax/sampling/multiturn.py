@@ -37,7 +37,10 @@ episode ends whatever the environment says (final True: EOS, the last of
 `max_turns`, or the budget used up); `rows` int [R] are the rows whose turn
 just ended, `actions` their turns' token ids. An observation is truncated to
 `observation_tokens` and to the row's remaining budget minus one slot (so a
-row that goes on always has room for at least one more policy token); the
+row that goes on always has room for at least one more policy token); a row
+with fewer than two free slots ends (final), and an empty observation ends
+the episode, so consecutive turns are always separated by observation tokens
+(`types.turn_ids`, the runs of policy tokens, are the turns); the
 observation of a row whose episode ends (final, or done) is not appended.
 Done rows cost no more decode steps: they are masked, and the loop of a turn
 runs only as long as its longest live turn.
@@ -499,7 +502,10 @@ class MultiTurnSampler:
       rows = np.flatnonzero(~done)
       st = self.turn(params, st, key, ids_b, samples_b)
       pos, start, eos, tokens = jax.device_get((st.pos, st.turn_start, st.eos, st.tokens))
-      final = eos | (pos >= limit) | (turn + 1 == self.max_turns)
+      # A row needs two free slots to go on (an observation token and a policy token):
+      # with one, its next turn would follow its last one with no observation between.
+      out_of_room = pos >= limit - 1
+      final = eos | out_of_room | (turn + 1 == self.max_turns)
       obs = np.zeros((b, self.observation_tokens), np.int32)
       counts = np.zeros((b,), np.int32)
       for is_final in (False, True):
@@ -510,9 +516,9 @@ class MultiTurnSampler:
         for r, (o, env_done) in zip(
           sel, self._ask(respond, turn, sel, actions, is_final, vocab), strict=True
         ):
-          if is_final or env_done:
+          if is_final or env_done or o.size == 0:  # an empty observation ends the episode too
             done[r] = True
-            reason[r] = _end_reason(eos[r], env_done, pos[r] >= limit[r])
+            reason[r] = _end_reason(eos[r], env_done or o.size == 0, out_of_room[r])
             continue
           c = min(o.size, self.observation_tokens, int(limit[r] - pos[r] - 1))
           cut[r] |= c < o.size

@@ -149,6 +149,8 @@ def _final_accuracy_tests(values, main, lags, baseline, seeds, alpha):
 
 def _power_note(n: int, m: int, alpha: float) -> str:
   """What n seeds allow among m Holm-corrected comparisons."""
+  if not m:
+    return "The grid has no comparison to test."
   floor = study_stats.smallest_p(n)
   note = (
     f"With {n} seeds the smallest attainable p-value is {floor:.2g}; Holm's first step over "

@@ -428,6 +428,7 @@ def warm_start(comps: components.Components, seed: int, base_seed: int | None = 
     steps=run.sft_steps,
     batch_size=run.sft_batch_size,
     learning_rate=run.sft_learning_rate,
+    distractor=run.sft_distractor,
     log_fn=lambda *_: None,
   )
   if base is None:

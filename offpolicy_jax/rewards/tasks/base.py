@@ -77,6 +77,9 @@ class Task:
       as `EnvRunner` returns them); the roles say which tokens are the
       policy's. Where the task has `answer`, it is "".join of the texts, so a
       supervised warm start on `answer` learns the format.
+    distractor: `distractor(example) -> str`, a plausible wrong answer (reverse:
+      the digits as given) that a warm start on imperfect demonstrations
+      imitates for a fraction `sft.distractor` of its examples; or None.
     max_turns: policy turns an episode may take (0: single-turn task).
     max_turn_len: characters of the longest policy turn of a demonstration,
       `TURN_END` included (a budget for one turn's tokens).
@@ -93,5 +96,6 @@ class Task:
   device_reward: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] | None = None
   environment: Any = None
   demonstration: Callable[[Example], list[tuple[str, str]]] | None = None
+  distractor: Callable[[Example], str] | None = None
   max_turns: int = 0
   max_turn_len: int = 0

@@ -145,6 +145,14 @@ _OPS = {
   "copy": ("copy", lambda s: s),
   "sort": ("sort", lambda s: "".join(sorted(s))),
 }
+# A plausible wrong answer of each string task (`Task.distractor`): the operand transformed
+# by a neighbouring operation.
+_DISTRACTORS = {"reverse": lambda s: s, "copy": lambda s: s[::-1], "sort": lambda s: s}
+
+
+def _distractor(fn, example: Example) -> str:
+  prompt = example["prompt"]
+  return fn(prompt[prompt.index(":") + 1 : -1])
 
 
 def make_task(
@@ -193,6 +201,7 @@ def make_task(
     answer=lambda ex: ex["answer"],
     max_answer_len=max_answer_len,
     device_reward=lambda a, t, m: device_reward(a, t, m, partial_credit),
+    distractor=functools.partial(_distractor, _DISTRACTORS[name]) if name in _OPS else None,
   )
 
 
