@@ -13,13 +13,14 @@ and reads the same prompts; the seeds of a cell run together under `jax.vmap`.
 Cost on a 2-core CPU (toy scale): the `reverse` task with the tiny decoder,
 8 prompts x 8 samples, 200 steps per run, 16 methods x 5 lags x 5 seeds = 400
 runs took 52 minutes (measured with 5 seeds, before the A/A cells and before
-the distractor warm start below; docs/lag_and_study.md). The default is now 12 seeds (why: `c.study.seeds` below) plus GRPO's
-A/A twin at the 5 lags; the seeds of a cell are one vmapped program, but on a
-CPU its work grows with the seeds. The step count is
-what fits the 60-minute budget with 5 lags: enough for lag to separate the
-methods (REINFORCE collapses within 50 steps of stale data), and, from the
-distractor warm start, for on-policy GRPO to gain about +0.3 greedy accuracy. 640 held-out prompts put the standard error of
-one run's greedy accuracy at most 0.0198 (sqrt(0.25 / 640)); a run's final
+the distractor warm start below; docs/lag_and_study.md). The default is now
+12 seeds (why: `c.study.seeds` below) plus GRPO's A/A twin at the 5 lags; the
+seeds of a cell are one vmapped program, but on a CPU its work grows with the
+seeds. The step count is what fits the 60-minute budget with 5 lags: enough
+for lag to separate the methods (REINFORCE collapses within 50 steps of stale
+data), and, from the distractor warm start, for on-policy GRPO to gain about
++0.3 greedy accuracy. 640 held-out prompts put the standard error of one
+run's greedy accuracy at most 0.0198 (sqrt(0.25 / 640)); a run's final
 accuracy averages its last two evaluations (steps 150 and 200).
 
 `--config=configs/lag_study.py:gsm8k` swaps in the GSM8K / Qwen2.5 setting of
