@@ -301,17 +301,8 @@ def sample(fns, params, prompts: dict[str, Any], step, seed) -> tuple[SampleOutp
   The multi-turn counterpart of `pipeline.sample` + `pipeline.score` (same
   sampling key, same pi_old scoring with `rollout.score_old`).
   """
-  if jax.process_count() > 1:
-    raise ValueError("multiturn.max_turns: multi-turn episodes run in one process")
-  key = pipeline.step_key(seed, step, pipeline.SAMPLE)
-  examples = data.examples(fns.task, "train", np.asarray(prompts["index"]).tolist())
-  played = play(fns.episodes, params, prompts, examples, key, group_size=fns.sizes.group_size)
-  out = played.out
-  if fns.score_old is not None:
-    tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
-    out = out._replace(old_logprobs=fns.score_old(params, tokens, lengths, out))
-  rewards = played.turn_rewards if fns.episodes.credit == "turn" else played.rewards
-  return out, jnp.asarray(rewards), played.stats
+  out, rewards, _, stats = _rollout(fns, params, prompts, step, seed, 0, None)
+  return out, rewards, stats
 
 
 def produce(fns, params, prompts: dict[str, Any], step: int, seed: int, version: int, latest=None):
@@ -323,6 +314,17 @@ def produce(fns, params, prompts: dict[str, Any], step: int, seed: int, version:
   token's behaviour log-prob is exact under the parameters that drew it). Each
   token records its version; with `rollout.score_old` each token is scored by
   the learner at its own version's parameters.
+  """
+  out, rewards, versions, stats = _rollout(fns, params, prompts, step, seed, version, latest)
+  device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
+  key = pipeline.step_key(seed, step, pipeline.ADV)
+  return pipeline.pack_jit(fns, device, out, rewards, jnp.asarray(versions), key), stats
+
+
+def _rollout(fns, params, prompts, step, seed, version: int, latest):
+  """Episodes of step `step` from `params` at `version`, switching to newer `latest()` ones.
+
+  Returns `(out, rewards on device, versions int [B, N], host stats)`.
   """
   if jax.process_count() > 1:
     raise ValueError("multiturn.max_turns: multi-turn episodes run in one process")
@@ -349,11 +351,14 @@ def produce(fns, params, prompts: dict[str, Any], step: int, seed: int, version:
     examples,
     key,
     group_size=fns.sizes.group_size,
-    update_params=update,
+    update_params=update if latest is not None else None,
   )
   out = played.out
-  turn = np.asarray(types.turn_ids(out.mask))
-  versions = np.asarray(turn_version, np.int32)[np.minimum(turn, len(turn_version) - 1)]
+  if len(used) == 1:
+    versions = np.full(out.tokens.shape, int(version), np.int32)
+  else:
+    turn = np.asarray(types.turn_ids(out.mask))
+    versions = np.asarray(turn_version, np.int32)[np.minimum(turn, len(turn_version) - 1)]
   if fns.score_old is not None:
     tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
     old = None
@@ -362,18 +367,10 @@ def produce(fns, params, prompts: dict[str, Any], step: int, seed: int, version:
       old = s_v if old is None else jnp.where(jnp.asarray(versions) == v, s_v, old)
     out = out._replace(old_logprobs=old)
   rewards = played.turn_rewards if fns.episodes.credit == "turn" else played.rewards
-  device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
-  batch = pipeline.pack_jit(
-    fns,
-    device,
-    out,
-    jnp.asarray(rewards),
-    jnp.asarray(versions),
-    pipeline.step_key(seed, step, pipeline.ADV),
-  )
   stats = dict(played.stats)
-  stats["episode/parameter_updates"] = len(used) - 1
-  return batch, stats
+  if latest is not None:
+    stats["episode/parameter_updates"] = len(used) - 1
+  return out, jnp.asarray(rewards), versions, stats
 
 
 def describe(played: Played, tokenizer: Any, row: int) -> str:
