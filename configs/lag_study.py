@@ -11,17 +11,17 @@ only. Every run with a given seed starts from the same supervised warm start
 and reads the same prompts; the seeds of a cell run together under `jax.vmap`.
 
 Cost on a 2-core CPU (toy scale): the `reverse` task with the tiny decoder,
-8 prompts x 8 samples, 200 steps per run, 16 methods x 5 lags x 5 seeds = 400
-runs took 52 minutes (measured with 5 seeds, before the A/A cells and before
-the distractor warm start below; docs/lag_and_study.md). The default is now
-12 seeds (why: `c.study.seeds` below) plus GRPO's A/A twin at the 5 lags; the
-seeds of a cell are one vmapped program, but on a CPU its work grows with the
-seeds. The step count is what fits the 60-minute budget with 5 lags: enough
-for lag to separate the methods (REINFORCE collapses within 50 steps of stale
-data), and, from the distractor warm start, for on-policy GRPO to gain about
-+0.3 greedy accuracy. 640 held-out prompts put the standard error of one
-run's greedy accuracy at most 0.0198 (sqrt(0.25 / 640)); a run's final
-accuracy averages its last two evaluations (steps 150 and 200).
+8 prompts x 8 samples, 200 steps per run, 12 seeds per cell (why:
+`c.study.seeds` below); the 12 warm starts take about 3 minutes and a cell of
+12 seeds about a minute, so the default grid is 8 methods (`METHODS`) x 5
+lags plus GRPO's A/A twin at the 5 lags, 45 cells (its measured time is in
+docs/lag_and_study.md); `:toy_full` runs all 16 methods. The step count is
+enough for lag to separate the methods (REINFORCE collapses within 50 steps
+of stale data) and, from the distractor warm start, for on-policy GRPO to
+gain +0.19 [+0.11, +0.28] greedy accuracy over 12 seeds. 640 held-out
+prompts put the standard error of one run's greedy accuracy at most 0.0198
+(sqrt(0.25 / 640)); a run's final accuracy averages its last two evaluations
+(steps 150 and 200).
 
 `--config=configs/lag_study.py:gsm8k` swaps in the GSM8K / Qwen2.5 setting of
 configs/gsm8k_qwen25_1p5b.py (for a GPU/TPU, with a local checkpoint): the same
@@ -46,19 +46,29 @@ from offpolicy_jax.study import runner as study
 
 # Methods: name=loss_preset[+advantage] (no value: the preset of that name with its default
 # advantage). RED-Drop is REINFORCE with the red_drop advantage.
+# The default grid: the methods whose claims the paper makes (REINFORCE collapses under lag;
+# REC-OneSide-NoIS learns like GRPO; wide clipping learns faster under lag; OPMD, AsymRE and
+# RED work). 8 methods x 5 lags x 12 seeds + the A/A twin fit the 60-minute budget here; all
+# 16 do not (about 63 s per cell of 12 seeds: 85 cells, about 90 minutes), so the rest run
+# in the `toy_full` scale (docs/lag_and_study.md).
 METHODS = ",".join(
   (
     "reinforce",
     "grpo",
-    "rec_oneside_is",
     "rec_oneside_nois",
     "rec_oneside_nois_wide",
-    "rec_twoside_nois",
-    "rec_ring_nois",
     "opmd",
     "asymre",
     "red_drop=reinforce+red_drop",
     "red_weight",
+  )
+)
+ALL_METHODS = ",".join(
+  (
+    METHODS,
+    "rec_oneside_is",
+    "rec_twoside_nois",
+    "rec_ring_nois",
     "cispo",
     "m2po",
     "bapo",
@@ -73,13 +83,14 @@ LAGS = "onpolicy=1/0,interval20=20/0,offset10=1/10,stale32=1/32,offline=offline"
 
 def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   """The shared base of every run plus the grid (`study`)."""
-  if scale == "toy":
+  if scale in ("toy", "toy_full"):  # toy_full: every method (ALL_METHODS), same setting
     c = default.base_config()
     c.total_steps = 200
     # A warm start on imperfect demonstrations, so that learning shows within 200 steps:
     # 300 supervised steps of which 40% of the examples show the distractor answer (the
-    # digits copied, not reversed). Greedy accuracy starts near 0.35 and on-policy GRPO
-    # reaches about 0.70 at step 200 (4 seeds: +0.33; docs/lag_and_study.md). With the
+    # digits copied, not reversed). Greedy accuracy starts near 0.29 and on-policy GRPO
+    # reaches about 0.48 at step 200 (12 seeds: +0.19 [+0.11, +0.28]; 4 seeds: +0.33;
+    # docs/lag_and_study.md). With the
     # single run's 150 clean steps, GRPO gained +0.01 in 200 steps, and no learning rate,
     # batch size, temperature or length range tried changed that (the same doc).
     c.sft.steps = 300
@@ -108,7 +119,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.unlock()
   else:
     raise ValueError(
-      f"configs/lag_study.py: unknown scale {scale!r} (toy, gsm8k, code or calculator)"
+      f"configs/lag_study.py: unknown scale {scale!r} (toy, toy_full, gsm8k, code or calculator)"
     )
   c.eval_every = 50
   # pass@k of the final parameters, k samples per prompt at the training temperature.
@@ -118,23 +129,24 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   c.tensorboard = False
   # `config.study`: the grid and how it runs (config_schema.STUDY_FIELDS: roles and docs).
   config_schema.config_dict(config_schema.STUDY_FIELDS, into=c)
-  c.study.methods = METHODS
+  c.study.methods = METHODS if scale == "toy" else ALL_METHODS
   c.study.lags = LAGS
   if scale in ("calculator", "code"):  # host-side rewards cost more per step: a small grid
     c.study.methods = "grpo,rec_oneside_nois,reinforce"
     c.study.lags = "onpolicy=1/0,interval20=20/0,offline=offline"
-  # 12 seeds: the fewest for which the report's verdicts (sign-flip permutation tests,
-  # Holm-corrected over the grid's 79 comparisons at alpha 0.05) can be anything but `~`:
+  # 12 seeds: enough for the report's verdicts (sign-flip permutation tests, Holm-corrected
+  # over the grid's comparisons at alpha 0.05) to be anything but `~` in the full grid too:
   # the smallest two-sided p-value of n seeds is 2 / 2^n, and Holm's first step needs
-  # p <= 0.05 / 79 = 0.00063 (n = 10: 0.0020, n = 12: 0.00049). study.stats.needed_seeds.
+  # p <= 0.05 / 79 = 0.00063 over the full grid's 79 comparisons (0.05 / 39 = 0.0013 over
+  # the default's 39; n = 10: 0.0020, n = 12: 0.00049). study.stats.needed_seeds.
   c.study.seeds = 12
   c.study.alpha = 0.05
   # A/A calibration at every lag: GRPO runs twice with independent random streams on the
   # same warm starts; study.md reports how often the tests call the two different.
   c.study.aa_lags = "all"
   # One seed per vmapped program and 64 held-out prompts per sampler call for large models.
-  c.study.vmap_seeds = 0 if scale in ("toy", "code") else 1
-  c.study.eval_batch = 0 if scale in ("toy", "code") else 64
+  c.study.vmap_seeds = 0 if scale in ("toy", "toy_full", "code") else 1
+  c.study.eval_batch = 0 if scale in ("toy", "toy_full", "code") else 64
   if scale == "code":  # 9 cells x 5 seeds in under an hour on a 2-core CPU (docs/lag_and_study.md)
     c.study.seeds = 5
     c.study.aa_lags = ""
