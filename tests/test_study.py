@@ -76,7 +76,8 @@ def test_grid_parsing_names_the_bad_field():
     study.parse_methods("grpo,grpo")
   c = lag_study.get_config()
   _, grid = study.grid_from_config(c)
-  assert len(grid.methods) >= 16 and len(grid.lags) >= 5 and len(grid.seeds) >= 5
+  assert len(grid.methods) >= 8 and len(grid.lags) >= 5 and len(grid.seeds) >= 10
+  assert len(study.grid_from_config(lag_study.get_config("toy_full"))[1].methods) >= 16
   c.unlock()
   c.study.baseline = "grpo@nowhere"
   with pytest.raises(ValueError, match="config.study.baseline"):
