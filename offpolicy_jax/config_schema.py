@@ -274,7 +274,8 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("rollout.partial_budget", 0, PROGRAM,
      "Partial rollouts (APRIL): decode at most this many tokens per response per loop step; "
      "unfinished responses continue at the next step under the newer parameters (re-prefilled), "
-     "every token keeping its own version (0 = off: whole responses).",
+     "every token keeping its own version (0 = off: whole responses). With multi-turn episodes: "
+     "at most this many policy tokens per trajectory per step (run.episode_pool).",
      Int(0, note=" (0 = off)")),
   _F("temperature", 1.0, PROGRAM, "Sampling temperature of the behaviour policy.",
      Float(0, lo_open=True)),

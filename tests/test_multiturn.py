@@ -410,3 +410,41 @@ def test_observation_tokens_carry_no_loss_gradient_or_weight(sampled_run):
   noisy = jnp.where(obs, -3.0 + logp, logp)
   other_ids = jnp.where(obs, 0, info.turn_ids)
   np.testing.assert_allclose(loss(noisy, other_ids).loss, value, rtol=1e-6)
+
+
+def test_budgeted_advance_pauses_mid_turn_and_continues_the_same_trajectories(
+  tiny, sampled, sampled_run
+):
+  """Calls of at most 3 decoded tokens per row, caches re-encoded between them (as the
+  partial-rollout pool does), play exactly the episodes of one unbudgeted call."""
+  want, want_info, want_script = sampled_run
+  params, b = tiny[1], PROMPTS.shape[0] * K
+  st = sampled.start(params, PROMPTS, LENGTHS, np.full(b, N, np.int32))
+  rec = multiturn.Rows.fresh(np.full(b, N, np.int32))
+  ids_b = jnp.asarray(np.repeat(np.arange(PROMPTS.shape[0]), K), jnp.int32)
+  samples_b = jnp.asarray(np.tile(np.arange(K), PROMPTS.shape[0]), jnp.int32)
+  script, calls, paused_mid_turn = Script(), 0, 0
+  while not rec.done.all():
+    st = sampled.reencode(params, st)
+    policy_before = np.asarray(st.policy).sum(axis=1)
+    st = sampled.advance(params, st, jax.random.key(3), ids_b, samples_b, script, rec, budget=3)
+    assert np.all(np.asarray(st.policy).sum(axis=1) - policy_before <= 3)
+    pos, start, ended = (np.asarray(x) for x in (st.pos, st.turn_start, st.ended))
+    paused_mid_turn += int(np.sum(~rec.done & ~ended & (pos > start)))
+    calls += 1
+  got, got_info = multiturn._outputs(st, rec.reason, rec.cut)
+  assert calls >= 4 and paused_mid_turn > 0
+  for name in ("tokens", "mask", "lengths", "kept"):
+    np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+  for name in ("turns", "turn_ids", "observation_mask", "end_reason", "observation_truncated"):
+    np.testing.assert_array_equal(getattr(got_info, name), getattr(want_info, name), err_msg=name)
+
+  def answered(s):  # {(row, turn): (action, final)} of every respond call
+    return {
+      (r, t): (tuple(np.asarray(a).tolist()), final)
+      for t, rows, actions, final in s.calls
+      for r, a in zip(rows, actions, strict=True)
+    }
+
+  assert answered(script) == answered(want_script)

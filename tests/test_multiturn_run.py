@@ -77,6 +77,29 @@ def test_episode_run_trains_and_resumes_exactly_with_trajectories_in_replay(tmp_
   assert {r["behavior_version"] for r in want_train} != {r["step"] - 1 for r in want_train}
 
 
+def test_partial_episodes_pause_span_versions_and_resume_exactly(tmp_path):
+  """Episodes in flight across steps (`run.episode_pool`): 2 policy tokens per step, so turns
+  of 3 pause mid-way; every token's log-prob is exact under its own step's parameters."""
+  common = {"rollout.partial_budget": 2, "rollout.score_old": True, "lag.sync_interval": 2}
+  full = loop.train_and_evaluate(_config(total_steps=8, **common), str(tmp_path / "full"))
+  train, _ = metrics_files.split_rows(full)
+  assert train[0]["partial_emitted_groups"] == 0  # nothing ends within 2 tokens
+  assert sum(r["partial_emitted_groups"] for r in train) >= 6
+  assert max(r["partial_inflight_groups"] for r in train) >= 4
+  assert sum(r["partial_mixed_rows"] for r in train) > 0  # trajectories spanning versions
+  assert any(r["grad_norm"] > 0 for r in train)
+  for r in train:
+    assert r["partial_dropped_prompts"] == 0 and r["reward_failures"] == 0
+    # pi_old is the learner's score at each token's own version: the behaviour log-probs
+    # equal it (a token scored under another version, or drawn from a stale cache, would not).
+    assert abs(r["mismatch_kl_k3"]) < 1e-5, r["mismatch_kl_k3"]
+  part = str(tmp_path / "part")
+  loop.train_and_evaluate(_config(total_steps=3, **common), part)  # checkpoint: pool in flight
+  loop.train_and_evaluate(_config(total_steps=8, **common), part)
+  got_train, _ = metrics_files.split_rows(metrics_files.read_metrics(part))
+  assert _no_timing(got_train) == _no_timing(train)
+
+
 class FlakyGuess(agentic.GuessNumber):
   """guess_number whose environment misbehaves on some secrets (module level: reaches workers)."""
 
@@ -140,7 +163,7 @@ def test_flaky_environment_is_counted_and_the_run_goes_on(tmp_path):
 @pytest.mark.parametrize(
   "overrides, field",
   [
-    ({"rollout.partial_budget": 4}, "rollout.partial_budget"),
+    ({"rollout.partial_budget": 4, "lag.mode": "async"}, "rollout.partial_budget"),
     ({"rollout.continuous_slots": 2}, "rollout.continuous_slots"),
     ({"mesh.sampler_devices": 2}, "mesh.sampler_devices"),
     ({"multiturn.turn_tokens": 99}, "multiturn.turn_tokens"),
@@ -200,3 +223,14 @@ def test_miniature_multi_turn_study_runs_its_seeds_and_reports(tmp_path):
   for r in runs:
     assert len(r["train_reward"]) == 2 and all(0.0 <= x <= 1.0 for x in r["train_reward"])
     assert len(r["eval_accuracy"]) == 2
+
+
+def test_a_study_refuses_episodes_in_flight_across_steps():
+  from configs import lag_study
+  from offpolicy_jax.study import runner as study
+
+  c = lag_study.get_config("calculator")
+  c.unlock()
+  c.rollout.partial_budget = 4
+  with pytest.raises(ValueError, match=r"^config\.rollout\.partial_budget: a study"):
+    study.grid_from_config(c)

@@ -290,7 +290,7 @@ def _reward(config, task) -> pipeline.Reward:
 def _partial_sampler(config, graphdef, task, tokenizer) -> partial_rollouts.PartialSampler | None:
   """The partial-rollout sampler of `config.rollout.partial_budget` (None when 0)."""
   c, budget = config, config.rollout.partial_budget
-  if not budget:
+  if not budget or c.multiturn.max_turns:  # episodes: `run.episode_pool`, built by the loop
     return None
   if task.device_reward is None:
     raise ValueError(
@@ -358,7 +358,13 @@ def _episodes(config, task, tokenizer, graphdef, sampler_graphdef) -> episodes.E
     )
 
   return episodes.Episodes(
-    make_sampler, runner, fmt, mt.observation_tokens, credit=mt.credit, gamma=mt.gamma
+    make_sampler,
+    runner,
+    fmt,
+    mt.observation_tokens,
+    credit=mt.credit,
+    gamma=mt.gamma,
+    partial_budget=c.rollout.partial_budget,
   )
 
 

@@ -143,6 +143,8 @@ class Episodes:
     observation_tokens: the longest observation kept, in tokens.
     credit: "trajectory" or "turn" (module docstring).
     gamma: the per-turn discount of `turn` credit.
+    partial_budget: policy tokens per trajectory per loop step, episodes
+      carried across steps (`run.episode_pool`); 0: whole episodes.
   """
 
   make_sampler: Callable[[int, bool], Any]
@@ -151,6 +153,7 @@ class Episodes:
   observation_tokens: int
   credit: str = "trajectory"
   gamma: float = 1.0
+  partial_budget: int = 0
 
 
 class Played(NamedTuple):
@@ -176,23 +179,37 @@ class Played(NamedTuple):
   stats: dict[str, Any]
 
 
-class _Turns:
-  """The `respond` callback of one batch: steps the rows' environments, keeps their records."""
+class Turns:
+  """The `respond` callback of a set of rows: steps their environments, keeps their records.
 
-  def __init__(self, ep: Episodes, examples: list[dict[str, Any]], max_turns: int):
+  Rows are reset by `reset` (the environment's first answer); the partial-rollout
+  pool (`run.episode_pool`) resets the rows of each admitted group and keeps
+  the records of the others across loop steps.
+  """
+
+  def __init__(self, ep: Episodes, rows: int, max_turns: int):
     self.ep = ep
-    b = len(examples)
-    self.rewards = np.zeros(b, np.float64)
-    self.turn_rewards = np.zeros((b, max(max_turns, 1)), np.float64)
-    self.failures = np.zeros(b, np.int32)
-    self.tool_calls = np.zeros(b, np.int32)
+    self.rewards = np.zeros(rows, np.float64)
+    self.turn_rewards = np.zeros((rows, max(max_turns, 1)), np.float64)
+    self.failures = np.zeros(rows, np.int32)
+    self.tool_calls = np.zeros(rows, np.int32)
+    self.dead = np.zeros(rows, bool)
+    self.states: list[Any] = [None] * rows
     self.cut = 0
     self.obs_tokens = 0
     self.timeouts = 0
-    first = ep.runner.reset(examples)
-    self.states = [r.state for r in first]
-    self.dead = np.zeros(b, bool)
-    for i, r in enumerate(first):
+
+  def clear(self) -> None:
+    """Zeroes the counters of cut observations, observation tokens and timeouts."""
+    self.cut = self.obs_tokens = self.timeouts = 0
+
+  def reset(self, rows: Sequence[int], examples: Sequence[dict[str, Any]]) -> None:
+    """Starts the episodes of `rows` on `examples` (one each)."""
+    first = self.ep.runner.reset(list(examples))
+    for i, r in zip(rows, first, strict=True):
+      for records in (self.rewards, self.turn_rewards, self.failures, self.tool_calls, self.dead):
+        records[i] = 0
+      self.states[i] = r.state
       self._record(i, r, 0)
 
   def _record(self, i: int, r: environments.EnvResult, turn: int) -> None:
@@ -258,7 +275,8 @@ def play(
   t0 = time.perf_counter()
   rows = [ex for ex in examples for _ in range(group_size)]
   sampler = ep.make_sampler(group_size, greedy)
-  turns_cb = _Turns(ep, rows, sampler.max_turns)
+  turns_cb = Turns(ep, len(rows), sampler.max_turns)
+  turns_cb.reset(range(len(rows)), rows)
   out, info = sampler(
     params,
     prompts["prompt_tokens"],
@@ -268,28 +286,49 @@ def play(
     update_params=update_params,
   )
   turns = np.asarray(info.turns, np.int32)
-  rewards = turns_cb.rewards.astype(np.float32)
-  solved = rewards > 0.5
+  rows_all = np.arange(len(rows))
+  stats = episode_stats(ep, turns_cb, rows_all, turns, time.perf_counter() - t0)
+  rewards, turn_rewards = trajectory_rewards(turns_cb, rows_all, turns)
   calls = turns_cb.tool_calls
+  return Played(out, rewards, turn_rewards, turns, calls, turns_cb.failures, stats)
+
+
+def trajectory_rewards(turns_cb: Turns, rows: np.ndarray, turns: np.ndarray):
+  """`(rewards [R], turn_rewards [R, max_turns])` of `rows` that took `turns` [R] turns.
+
+  Turns a trajectory did not take are NaN in `turn_rewards` (`advantages.per_turn`).
+  """
+  rewards = turns_cb.rewards[rows].astype(np.float32)
+  per_turn = turns_cb.turn_rewards[rows]
+  taken = np.arange(per_turn.shape[1])[None, :] < np.maximum(turns[:, None], 1)
+  return rewards, np.where(taken, per_turn, np.nan).astype(np.float32)
+
+
+def episode_stats(ep: Episodes, turns_cb: Turns, rows: np.ndarray, turns, seconds: float):
+  """Host statistics (`pipeline.REWARD_STATS`, `EPISODE_STATS`) of the finished `rows`.
+
+  The counters of observations and timeouts are `turns_cb`'s since its last
+  `clear` (the calls of this batch or loop step).
+  """
+  rewards = turns_cb.rewards[rows]
+  solved = rewards > 0.5
+  calls = turns_cb.tool_calls[rows]
+  failures = turns_cb.failures[rows]
   b = max(len(rows), 1)
   counts = ep.runner.stats()
-  stats = {
-    "reward_failures": int(turns_cb.failures.sum()),
+  return {
+    "reward_failures": int(failures.sum()),
     "reward_timeouts": int(turns_cb.timeouts),
     "reward_worker_restarts": int(counts.get("restarts", 0)),
-    "reward_time_s": time.perf_counter() - t0,
-    "episode/turns": float(turns.mean()) if len(turns) else 0.0,
-    "episode/solved": float(solved.mean()) if len(solved) else 0.0,
+    "reward_time_s": seconds,
+    "episode/turns": float(np.mean(turns)) if len(rows) else 0.0,
+    "episode/solved": float(solved.mean()) if len(rows) else 0.0,
     "episode/tool_calls": float(calls.sum() / b),
     "episode/tool_calls_per_solved": float(calls[solved].mean()) if solved.any() else 0.0,
     "episode/observation_tokens": turns_cb.obs_tokens / b,
     "episode/observations_cut": int(turns_cb.cut),
-    "episode/env_failures": int(turns_cb.failures.sum()),
+    "episode/env_failures": int(failures.sum()),
   }
-  # Turns a trajectory did not take are NaN (`advantages.per_turn`).
-  taken = np.arange(turns_cb.turn_rewards.shape[1])[None, :] < np.maximum(turns[:, None], 1)
-  turn_rewards = np.where(taken, turns_cb.turn_rewards, np.nan).astype(np.float32)
-  return Played(out, rewards, turn_rewards, turns, calls, turns_cb.failures, stats)
 
 
 def sample(fns, params, prompts: dict[str, Any], step, seed) -> tuple[SampleOutput, Any, dict]:

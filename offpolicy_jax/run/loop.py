@@ -42,6 +42,7 @@ import numpy as np
 
 from offpolicy_jax import lag, models
 from offpolicy_jax.run import (
+  episode_pool,
   episodes,
   evaluation,
   observability,
@@ -64,6 +65,9 @@ from offpolicy_jax.run.rl_step import (
 )
 from offpolicy_jax.store import checkpointing, metrics
 from offpolicy_jax.store import workdir as workdir_lib
+
+# The checkpoint item (and meta key) of the episodes in flight (`episode_pool`).
+POOL_ITEM = "episode_pool"
 
 
 def train_and_evaluate(
@@ -108,14 +112,16 @@ def train_and_evaluate(
       if latest and primary:
         workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
       data_iter = producer.LockedIterator(pipeline.prompt_iterator(comps.fns, comps.run.seed))
+      pool = _episode_pool(comps)
       state, start, start_accuracy, base, choice = _restore_or_init(
-        comps, ckpt, data_iter, workdir, config.model
+        comps, ckpt, data_iter, workdir, config.model, pool
       )
       writer = _make_writer(comps, config, workdir, start)
     except BaseException:
       ckpt.close()
       raise
     loop = _Loop(comps, ckpt, writer, data_iter, workdir, on_step)
+    loop.pool = pool
     loop.base_record = base
     loop.resume_choice(choice)
     try:
@@ -184,10 +190,25 @@ def _base_record(base, model: str) -> dict[str, str] | None:
   return None if base is None else {"model": model, "fingerprint": models.lora.fingerprint(base)}
 
 
-def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str):
+def _episode_pool(comps: Components) -> episode_pool.EpisodePool | None:
+  """The pool of episodes in flight of a multi-turn run with partial rollouts, or None."""
+  fns = comps.fns
+  if fns.episodes is None or not fns.episodes.partial_budget:
+    return None
+  sizes = fns.sizes
+  fields = {
+    "prompt_tokens": ((sizes.max_prompt_len,), np.int32),
+    "prompt_lengths": ((), np.int32),
+    "answer_tokens": ((fns.task.max_answer_len + 1,), np.int32),  # data.prompt_iterator's
+  }
+  return episode_pool.EpisodePool(fns, fns.episodes.partial_budget, fields)
+
+
+def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str, pool=None):
   """The run state, its step, the starting accuracy, the base record and the sampler choice.
 
   From the latest checkpoint, or fresh (choice None: `sampler_choice.SamplerChoice.state`).
+  `pool` (an `episode_pool.EpisodePool`) takes back the checkpoint's episodes in flight.
 
   Raises:
     ValueError: the checkpoint's adapters were trained on another base.
@@ -199,7 +220,10 @@ def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: st
     record = _base_record(base, model)
     template = _fresh_state(comps, params, base)
     # The newest intact step: corrupt ones are reported and moved aside.
-    items, meta, start = ckpt.restore_latest(state_items(template))
+    wanted = state_items(template)
+    if pool is not None:
+      wanted[POOL_ITEM] = pool.arrays()
+    items, meta, start = ckpt.restore_latest(wanted)
     if meta.get("base") != record:
       raise ValueError(
         f"{workdir}: the checkpoint of step {start} holds adapters of the base "
@@ -207,6 +231,8 @@ def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: st
         "or the checkpoint's files changed); refusing to resume on another base"
       )
     data_iter.set_state(meta["data_state"])
+    if pool is not None:
+      pool.restore(items.pop(POOL_ITEM), meta[POOL_ITEM])
     print(f"resumed from step {start} in {workdir}", flush=True)
     state = state_from_items(items, template)
     return state, start, meta.get("start_accuracy"), record, meta.get("sampler_choice")
@@ -240,6 +266,7 @@ class _Loop:
     self.compiles = observability.CompileCounter()
     self.profiler = observability.Profiler(os.path.join(workdir, "profile"), run.profile_steps)
     self._prefetched: tuple | None = None  # (step, dispatched rollout) of a two-program run
+    self.pool: episode_pool.EpisodePool | None = None  # episodes in flight (partial rollouts)
     # A disaggregated sync-mode run samples on its own mesh (`disagg`).
     self.sampler = None
     if comps.fns.sampler_mesh is not None and run.lag_mode == "sync":
@@ -359,7 +386,11 @@ class _Loop:
         meta["base"] = self.base_record
       if self.choice.auto:
         meta["sampler_choice"] = self.choice.state()
-      self.ckpt.save(step, state_items(state), meta)
+      items = state_items(state)
+      if self.pool is not None:
+        items[POOL_ITEM] = self.pool.arrays()
+        meta[POOL_ITEM] = self.pool.meta()
+      self.ckpt.save(step, items, meta)
 
   def _prompts(self, n: int) -> tuple[list[dict], list[int]]:
     local = [next(self.data) for _ in range(n)]
@@ -433,6 +464,8 @@ class _Loop:
     step's scoring and learning, so the device samples while the verifier
     workers score, and a disaggregated sampler samples while the trainer trains.
     """
+    if self.pool is not None:
+      return self._pool_step(state, step)
     t0 = time.perf_counter()
     pending, self._prefetched = self._prefetched, None
     if pending is None or pending[0] != step:
@@ -454,6 +487,26 @@ class _Loop:
     row.update(stats, prompts_truncated=truncated, snapshot_missing=int(not bool(found)))
     row.update(info)
     row.update({"time/sample_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2})
+    return state, [row]
+
+  def _pool_step(self, state: RunState, step: int):
+    """One step of episodes with partial rollouts: admit, advance and emit (`episode_pool`)."""
+    assert self.pool is not None
+    t0 = time.perf_counter()
+    (local,), (truncated,) = self._prompts(1)
+    prompts = pipeline.assemble_global(self.comps.mesh, local)
+    step_a = jax.device_put(np.int32(step), self._rep)
+    progs = programs(self.fns, self.run_cfg.replay, state)
+    params, v, found = progs.behaviour(state, step_a, self.schedule)
+    version = int(self.fns.version(int(v)))
+    seed = self.run_cfg.seed
+    batch, keep, info = self.pool.step(weights(state, params), prompts, step, seed, version)
+    t1 = time.perf_counter()
+    state, row = progs.learn(state, batch, step_a, self.seed, self.schedule, keep)
+    row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
+    row.update(info, prompts_truncated=truncated, snapshot_missing=int(not bool(found)))
+    row["behavior_version"] = version
+    row.update({"time/sample_s": t1 - t0, "time/train_s": time.perf_counter() - t1})
     return state, [row]
 
   def _async_step(self, state: RunState, step: int, prod: producer.AsyncProducer):

@@ -305,7 +305,8 @@ def pack(fns, prompts: dict, rollout, rewards_b, version, key) -> TrainBatch:
       or int [B, N] per token (episodes whose turns were drawn by different versions).
     key: PRNG key of stochastic advantage estimators.
   """
-  g, k = fns.sizes.prompts_per_step, fns.sizes.group_size
+  # G groups: the step's prompts, or the slots of a partial-rollout pool.
+  g, k = jnp.shape(prompts["prompt_tokens"])[0], fns.sizes.group_size
   rewards_b = jnp.asarray(rewards_b, jnp.float32)
   if rewards_b.ndim == 2:
     adv_bt = advantages.per_turn(

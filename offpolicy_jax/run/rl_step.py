@@ -388,7 +388,8 @@ class Programs(NamedTuple):
     rollout: `(state, prompts, step, seed, schedule) -> (out, v, found)`.
     learn_scored: `(state, prompts, out, rewards_b, v, step, seed, schedule)
       -> (state, metrics)`.
-    learn: `(state, batch, step, seed, schedule) -> (state, metrics)`.
+    learn: `(state, batch, step, seed, schedule[, keep]) -> (state, metrics)`
+      (`keep` bool [G']: the groups of `batch` to buffer).
     behaviour: `(state, step, schedule) -> (params, v, found)`.
   """
 

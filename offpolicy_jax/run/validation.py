@@ -366,10 +366,9 @@ def _validate_multiturn(c) -> None:
     f"{c.max_new_tokens}",
   )
   # Each of these samples whole single-turn responses without stopping for the environment
-  # (partial rollouts: under lag.mode='async' an episode in flight already continues under
-  # the parameters published while it runs, `run.episodes.produce`).
+  # (partial rollouts of episodes are `run.episode_pool`; under lag.mode='async' an episode
+  # in flight continues under the parameters published while it runs, `run.episodes.produce`).
   for field, on in (
-    ("rollout.partial_budget", c.rollout.partial_budget),
     ("rollout.continuous_slots", c.rollout.continuous_slots),
     ("mesh.sampler_devices", c.mesh.sampler_devices),
   ):

@@ -63,6 +63,7 @@ parameters would make the next tokens' log-probs belong to no single version
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -109,6 +110,28 @@ class EpisodeInfo(NamedTuple):
   observation_mask: jax.Array
   end_reason: jax.Array
   observation_truncated: jax.Array
+
+
+class Rows(NamedTuple):
+  """Host records of the rows of a multi-turn rollout (`MultiTurnSampler.advance` updates them).
+
+  Attributes:
+    limit: int32 [R] each row's suffix budget.
+    done: bool [R] the episode has ended.
+    reason: int32 [R] why it ended (`END_REASONS`; END_TURNS until it does).
+    cut: bool [R] some observation of the row was truncated.
+  """
+
+  limit: np.ndarray
+  done: np.ndarray
+  reason: np.ndarray
+  cut: np.ndarray
+
+  @classmethod
+  def fresh(cls, limit) -> Rows:
+    limit = np.asarray(limit, np.int32)
+    b = limit.shape[0]
+    return cls(limit, np.zeros(b, bool), np.full(b, END_TURNS, np.int32), np.zeros(b, bool))
 
 
 class MultiTurnState(NamedTuple):
@@ -184,7 +207,8 @@ class MultiTurnSampler:
 
   The jitted pieces are public for callers that drive the loop themselves:
   ``start(params, prompt_tokens, prompt_lengths, limit) -> MultiTurnState``,
-  ``turn(params, state, key, ids_b, samples_b) -> state``,
+  ``turn(params, state, key, ids_b, samples_b, quota_b) -> state`` (at most quota_b [R]
+  tokens per row), ``advance(...)`` (the host loop of turns, below),
   ``extend(params, state, observations [B, O], counts [B], done [B]) -> state`` and
   ``reencode(params, state) -> state`` (the caches and logits under new parameters).
   Each instance compiles its own pieces: build one per run, not per call.
@@ -299,15 +323,25 @@ class MultiTurnSampler:
       turn_ids=zeros(jnp.int32),
     )
 
-  def _turn(self, params, st: MultiTurnState, key, ids_b, samples_b) -> MultiTurnState:
-    """Every row not done decodes one policy turn; `turn` counts it."""
+  def _turn(self, params, st: MultiTurnState, key, ids_b, samples_b, quota_b) -> MultiTurnState:
+    """Every row not done decodes its policy turn, at most `quota_b` [R] tokens in this call.
+
+    A row that reaches its quota before its turn ends is paused mid-turn: its
+    `ended` stays False and the next call continues the same turn (same
+    `turn_start` and turn id). `turn` counts the turns that ended.
+    """
     model = nnx.merge(self.graphdef, params)
     b, n = st.tokens.shape
     rows = jnp.arange(b)
     eos_ids = jnp.asarray(self.eos_ids, jnp.int32)
+    quota_b = jnp.asarray(quota_b, jnp.int32)
+    pos0 = st.pos
+
+    def live_rows(st: MultiTurnState) -> jax.Array:
+      return ~st.ended & (st.pos - pos0 < quota_b)
 
     def body(st: MultiTurnState) -> MultiTurnState:
-      live = ~st.ended
+      live = live_rows(st)
       keys = row_keys(key, ids_b, samples_b, st.pos)
       draw = select_token(
         st.logits, keys, self.temperature, self.top_k, self.top_p, self.behavior_logp
@@ -346,9 +380,11 @@ class MultiTurnSampler:
         turn_ids=at(st.turn_ids, st.turn),
       )
 
-    st = st._replace(ended=st.done, turn_start=st.pos)
-    st = jax.lax.while_loop(lambda st: jnp.any(~st.ended), body, st)
-    return st._replace(turn=st.turn + (~st.done).astype(jnp.int32))
+    # A new turn starts where the last one ended; a turn paused mid-way keeps its start.
+    start = jnp.where(st.ended | st.done, st.pos, st.turn_start)
+    st = st._replace(ended=st.done, turn_start=start)
+    st = jax.lax.while_loop(lambda st: jnp.any(live_rows(st)), body, st)
+    return st._replace(turn=st.turn + (st.ended & ~st.done).astype(jnp.int32))
 
   def _extend(self, params, st: MultiTurnState, obs_bo, counts_b, done_b) -> MultiTurnState:
     """Appends each row's observation (its first counts[b] tokens) and marks done rows."""
@@ -489,45 +525,80 @@ class MultiTurnSampler:
     ids_b = jnp.asarray(np.repeat(ids, k), jnp.int32)
     samples_b = jnp.asarray(np.tile(np.arange(k), g), jnp.int32)
     st = self.start(params, prompt_tokens, prompt_lengths, limit)
+    rec = Rows.fresh(limit)
+    st = self.advance(params, st, key, ids_b, samples_b, respond, rec, update_params=update_params)
+    return _outputs(st, rec.reason, rec.cut)
+
+  def advance(
+    self,
+    params,
+    st: MultiTurnState,
+    key: jax.Array,
+    ids_b,
+    samples_b,
+    respond: Respond,
+    rec: Rows,
+    *,
+    budget: int = 0,
+    update_params: Callable[[int], object] | None = None,
+  ) -> MultiTurnState:
+    """Plays the rows not done until each is done or has decoded `budget` tokens here.
+
+    Rounds of `turn`, `respond` and `extend`: in each round every row not done
+    and within its budget decodes (the rest of) its turn; the rows whose turn
+    ended are answered, grouped by their turn index, and their observations
+    appended. `budget` 0 plays every episode to its end (then all rows take
+    turn t in round t, and `update_params(t)` is asked before every round but
+    the first). With a budget, a row that has used it pauses, possibly
+    mid-turn, and a later call continues it (partial rollouts,
+    `run.episode_pool`). `rec` (host records of the rows) is updated in place.
+    """
+    b = rec.done.shape[0]
     vocab = st.logits.shape[1]
-    reason = np.full((b,), END_TURNS, np.int32)
-    cut = np.zeros((b,), bool)
-    done = np.zeros((b,), bool)
-    for turn in range(self.max_turns):
-      if turn and update_params is not None:
-        new_params = update_params(turn)
+    quota = self.max_new_tokens if budget <= 0 else int(budget)
+    used = np.zeros((b,), np.int64)
+    pos = np.asarray(jax.device_get(st.pos))
+    for round_ in itertools.count():
+      active = ~rec.done & (used < quota)
+      if not active.any():
+        return st
+      if round_ and update_params is not None:
+        new_params = update_params(round_)
         if new_params is not None:
           params = new_params
           st = self.reencode(params, st)
-      rows = np.flatnonzero(~done)
-      st = self.turn(params, st, key, ids_b, samples_b)
-      pos, start, eos, tokens = jax.device_get((st.pos, st.turn_start, st.eos, st.tokens))
+      before = pos
+      st = self.turn(params, st, key, ids_b, samples_b, np.where(active, quota - used, 0))
+      pos, start, eos, tokens, ended, turns = jax.device_get(
+        (st.pos, st.turn_start, st.eos, st.tokens, st.ended, st.turn)
+      )
+      used += pos - before
       # A row needs two free slots to go on (an observation token and a policy token):
       # with one, its next turn would follow its last one with no observation between.
-      out_of_room = pos >= limit - 1
-      final = eos | out_of_room | (turn + 1 == self.max_turns)
+      out_of_room = pos >= rec.limit - 1
+      final = eos | out_of_room | (turns >= self.max_turns)
       obs = np.zeros((b, self.observation_tokens), np.int32)
       counts = np.zeros((b,), np.int32)
+      rows = np.flatnonzero(active & ended)
       for is_final in (False, True):
-        sel = rows[final[rows] == is_final]
-        if not sel.size:
-          continue
-        actions = [tokens[r, start[r] : pos[r]] for r in sel]
-        for r, (o, env_done) in zip(
-          sel, self._ask(respond, turn, sel, actions, is_final, vocab), strict=True
-        ):
-          if is_final or env_done or o.size == 0:  # an empty observation ends the episode too
-            done[r] = True
-            reason[r] = _end_reason(eos[r], env_done or o.size == 0, out_of_room[r])
+        for turn in np.unique(turns[rows] - 1):
+          sel = rows[(final[rows] == is_final) & (turns[rows] - 1 == turn)]
+          if not sel.size:
             continue
-          c = min(o.size, self.observation_tokens, int(limit[r] - pos[r] - 1))
-          cut[r] |= c < o.size
-          obs[r, :c] = o[:c]
-          counts[r] = c
-      st = self.extend(params, st, obs, counts, done.copy())
-      if done.all():
-        break
-    return _outputs(st, reason, cut)
+          actions = [tokens[r, start[r] : pos[r]] for r in sel]
+          answers = self._ask(respond, int(turn), sel, actions, is_final, vocab)
+          for r, (o, env_done) in zip(sel, answers, strict=True):
+            if is_final or env_done or o.size == 0:  # an empty observation ends the episode too
+              rec.done[r] = True
+              rec.reason[r] = _end_reason(eos[r], env_done or o.size == 0, out_of_room[r])
+              continue
+            c = min(o.size, self.observation_tokens, int(rec.limit[r] - pos[r] - 1))
+            rec.cut[r] |= c < o.size
+            obs[r, :c] = o[:c]
+            counts[r] = c
+      st = self.extend(params, st, obs, counts, rec.done.copy())
+      pos = pos + counts
+    raise AssertionError("unreachable")
 
   def _ask(self, respond, turn, rows, actions, final, vocab) -> list[tuple[np.ndarray, bool]]:
     """`respond`'s answers for `rows`, checked: [(observation tokens, done)]."""

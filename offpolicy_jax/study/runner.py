@@ -205,6 +205,11 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
       "config.mesh.sampler_devices: a study runs every seed's step as one program on one "
       "mesh; it must be 0"
     )
+  if base.multiturn.max_turns and base.rollout.partial_budget:
+    raise ValueError(
+      "config.rollout.partial_budget: a study plays every seed's episodes to their end within "
+      "the step; episodes in flight across steps (run.episode_pool) run in single runs only"
+    )
   if base.rollout.continuous_auto_steps:
     raise ValueError(
       "config.rollout.continuous_auto_steps: a study runs one sampler for every seed and "

@@ -1,0 +1,259 @@
+"""Partial rollouts of multi-turn episodes: episodes in flight across loop steps.
+
+With `rollout.partial_budget = b` and episodes (`multiturn.max_turns > 0`),
+the sync loop no longer plays every episode to its end within its step. An
+`EpisodePool` of S group slots (K trajectories each) is carried from step to
+step; each step
+
+  admit    the step's G prompt groups take free slots, and their environments
+           are reset (in the sandboxed workers, as always);
+  advance  every unfinished trajectory decodes at most b policy tokens under
+           the step's behaviour parameters theta_v, turns and environment
+           answers interleaved as in a whole episode
+           (`MultiTurnSampler.advance`); a trajectory that has used its b
+           tokens pauses, mid-turn if need be, and goes on at the next step;
+  emit     groups whose K trajectories have all ended are packed (rewards,
+           group-relative advantages, per-token versions) and buffered; the
+           step trains from the buffer (FIFO), as single-turn partial
+           rollouts do (`sampling.partial`, `rl_step.partial_rl_step`).
+
+Versions. Every policy token records the version v that drew it, and its
+behaviour log-prob under theta_v given the whole trajectory so far: at the
+start of each step the pool's caches are recomputed from the tokens under
+theta_v (`MultiTurnSampler.reencode`), never continued from keys and values
+of older parameters (the argument of `sampling.partial`). With
+`rollout.score_old`, each token's pi_old is the learner's score under the
+parameters of its own step.
+
+Capacity. An unfinished trajectory decodes b tokens every step, so it ends
+within L = ceil(N / b) steps (N = max_new_tokens); with S = L * G slots and G
+admissions per step no prompt is ever turned away, and the replay buffer
+holds at least L batches (`components.replay_capacity`), as for single-turn
+partial rollouts.
+
+Resume. The pool (tokens, log-probs, versions, the environments' JSON
+states and rewards) is part of the checkpoint (`arrays` / `meta`,
+`restore`); its caches are not, since every step recomputes them. A run
+killed and resumed writes the uninterrupted run's rows.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from offpolicy_jax import types
+from offpolicy_jax.run import data, episodes, pipeline
+from offpolicy_jax.sampling import SampleOutput, multiturn
+from offpolicy_jax.sampling import partial as partial_rollouts
+
+# Metrics of every step with a pool (the names of single-turn partial rollouts).
+POOL_STATS = (
+  "partial_emitted_groups",
+  "partial_inflight_groups",
+  "partial_mixed_rows",
+  "partial_dropped_prompts",
+)
+# Row fields of the pool kept between steps ([R] or [R, N]; `multiturn.MultiTurnState`).
+_ROW_FIELDS = ("pos", "turn_start", "turn", "ended", "eos", "tokens", "logprobs", "kept")
+_MASK_FIELDS = ("policy", "observation", "turn_ids")
+
+
+class EpisodePool:
+  """The in-flight episodes of a run with partial rollouts (module docstring).
+
+  Args:
+    fns: the run's step functions (`fns.episodes` set).
+    budget: b, policy tokens per trajectory per loop step.
+    prompt_fields: `{name: (shape without the group axis, dtype)}` of the
+      prompts' device fields (`pipeline.DEVICE_FIELDS`).
+  """
+
+  def __init__(self, fns, budget: int, prompt_fields: dict[str, tuple[tuple[int, ...], Any]]):
+    ep = fns.episodes
+    self.fns, self.ep, self.budget = fns, ep, int(budget)
+    self.sampler = ep.make_sampler(fns.sizes.group_size, False)
+    g, k, n = fns.sizes.prompts_per_step, fns.sizes.group_size, fns.sizes.max_new_tokens
+    self.slots = partial_rollouts.steps_to_finish(n, self.budget) * g
+    r = self.slots * k
+    self.k = k
+    self.prompts = {
+      name: np.zeros((self.slots, *shape), dtype) for name, (shape, dtype) in prompt_fields.items()
+    }
+    self.prompts["prompt_lengths"][:] = 1  # free slots hold a one-token prompt (finite scores)
+    self.index = np.zeros(self.slots, np.int64)
+    self.occupied = np.zeros(self.slots, bool)
+    self.rows = {
+      name: np.zeros((r, n) if name in ("tokens", "logprobs", "kept") else (r,), _dtype(name))
+      for name in _ROW_FIELDS
+    }
+    self.rows.update({name: np.zeros((r, n), _dtype(name)) for name in _MASK_FIELDS})
+    self.versions = np.zeros((r, n), np.int32)
+    self.old = np.zeros((r, n), np.float32)
+    self.rec = multiturn.Rows.fresh(np.full(r, n, np.int32))
+    self.rec.done[:] = True  # free rows never decode
+    self.turns = episodes.Turns(ep, r, self.sampler.max_turns)
+
+  def step(self, params, prompts: dict[str, Any], step: int, seed: int, version: int):
+    """Admits `prompts` (the step's G groups), advances the pool, emits finished groups.
+
+    Args:
+      params: the behaviour parameters (the whole model state) of this step.
+      prompts: the step's prompts (`pipeline.DEVICE_FIELDS` and `index`).
+      step: the loop step (sampling and advantage keys).
+      seed: the run's seed.
+      version: the behaviour parameters' version (optimizer steps).
+
+    Returns:
+      `(batch, keep, stats)`: a `TrainBatch` over the S slots, bool [S] the
+      groups emitted (the rest are not buffered), host statistics.
+    """
+    t0 = time.perf_counter()
+    self.turns.clear()
+    self._admit(prompts)
+    st = self.sampler.reencode(params, self._state())
+    before = self.rows["pos"].copy()
+    k, r = self.k, self.slots * self.k
+    ids_b = jnp.asarray(np.repeat(np.arange(self.slots), k), jnp.int32)
+    samples_b = jnp.asarray(np.tile(np.arange(k), self.slots), jnp.int32)
+    key = pipeline.step_key(seed, step, pipeline.SAMPLE)
+    st = self.sampler.advance(
+      params, st, key, ids_b, samples_b, self.turns, self.rec, budget=self.budget
+    )
+    got = jax.device_get({name: getattr(st, name) for name in (*_ROW_FIELDS, *_MASK_FIELDS)})
+    self.rows = {name: np.array(x) for name, x in got.items()}
+    slot = np.arange(self.versions.shape[1])[None, :]
+    new = (slot >= before[:, None]) & (slot < self.rows["pos"][:, None])
+    self.versions[new] = int(version)
+    out = self._output()
+    if self.fns.score_old is not None:
+      scored = self.fns.score_old(
+        params,
+        jnp.asarray(self.prompts["prompt_tokens"]),
+        jnp.asarray(self.prompts["prompt_lengths"]),
+        out._replace(old_logprobs=None),
+      )
+      self.old = np.where(new, np.asarray(jax.device_get(scored)), self.old).astype(np.float32)
+      out = out._replace(old_logprobs=jnp.asarray(self.old))
+    emitted = self.occupied & self.rec.done.reshape(self.slots, k).all(axis=1)
+    rows = np.flatnonzero(np.repeat(emitted, k))
+    turns = self.rows["turn"][rows]
+    rewards_r, turn_rewards_r = episodes.trajectory_rewards(
+      self.turns, np.arange(r), self.rows["turn"]
+    )
+    rewards = turn_rewards_r if self.ep.credit == "turn" else rewards_r
+    device = {name: jnp.asarray(x) for name, x in self.prompts.items()}
+    adv_key = pipeline.step_key(seed, step, pipeline.ADV)
+    batch = pipeline.pack_jit(
+      self.fns, device, out, jnp.asarray(rewards), jnp.asarray(self.versions), adv_key
+    )
+    stats = episodes.episode_stats(self.ep, self.turns, rows, turns, time.perf_counter() - t0)
+    mixed = [len(np.unique(self.versions[i][self.rows["policy"][i]])) > 1 for i in rows]
+    self.occupied &= ~emitted
+    stats |= {
+      "partial_emitted_groups": int(emitted.sum()),
+      "partial_inflight_groups": int(self.occupied.sum()),
+      "partial_mixed_rows": int(sum(mixed)),
+      "partial_dropped_prompts": 0,
+    }
+    return batch, jnp.asarray(emitted), stats
+
+  def _admit(self, prompts: dict[str, Any]) -> None:
+    """The step's groups take the lowest free slots; their rows and environments start."""
+    g, k = len(np.asarray(prompts["index"])), self.k
+    free = np.flatnonzero(~self.occupied)
+    if len(free) < g:  # impossible by the capacity argument (module docstring)
+      raise RuntimeError(f"episode pool: {g} groups to admit, {len(free)} free slots")
+    slots = free[:g]
+    for name in self.prompts:
+      self.prompts[name][slots] = np.asarray(prompts[name])
+    self.index[slots] = np.asarray(prompts["index"])
+    self.occupied[slots] = True
+    rows = (slots[:, None] * k + np.arange(k)[None, :]).reshape(-1)
+    for x in (*self.rows.values(), self.versions, self.old):
+      x[rows] = 0
+    self.rec.done[rows] = False
+    self.rec.reason[rows] = multiturn.END_TURNS
+    self.rec.cut[rows] = False
+    examples = data.examples(self.fns.task, "train", np.repeat(self.index[slots], k).tolist())
+    self.turns.reset(rows, examples)  # a failed reset ends its row after one turn, as in `play`
+
+  def _state(self) -> multiturn.MultiTurnState:
+    """The pool as a sampler state without caches (`reencode` computes them)."""
+    p = self.prompts["prompt_tokens"].shape[1]
+    rows = {name: jnp.asarray(x) for name, x in self.rows.items()}
+    return multiturn.MultiTurnState(
+      prompt_tokens=jnp.asarray(self.prompts["prompt_tokens"]),
+      prompt_mask=types.prompt_mask(jnp.asarray(self.prompts["prompt_lengths"]), p),
+      # No caches or logits: `reencode` computes them from the tokens (module docstring).
+      prefix=None,  # type: ignore[arg-type]
+      suffix=None,  # type: ignore[arg-type]
+      logits=None,  # type: ignore[arg-type]
+      limit=jnp.asarray(self.rec.limit),
+      done=jnp.asarray(self.rec.done),
+      **rows,
+    )
+
+  def _output(self) -> SampleOutput:
+    policy = self.rows["policy"]
+    return SampleOutput(
+      tokens=jnp.asarray(self.rows["tokens"]),
+      logprobs=jnp.asarray(np.where(policy, self.rows["logprobs"], 0.0).astype(np.float32)),
+      mask=jnp.asarray(policy.astype(np.float32)),
+      lengths=jnp.asarray(self.rows["pos"]),
+      kept=jnp.asarray(np.where(policy, self.rows["kept"], 0).astype(np.int32)),
+    )
+
+  # Checkpointing: arrays (an item of the checkpoint) and JSON meta.
+
+  def arrays(self) -> dict[str, np.ndarray]:
+    """The pool's arrays by name (a checkpoint item; `restore` takes them back)."""
+    t = self.turns
+    return {
+      **{f"prompt_{name}": x for name, x in self.prompts.items()},
+      **{f"row_{name}": x for name, x in self.rows.items()},
+      "index": self.index,
+      "occupied": self.occupied,
+      "versions": self.versions,
+      "old": self.old,
+      "done": self.rec.done,
+      "reason": self.rec.reason,
+      "cut": self.rec.cut,
+      "rewards": t.rewards,
+      "turn_rewards": t.turn_rewards,
+      "failures": t.failures,
+      "tool_calls": t.tool_calls,
+      "dead": t.dead,
+    }
+
+  def meta(self) -> dict[str, Any]:
+    """The environments' states (JSON values) of the pool's rows."""
+    return {"env_states": list(self.turns.states)}
+
+  def restore(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+    """Takes back the pool of a checkpoint (`arrays`, `meta`)."""
+    mine = self.arrays()
+    if set(arrays) != set(mine):
+      raise ValueError(f"episode pool checkpoint: fields {sorted(arrays)}, expected {sorted(mine)}")
+    for name, x in arrays.items():
+      x = np.asarray(x)
+      if x.shape != mine[name].shape:
+        raise ValueError(
+          f"episode pool checkpoint: {name} has shape {x.shape}, this run's pool "
+          f"{mine[name].shape} (rollout.partial_budget or the batch shape changed)"
+        )
+      mine[name][...] = x
+    states = meta.get("env_states")
+    if not isinstance(states, list) or len(states) != len(self.turns.states):
+      raise ValueError("episode pool checkpoint: env_states missing or of the wrong length")
+    self.turns.states = list(states)
+
+
+def _dtype(name: str):
+  if name in ("ended", "eos", "policy", "observation"):
+    return bool
+  return np.float32 if name == "logprobs" else np.int32
