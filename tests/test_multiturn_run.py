@@ -95,9 +95,35 @@ def test_partial_episodes_pause_span_versions_and_resume_exactly(tmp_path):
     assert abs(r["mismatch_kl_k3"]) < 1e-5, r["mismatch_kl_k3"]
   part = str(tmp_path / "part")
   loop.train_and_evaluate(_config(total_steps=3, **common), part)  # checkpoint: pool in flight
+  changed = _config(total_steps=8, **{**common, "rollout.partial_budget": 3})
+  with pytest.raises(ValueError, match=r"^config\.rollout\.partial_budget: the checkpoint"):
+    loop.train_and_evaluate(changed, part, allow_config_change=True)
   loop.train_and_evaluate(_config(total_steps=8, **common), part)
   got_train, _ = metrics_files.split_rows(metrics_files.read_metrics(part))
   assert _no_timing(got_train) == _no_timing(train)
+
+
+def test_episode_pool_emits_the_oldest_groups_first():
+  """Slots are reused after emission, so slot order is not age: the batch puts the oldest
+  admissions first, for the replay buffer's FIFO (the first token's version is the step it
+  came in: version = step here)."""
+  from offpolicy_jax.run import pipeline
+
+  comps = components.build_components(_config(**{"rollout.partial_budget": 2}))
+  fns, k = comps.fns, comps.fns.sizes.group_size
+  pool = loop._episode_pool(comps)
+  _, params = loop.initial_weights(comps, log_fn=lambda *a: None)  # episodes of 1 to 4 turns
+  prompts_it = pipeline.prompt_iterator(fns, 0)
+  came_in, reused = [], False
+  for step in range(1, 31):
+    prompts = pipeline.assemble_global(comps.mesh, next(prompts_it))
+    occupied = pool.occupied.copy()
+    batch, keep, _ = pool.step(params, prompts, step, 0, step)
+    first = np.asarray(batch.versions)[::k, 0][np.asarray(keep)]
+    assert list(first) == sorted(first), (step, first)
+    came_in.extend(first.tolist())
+    reused |= bool(np.any(~occupied[: pool.slots // 2]) and step > 12)
+  assert len(came_in) >= 20 and reused
 
 
 class FlakyGuess(agentic.GuessNumber):

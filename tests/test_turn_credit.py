@@ -105,6 +105,40 @@ def test_pack_gives_each_turns_tokens_its_reward_to_go():
   assert np.asarray(batch.advantages)[0, 2] == 0.0  # an observation token: no advantage
 
 
+@pytest.mark.parametrize("per_turn", [False, True])
+def test_pack_computes_advantages_over_the_valid_groups_only(per_turn):
+  """A partial-rollout pool packs all its slots; groups in flight must not move the advantages
+  of emitted ones, even under a batch-level estimator (batch_whiten)."""
+  g, k, n = 3, 2, 4
+  out = SampleOutput(
+    tokens=jnp.ones((g * k, n), jnp.int32),
+    mask=jnp.ones((g * k, n)),
+    logprobs=jnp.zeros((g * k, n)),
+    lengths=jnp.full((g * k,), n, jnp.int32),
+    kept=jnp.ones((g * k, n), jnp.int32),
+    old_logprobs=None,
+  )
+  fns = pytypes.SimpleNamespace(
+    sizes=pytypes.SimpleNamespace(prompts_per_step=g, group_size=k),
+    advantage="batch_whiten",
+    episodes=pytypes.SimpleNamespace(gamma=1.0),
+  )
+  prompts = {"prompt_tokens": jnp.ones((g, 3), jnp.int32), "prompt_lengths": jnp.full((g,), 3)}
+  valid = jnp.array([True, False, True])
+
+  def adv(rewards):
+    r = np.asarray(rewards, np.float32)
+    r = r[:, None] if per_turn else r
+    batch = pipeline.pack(fns, prompts, out, r, 0, jax.random.key(0), valid)
+    return np.asarray(batch.advantages).reshape(g * k, -1)[:, 0]
+
+  a = adv([1.0, 0.0, 5.0, 7.0, 0.0, 1.0])
+  b = adv([1.0, 0.0, -3.0, 0.0, 0.0, 1.0])  # only the invalid group changed
+  np.testing.assert_allclose(a, b, atol=1e-6)
+  np.testing.assert_array_equal(a[2:4], 0.0)
+  assert np.abs(a[[0, 1, 4, 5]]).min() > 0.5
+
+
 class StepPaidGuess(agentic.GuessNumber):
   """guess_number paying 0.1 for every guess that is a number (module level: reaches workers)."""
 

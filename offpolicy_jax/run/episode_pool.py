@@ -87,6 +87,7 @@ class EpisodePool:
     self.prompts["prompt_lengths"][:] = 1  # free slots hold a one-token prompt (finite scores)
     self.index = np.zeros(self.slots, np.int64)
     self.occupied = np.zeros(self.slots, bool)
+    self.admitted = np.zeros(self.slots, np.int64)  # the loop step each group came in
     self.rows = {
       name: np.zeros((r, n) if name in ("tokens", "logprobs", "kept") else (r,), _dtype(name))
       for name in _ROW_FIELDS
@@ -109,12 +110,13 @@ class EpisodePool:
       version: the behaviour parameters' version (optimizer steps).
 
     Returns:
-      `(batch, keep, stats)`: a `TrainBatch` over the S slots, bool [S] the
-      groups emitted (the rest are not buffered), host statistics.
+      `(batch, keep, stats)`: a `TrainBatch` over the S slots, oldest
+      admission first; bool [S] its groups emitted (the rest are not
+      buffered); host statistics.
     """
     t0 = time.perf_counter()
     self.turns.clear()
-    self._admit(prompts)
+    self._admit(prompts, step)
     st = self.sampler.reencode(params, self._state())
     before = self.rows["pos"].copy()
     k, r = self.k, self.slots * self.k
@@ -148,11 +150,27 @@ class EpisodePool:
     rewards = turn_rewards_r if self.ep.credit == "turn" else rewards_r
     device = {name: jnp.asarray(x) for name, x in self.prompts.items()}
     adv_key = pipeline.step_key(seed, step, pipeline.ADV)
+    # Advantages over the emitted groups only (batch-level estimators see no group in flight).
     batch = pipeline.pack_jit(
-      self.fns, device, out, jnp.asarray(rewards), jnp.asarray(self.versions), adv_key
+      self.fns,
+      device,
+      out,
+      jnp.asarray(rewards),
+      jnp.asarray(self.versions),
+      adv_key,
+      jnp.asarray(emitted),
     )
+    # Oldest admission first, so the buffer's FIFO trains groups in the order they came.
+    order = np.lexsort((np.arange(self.slots), self.admitted))
+    row_order = jnp.asarray((order[:, None] * k + np.arange(k)[None, :]).reshape(-1))
+    batch = jax.tree.map(lambda x: x[row_order], batch)
     stats = episodes.episode_stats(self.ep, self.turns, rows, turns, time.perf_counter() - t0)
+    # Per emitted trajectory, over its whole life (the counters above are this step's calls).
+    b = max(len(rows), 1)
+    stats["episode/observation_tokens"] = float(self.rows["observation"][rows].sum() / b)
+    stats["episode/observations_cut"] = int(self.rec.cut[rows].sum())
     mixed = [len(np.unique(self.versions[i][self.rows["policy"][i]])) > 1 for i in rows]
+    keep = emitted[order]
     self.occupied &= ~emitted
     stats |= {
       "partial_emitted_groups": int(emitted.sum()),
@@ -160,9 +178,9 @@ class EpisodePool:
       "partial_mixed_rows": int(sum(mixed)),
       "partial_dropped_prompts": 0,
     }
-    return batch, jnp.asarray(emitted), stats
+    return batch, jnp.asarray(keep), stats
 
-  def _admit(self, prompts: dict[str, Any]) -> None:
+  def _admit(self, prompts: dict[str, Any], step: int) -> None:
     """The step's groups take the lowest free slots; their rows and environments start."""
     g, k = len(np.asarray(prompts["index"])), self.k
     free = np.flatnonzero(~self.occupied)
@@ -173,6 +191,7 @@ class EpisodePool:
       self.prompts[name][slots] = np.asarray(prompts[name])
     self.index[slots] = np.asarray(prompts["index"])
     self.occupied[slots] = True
+    self.admitted[slots] = step
     rows = (slots[:, None] * k + np.arange(k)[None, :]).reshape(-1)
     for x in (*self.rows.values(), self.versions, self.old):
       x[rows] = 0
@@ -218,6 +237,7 @@ class EpisodePool:
       **{f"row_{name}": x for name, x in self.rows.items()},
       "index": self.index,
       "occupied": self.occupied,
+      "admitted": self.admitted,
       "versions": self.versions,
       "old": self.old,
       "done": self.rec.done,
@@ -231,8 +251,8 @@ class EpisodePool:
     }
 
   def meta(self) -> dict[str, Any]:
-    """The environments' states (JSON values) of the pool's rows."""
-    return {"env_states": list(self.turns.states)}
+    """The pool's shape and the environments' states (JSON values) of its rows."""
+    return {"slots": self.slots, "budget": self.budget, "env_states": list(self.turns.states)}
 
   def restore(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
     """Takes back the pool of a checkpoint (`arrays`, `meta`)."""

@@ -204,6 +204,23 @@ def _episode_pool(comps: Components) -> episode_pool.EpisodePool | None:
   return episode_pool.EpisodePool(fns, fns.episodes.partial_budget, fields)
 
 
+def _check_pool(ckpt, pool: episode_pool.EpisodePool | None) -> None:
+  """Refuses, naming the field, a latest checkpoint whose episodes in flight do not fit `pool`."""
+  try:
+    meta = ckpt.restore_meta()
+  except checkpointing.CheckpointError:
+    return  # `restore_latest` reports it and falls back to an older step
+  saved = meta.get(POOL_ITEM)
+  had = None if saved is None else {"slots": saved.get("slots"), "budget": saved.get("budget")}
+  has = None if pool is None else {"slots": pool.slots, "budget": pool.budget}
+  if had != has:
+    raise ValueError(
+      f"config.rollout.partial_budget: the checkpoint of step {meta.get('step')} holds "
+      f"episodes in flight of a pool {had or 'that does not exist'}, this run's pool is "
+      f"{has or 'none'}; refusing to resume (restore the budget or use a new workdir)"
+    )
+
+
 def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str, pool=None):
   """The run state, its step, the starting accuracy, the base record and the sampler choice.
 
@@ -221,6 +238,7 @@ def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: st
     template = _fresh_state(comps, params, base)
     # The newest intact step: corrupt ones are reported and moved aside.
     wanted = state_items(template)
+    _check_pool(ckpt, pool)
     if pool is not None:
       wanted[POOL_ITEM] = pool.arrays()
     items, meta, start = ckpt.restore_latest(wanted)

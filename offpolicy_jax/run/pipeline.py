@@ -288,7 +288,7 @@ def score(fns, prompts: dict, rollout, *, split: str = "train", group_size: int 
   return score_on_host(fns, prompts, rollout, split=split, group_size=k)
 
 
-def pack(fns, prompts: dict, rollout, rewards_b, version, key) -> TrainBatch:
+def pack(fns, prompts: dict, rollout, rewards_b, version, key, valid=None) -> TrainBatch:
   """Packs a scored rollout of whole responses into a `TrainBatch` (traceable).
 
   Args:
@@ -304,11 +304,17 @@ def pack(fns, prompts: dict, rollout, rewards_b, version, key) -> TrainBatch:
     version: the behaviour parameters' version, in optimizer steps (`fns.version`),
       or int [B, N] per token (episodes whose turns were drawn by different versions).
     key: PRNG key of stochastic advantage estimators.
+    valid: optional bool [G], the groups the advantages are computed over (the
+      others get 0 and no say in batch-level estimators): the finished groups
+      of a partial-rollout pool. Default: all.
   """
   # G groups: the step's prompts, or the slots of a partial-rollout pool.
   g, k = jnp.shape(prompts["prompt_tokens"])[0], fns.sizes.group_size
   rewards_b = jnp.asarray(rewards_b, jnp.float32)
+  rows_valid = None if valid is None else jnp.repeat(jnp.asarray(valid, bool), k)
   if rewards_b.ndim == 2:
+    if rows_valid is not None:  # NaN: turns not taken (`advantages.per_turn`)
+      rewards_b = jnp.where(rows_valid[:, None], rewards_b, jnp.nan)
     adv_bt = advantages.per_turn(
       fns.advantage, rewards_b.reshape(g, k, -1), key, gamma=fns.episodes.gamma
     ).reshape(g * k, -1)
@@ -316,7 +322,9 @@ def pack(fns, prompts: dict, rollout, rewards_b, version, key) -> TrainBatch:
     adv = jnp.take_along_axis(adv_bt, turn, axis=1) * (rollout.mask > 0)
     rewards_b = jnp.nansum(rewards_b, axis=1)
   else:
-    adv = advantages.compute(fns.advantage, rewards_b.reshape(g, k), key=key).reshape(g * k)
+    valid_gk = None if rows_valid is None else rows_valid.reshape(g, k)
+    adv = advantages.compute(fns.advantage, rewards_b.reshape(g, k), key=key, valid=valid_gk)
+    adv = adv.reshape(g * k)
   versions = jnp.broadcast_to(jnp.asarray(version, jnp.int32), rollout.tokens.shape)
   return types.pack_groups(
     prompts["prompt_tokens"],

@@ -553,6 +553,11 @@ class MultiTurnSampler:
     mid-turn, and a later call continues it (partial rollouts,
     `run.episode_pool`). `rec` (host records of the rows) is updated in place.
     """
+    if budget > 0 and update_params is not None:
+      raise ValueError(
+        "advance: update_params needs whole episodes (budget 0): with a budget, rows are at "
+        "different turns (new parameters go to the next call instead)"
+      )
     b = rec.done.shape[0]
     vocab = st.logits.shape[1]
     quota = self.max_new_tokens if budget <= 0 else int(budget)
