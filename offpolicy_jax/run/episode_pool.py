@@ -172,6 +172,7 @@ class EpisodePool:
     mixed = [len(np.unique(self.versions[i][self.rows["policy"][i]])) > 1 for i in rows]
     keep = emitted[order]
     self.occupied &= ~emitted
+    self.rows["pos"][rows] = 0  # free rows: nothing for the next steps' re-encoding to span
     stats |= {
       "partial_emitted_groups": int(emitted.sum()),
       "partial_inflight_groups": int(self.occupied.sum()),
