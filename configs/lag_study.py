@@ -48,9 +48,9 @@ from offpolicy_jax.study import runner as study
 # advantage). RED-Drop is REINFORCE with the red_drop advantage.
 # The default grid: the methods whose claims the paper makes (REINFORCE collapses under lag;
 # REC-OneSide-NoIS learns like GRPO; wide clipping learns faster under lag; OPMD, AsymRE and
-# RED work). 8 methods x 5 lags x 12 seeds + the A/A twin fit the 60-minute budget here; all
-# 16 do not (about 63 s per cell of 12 seeds: 85 cells, about 90 minutes), so the rest run
-# in the `toy_full` scale (docs/lag_and_study.md).
+# RED work). 8 methods x 5 lags x 12 seeds + the A/A twin fit the 60-minute budget here (42 min
+# 33 s); all 16 do not (about 74 minutes, measured), so the rest run in the `toy_full` scale
+# (docs/lag_and_study.md).
 METHODS = ",".join(
   (
     "reinforce",
