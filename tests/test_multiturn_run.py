@@ -98,6 +98,7 @@ def test_partial_episodes_pause_span_versions_and_resume_exactly(tmp_path):
   changed = _config(total_steps=8, **{**common, "rollout.partial_budget": 3})
   with pytest.raises(ValueError, match=r"^config\.rollout\.partial_budget: the checkpoint"):
     loop.train_and_evaluate(changed, part, allow_config_change=True)
+  assert not os.path.exists(os.path.join(part, "config_history.jsonl"))  # no change recorded
   loop.train_and_evaluate(_config(total_steps=8, **common), part)
   got_train, _ = metrics_files.split_rows(metrics_files.read_metrics(part))
   assert _no_timing(got_train) == _no_timing(train)

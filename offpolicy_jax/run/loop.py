@@ -109,10 +109,12 @@ def train_and_evaluate(
     )
     try:
       latest = ckpt.latest_step()
+      pool = _episode_pool(comps)
+      if latest:  # before the config check records an allowed change
+        _check_pool(ckpt, pool)
       if latest and primary:
         workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
       data_iter = producer.LockedIterator(pipeline.prompt_iterator(comps.fns, comps.run.seed))
-      pool = _episode_pool(comps)
       state, start, start_accuracy, base, choice = _restore_or_init(
         comps, ckpt, data_iter, workdir, config.model, pool
       )
@@ -205,7 +207,11 @@ def _episode_pool(comps: Components) -> episode_pool.EpisodePool | None:
 
 
 def _check_pool(ckpt, pool: episode_pool.EpisodePool | None) -> None:
-  """Refuses, naming the field, a latest checkpoint whose episodes in flight do not fit `pool`."""
+  """Refuses, naming the field, a latest checkpoint whose episodes in flight do not fit `pool`.
+
+  Raises:
+    workdir.ConfigChanged: the pool's budget or shape changed (or it was turned on or off).
+  """
   try:
     meta = ckpt.restore_meta()
   except checkpointing.CheckpointError:
@@ -213,8 +219,8 @@ def _check_pool(ckpt, pool: episode_pool.EpisodePool | None) -> None:
   saved = meta.get(POOL_ITEM)
   had = None if saved is None else {"slots": saved.get("slots"), "budget": saved.get("budget")}
   has = None if pool is None else {"slots": pool.slots, "budget": pool.budget}
-  if had != has:
-    raise ValueError(
+  if had != has:  # not allowed by allow_config_change: the pool cannot be taken back
+    raise workdir_lib.ConfigChanged(
       f"config.rollout.partial_budget: the checkpoint of step {meta.get('step')} holds "
       f"episodes in flight of a pool {had or 'that does not exist'}, this run's pool is "
       f"{has or 'none'}; refusing to resume (restore the budget or use a new workdir)"
@@ -238,7 +244,6 @@ def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: st
     template = _fresh_state(comps, params, base)
     # The newest intact step: corrupt ones are reported and moved aside.
     wanted = state_items(template)
-    _check_pool(ckpt, pool)
     if pool is not None:
       wanted[POOL_ITEM] = pool.arrays()
     items, meta, start = ckpt.restore_latest(wanted)
