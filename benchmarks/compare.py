@@ -77,10 +77,7 @@ from tokenizers import models as tok_models
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import advantages, losses, models  # noqa: E402
-from offpolicy_jax.run import (
-  train_state,  # noqa: E402
-  train_step,  # noqa: E402
-)
+from offpolicy_jax.learn import train_state, train_step  # noqa: E402
 from offpolicy_jax.sampling import sampler as sampling  # noqa: E402
 from offpolicy_jax.types import TrainBatch  # noqa: E402
 

@@ -39,12 +39,8 @@ from offpolicy_jax import (
   models,  # noqa: E402
   types,  # noqa: E402
 )
-from offpolicy_jax.run import (  # noqa: E402
-  loop,
-  replay,
-  train_state,  # noqa: E402
-  train_step,
-)
+from offpolicy_jax.learn import replay, train_state, train_step  # noqa: E402
+from offpolicy_jax.run import loop  # noqa: E402
 from offpolicy_jax.sampling import sampler as sampling  # noqa: E402
 from offpolicy_jax.types import TrainBatch  # noqa: E402
 

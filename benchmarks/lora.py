@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from offpolicy_jax import losses, models, types
-from offpolicy_jax.run import train_state, train_step
+from offpolicy_jax.learn import train_state, train_step
 from offpolicy_jax.sampling import sampler as sampling
 
 

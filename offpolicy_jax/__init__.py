@@ -4,8 +4,11 @@ The package is a stack of wings, each importing only from the ones below it
 (checked in CI by the layers contract in `pyproject.toml`):
 
   study      the lag study, its statistics and reports, the bandit, sweeps, launchers
-  run        components (the config's one reader), pipeline, rl_step, train step, replay,
-             loop, producer, evaluation, warm start, validation, planner
+  run        components (the config's one reader), loop, evaluation, warm start,
+             validation, export, planner
+  rollout    prompts, the rollout kinds, pipeline (score, pi_old, pack), rl_step, producer,
+             the disaggregated sampler
+  learn      train step, train state, batch splits, replay buffer, off-policy diagnostics
   store      checkpoints, the workdir record, metrics files
   rewards    tasks, host scoring in sandboxed verifier workers
   sampling   the KV-cache sampler, partial rollouts
@@ -23,10 +26,12 @@ from offpolicy_jax import (
   config_schema,
   files,
   lag,
+  learn,
   losses,
   models,
   reductions,
   rewards,
+  rollout,
   run,
   sampling,
   scale,
@@ -44,11 +49,13 @@ __all__ = [
   "config_schema",
   "files",
   "lag",
+  "learn",
   "loop",
   "losses",
   "models",
   "reductions",
   "rewards",
+  "rollout",
   "run",
   "sampling",
   "scale",

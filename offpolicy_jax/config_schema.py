@@ -275,7 +275,7 @@ RUN_FIELDS: tuple[Field, ...] = (
      "Partial rollouts (APRIL): decode at most this many tokens per response per loop step; "
      "unfinished responses continue at the next step under the newer parameters (re-prefilled), "
      "every token keeping its own version (0 = off: whole responses). With multi-turn episodes: "
-     "at most this many policy tokens per trajectory per step (run.episode_pool).",
+     "at most this many policy tokens per trajectory per step (rollout.episode_pool).",
      Int(0, note=" (0 = off)")),
   _F("temperature", 1.0, PROGRAM, "Sampling temperature of the behaviour policy.",
      Float(0, lo_open=True)),
@@ -373,7 +373,7 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("replay.policy", "fifo", NUMBERS,
      "Which groups a step trains on: fifo (oldest first; with max_reuse=1 each group once, the "
      "paper's one-pass setting), uniform, staleness (prefers fresh groups) or reward (prefers "
-     "high mean reward); see offpolicy_jax.run.replay.", setting=""),
+     "high mean reward); see offpolicy_jax.learn.replay.", setting=""),
   _F("replay.max_reuse", 1, NUMBERS,
      "Times a group may be trained on before it is retired (0 = unlimited).",
      Int(0, note=" (0 = unlimited)"), setting=""),

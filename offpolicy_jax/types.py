@@ -55,7 +55,7 @@ class TrainBatch(NamedTuple):
 def turn_ids(mask_bn: ArrayLike) -> jax.Array:
   """int32 [B, N]: the turn of each response token, turns being runs of policy tokens (mask 1).
 
-  A multi-turn trajectory (`run.episodes`) interleaves policy turns with
+  A multi-turn trajectory (`rollout.episodes`) interleaves policy turns with
   observation tokens of mask 0; turn j is the j-th run of mask-1 tokens. A
   single-turn row is one turn (0). Observation tokens get the turn they answer.
   """

@@ -9,7 +9,7 @@ import pytest
 from offpolicy_jax.models.tokenizers import CharTokenizer
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rewards.tasks import ListSource, Task
-from offpolicy_jax.run import data
+from offpolicy_jax.rollout import data
 
 TOK = CharTokenizer()
 REVERSE = tasks.get_task("reverse", num_eval=50)

@@ -1,11 +1,11 @@
-"""Tests for offpolicy_jax.run.diagnostics: the off-policy terms against float64 references."""
+"""Tests for offpolicy_jax.learn.diagnostics: the off-policy terms against float64 references."""
 
 import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import reductions as red
 from offpolicy_jax import types
-from offpolicy_jax.run import diagnostics
+from offpolicy_jax.learn import diagnostics
 
 
 def _batch(rng, b=4, n=6):

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from offpolicy_jax import models, types
-from offpolicy_jax.run import train_step
+from offpolicy_jax.learn import train_step
 from offpolicy_jax.sampling import sampler as sampling
 
 N = 8  # max_new_tokens

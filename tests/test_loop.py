@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
 from offpolicy_jax.rewards import tasks  # noqa: E402
-from offpolicy_jax.run import components, loop, pipeline, validation  # noqa: E402
+from offpolicy_jax.rollout import pipeline
+from offpolicy_jax.run import components, loop, validation  # noqa: E402
 from offpolicy_jax.store import (
   metrics,  # noqa: E402
   metrics_files,  # noqa: E402

@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 from offpolicy_jax import losses, models
+from offpolicy_jax.learn import train_state, train_step
 from offpolicy_jax.models import lora, lora_ops
-from offpolicy_jax.run import train_state, train_step
 from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.types import TrainBatch
 

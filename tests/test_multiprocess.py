@@ -22,7 +22,8 @@ sys.path.insert(0, ROOT)
 
 from configs import default  # noqa: E402
 from offpolicy_jax.rewards import tasks  # noqa: E402
-from offpolicy_jax.run import data, loop  # noqa: E402
+from offpolicy_jax.rollout import data  # noqa: E402
+from offpolicy_jax.run import loop  # noqa: E402
 from offpolicy_jax.store.integrity import MANIFEST  # noqa: E402
 from tests.conftest import FAST_COMPILE  # noqa: E402
 
@@ -228,7 +229,7 @@ def main():
   from types import SimpleNamespace
   from offpolicy_jax.models import tokenizers
   from offpolicy_jax.rewards import scoring as rewards, tasks
-  from offpolicy_jax.run import data, pipeline
+  from offpolicy_jax.rollout import data, pipeline
   from offpolicy_jax.scale import sharding
 
   task, tok = tasks.get_task("reverse"), tokenizers.CharTokenizer()

@@ -10,7 +10,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import types  # noqa: E402
-from offpolicy_jax.run import components, episodes, loop, pipeline  # noqa: E402
+from offpolicy_jax.rollout import (
+  episodes,
+  pipeline,  # noqa: E402
+)
+from offpolicy_jax.run import components, loop  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from tests.test_multiturn_run import _config  # noqa: E402
 
@@ -72,7 +76,7 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
 
 
 def _examples(fns, prompts):
-  from offpolicy_jax.run import data
+  from offpolicy_jax.rollout import data
 
   return data.examples(fns.task, "train", np.asarray(prompts["index"]).tolist())
 

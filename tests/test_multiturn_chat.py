@@ -2,7 +2,7 @@
 
 A tiny random Qwen-architecture decoder over a Qwen-style tokenizer (ChatML
 template, `<|im_end|>` as EOS) plays episodes whose observations are rendered
-by `run.episodes.turn_format(chat=True)`; the trajectory must equal the
+by `rollout.episodes.turn_format(chat=True)`; the trajectory must equal the
 template's rendering of the final conversation at every turn boundary
 (generation prompts and end-of-turn tokens included).
 """
@@ -13,7 +13,7 @@ import pytest
 
 from offpolicy_jax import models
 from offpolicy_jax.models import tokenizers
-from offpolicy_jax.run import episodes
+from offpolicy_jax.rollout import episodes
 from offpolicy_jax.sampling import multiturn
 from tests.test_tokenizers import hf_dir  # noqa: F401  (the tokenizer fixture)
 

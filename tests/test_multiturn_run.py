@@ -15,7 +15,8 @@ from offpolicy_jax import types  # noqa: E402
 from offpolicy_jax.models import tokenizers  # noqa: E402
 from offpolicy_jax.rewards import environments, tasks  # noqa: E402
 from offpolicy_jax.rewards.tasks import agentic  # noqa: E402
-from offpolicy_jax.run import components, episodes, loop  # noqa: E402
+from offpolicy_jax.rollout import episodes
+from offpolicy_jax.run import components, loop  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from tests.test_loop import small_config, strip_timing  # noqa: E402
 
@@ -78,7 +79,7 @@ def test_episode_run_trains_and_resumes_exactly_with_trajectories_in_replay(tmp_
 
 
 def test_partial_episodes_pause_span_versions_and_resume_exactly(tmp_path):
-  """Episodes in flight across steps (`run.episode_pool`): 2 policy tokens per step, so turns
+  """Episodes in flight across steps (`rollout.episode_pool`): 2 policy tokens per step, so turns
   of 3 pause mid-way; every token's log-prob is exact under its own step's parameters."""
   common = {"rollout.partial_budget": 2, "rollout.score_old": True, "lag.sync_interval": 2}
   full = loop.train_and_evaluate(_config(total_steps=8, **common), str(tmp_path / "full"))
@@ -108,7 +109,7 @@ def test_episode_pool_emits_the_oldest_groups_first():
   """Slots are reused after emission, so slot order is not age: the batch puts the oldest
   admissions first, for the replay buffer's FIFO (the first token's version is the step it
   came in: version = step here)."""
-  from offpolicy_jax.run import pipeline
+  from offpolicy_jax.rollout import pipeline
 
   comps = components.build_components(_config(**{"rollout.partial_budget": 2}))
   fns, k = comps.fns, comps.fns.sizes.group_size

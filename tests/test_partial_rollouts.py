@@ -14,7 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
 from offpolicy_jax import losses, models
-from offpolicy_jax.run import components, loop, replay, train_state, train_step
+from offpolicy_jax.learn import replay, train_state, train_step
+from offpolicy_jax.run import components, loop
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.store import metrics_files

@@ -12,7 +12,9 @@ from flax import nnx
 
 from configs import default
 from offpolicy_jax import lag, models
-from offpolicy_jax.run import components, pipeline, planner, rl_step, train_step
+from offpolicy_jax.learn import train_step
+from offpolicy_jax.rollout import pipeline, rl_step
+from offpolicy_jax.run import components, planner
 from offpolicy_jax.scale import disagg, sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

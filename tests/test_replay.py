@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from offpolicy_jax.run import replay
+from offpolicy_jax.learn import replay
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.types import TrainBatch
 

@@ -14,11 +14,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import losses, models  # noqa: E402
-from offpolicy_jax.run import (
-  batch_splits,  # noqa: E402
-  train_state,  # noqa: E402
-  train_step,  # noqa: E402
-)
+from offpolicy_jax.learn import batch_splits, train_state, train_step  # noqa: E402
 from offpolicy_jax.scale import sharding  # noqa: E402
 from offpolicy_jax.types import TrainBatch  # noqa: E402
 

@@ -14,11 +14,8 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import lag, models  # noqa: E402
-from offpolicy_jax.run import (  # noqa: E402
-  sft,
-  train_state,  # noqa: E402
-  train_step,
-)
+from offpolicy_jax.learn import train_state, train_step  # noqa: E402
+from offpolicy_jax.run import sft  # noqa: E402
 from offpolicy_jax.scale import sharding  # noqa: E402
 from offpolicy_jax.types import TrainBatch  # noqa: E402
 

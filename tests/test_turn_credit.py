@@ -14,7 +14,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offpolicy_jax import advantages, types  # noqa: E402
 from offpolicy_jax.rewards import tasks  # noqa: E402
 from offpolicy_jax.rewards.tasks import agentic  # noqa: E402
-from offpolicy_jax.run import components, episodes, loop, pipeline  # noqa: E402
+from offpolicy_jax.rollout import (
+  episodes,
+  pipeline,  # noqa: E402
+)
+from offpolicy_jax.run import components, loop  # noqa: E402
 from offpolicy_jax.sampling import SampleOutput  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from tests.test_multiturn_run import _config  # noqa: E402
@@ -206,7 +210,7 @@ def test_played_episodes_pack_to_per_turn_advantages_and_the_run_trains(tmp_path
 
 
 def _examples(fns, prompts):
-  from offpolicy_jax.run import data
+  from offpolicy_jax.rollout import data
 
   return data.examples(fns.task, "train", np.asarray(prompts["index"]).tolist())
 

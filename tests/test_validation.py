@@ -15,11 +15,8 @@ from offpolicy_jax import models  # noqa: E402
 from offpolicy_jax.models.tokenizers import CharTokenizer  # noqa: E402
 from offpolicy_jax.rewards import tasks  # noqa: E402
 from offpolicy_jax.rewards.tasks import ListSource, Task  # noqa: E402
-from offpolicy_jax.run import (  # noqa: E402
-  data,
-  data_checks,  # noqa: E402
-  validation,
-)
+from offpolicy_jax.rollout import data  # noqa: E402
+from offpolicy_jax.run import data_checks, validation  # noqa: E402
 
 TOK = CharTokenizer()
 INF, NAN = math.inf, math.nan

@@ -9,7 +9,7 @@ arXiv:2106.09685; PEFT's ``lora_B(lora_A(lora_dropout(x))) * scaling``).
 ``dropout_p`` (p = `LoraConfig.dropout`) zeroes each input feature with
 probability p and scales the rest by 1 / (1 - p); it acts only when the
 forward pass is given a PRNG key, which only the train step's current-policy
-forward does (`run.train_step`). Every other forward (the sampler, the
+forward does (`learn.train_step`). Every other forward (the sampler, the
 scorer of old / behaviour log-probs, the reference and proximal policies,
 evaluation) passes no key and runs ``x A B``; with p = 0, or without a key, the
 forward is exactly the one without dropout (no key is derived or carried).

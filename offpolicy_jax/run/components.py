@@ -33,19 +33,13 @@ import numpy as np
 from flax import nnx
 
 from offpolicy_jax import config_schema, lag, losses, models
+from offpolicy_jax.learn import train_state, train_step
 from offpolicy_jax.models import tokenizers
 from offpolicy_jax.rewards import environments, tasks
 from offpolicy_jax.rewards import scoring as rewards
-from offpolicy_jax.run import (
-  data_checks,
-  episodes,
-  pipeline,
-  rl_step,
-  train_state,
-  train_step,
-  validation,
-)
-from offpolicy_jax.run.pipeline import INIT, step_key
+from offpolicy_jax.rollout import episodes, pipeline, rl_step
+from offpolicy_jax.rollout.pipeline import INIT, step_key
+from offpolicy_jax.run import data_checks, validation
 from offpolicy_jax.sampling import continuous, multiturn
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
@@ -290,7 +284,7 @@ def _reward(config, task) -> pipeline.Reward:
 def _partial_sampler(config, graphdef, task, tokenizer) -> partial_rollouts.PartialSampler | None:
   """The partial-rollout sampler of `config.rollout.partial_budget` (None when 0)."""
   c, budget = config, config.rollout.partial_budget
-  if not budget or c.multiturn.max_turns:  # episodes: `run.episode_pool`, built by the loop
+  if not budget or c.multiturn.max_turns:  # episodes: `rollout.episode_pool`, built by the loop
     return None
   if task.device_reward is None:
     raise ValueError(

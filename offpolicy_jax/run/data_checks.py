@@ -23,7 +23,7 @@ import jax
 
 from offpolicy_jax import files, models
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.run import data
+from offpolicy_jax.rollout import data
 
 # Splits of up to SCAN_LIMIT examples are scanned in full, larger ones their first SCAN_SAMPLE.
 SCAN_LIMIT = 1_000_000

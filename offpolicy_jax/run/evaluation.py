@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import models
-from offpolicy_jax.run import data, episodes, pipeline
+from offpolicy_jax.rollout import data, episodes, pipeline
 from offpolicy_jax.sampling import sampler as sampling
 
 # Per `StepFns`: the eval prompt batches and the eval samplers, built once.

@@ -41,20 +41,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag, models
-from offpolicy_jax.run import (
+from offpolicy_jax.rollout import (
   episode_pool,
   episodes,
-  evaluation,
-  observability,
   pipeline,
   producer,
   sampler_choice,
   sampler_mesh,
-  sft,
 )
-from offpolicy_jax.run.components import Components, build_components, snapshot_slots
-from offpolicy_jax.run.pipeline import EVAL, step_key
-from offpolicy_jax.run.rl_step import (
+from offpolicy_jax.rollout.pipeline import EVAL, step_key
+from offpolicy_jax.rollout.rl_step import (
   LagSchedule,
   RunState,
   init_state,
@@ -63,6 +59,8 @@ from offpolicy_jax.run.rl_step import (
   state_items,
   weights,
 )
+from offpolicy_jax.run import evaluation, observability, sft
+from offpolicy_jax.run.components import Components, build_components, snapshot_slots
 from offpolicy_jax.store import checkpointing, metrics
 from offpolicy_jax.store import workdir as workdir_lib
 

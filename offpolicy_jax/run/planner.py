@@ -64,16 +64,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from offpolicy_jax import models
+from offpolicy_jax.learn import batch_splits, replay, train_state, train_step
 from offpolicy_jax.models.tokenizers import CharTokenizer
-from offpolicy_jax.run import (
-  batch_splits,
-  components,
-  pipeline,
-  replay,
-  train_state,
-  train_step,
-  validation,
-)
+from offpolicy_jax.rollout import pipeline
+from offpolicy_jax.run import components, validation
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.scale import disagg, sharding
 

@@ -26,8 +26,9 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from offpolicy_jax import models, types
+from offpolicy_jax.learn import train_state
 from offpolicy_jax.rewards import environments
-from offpolicy_jax.run import data, pipeline, train_state
+from offpolicy_jax.rollout import data, pipeline
 
 
 class SFTBatch(NamedTuple):

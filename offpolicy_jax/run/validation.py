@@ -23,8 +23,8 @@ import jax
 import numpy as np
 
 from offpolicy_jax import advantages, config_schema, losses, models
+from offpolicy_jax.learn import replay
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.run import replay
 from offpolicy_jax.scale import disagg, sharding
 
 # The overrides of the loss preset: every `loss.*` field of the schema but `loss.name`.
@@ -366,8 +366,8 @@ def _validate_multiturn(c) -> None:
     f"{c.max_new_tokens}",
   )
   # Each of these samples whole single-turn responses without stopping for the environment
-  # (partial rollouts of episodes are `run.episode_pool`; under lag.mode='async' an episode
-  # in flight continues under the parameters published while it runs, `run.episodes.produce`).
+  # (partial rollouts of episodes are `rollout.episode_pool`; under lag.mode='async' an episode
+  # in flight continues under the parameters published while it runs, `rollout.episodes.produce`).
   for field, on in (
     ("rollout.continuous_slots", c.rollout.continuous_slots),
     ("mesh.sampler_devices", c.mesh.sampler_devices),

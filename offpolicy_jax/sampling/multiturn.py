@@ -551,7 +551,7 @@ class MultiTurnSampler:
     turn t in round t, and `update_params(t)` is asked before every round but
     the first). With a budget, a row that has used it pauses, possibly
     mid-turn, and a later call continues it (partial rollouts,
-    `run.episode_pool`). `rec` (host records of the rows) is updated in place.
+    `rollout.episode_pool`). `rec` (host records of the rows) is updated in place.
     """
     if budget > 0 and update_params is not None:
       raise ValueError(

@@ -338,7 +338,7 @@ def as_output(state: PartialState) -> SampleOutput:
 def record_old(state: PartialState, old_rn: jax.Array, version) -> PartialState:
   """Keeps the learner's log-probs `old_rn` [R, N] of the tokens `version` sampled.
 
-  `old_rn` scores every row at the parameters of `version` (`run.pipeline`'s
+  `old_rn` scores every row at the parameters of `version` (`rollout.pipeline`'s
   learner scoring); only that version's tokens take it, so each token keeps
   the log pi_old of the parameters that sampled it.
   """

@@ -39,7 +39,8 @@ import ml_collections
 import numpy as np
 
 from offpolicy_jax import advantages, config_schema, lag, losses
-from offpolicy_jax.run import components, episodes, evaluation, pipeline, rl_step, sft
+from offpolicy_jax.rollout import episodes, pipeline, rl_step
+from offpolicy_jax.run import components, evaluation, sft
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweeps
 
@@ -208,7 +209,7 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
   if base.multiturn.max_turns and base.rollout.partial_budget:
     raise ValueError(
       "config.rollout.partial_budget: a study plays every seed's episodes to their end within "
-      "the step; episodes in flight across steps (run.episode_pool) run in single runs only"
+      "the step; episodes in flight across steps (rollout.episode_pool) run in single runs only"
     )
   if base.rollout.continuous_auto_steps:
     raise ValueError(

@@ -100,7 +100,7 @@ def run_sweep(config, sweep: list[dict], workdir: str) -> str:
       names no config field.
     SweepError: after every run and the summary, if any run failed.
   """
-  from offpolicy_jax.run import loop  # the loop imports everything; sweeps only need it here
+  from offpolicy_jax.run import loop
 
   check_unique_names(sweep)
   configs = {run_name(o): apply_overrides(config, o) for o in sweep}

@@ -6,7 +6,7 @@ disaggregated run (`disagg`) the thread samples on the sampler's own mesh,
 each publish reshards the parameters onto it, and each batch moves to the
 trainer mesh on the thread, so sampling overlaps training. Batches
 more than `lag.max_staleness` loop steps old are dropped (and counted).
-Multi-turn episodes (`run.episodes.produce`) look for newer parameters before
+Multi-turn episodes (`rollout.episodes.produce`) look for newer parameters before
 every turn: an episode in flight continues under them, and each policy token
 records the version that drew it. Not
 bit-reproducible (thread timing decides versions), and on resume the batches
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag, models
-from offpolicy_jax.run import episodes, pipeline, rl_step
+from offpolicy_jax.rollout import episodes, pipeline, rl_step
 from offpolicy_jax.scale import disagg, sharding
 
 

@@ -47,12 +47,12 @@ from jax.sharding import Mesh
 
 from offpolicy_jax import losses, models, types
 from offpolicy_jax import reductions as red
+from offpolicy_jax.learn import batch_splits, diagnostics
+from offpolicy_jax.learn.batch_splits import chunks_per_micro_batch
+from offpolicy_jax.learn.batch_splits import micro_batches as _micro_batches
+from offpolicy_jax.learn.batch_splits import split_micro as _split_micro
+from offpolicy_jax.learn.train_state import TrainState, all_finite, state_shardings
 from offpolicy_jax.models import lora_ops
-from offpolicy_jax.run import batch_splits, diagnostics
-from offpolicy_jax.run.batch_splits import chunks_per_micro_batch
-from offpolicy_jax.run.batch_splits import micro_batches as _micro_batches
-from offpolicy_jax.run.batch_splits import split_micro as _split_micro
-from offpolicy_jax.run.train_state import TrainState, all_finite, state_shardings
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.types import TrainBatch
 

@@ -41,8 +41,9 @@ import optax
 from flax import nnx
 
 from offpolicy_jax import lag, models
-from offpolicy_jax.run import pipeline, replay, train_state, train_step
-from offpolicy_jax.run.train_state import TrainState
+from offpolicy_jax.learn import replay, train_state, train_step
+from offpolicy_jax.learn.train_state import TrainState
+from offpolicy_jax.rollout import pipeline
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.scale import sharding
 
@@ -101,7 +102,7 @@ class StepFns:
   # and may switch to it after that many steps (`sampler_choice`).
   continuous: Callable | None = None
   continuous_auto_steps: int = 0
-  # Multi-turn episodes (`multiturn.max_turns > 0`, `run.episodes.Episodes`); None: single-turn.
+  # Multi-turn episodes (`multiturn.max_turns > 0`, `rollout.episodes.Episodes`); None: single-turn.
   episodes: Any = None
 
   @property

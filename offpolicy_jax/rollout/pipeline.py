@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from offpolicy_jax import advantages, types
 from offpolicy_jax.rewards import scoring as rewards
-from offpolicy_jax.run import data
+from offpolicy_jax.rollout import data
 from offpolicy_jax.sampling import SampleOutput
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.types import TrainBatch

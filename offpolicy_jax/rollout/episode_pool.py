@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import types
-from offpolicy_jax.run import data, episodes, pipeline
+from offpolicy_jax.rollout import data, episodes, pipeline
 from offpolicy_jax.sampling import SampleOutput, multiturn
 from offpolicy_jax.sampling import partial as partial_rollouts
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from offpolicy_jax.run.rl_step import StepFns
+from offpolicy_jax.rollout.rl_step import StepFns
 
 # The switched `StepFns` of each run's, shared like the run's (its compiled programs too).
 _SWITCHED: dict[StepFns, StepFns] = {}

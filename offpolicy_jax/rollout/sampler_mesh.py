@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from offpolicy_jax import lag, models
-from offpolicy_jax.run import pipeline, rl_step
+from offpolicy_jax.rollout import pipeline, rl_step
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.scale.disagg import SamplerParams, row_shardings, transfer
 

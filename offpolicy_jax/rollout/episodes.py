@@ -48,7 +48,7 @@ import numpy as np
 
 from offpolicy_jax import models, types
 from offpolicy_jax.rewards import environments
-from offpolicy_jax.run import data, pipeline
+from offpolicy_jax.rollout import data, pipeline
 from offpolicy_jax.sampling import SampleOutput
 
 # Per-step episode statistics (every metrics row of a multi-turn run carries them).
@@ -144,7 +144,7 @@ class Episodes:
     credit: "trajectory" or "turn" (module docstring).
     gamma: the per-turn discount of `turn` credit.
     partial_budget: policy tokens per trajectory per loop step, episodes
-      carried across steps (`run.episode_pool`); 0: whole episodes.
+      carried across steps (`rollout.episode_pool`); 0: whole episodes.
   """
 
   make_sampler: Callable[[int, bool], Any]
@@ -183,7 +183,7 @@ class Turns:
   """The `respond` callback of a set of rows: steps their environments, keeps their records.
 
   Rows are reset by `reset` (the environment's first answer); the partial-rollout
-  pool (`run.episode_pool`) resets the rows of each admitted group and keeps
+  pool (`rollout.episode_pool`) resets the rows of each admitted group and keeps
   the records of the others across loop steps.
   """
 

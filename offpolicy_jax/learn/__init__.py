@@ -1,0 +1,15 @@
+"""The learn wing: from a packed `TrainBatch` to a parameter update.
+
+  train_step    the pure sharded train step: micro-batch scan, exact (sum, count), skip
+                non-finite, shared-prefix groups
+  train_state   TrainState and the optimizer
+  batch_splits  how the train step cuts a batch: micro-batches, chunks of the rows that count
+  replay        device-resident ring buffer of rollout groups (fifo / uniform / staleness / reward)
+  diagnostics   off-policy diagnostics of every row: k1/k2/k3 of pi/mu, pi/pi_old, pi_old/mu
+
+May import: maths, scale, models, sampling, rewards, store (never rollout or run).
+"""
+
+from offpolicy_jax.learn import batch_splits, diagnostics, replay, train_state, train_step
+
+__all__ = ["batch_splits", "diagnostics", "replay", "train_state", "train_step"]
