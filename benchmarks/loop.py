@@ -35,10 +35,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
-from offpolicy_jax import (
-  models,  # noqa: E402
-  types,  # noqa: E402
-)
+from offpolicy_jax import models, types  # noqa: E402
 from offpolicy_jax.learn import replay, train_state, train_step  # noqa: E402
 from offpolicy_jax.run import loop  # noqa: E402
 from offpolicy_jax.sampling import sampler as sampling  # noqa: E402

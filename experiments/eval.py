@@ -23,10 +23,10 @@ flags.mark_flag_as_required("config")
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  from offpolicy_jax.run import loop
+  from offpolicy_jax.run import start
 
   logging.set_verbosity(logging.WARNING)
-  result = loop.evaluate_checkpoint(_CONFIG.value, _WORKDIR.value, _STEP.value)
+  result = start.evaluate_checkpoint(_CONFIG.value, _WORKDIR.value, _STEP.value)
   text = json.dumps(result, indent=2)
   print(text)
   if _OUT.value:

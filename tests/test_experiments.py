@@ -19,7 +19,7 @@ sys.path.insert(0, REPO)
 from test_loop import small_config, strip_timing  # noqa: E402
 
 from experiments import sweep  # noqa: E402
-from offpolicy_jax.run import loop  # noqa: E402
+from offpolicy_jax.run import loop, start  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from offpolicy_jax.store import workdir as workdir_lib  # noqa: E402
 from offpolicy_jax.study import reports, sweeps  # noqa: E402
@@ -153,7 +153,7 @@ def test_evaluate_checkpoint(tmp_path):
   cfg = small_config(total_steps=2)
   rows = loop.train_and_evaluate(cfg, str(tmp_path))
   final_eval = [r for r in rows if "eval/accuracy" in r][-1]
-  result = loop.evaluate_checkpoint(cfg, str(tmp_path))
+  result = start.evaluate_checkpoint(cfg, str(tmp_path))
   assert result["step"] == 2
   assert result["eval/accuracy"] == final_eval["eval/accuracy"]
   assert "eval/pass@2" in result
@@ -296,7 +296,7 @@ def test_paper_gsm8k_config_runs_at_toy_scale(tmp_path):
   assert train[-1]["staleness_max"] == 1  # sync_interval 20: step 2 used version 0
   assert "eval/accuracy" in evals[-1]
   # experiments.eval on the HF directory itself (no workdir): step 0, same metrics keys.
-  direct = loop.evaluate_checkpoint(cfg)
+  direct = start.evaluate_checkpoint(cfg)
   assert direct["step"] == 0 and direct["eval/accuracy"] == 0.0
 
 

@@ -18,10 +18,7 @@ from configs import default  # noqa: E402
 from offpolicy_jax.rewards import tasks  # noqa: E402
 from offpolicy_jax.rollout import pipeline
 from offpolicy_jax.run import components, loop, validation  # noqa: E402
-from offpolicy_jax.store import (
-  metrics,  # noqa: E402
-  metrics_files,  # noqa: E402
-)
+from offpolicy_jax.store import metrics, metrics_files  # noqa: E402
 
 REQUIRED = (
   "step",

@@ -12,7 +12,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import config_schema, models  # noqa: E402
-from offpolicy_jax.run import components, loop  # noqa: E402
+from offpolicy_jax.run import components, loop, start  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from tests.test_loop import small_config, strip_timing  # noqa: E402
 
@@ -26,8 +26,8 @@ def _size(tree) -> int:
 def test_state_holds_adapters_only():
   cfg = small_config(**_LORA, **{"lag.sync_interval": 3, "loss.kl_coef": 0.01})
   comps = components.build_components(cfg)
-  base, params = loop.initial_weights(comps, warm_start=False)
-  state = loop._fresh_state(comps, params, base)
+  base, params = start.initial_weights(comps, warm_start=False)
+  state = start.fresh_state(comps, params, base)
   mcfg = nnx.merge(comps.fns.graphdef, loop.weights(state)).config
   adapter = mcfg.num_adapter_params()
   assert adapter and _size(state.train.params) == adapter
@@ -121,8 +121,8 @@ def test_planner_counts_adapters_as_the_run_holds_them():
     **{"lag.sync_interval": 4, "loss.kl_coef": 0.01, "sft.enabled": False}, **_LORA
   )
   comps = components.build_components(cfg)
-  base, params = loop.initial_weights(comps, warm_start=False)
-  state = loop._fresh_state(comps, params, base)
+  base, params = start.initial_weights(comps, warm_start=False)
+  state = start.fresh_state(comps, params, base)
   got = planner.plan(cfg, devices=1, bytes_per_device=None, activations="analytic")
   assert abs(got.state_bytes - _device_bytes(state)) <= 64
   adapter = _device_bytes(params)

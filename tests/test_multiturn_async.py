@@ -10,10 +10,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import types  # noqa: E402
-from offpolicy_jax.rollout import (
-  episodes,
-  pipeline,  # noqa: E402
-)
+from offpolicy_jax.rollout import episodes, host_step, pipeline  # noqa: E402
 from offpolicy_jax.run import components, loop  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from tests.test_multiturn_run import _config  # noqa: E402
@@ -46,7 +43,7 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
     asked.append(1)
     return p1, 7
 
-  batch, stats = episodes.produce(fns, p0, prompts, step=3, seed=0, version=5, latest=latest)
+  _, batch, stats = host_step.collect(fns, fns.rollout, None, p0, 5, prompts, 3, 0, latest)
   assert asked and stats["episode/parameter_updates"] == 1
   mask = np.asarray(batch.mask) > 0
   turn = np.asarray(types.turn_ids(batch.mask))

@@ -16,7 +16,7 @@ from offpolicy_jax.models import tokenizers  # noqa: E402
 from offpolicy_jax.rewards import environments, tasks  # noqa: E402
 from offpolicy_jax.rewards.tasks import agentic  # noqa: E402
 from offpolicy_jax.rollout import episodes
-from offpolicy_jax.run import components, loop  # noqa: E402
+from offpolicy_jax.run import components, loop, start  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from tests.test_loop import small_config, strip_timing  # noqa: E402
 
@@ -109,18 +109,21 @@ def test_episode_pool_emits_the_oldest_groups_first():
   """Slots are reused after emission, so slot order is not age: the batch puts the oldest
   admissions first, for the replay buffer's FIFO (the first token's version is the step it
   came in: version = step here)."""
-  from offpolicy_jax.rollout import pipeline
+  from offpolicy_jax.rollout import pipeline, rl_step
 
   comps = components.build_components(_config(**{"rollout.partial_budget": 2}))
   fns, k = comps.fns, comps.fns.sizes.group_size
-  pool = loop._episode_pool(comps)
-  _, params = loop.initial_weights(comps, log_fn=lambda *a: None)  # episodes of 1 to 4 turns
+  rollout = fns.rollout
+  pool = rollout.init()
+  _, params = start.initial_weights(comps, log_fn=lambda *a: None)  # episodes of 1 to 4 turns
   prompts_it = pipeline.prompt_iterator(fns, 0)
   came_in, reused = [], False
   for step in range(1, 31):
     prompts = pipeline.assemble_global(comps.mesh, next(prompts_it))
     occupied = pool.occupied.copy()
-    batch, keep, _ = pool.step(params, prompts, step, 0, step)
+    key = pipeline.step_key(0, step, pipeline.SAMPLE)
+    pool, fin, _ = rollout.advance(pool, params, step, prompts, step, key)
+    batch, keep = rl_step.pack_finished(fns, fin, fin.rewards, step, 0, jitted=True)
     first = np.asarray(batch.versions)[::k, 0][np.asarray(keep)]
     assert list(first) == sorted(first), (step, first)
     came_in.extend(first.tolist())

@@ -15,6 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default  # noqa: E402
 from offpolicy_jax import losses, models
 from offpolicy_jax.learn import replay, train_state, train_step
+from offpolicy_jax.rollout import partial as partial_rollout
+from offpolicy_jax.rollout import pipeline, protocol
 from offpolicy_jax.run import components, loop
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
@@ -149,7 +151,7 @@ def test_each_token_logprob_is_its_versions_teacher_forced_logprob(tiny, three_s
 
 
 def test_record_old_keeps_each_tokens_own_versions_learner_logprob(tiny):
-  """pi_old per token (`record_old` after each advance) is the sampling version's score."""
+  """pi_old per token (`protocol.pi_old` after each advance) is the sampling version's score."""
   graphdef, params = tiny
   advance = _advance(graphdef, B_TOK)
   options = train_step.StepOptions(losses.get_spec("grpo"), temperature=TEMP, group_size=K)
@@ -160,8 +162,8 @@ def test_record_old_keeps_each_tokens_own_versions_learner_logprob(tiny):
     pool, _ = partial_rollouts.admit(pool, _prompts(offset=t), t)
     pool = advance(params[v], pool, v, jax.random.key(10 + t))
     prompts, out = pool.prompts, partial_rollouts.as_output(pool)
-    old = score(params[v], prompts["prompt_tokens"], prompts["prompt_lengths"], out)
-    pool = partial_rollouts.record_old(pool, old, v)
+    old = protocol.pi_old(score, [(params[v], v)], prompts, out, pool.versions, pool.old_logprobs)
+    pool = pool._replace(old_logprobs=old)
   mask = np.asarray(pool.mask)
   # fp32 sampler and learner: each token's pi_old is its mu; a mix-up of versions would differ.
   np.testing.assert_allclose(
@@ -170,10 +172,22 @@ def test_record_old_keeps_each_tokens_own_versions_learner_logprob(tiny):
   assert len(np.unique(np.asarray(pool.versions)[mask])) == 3
 
 
+def _emit(pool, rewards):
+  """The finished groups packed as a step packs them (`rollout.partial.finish`, `pipeline.pack`).
+
+  Returns `(batch, keep, pool with the finished slots freed, finished)`.
+  """
+  fin, freed = partial_rollout.finish(pool)
+  packing = pipeline.Packing(group_size=K, advantage="group_mean")
+  args = (fin.out, rewards, fin.versions, jax.random.key(0), fin.valid, fin.order)
+  batch = pipeline.pack(packing, fin.prompts, *args)
+  return batch, fin.valid[fin.order], freed, fin
+
+
 def test_emit_packs_finished_groups_and_frees_their_slots(three_steps):
   pool, _ = three_steps
   rewards = jnp.arange(pool.tokens.shape[0], dtype=jnp.float32) % 2
-  batch, keep, pool2 = partial_rollouts.emit(pool, rewards, "group_mean", jax.random.key(0))
+  batch, keep, pool2, fin = _emit(pool, rewards)
   np.testing.assert_array_equal(keep, [True] * G + [False] * 2 * G)
   np.testing.assert_array_equal(
     np.asarray(batch.versions)[: G * K], np.asarray(pool.versions)[: G * K]
@@ -186,7 +200,7 @@ def test_emit_packs_finished_groups_and_frees_their_slots(three_steps):
   pool3, dropped = partial_rollouts.admit(pool2, _prompts(offset=4), 4)
   assert int(dropped) == 0 and bool(pool3.active.all())
   np.testing.assert_array_equal(pool3.lengths[: G * K], 0)
-  stats = partial_rollouts.stats(batch, keep, pool2, dropped)
+  stats = partial_rollout.stats(fin, pool2, dropped)
   assert int(stats["partial_emitted_groups"]) == G and float(stats["partial_mixed_rows"]) == 1.0
   # The buffer takes exactly the kept groups, in order, with their oldest version.
   example = jax.tree.map(lambda x: x[: G * K], batch)
@@ -201,7 +215,7 @@ def test_the_loss_and_train_step_use_per_token_versions(tiny, three_steps, teach
   graphdef, params = tiny
   pool, _ = three_steps
   rewards = jnp.arange(pool.tokens.shape[0], dtype=jnp.float32) % 2
-  full, keep, _ = partial_rollouts.emit(pool, rewards, "group_mean", jax.random.key(0))
+  full, keep, _, _ = _emit(pool, rewards)
   batch = jax.tree.map(lambda x: x[: G * K], full)  # the finished groups
   assert bool(keep[:G].all())
   # The trainer is at version 3, holding parameters theta_3 (version 2's, say).

@@ -13,6 +13,7 @@ from flax import nnx
 from configs import default
 from offpolicy_jax import lag, models
 from offpolicy_jax.learn import train_step
+from offpolicy_jax.rollout import partial as partial_rollout
 from offpolicy_jax.rollout import pipeline, rl_step
 from offpolicy_jax.run import components, planner
 from offpolicy_jax.scale import disagg, sharding
@@ -130,8 +131,9 @@ def test_plan_sizes_replay_snapshots_and_kv_cache_as_the_run_does(overrides, mon
   assert got.bytes["lag snapshots"] == _device_bytes(state.snapshots.params, trainer_device)
   # The KV caches the run's own sampler allocates, on the mesh it samples on.
   g, p = fns.sizes.prompts_per_step, fns.sizes.max_prompt_len
-  if fns.partial is not None:
-    caches = _traced_caches(monkeypatch, fns.partial.advance, params, state.inflight, 0, _KEY)
+  if isinstance(fns.rollout, partial_rollout.Partial):
+    advance = fns.rollout.sampler.advance
+    caches = _traced_caches(monkeypatch, advance, params, state.rollout, 0, _KEY)
   else:
     tokens, lengths = jnp.zeros((g, p), jnp.int32), jnp.full((g,), p, jnp.int32)
     caches = _traced_caches(monkeypatch, fns.sampler.__wrapped__, params, tokens, lengths, _KEY)

@@ -12,10 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import lag  # noqa: E402
-from offpolicy_jax.rollout import (
-  pipeline,
-  rl_step,  # noqa: E402
-)
+from offpolicy_jax.rollout import pipeline, rl_step  # noqa: E402
 from offpolicy_jax.run import components  # noqa: E402
 from tests.test_loop import small_config  # noqa: E402
 

@@ -2,7 +2,6 @@
 
 import os
 import sys
-import types as pytypes
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offpolicy_jax import advantages, types  # noqa: E402
 from offpolicy_jax.rewards import tasks  # noqa: E402
 from offpolicy_jax.rewards.tasks import agentic  # noqa: E402
-from offpolicy_jax.rollout import (
-  episodes,
-  pipeline,  # noqa: E402
-)
+from offpolicy_jax.rollout import episodes, pipeline  # noqa: E402
 from offpolicy_jax.run import components, loop  # noqa: E402
 from offpolicy_jax.sampling import SampleOutput  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
@@ -94,13 +90,9 @@ def test_pack_gives_each_turns_tokens_its_reward_to_go():
     kept=jnp.ones((2, n), jnp.int32),
     old_logprobs=None,
   )
-  fns = pytypes.SimpleNamespace(
-    sizes=pytypes.SimpleNamespace(prompts_per_step=1, group_size=2),
-    advantage="grpo",
-    episodes=pytypes.SimpleNamespace(gamma=0.9),
-  )
+  packing = pipeline.Packing(group_size=2, advantage="grpo", gamma=0.9)
   prompts = {"prompt_tokens": jnp.ones((1, 3), jnp.int32), "prompt_lengths": jnp.array([3])}
-  batch = pipeline.pack(fns, prompts, out, r_bt, 0, jax.random.key(0))
+  batch = pipeline.pack(packing, prompts, out, r_bt, 0, jax.random.key(0))
   a_t = np.asarray(advantages.per_turn("grpo", r_bt[None], gamma=0.9))[0]  # [2, 3]
   turn = np.asarray(types.turn_ids(jnp.asarray(mask)))
   want = np.take_along_axis(a_t, turn, axis=1) * mask
@@ -122,18 +114,14 @@ def test_pack_computes_advantages_over_the_valid_groups_only(per_turn):
     kept=jnp.ones((g * k, n), jnp.int32),
     old_logprobs=None,
   )
-  fns = pytypes.SimpleNamespace(
-    sizes=pytypes.SimpleNamespace(prompts_per_step=g, group_size=k),
-    advantage="batch_whiten",
-    episodes=pytypes.SimpleNamespace(gamma=1.0),
-  )
+  packing = pipeline.Packing(group_size=k, advantage="batch_whiten", gamma=1.0)
   prompts = {"prompt_tokens": jnp.ones((g, 3), jnp.int32), "prompt_lengths": jnp.full((g,), 3)}
   valid = jnp.array([True, False, True])
 
   def adv(rewards):
     r = np.asarray(rewards, np.float32)
     r = r[:, None] if per_turn else r
-    batch = pipeline.pack(fns, prompts, out, r, 0, jax.random.key(0), valid)
+    batch = pipeline.pack(packing, prompts, out, r, 0, jax.random.key(0), valid)
     return np.asarray(batch.advantages).reshape(g * k, -1)[:, 0]
 
   a = adv([1.0, 0.0, 5.0, 7.0, 0.0, 1.0])
@@ -187,7 +175,7 @@ def test_played_episodes_pack_to_per_turn_advantages_and_the_run_trains(tmp_path
   np.testing.assert_array_equal(taken.sum(1), played.turns)  # NaN after the last turn
   assert (played.turn_rewards[:, 1:][taken[:, 1:]] != 0).any()  # later turns were paid
   device = {k: jnp.asarray(prompts[k]) for k in pipeline.DEVICE_FIELDS}
-  batch = pipeline.pack(fns, device, played.out, played.turn_rewards, 0, jax.random.key(0))
+  batch = pipeline.pack(fns.packing, device, played.out, played.turn_rewards, 0, jax.random.key(0))
   a_t = np.asarray(
     advantages.per_turn(
       fns.advantage, played.turn_rewards.reshape(len(examples), fns.sizes.group_size, 4), gamma=0.9

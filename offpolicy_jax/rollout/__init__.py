@@ -1,13 +1,19 @@
 """The rollout wing: from prompts to scored, packed `TrainBatch`es, and one RL step.
 
-  data          grain prompt pipelines (deterministic, shardable, checkpointable)
-  pipeline      prompt batches across processes, sample, score (device or sandboxed host), pack
-  rl_step       RunState, one pure RL step, and the run's named compiled `Programs`
-  episodes      multi-turn rollouts: the sampler and the environment turn by turn
-  episode_pool  partial rollouts of episodes: trajectories in flight across steps
+  protocol      the `Rollout` protocol (init, advance -> Finished) and `pi_old`, the one
+                scorer of log pi_old; its kinds:
+  whole         static or continuous batching: every response to its end
+  partial       APRIL partial rollouts: groups in flight across steps, on device
+  episodes      multi-turn episodes: the sampler and the environment turn by turn
+  episode_pool  episodes in flight across steps, paused mid-turn
+  sampler_mesh  any rollout placed on a disaggregated sampler mesh (`OnSamplerMesh`)
+  pipeline      prompt batches across processes, score (device or sandboxed host), pack
+  rl_step       RunState and one pure RL step (rollout -> score -> pack -> learn)
+  host_step     the same step where it leaves the device, and over the study's seeds
+  programs      a run's named compiled programs
   producer      the async-mode sampler thread
-  sampler_mesh  the disaggregated sampler's rollouts
   sampler_choice static or continuous batching, chosen from the measured decode waste
+  data          grain prompt pipelines (deterministic, shardable, checkpointable)
 
 May import: every wing below it (maths, scale, models, sampling, rewards, store, learn).
 """
@@ -16,20 +22,30 @@ from offpolicy_jax.rollout import (
   data,
   episode_pool,
   episodes,
+  host_step,
+  partial,
   pipeline,
   producer,
+  programs,
+  protocol,
   rl_step,
   sampler_choice,
   sampler_mesh,
+  whole,
 )
 
 __all__ = [
   "data",
   "episode_pool",
   "episodes",
+  "host_step",
+  "partial",
   "pipeline",
   "producer",
+  "programs",
+  "protocol",
   "rl_step",
   "sampler_choice",
   "sampler_mesh",
+  "whole",
 ]

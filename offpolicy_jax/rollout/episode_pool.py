@@ -15,7 +15,7 @@ step; each step
   emit     groups whose K trajectories have all ended are packed (rewards,
            group-relative advantages, per-token versions) and buffered; the
            step trains from the buffer (FIFO), as single-turn partial
-           rollouts do (`sampling.partial`, `rl_step.partial_rl_step`).
+           rollouts do (`rollout.partial`).
 
 Versions. Every policy token records the version v that drew it, and its
 behaviour log-prob under theta_v given the whole trajectory so far: at the
@@ -39,7 +39,9 @@ killed and resumed writes the uninterrupted run's rows.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -48,6 +50,7 @@ import numpy as np
 
 from offpolicy_jax import types
 from offpolicy_jax.rollout import data, episodes, pipeline
+from offpolicy_jax.rollout.protocol import Finished, pi_old
 from offpolicy_jax.sampling import SampleOutput, multiturn
 from offpolicy_jax.sampling import partial as partial_rollouts
 
@@ -63,26 +66,76 @@ _ROW_FIELDS = ("pos", "turn_start", "turn", "ended", "eos", "tokens", "logprobs"
 _MASK_FIELDS = ("policy", "observation", "turn_ids")
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
 class EpisodePool:
-  """The in-flight episodes of a run with partial rollouts (module docstring).
+  """Episodes in flight across loop steps as a `protocol.Rollout` (module docstring; host).
 
-  Args:
-    fns: the run's step functions (`fns.episodes` set).
+  Its carried state is a `PoolState` (host arrays and the environments'
+  states), checkpointed as the item `episode_pool`.
+
+  Attributes:
+    ep: the run's `Episodes`.
+    task: the task (the prompts' source examples are the environments' input).
+    sizes: the run's batch shape (G prompts, K trajectories, N tokens).
     budget: b, policy tokens per trajectory per loop step.
     prompt_fields: `{name: (shape without the group axis, dtype)}` of the
       prompts' device fields (`pipeline.DEVICE_FIELDS`).
+    score_old: the learner's scorer of log pi_old, or None.
   """
 
-  def __init__(self, fns, budget: int, prompt_fields: dict[str, tuple[tuple[int, ...], Any]]):
-    ep = fns.episodes
-    self.fns, self.ep, self.budget = fns, ep, int(budget)
-    self.sampler = ep.make_sampler(fns.sizes.group_size, False)
-    g, k, n = fns.sizes.prompts_per_step, fns.sizes.group_size, fns.sizes.max_new_tokens
-    self.slots = partial_rollouts.steps_to_finish(n, self.budget) * g
+  ep: episodes.Episodes
+  task: Any
+  sizes: pipeline.Sizes
+  budget: int
+  prompt_fields: dict[str, tuple[tuple[int, ...], Any]]
+  score_old: Callable | None = None
+  traced = False
+  prefetch = False
+  item = "episode_pool"
+
+  @property
+  def slots(self) -> int:
+    """S = ceil(N / b) * G group slots (no prompt is ever turned away)."""
+    n, g = self.sizes.max_new_tokens, self.sizes.prompts_per_step
+    return partial_rollouts.steps_to_finish(n, self.budget) * g
+
+  def signature(self) -> dict[str, Any]:
+    """What a checkpoint's pool must match to be resumed (`rl_step.state_meta`)."""
+    return {"item": self.item, "slots": self.slots, "budget": self.budget}
+
+  def init(self) -> PoolState:
+    return PoolState(self)
+
+  def advance(self, rstate: PoolState, params, version, prompts, step, key, latest=None):
+    del latest
+    fin, stats = rstate.step(params, prompts, step, key, int(version))
+    return rstate, fin, stats
+
+  def arrays(self, rstate: PoolState) -> dict[str, np.ndarray]:
+    return rstate.arrays()
+
+  def meta(self, rstate: PoolState) -> dict[str, Any]:
+    return rstate.meta()
+
+  def restore(self, rstate: PoolState, arrays, meta: dict[str, Any]) -> PoolState:
+    rstate.restore(arrays, meta)
+    return rstate
+
+
+class PoolState:
+  """The in-flight episodes of a run with partial rollouts (host arrays; module docstring)."""
+
+  def __init__(self, pool: EpisodePool):
+    ep = pool.ep
+    self.pool, self.ep, self.budget = pool, ep, int(pool.budget)
+    self.sampler = ep.make_sampler(pool.sizes.group_size, False)
+    k, n = pool.sizes.group_size, pool.sizes.max_new_tokens
+    self.slots = pool.slots
     r = self.slots * k
     self.k = k
     self.prompts = {
-      name: np.zeros((self.slots, *shape), dtype) for name, (shape, dtype) in prompt_fields.items()
+      name: np.zeros((self.slots, *shape), dtype)
+      for name, (shape, dtype) in pool.prompt_fields.items()
     }
     self.prompts["prompt_lengths"][:] = 1  # free slots hold a one-token prompt (finite scores)
     self.index = np.zeros(self.slots, np.int64)
@@ -99,20 +152,20 @@ class EpisodePool:
     self.rec.done[:] = True  # free rows never decode
     self.turns = episodes.Turns(ep, r, self.sampler.max_turns)
 
-  def step(self, params, prompts: dict[str, Any], step: int, seed: int, version: int):
-    """Admits `prompts` (the step's G groups), advances the pool, emits finished groups.
+  def step(self, params, prompts: dict[str, Any], step: int, key, version: int):
+    """Admits `prompts` (the step's G groups), advances the pool, finishes ended groups.
 
     Args:
       params: the behaviour parameters (the whole model state) of this step.
       prompts: the step's prompts (`pipeline.DEVICE_FIELDS` and `index`).
-      step: the loop step (sampling and advantage keys).
-      seed: the run's seed.
+      step: the loop step (the groups' admission step).
+      key: the step's sampling key.
       version: the behaviour parameters' version (optimizer steps).
 
     Returns:
-      `(batch, keep, stats)`: a `TrainBatch` over the S slots, oldest
-      admission first; bool [S] its groups emitted (the rest are not
-      buffered); host statistics.
+      `(finished, stats)`: the S slots' rows (`valid`: the groups whose K
+      trajectories have ended; `order`: oldest admission first), and host
+      statistics.
     """
     t0 = time.perf_counter()
     self.turns.clear()
@@ -122,7 +175,6 @@ class EpisodePool:
     k, r = self.k, self.slots * self.k
     ids_b = jnp.asarray(np.repeat(np.arange(self.slots), k), jnp.int32)
     samples_b = jnp.asarray(np.tile(np.arange(k), self.slots), jnp.int32)
-    key = pipeline.step_key(seed, step, pipeline.SAMPLE)
     st = self.sampler.advance(
       params, st, key, ids_b, samples_b, self.turns, self.rec, budget=self.budget
     )
@@ -132,14 +184,17 @@ class EpisodePool:
     new = (slot >= before[:, None]) & (slot < self.rows["pos"][:, None])
     self.versions[new] = int(version)
     out = self._output()
-    if self.fns.score_old is not None:
-      scored = self.fns.score_old(
-        params,
-        jnp.asarray(self.prompts["prompt_tokens"]),
-        jnp.asarray(self.prompts["prompt_lengths"]),
-        out._replace(old_logprobs=None),
+    device = {name: jnp.asarray(x) for name, x in self.prompts.items()}
+    if self.pool.score_old is not None:
+      scored = pi_old(
+        self.pool.score_old,
+        [(params, int(version))],
+        device,
+        out,
+        jnp.asarray(np.where(new, version, -1)),
+        jnp.asarray(self.old),
       )
-      self.old = np.where(new, np.asarray(jax.device_get(scored)), self.old).astype(np.float32)
+      self.old = np.asarray(jax.device_get(scored), np.float32)
       out = out._replace(old_logprobs=jnp.asarray(self.old))
     emitted = self.occupied & self.rec.done.reshape(self.slots, k).all(axis=1)
     rows = np.flatnonzero(np.repeat(emitted, k))
@@ -148,29 +203,23 @@ class EpisodePool:
       self.turns, np.arange(r), self.rows["turn"]
     )
     rewards = turn_rewards_r if self.ep.credit == "turn" else rewards_r
-    device = {name: jnp.asarray(x) for name, x in self.prompts.items()}
-    adv_key = pipeline.step_key(seed, step, pipeline.ADV)
-    # Advantages over the emitted groups only (batch-level estimators see no group in flight).
-    batch = pipeline.pack_jit(
-      self.fns,
+    # Oldest admission first, so the buffer's FIFO trains groups in the order they came;
+    # advantages over the emitted groups only (batch-level estimators see no group in flight).
+    order = np.lexsort((np.arange(self.slots), self.admitted))
+    fin = Finished(
       device,
       out,
-      jnp.asarray(rewards),
       jnp.asarray(self.versions),
-      adv_key,
-      jnp.asarray(emitted),
+      rewards=jnp.asarray(rewards),
+      valid=jnp.asarray(emitted),
+      order=jnp.asarray(order, jnp.int32),
     )
-    # Oldest admission first, so the buffer's FIFO trains groups in the order they came.
-    order = np.lexsort((np.arange(self.slots), self.admitted))
-    row_order = jnp.asarray((order[:, None] * k + np.arange(k)[None, :]).reshape(-1))
-    batch = jax.tree.map(lambda x: x[row_order], batch)
     stats = episodes.episode_stats(self.ep, self.turns, rows, turns, time.perf_counter() - t0)
     # Per emitted trajectory, over its whole life (the counters above are this step's calls).
     b = max(len(rows), 1)
     stats["episode/observation_tokens"] = float(self.rows["observation"][rows].sum() / b)
     stats["episode/observations_cut"] = int(self.rec.cut[rows].sum())
     mixed = [len(np.unique(self.versions[i][self.rows["policy"][i]])) > 1 for i in rows]
-    keep = emitted[order]
     self.occupied &= ~emitted
     self.rows["pos"][rows] = 0  # free rows: nothing for the next steps' re-encoding to span
     stats |= {
@@ -179,7 +228,7 @@ class EpisodePool:
       "partial_mixed_rows": int(sum(mixed)),
       "partial_dropped_prompts": 0,
     }
-    return batch, jnp.asarray(keep), stats
+    return fin, stats
 
   def _admit(self, prompts: dict[str, Any], step: int) -> None:
     """The step's groups take the lowest free slots; their rows and environments start."""
@@ -199,7 +248,7 @@ class EpisodePool:
     self.rec.done[rows] = False
     self.rec.reason[rows] = multiturn.END_TURNS
     self.rec.cut[rows] = False
-    examples = data.examples(self.fns.task, "train", np.repeat(self.index[slots], k).tolist())
+    examples = data.examples(self.pool.task, "train", np.repeat(self.index[slots], k).tolist())
     self.turns.reset(rows, examples)  # a failed reset ends its row after one turn, as in `play`
 
   def _state(self) -> multiturn.MultiTurnState:

@@ -8,7 +8,7 @@ and to its KV cache, until the environment says done or a limit is reached.
 Everything after that is the single-turn pipeline: one row per trajectory,
 whose `mask` is 1 on the policy's tokens only (observation tokens carry no
 loss, ratio, KL, entropy or token count), per-token behaviour log-probs and
-versions, packed and learnt from by `rl_step.learn_scored` like any batch.
+versions, packed and learnt from like any batch (`WholeEpisodes`, a `protocol.Rollout`).
 
 Token in, token out. A trajectory's tokens are the sampled ones and the
 observation tokens exactly as appended: nothing is decoded and re-encoded
@@ -46,9 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax import models, types
+from offpolicy_jax import types
 from offpolicy_jax.rewards import environments
-from offpolicy_jax.rollout import data, pipeline
+from offpolicy_jax.rollout import data
+from offpolicy_jax.rollout.protocol import Finished, Stateless, pi_old
 from offpolicy_jax.sampling import SampleOutput
 
 # Per-step episode statistics (every metrics row of a multi-turn run carries them).
@@ -203,7 +204,7 @@ class Turns:
     """Zeroes the counters of cut observations, observation tokens and timeouts."""
     self.cut = self.obs_tokens = self.timeouts = 0
 
-  def reset(self, rows: Sequence[int], examples: Sequence[dict[str, Any]]) -> None:
+  def reset(self, rows: Sequence[int] | np.ndarray, examples: Sequence[dict[str, Any]]) -> None:
     """Starts the episodes of `rows` on `examples` (one each)."""
     first = self.ep.runner.reset(list(examples))
     for i, r in zip(rows, first, strict=True):
@@ -331,85 +332,74 @@ def episode_stats(ep: Episodes, turns_cb: Turns, rows: np.ndarray, turns, second
   }
 
 
-def sample(fns, params, prompts: dict[str, Any], step, seed) -> tuple[SampleOutput, Any, dict]:
-  """The run's multi-turn rollout of step `step`: `(out, rewards on device, host stats)`.
+@dataclasses.dataclass(frozen=True, eq=False)
+class WholeEpisodes(Stateless):
+  """Multi-turn episodes played to their end within the step (`protocol.Rollout`, host).
 
-  Rewards are [B], or [B, max_turns] per turn under `multiturn.credit = "turn"`
-  (`pipeline.pack` takes both).
+  Each row plays one episode against the task's environment in the verifier
+  workers (`play`); the environment's rewards come with the rows
+  (`Finished.rewards`: [B], or [B, max_turns] under turn credit). With
+  `latest` (async mode) an episode continues under parameters published
+  while it runs: every policy token records the version that drew it, and
+  with `rollout.score_old` is scored at that version (`protocol.pi_old`).
 
-  The multi-turn counterpart of `pipeline.sample` + `pipeline.score` (same
-  sampling key, same pi_old scoring with `rollout.score_old`).
+  Attributes:
+    ep: the run's `Episodes`.
+    task: the task (the prompts' source examples are the environments' input).
+    group_size: K trajectories per prompt.
+    score_old: the learner's scorer of log pi_old, or None.
   """
-  out, rewards, _, stats = _rollout(fns, params, prompts, step, seed, 0, None)
-  return out, rewards, stats
 
+  ep: Episodes
+  task: Any
+  group_size: int
+  score_old: Callable | None = None
+  traced = False
+  prefetch = False
 
-def produce(fns, params, prompts: dict[str, Any], step: int, seed: int, version: int, latest=None):
-  """The async producer's multi-turn batch: `(TrainBatch, host stats)` (`pipeline.produce`).
+  def advance(self, rstate, params, version, prompts, step, key, latest=None):
+    """Plays the step's episodes from `params` at `version` (newer `latest()` ones mid-way)."""
+    del step
+    if jax.process_count() > 1:
+      raise ValueError("multiturn.max_turns: multi-turn episodes run in one process")
+    used = [(params, int(version))]
+    turn_version = [int(version)]
 
-  `latest() -> (params, version)` gives the newest published parameters; it is
-  asked before every turn but the first, and a newer version takes over the
-  episodes in flight (their caches are recomputed under it, so every policy
-  token's behaviour log-prob is exact under the parameters that drew it). Each
-  token records its version; with `rollout.score_old` each token is scored by
-  the learner at its own version's parameters.
-  """
-  out, rewards, versions, stats = _rollout(fns, params, prompts, step, seed, version, latest)
-  device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
-  key = pipeline.step_key(seed, step, pipeline.ADV)
-  return pipeline.pack_jit(fns, device, out, rewards, jnp.asarray(versions), key), stats
-
-
-def _rollout(fns, params, prompts, step, seed, version: int, latest):
-  """Episodes of step `step` from `params` at `version`, switching to newer `latest()` ones.
-
-  Returns `(out, rewards on device, versions int [B, N], host stats)`.
-  """
-  if jax.process_count() > 1:
-    raise ValueError("multiturn.max_turns: multi-turn episodes run in one process")
-  used = [(params, int(version))]
-  turn_version = [int(version)]
-
-  def update(turn: int):
-    del turn  # every row takes turn t together: the version of turn t is appended here
-    newer = None
-    if latest is not None:
+    def update(turn: int):
+      del turn  # every row takes turn t together: the version of turn t is appended here
+      newer = None
       p, v = latest()
       if int(v) > used[-1][1]:
         used.append((p, int(v)))
         newer = p
-    turn_version.append(used[-1][1])
-    return newer
+      turn_version.append(used[-1][1])
+      return newer
 
-  key = pipeline.step_key(seed, step, pipeline.SAMPLE)
-  examples = data.examples(fns.task, "train", np.asarray(prompts["index"]).tolist())
-  played = play(
-    fns.episodes,
-    params,
-    prompts,
-    examples,
-    key,
-    group_size=fns.sizes.group_size,
-    update_params=update if latest is not None else None,
-  )
-  out = played.out
-  if len(used) == 1:
-    versions = np.full(out.tokens.shape, int(version), np.int32)
-  else:
-    turn = np.asarray(types.turn_ids(out.mask))
-    versions = np.asarray(turn_version, np.int32)[np.minimum(turn, len(turn_version) - 1)]
-  if fns.score_old is not None:
-    tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
-    old = None
-    for p, v in used:
-      s_v = fns.score_old(p, tokens, lengths, out)
-      old = s_v if old is None else jnp.where(jnp.asarray(versions) == v, s_v, old)
-    out = out._replace(old_logprobs=old)
-  rewards = played.turn_rewards if fns.episodes.credit == "turn" else played.rewards
-  stats = dict(played.stats)
-  if latest is not None:
-    stats["episode/parameter_updates"] = len(used) - 1
-  return out, jnp.asarray(rewards), versions, stats
+    examples = data.examples(self.task, "train", np.asarray(prompts["index"]).tolist())
+    played = play(
+      self.ep,
+      params,
+      prompts,
+      examples,
+      key,
+      group_size=self.group_size,
+      update_params=update if latest is not None else None,
+    )
+    out = played.out
+    if len(used) == 1:
+      versions = np.full(out.tokens.shape, int(version), np.int32)
+    else:
+      turn = np.asarray(types.turn_ids(out.mask))
+      versions = np.asarray(turn_version, np.int32)[np.minimum(turn, len(turn_version) - 1)]
+    if self.score_old is not None:
+      old = pi_old(self.score_old, used, prompts, out, jnp.asarray(versions))
+      out = out._replace(old_logprobs=old)
+    rewards = played.turn_rewards if self.ep.credit == "turn" else played.rewards
+    stats = dict(played.stats)
+    if latest is not None:
+      stats["episode/parameter_updates"] = len(used) - 1
+    fin = Finished(prompts, out, jnp.asarray(versions), rewards=jnp.asarray(rewards))
+    return rstate, fin, stats
 
 
 def describe(played: Played, tokenizer: Any, row: int) -> str:
@@ -424,33 +414,3 @@ def describe(played: Played, tokenizer: Any, row: int) -> str:
       segments.append({role: tokenizer.decode(ids[start:t].tolist())})
       start = t
   return json.dumps({"reward": float(played.rewards[row]), "turns": segments})
-
-
-def steps_over_seeds(fns, progs, state, prompts_l: dict, steps, seeds, schedule):
-  """Loop steps of S seeds' runs (the study's vmapped state): `(state, metrics [S, L])`.
-
-  Per step: the vmapped behaviour parameters, each seed's episodes played on
-  the host with its own parameters and key, the seeds' trajectories stacked,
-  and the vmapped learning (`rl_step.Programs.learn_scored`), exactly the
-  loop's step of each seed.
-  """
-  rows = []
-  for i, step in enumerate(steps):
-    prompts = {k: x[:, i] for k, x in prompts_l.items()}
-    device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
-    params, v, found = progs.behaviour(state, step, schedule)
-    outs, rewards, stats = [], [], []
-    for s, seed in enumerate(np.asarray(seeds).tolist()):
-      one = {k: x[s] for k, x in prompts.items()}
-      whole = models.lora.join(state.base, jax.tree.map(lambda x, s=s: x[s], params))
-      out, r, st = sample(fns, whole, one, int(step), seed)
-      outs.append(out)
-      rewards.append(r)
-      stats.append(st)
-    out = jax.tree.map(lambda *x: jnp.stack(x), *outs)
-    state, m = progs.learn_scored(state, device, out, jnp.stack(rewards), v, step, seeds, schedule)
-    m = dict(m)
-    for name in EPISODE_STATS:
-      m[name] = jnp.asarray([st[name] for st in stats], jnp.float32)
-    rows.append({**m, "snapshot_missing": (~found).astype(jnp.int32)})
-  return state, jax.tree.map(lambda *x: jnp.stack(x, axis=1), *rows)

@@ -1,15 +1,15 @@
-"""The one pipeline from prompts to a scored, packed `TrainBatch`.
+"""The pieces of the one pipeline from prompts to a scored, packed `TrainBatch`.
 
   prompts (`prompt_iterator`, `assemble_global`)
-    -> `sample` (the run's sampler, with the parameters the caller chose)
+    -> the run's rollout (`protocol.Rollout.advance`, with the parameters the step chose)
     -> `score` (`score_on_device`, or `score_on_host` in the sandboxed workers)
-    -> `pack` (advantages, per-token versions: a `types.TrainBatch`)
+    -> `pack` (advantages, per-token versions, group order: a `types.TrainBatch`)
 
-Every path of a run goes through these functions: the jitted RL step
-(`rl_step`), the loop's host-reward and disaggregated steps, the async
-producer (`produce`), the disaggregated sampler (`sampler_mesh`) and the
-study; partial rollouts differ only in how they sample (`sampling.partial`)
-and pack finished groups through the same `types.pack_groups`.
+Every rollout kind and every path of a run goes through these functions: the
+jitted RL step (`rl_step`), the host step (`host_step`: host rewards, host
+rollouts, a disaggregated sampler), the async producer and the study. `pack`
+is the one packer: partial rollouts and the episode pool pass the groups
+that finished (`valid`) and their buffer order (`order`).
 
 Multi-host data path: every process reads the same global prompt stream and
 keeps its own block of rows of each batch (`prompts_per_step / process_count`
@@ -37,7 +37,6 @@ from jax.sharding import PartitionSpec as P
 from offpolicy_jax import advantages, types
 from offpolicy_jax.rewards import scoring as rewards
 from offpolicy_jax.rollout import data
-from offpolicy_jax.sampling import SampleOutput
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.types import TrainBatch
 
@@ -61,6 +60,17 @@ class Sizes(NamedTuple):
   max_prompt_len: int
   max_new_tokens: int
   token_advantages: bool = False
+
+
+class Packing(NamedTuple):
+  """What `pack` needs of a run: group size K, the advantage estimator, the turn discount.
+
+  `gamma` discounts turn rewards under `multiturn.credit = "turn"` (`advantages.per_turn`).
+  """
+
+  group_size: int
+  advantage: str
+  gamma: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -244,22 +254,6 @@ def step_key(seed, step, stream: int) -> jax.Array:
   return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), stream)
 
 
-def sample(fns, params, prompts: dict, step, seed) -> SampleOutput:
-  """K responses to each of the G prompts with `params` (traceable; on the mesh of `params`).
-
-  The one call of the run's sampler: the loop, the async producer, the
-  disaggregated sampler and the study all sample through here. With
-  `rollout.score_old` (`fns.score_old`) the learner also scores the tokens at
-  the same parameters (`SampleOutput.old_logprobs`, log pi_old).
-  """
-  key = step_key(seed, step, SAMPLE)
-  tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
-  out = fns.sampler(params, tokens, lengths, key)
-  if fns.score_old is not None:
-    out = out._replace(old_logprobs=fns.score_old(params, tokens, lengths, out))
-  return out
-
-
 def decode_waste(mask_bn) -> jax.Array:
   """The static batch's decode waste on these responses: row-steps decoded after a row ended.
 
@@ -288,11 +282,13 @@ def score(fns, prompts: dict, rollout, *, split: str = "train", group_size: int 
   return score_on_host(fns, prompts, rollout, split=split, group_size=k)
 
 
-def pack(fns, prompts: dict, rollout, rewards_b, version, key, valid=None) -> TrainBatch:
-  """Packs a scored rollout of whole responses into a `TrainBatch` (traceable).
+def pack(
+  packing: Packing, prompts: dict, rollout, rewards_b, version, key, valid=None, order=None
+) -> TrainBatch:
+  """Packs scored rows into a `TrainBatch` (traceable): the one packer of every rollout.
 
   Args:
-    fns: the run's step functions (batch shape and advantage estimator).
+    packing: group size, advantage estimator and turn discount (`StepFns.packing`).
     prompts: dict with `prompt_tokens` [G, P] and `prompt_lengths` [G].
     rollout: the sampler's output for the G * K rows.
     rewards_b: float32 [B]; a non-finite reward makes the loss non-finite and
@@ -307,23 +303,35 @@ def pack(fns, prompts: dict, rollout, rewards_b, version, key, valid=None) -> Tr
     valid: optional bool [G], the groups the advantages are computed over (the
       others get 0 and no say in batch-level estimators): the finished groups
       of a partial-rollout pool. Default: all.
+    order: optional int [G], the order of the groups in the batch (a FIFO
+      replay buffer trains them in that order): groups are permuted before
+      anything else, so advantages and keys see them in that order. Default:
+      as they are.
   """
   # G groups: the step's prompts, or the slots of a partial-rollout pool.
-  g, k = jnp.shape(prompts["prompt_tokens"])[0], fns.sizes.group_size
+  g, k = jnp.shape(prompts["prompt_tokens"])[0], packing.group_size
   rewards_b = jnp.asarray(rewards_b, jnp.float32)
+  if order is not None:
+    rows = (jnp.asarray(order)[:, None] * k + jnp.arange(k)[None, :]).reshape(-1)
+    prompts = {name: jnp.asarray(x)[order] for name, x in prompts.items() if name in DEVICE_FIELDS}
+    rollout = jax.tree.map(lambda x: x[rows], rollout)
+    rewards_b = rewards_b[rows]
+    version = jnp.asarray(version)
+    version = version[rows] if version.ndim else version
+    valid = None if valid is None else jnp.asarray(valid)[order]
   rows_valid = None if valid is None else jnp.repeat(jnp.asarray(valid, bool), k)
   if rewards_b.ndim == 2:
     if rows_valid is not None:  # NaN: turns not taken (`advantages.per_turn`)
       rewards_b = jnp.where(rows_valid[:, None], rewards_b, jnp.nan)
     adv_bt = advantages.per_turn(
-      fns.advantage, rewards_b.reshape(g, k, -1), key, gamma=fns.episodes.gamma
+      packing.advantage, rewards_b.reshape(g, k, -1), key, gamma=packing.gamma
     ).reshape(g * k, -1)
     turn = jnp.minimum(types.turn_ids(rollout.mask), adv_bt.shape[1] - 1)
     adv = jnp.take_along_axis(adv_bt, turn, axis=1) * (rollout.mask > 0)
     rewards_b = jnp.nansum(rewards_b, axis=1)
   else:
     valid_gk = None if rows_valid is None else rows_valid.reshape(g, k)
-    adv = advantages.compute(fns.advantage, rewards_b.reshape(g, k), key=key, valid=valid_gk)
+    adv = advantages.compute(packing.advantage, rewards_b.reshape(g, k), key=key, valid=valid_gk)
     adv = adv.reshape(g * k)
   versions = jnp.broadcast_to(jnp.asarray(version, jnp.int32), rollout.tokens.shape)
   return types.pack_groups(
@@ -340,21 +348,7 @@ def pack(fns, prompts: dict, rollout, rewards_b, version, key, valid=None) -> Tr
   )
 
 
-def produce(fns, params, prompts: dict, step: int, seed: int, version: int):
-  """Sample, score and pack one step's batch with given parameters, from the host.
-
-  What a sampler that holds its own parameter copy runs (the async producer):
-  the same `sample`, `score` and `pack` as the jitted step.
-
-  Returns:
-    `(TrainBatch, host reward statistics)`.
-  """
-  out = sample(fns, params, prompts, step, seed)  # `fns.sampler` is jitted
-  rewards_b, stats = score(fns, prompts, out)
-  return pack_jit(fns, prompts, out, rewards_b, version, step_key(seed, step, ADV)), stats
-
-
-# `pack` jitted, for callers on the host (the async producer).
+# `pack` jitted, for callers on the host (`rl_step.collect` outside a jitted step).
 pack_jit = jax.jit(pack, static_argnums=0)
 
 

@@ -6,7 +6,7 @@ disaggregated run (`disagg`) the thread samples on the sampler's own mesh,
 each publish reshards the parameters onto it, and each batch moves to the
 trainer mesh on the thread, so sampling overlaps training. Batches
 more than `lag.max_staleness` loop steps old are dropped (and counted).
-Multi-turn episodes (`rollout.episodes.produce`) look for newer parameters before
+Multi-turn episodes (`rollout.episodes.WholeEpisodes`) look for newer parameters before
 every turn: an episode in flight continues under them, and each policy token
 records the version that drew it. Not
 bit-reproducible (thread timing decides versions), and on resume the batches
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag, models
-from offpolicy_jax.rollout import episodes, pipeline, rl_step
+from offpolicy_jax.rollout import host_step, pipeline, rl_step
 from offpolicy_jax.scale import disagg, sharding
 
 
@@ -97,13 +97,13 @@ class AsyncProducer:
     local = next(self._data)
     prompts = pipeline.assemble_global(self._mesh, local)
     own_mesh = jax.set_mesh(self._mesh) if self._copy else contextlib.nullcontext()
+    # An episode continues under parameters published while it runs.
+    latest = lambda: self._joined(*self.sampler.latest())
     with own_mesh:
       full = models.lora.join(self._base, params)
-      if fns.episodes is not None:  # an episode continues under parameters published mid-way
-        latest = lambda: self._joined(*self.sampler.latest())
-        batch, info = episodes.produce(fns, full, prompts, step, self._seed, version, latest)
-      else:
-        batch, info = pipeline.produce(fns, full, prompts, step, self._seed, version)
+      _, batch, info = host_step.collect(
+        fns, fns.rollout, None, full, version, prompts, step, self._seed, latest
+      )
     if self._copy is not None:  # to the trainer mesh, on this thread
       batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.mesh))
     info["prompts_truncated"] = int((local["truncated"] & local["valid"]).sum())

@@ -11,11 +11,16 @@ secretly an off-policy algorithm", arXiv:2509.24203):
   theta_t  = train_step(theta_{t-1}, batch)               U optimizer steps
   snapshot[t] = theta_t                                   when m divides t
 
-Every piece is pure and traceable: with a device reward the whole step is one
-jitted program and `rl_steps` scans `log_every` steps inside it (purejaxrl);
-with a host reward it splits at the reward boundary into `rollout` and
-`learn_scored`. Sampling, scoring and packing are `pipeline`'s; the compiled
-programs of a run are the named fields of a `Programs` record (`programs`).
+The rollout is the run's `protocol.Rollout` (`StepFns.rollout`: whole
+responses, partial rollouts, episodes, the episode pool), and every step is
+
+  rollout (`advance`) -> score -> pack (`pipeline.pack`) -> learn
+
+With a traced rollout and a device reward the whole step is one jitted
+program and `rl_steps` scans `log_every` steps inside it (purejaxrl); with a
+host reward or a host rollout it splits into a rollout half and the jitted
+`learn_finished` (`host_step` drives both). The compiled programs of a run
+are the named fields of a `programs.Programs` record.
 `jax.vmap` over `(state, prompts, seed)` runs several seeds of the
 device-reward step at once. Every PRNG key is a pure function of
 `(seed, t, stream)`, so a resumed run reproduces an uninterrupted one.
@@ -29,9 +34,6 @@ counts loop steps.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -44,7 +46,7 @@ from offpolicy_jax import lag, models
 from offpolicy_jax.learn import replay, train_state, train_step
 from offpolicy_jax.learn.train_state import TrainState
 from offpolicy_jax.rollout import pipeline
-from offpolicy_jax.sampling import partial as partial_rollouts
+from offpolicy_jax.rollout.protocol import Finished, Rollout
 from offpolicy_jax.scale import sharding
 
 
@@ -87,11 +89,10 @@ class StepFns:
   reward: pipeline.Reward
   truncate_prompts: bool
   model_key: str  # what the warm start depends on: model, task, shapes, mesh
+  # How the run samples (`protocol.Rollout`; the kind is chosen once, in `components`).
+  rollout: Rollout
   # The sampler's own mesh in a disaggregated run (`disagg`); None: it shares `mesh`.
   sampler_mesh: jax.sharding.Mesh | None = None
-  partial: partial_rollouts.PartialSampler | None = (
-    None  # partial rollouts (rollout.partial_budget)
-  )
   # The learner's scoring of sampled tokens at the sampling parameters (log pi_old,
   # `train_step.make_scorer`), with `rollout.score_old`; None: not scored.
   score_old: Callable | None = None
@@ -104,6 +105,12 @@ class StepFns:
   continuous_auto_steps: int = 0
   # Multi-turn episodes (`multiturn.max_turns > 0`, `rollout.episodes.Episodes`); None: single-turn.
   episodes: Any = None
+
+  @property
+  def packing(self) -> pipeline.Packing:
+    """What `pipeline.pack` needs: group size, advantage estimator, turn discount."""
+    gamma = 1.0 if self.episodes is None else self.episodes.gamma
+    return pipeline.Packing(self.sizes.group_size, self.advantage, gamma)
 
   @property
   def updates(self) -> int:
@@ -138,7 +145,8 @@ class RunState(NamedTuple):
     snapshots: parameter versions the lag schedule still needs (None on-policy
       or in async mode).
     ref_params: reference parameters of a KL-to-reference loss, or None.
-    inflight: the pool of unfinished generations of partial rollouts, or None.
+    rollout: the rollout's carried state (`Rollout.init`: the pool of partial
+      rollouts, on device; the episodes in flight, on the host), or None.
     base: with low-rank adapters, the frozen base weights the trained
       parameters adapt (`models.lora`), held once: every parameter field above
       (train params, snapshots, reference) is an adapter. Never donated nor
@@ -152,7 +160,7 @@ class RunState(NamedTuple):
   replay: replay.ReplayState
   snapshots: lag.SnapshotState | None
   ref_params: Any
-  inflight: partial_rollouts.PartialState | None = None
+  rollout: Any = None
   base: Any = None
 
 
@@ -176,26 +184,16 @@ def init_state(
     replay=buffer,
     snapshots=lag.snapshot_init(params, snapshots, 0) if snapshots else None,
     ref_params=jax.tree.map(jnp.copy, params) if fns.options.spec.needs_ref else None,
-    inflight=None if fns.partial is None else _empty_pool(fns),
+    rollout=fns.rollout.init(),
     base=base,
   )
 
 
-def _empty_pool(fns: StepFns) -> partial_rollouts.PartialState:
-  """An empty in-flight pool for the run's prompt batches, placed on the mesh."""
-  assert fns.partial is not None
-  g, p = fns.sizes.prompts_per_step, fns.sizes.max_prompt_len
-  a = fns.task.max_answer_len + 1  # data.prompt_iterator's answer length
-  example = {
-    "prompt_tokens": jnp.zeros((g, p), jnp.int32),
-    "prompt_lengths": jnp.zeros((g,), jnp.int32),
-    "answer_tokens": jnp.zeros((g, a), jnp.int32),
-  }
-  return partial_rollouts.shard(fns.partial.init(example), fns.mesh)
+def state_items(state: RunState, rollout: Rollout) -> dict[str, Any]:
+  """The checkpoint items of a run state, by name (None fields are left out).
 
-
-def state_items(state: RunState) -> dict[str, Any]:
-  """The checkpoint items of a run state, by name (None fields are left out)."""
+  The rollout's carried state is the item `rollout.item` (`Rollout.arrays`).
+  """
   t = state.train
   items = {
     "params": t.params,
@@ -204,21 +202,34 @@ def state_items(state: RunState) -> dict[str, Any]:
     "replay": state.replay,
     "snapshots": state.snapshots,
     "ref_params": state.ref_params,
-    "inflight": state.inflight,
   }
+  if rollout.item:
+    items[rollout.item] = rollout.arrays(state.rollout)
   return {k: v for k, v in items.items() if v is not None}
 
 
-def state_from_items(items: dict[str, Any], like: RunState) -> RunState:
+def state_meta(state: RunState, rollout: Rollout) -> dict[str, Any]:
+  """The checkpoint meta of a run state: the rollout's signature and JSON part."""
+  if not rollout.item:
+    return {}
+  return {"rollout": rollout.signature(), rollout.item: rollout.meta(state.rollout)}
+
+
+def state_from_items(
+  items: dict[str, Any], like: RunState, rollout: Rollout, meta: dict[str, Any]
+) -> RunState:
   """The `RunState` of restored checkpoint items (`like` says which fields are None)."""
   c = items["counters"]
   train = TrainState(items["params"], items["opt_state"], c["step"], c["version"], c["num_skipped"])
+  carried = like.rollout
+  if rollout.item:
+    carried = rollout.restore(like.rollout, items[rollout.item], meta.get(rollout.item) or {})
   return RunState(
     train=train,
     replay=items["replay"],
     snapshots=items.get("snapshots") if like.snapshots is not None else None,
     ref_params=items.get("ref_params") if like.ref_params is not None else None,
-    inflight=items.get("inflight") if like.inflight is not None else None,
+    rollout=carried,
     base=like.base,
   )
 
@@ -275,95 +286,67 @@ def learn(
 
 
 def rollout(fns: StepFns, state: RunState, prompts: dict, step, seed, schedule):
-  """First half of a host-reward step: samples with the behaviour parameters.
+  """The rollout half of a step with a traced rollout: behaviour parameters, then `advance`.
 
   Returns:
-    `(rollout, v, found)`: the sampler's output, the behaviour loop step and
-    whether its snapshot was present.
+    `(rstate, finished, info, v, found)`: the rollout's carried state, the
+    groups to pack (`protocol.Finished`), its metrics, the behaviour loop step
+    and whether its snapshot was present.
   """
   params, v, found = behaviour_params(state, step, schedule)
-  return pipeline.sample(fns, weights(state, params), prompts, step, seed), v, found
+  key = pipeline.step_key(seed, step, pipeline.SAMPLE)
+  rstate, fin, info = fns.rollout.advance(
+    state.rollout, weights(state, params), fns.version(v), prompts, step, key
+  )
+  return rstate, fin, info, v, found
 
 
-def learn_scored(fns, opts, state, prompts, out, rewards_b, v, step, seed, schedule):
-  """Second half of a step: packs the scored rollout and learns from it."""
+def pack_finished(fns: StepFns, fin: Finished, rewards, step, seed, *, jitted: bool = False):
+  """`(batch, keep)`: the finished groups packed (`pipeline.pack`), and which to buffer.
+
+  `keep` (bool [G'], in batch order) is None when every group is kept.
+  """
+  packer = pipeline.pack_jit if jitted else pipeline.pack
+  prompts = {k: fin.prompts[k] for k in pipeline.DEVICE_FIELDS if k in fin.prompts}
   key = pipeline.step_key(seed, step, pipeline.ADV)
-  batch = pipeline.pack(fns, prompts, out, rewards_b, fns.version(v), key)
-  state, metrics = learn(fns, opts, state, batch, step, seed, schedule)
-  metrics["behavior_version"] = fns.version(v)
-  metrics["sampler/decode_waste"] = pipeline.decode_waste(out.mask)
+  args = (fin.out, rewards, fin.versions, key, fin.valid, fin.order)
+  batch = packer(fns.packing, prompts, *args)
+  keep = fin.valid
+  if keep is not None and fin.order is not None:
+    keep = jnp.asarray(keep)[jnp.asarray(fin.order)]
+  return batch, keep
+
+
+def learn_finished(fns, opts, state, rstate, fin, rewards, info, v, step, seed, schedule):
+  """The learning half of a step: packs the scored groups, learns from them (traceable).
+
+  Args:
+    rstate: the rollout's carried state after this step's `advance`.
+    fin: the groups the rollout finished; `rewards`: their rewards.
+    info: the rollout's metrics (they join the step's).
+    v: the behaviour loop step.
+  """
+  batch, keep = pack_finished(fns, fin, rewards, step, seed)
+  state, metrics = learn(
+    fns, opts, state._replace(rollout=rstate), batch, step, seed, schedule, keep
+  )
+  metrics = {**metrics, **info, "behavior_version": fns.version(v)}
   return state, metrics
 
 
 def rl_step(fns: StepFns, opts: ReplayOptions, state: RunState, prompts, step, seed, schedule):
-  """One whole step for a task with a device reward (traceable, vmappable over seeds)."""
+  """One whole step of a traced rollout and a device reward (traceable, vmappable over seeds).
+
+  rollout (`advance` under the behaviour parameters) -> device reward -> pack -> learn.
+  """
   assert fns.reward.device is not None, "rl_step needs a device reward"
-  if state.inflight is not None:
-    return partial_rl_step(fns, opts, state, prompts, step, seed, schedule)
-  out, v, found = rollout(fns, state, prompts, step, seed, schedule)
-  rewards_b = pipeline.score_on_device(fns, prompts, out)
-  state, metrics = learn_scored(fns, opts, state, prompts, out, rewards_b, v, step, seed, schedule)
-  metrics["snapshot_missing"] = (~found).astype(jnp.int32)
-  return state, metrics
-
-
-def partial_rl_step(
-  fns: StepFns, opts: ReplayOptions, state: RunState, prompts, step, seed, schedule
-):
-  """A device-reward step with partial rollouts (`sampling.partial`).
-
-  The step's prompts join the in-flight pool, every unfinished row decodes at
-  most `rollout.partial_budget` tokens with the behaviour parameters v(t) (its
-  tokens record version v(t) * U), and the groups that have finished are
-  scored, buffered and (FIFO) trained on.
-  """
-  params, v, found = behaviour_params(state, step, schedule)
-  params = weights(state, params)
-  assert fns.partial is not None and state.inflight is not None
-  pool, dropped = partial_rollouts.admit(state.inflight, prompts, step)
-  version = fns.version(v)
-  pool = fns.partial.advance(params, pool, version, pipeline.step_key(seed, step, pipeline.SAMPLE))
-  if fns.score_old is not None:
-    old = fns.score_old(
-      params,
-      pool.prompts["prompt_tokens"],
-      pool.prompts["prompt_lengths"],
-      partial_rollouts.as_output(pool),
-    )
-    pool = partial_rollouts.record_old(pool, old, version)
-  out = partial_rollouts.as_output(pool)
-  rewards_r = pipeline.score_on_device(fns, pool.prompts, out)
-  key = pipeline.step_key(seed, step, pipeline.ADV)
-  batch, keep, pool = partial_rollouts.emit(pool, rewards_r, fns.advantage, key)
-  state, metrics = learn(
-    fns, opts, state._replace(inflight=pool), batch, step, seed, schedule, keep
+  rstate, fin, info, v, found = rollout(fns, state, prompts, step, seed, schedule)
+  rewards = pipeline.score_on_device(fns, fin.prompts, fin.out)
+  state, metrics = learn_finished(
+    fns, opts, state, rstate, fin, rewards, info, v, step, seed, schedule
   )
-  metrics |= partial_rollouts.stats(batch, keep, pool, dropped)
-  metrics["behavior_version"] = version
   metrics["snapshot_missing"] = (~found).astype(jnp.int32)
   return state, metrics
-
-
-def host_reward_step(progs: Programs, state, prompts: dict, step, seed, schedule, score):
-  """One step of a host-scored task: the compiled rollout, `score` on the host, the learning.
-
-  Args:
-    progs: the run's compiled programs (`programs`; vmapped over seeds in the study).
-    state: the run state.
-    prompts: the step's prompts (device and host fields).
-    step: the loop step (traced scalar).
-    seed: the run's seed(s).
-    schedule: the `LagSchedule`.
-    score: `rollout -> (rewards [B], host statistics)` (`pipeline.score`).
-
-  Returns:
-    `(state, metrics, host statistics, found)`.
-  """
-  device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
-  out, v, found = progs.rollout(state, device, step, seed, schedule)
-  rewards_b, stats = score(out)
-  state, metrics = progs.learn_scored(state, device, out, rewards_b, v, step, seed, schedule)
-  return state, metrics, stats, found
 
 
 def rl_steps(fns: StepFns, opts: ReplayOptions, state, prompts_l, steps_l, seed, schedule):
@@ -378,113 +361,3 @@ def rl_steps(fns: StepFns, opts: ReplayOptions, state, prompts_l, steps_l, seed,
 
   state, metrics = jax.lax.scan(body, state._replace(base=None), (prompts_l, steps_l))
   return state._replace(base=base), metrics
-
-
-class Programs(NamedTuple):
-  """A run's compiled programs, by name (`programs` builds them once per state structure).
-
-  Attributes:
-    rl_steps: `(state, prompts_l, steps_l, seed, schedule) -> (state, metrics [L])`,
-      L device-reward steps in one scan.
-    rollout: `(state, prompts, step, seed, schedule) -> (out, v, found)`.
-    learn_scored: `(state, prompts, out, rewards_b, v, step, seed, schedule)
-      -> (state, metrics)`.
-    learn: `(state, batch, step, seed, schedule[, keep]) -> (state, metrics)`
-      (`keep` bool [G']: the groups of `batch` to buffer).
-    behaviour: `(state, step, schedule) -> (params, v, found)`.
-  """
-
-  rl_steps: Callable
-  rollout: Callable
-  learn_scored: Callable
-  learn: Callable
-  behaviour: Callable
-
-
-# The arguments that carry a leading seed axis in the vmapped study programs
-# (matched by parameter name, so a signature change cannot silently misalign them).
-SEED_ARGS = frozenset({"state", "prompts", "prompts_l", "out", "rewards_b", "v", "seed", "batch"})
-# Functions whose state argument is donated.
-_DONATES_STATE = ("rl_steps", "learn_scored", "learn")
-
-_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def programs(fns: StepFns, opts: ReplayOptions, state: RunState, *, over_seeds=False) -> Programs:
-  """The jitted programs of a run whose state has `state`'s structure (built once, shared).
-
-  The state is donated; without `over_seeds` it keeps its shardings and
-  metrics are replicated. With `over_seeds` every program is `jax.vmap`ped
-  over a leading seed axis of the `SEED_ARGS` arguments (the study).
-  Programs are memoised per `fns`, so runs that share it share them.
-  """
-  memo = _PROGRAMS.setdefault(fns, {})
-  key = (opts, jax.tree.structure(state), over_seeds)
-  if key not in memo:
-    fns_of: dict[str, Callable] = {
-      "rl_steps": functools.partial(rl_steps, fns, opts),
-      "rollout": functools.partial(rollout, fns),
-      "learn_scored": functools.partial(learn_scored, fns, opts),
-      "learn": functools.partial(learn, fns, opts),
-      "behaviour": behaviour_params,
-    }
-    build = _vmapped if over_seeds else _sharded
-    memo[key] = Programs(**{name: build(fns, name, fn, state) for name, fn in fns_of.items()})
-  return memo[key]
-
-
-def _base_apart(fn: Callable, donates: bool) -> Callable:
-  """`fn(state, *args)` as `(base, state without base, *args)`, so the base is never donated.
-
-  The frozen base (`RunState.base`) is an argument of its own: the donated
-  state does not hold it, vmapped programs share it across seeds
-  (`in_axes=None`), and a sampler thread can read it while the trainer runs.
-  """
-
-  def apart(base, state, *args):
-    out = fn(state._replace(base=base), *args)
-    return (out[0]._replace(base=None), *out[1:]) if donates else out
-
-  return apart
-
-
-def _base_back(jitted: Callable, donates: bool) -> Callable:
-  def call(state, *args):
-    out = jitted(state.base, state._replace(base=None), *args)
-    return (out[0]._replace(base=state.base), *out[1:]) if donates else out
-
-  return call
-
-
-def _sharded(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable:
-  state_sh = jax.tree.map(lambda x: x.sharding, state._replace(base=None))
-  rep = sharding.replicated(fns.mesh)
-  donates = name in _DONATES_STATE
-  apart = _base_apart(fn, donates)
-  if donates:
-    jitted = jax.jit(apart, out_shardings=(state_sh, rep), donate_argnums=1)
-  elif name == "behaviour":
-    params_sh = jax.tree.map(lambda x: x.sharding, state.train.params)
-    jitted = jax.jit(apart, out_shardings=(params_sh, rep, rep))
-  else:
-    jitted = jax.jit(apart)
-  return _with_mesh(_base_back(jitted, donates), fns.mesh)
-
-
-def _vmapped(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable:
-  params = list(inspect.signature(fn).parameters)
-  in_axes = (None, *(0 if p in SEED_ARGS else None for p in params))
-  donates = name in _DONATES_STATE
-  vmapped = jax.vmap(_base_apart(fn, donates), in_axes=in_axes)
-  jitted = jax.jit(vmapped, donate_argnums=1 if donates else ())
-  return _with_mesh(_base_back(jitted, donates), fns.mesh)
-
-
-def _with_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
-  """`fn` traced and run with `mesh` set, so activation constraints apply (`sharding.constrain`)."""
-
-  def call(*args):
-    with jax.set_mesh(mesh):
-      return fn(*args)
-
-  return call

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from offpolicy_jax.rollout import whole
 from offpolicy_jax.rollout.rl_step import StepFns
 
 # The switched `StepFns` of each run's, shared like the run's (its compiled programs too).
@@ -39,7 +40,8 @@ def continuous_fns(fns: StepFns) -> StepFns:
   if fns.sampler is fns.continuous:
     return fns
   if fns not in _SWITCHED:
-    _SWITCHED[fns] = dataclasses.replace(fns, sampler=fns.continuous)
+    continuous = whole.Whole(fns.continuous, fns.score_old)
+    _SWITCHED[fns] = dataclasses.replace(fns, sampler=fns.continuous, rollout=continuous)
   return _SWITCHED[fns]
 
 

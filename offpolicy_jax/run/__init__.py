@@ -2,7 +2,9 @@
 
   components    build_components(config): the only reader of the config
   validation    start-up checks of every config field;  data_checks: of every prompt
-  loop          train_and_evaluate(config, workdir): restore, iterate chunks, write rows
+  loop          train_and_evaluate(config, workdir): iterate chunks, write rows, checkpoint
+  start         how a run starts: fresh (warm start) or from its latest checkpoint;
+                evaluate_checkpoint
   evaluation    greedy accuracy and pass@k on held-out prompts (the loop's and the study's)
   export        a run's checkpoint as a PEFT adapter or an HF checkpoint
   sft           supervised warm start
@@ -21,6 +23,7 @@ from offpolicy_jax.run import (
   observability,
   planner,
   sft,
+  start,
   validation,
 )
 
@@ -33,5 +36,6 @@ __all__ = [
   "observability",
   "planner",
   "sft",
+  "start",
   "validation",
 ]

@@ -37,8 +37,10 @@ from offpolicy_jax.learn import train_state, train_step
 from offpolicy_jax.models import tokenizers
 from offpolicy_jax.rewards import environments, tasks
 from offpolicy_jax.rewards import scoring as rewards
-from offpolicy_jax.rollout import episodes, pipeline, rl_step
+from offpolicy_jax.rollout import episode_pool, episodes, pipeline, rl_step, whole
+from offpolicy_jax.rollout import partial as partial_rollout
 from offpolicy_jax.rollout.pipeline import INIT, step_key
+from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.run import data_checks, validation
 from offpolicy_jax.sampling import continuous, multiturn
 from offpolicy_jax.sampling import partial as partial_rollouts
@@ -362,6 +364,24 @@ def _episodes(config, task, tokenizer, graphdef, sampler_graphdef) -> episodes.E
   )
 
 
+def _rollout(config, task, sampler, partial, eps, score_old, mesh) -> Rollout:
+  """The run's rollout kind (`rollout.protocol`): the one place the kind is chosen."""
+  c = config
+  fields = {
+    "prompt_tokens": ((c.max_prompt_len,), np.int32),
+    "prompt_lengths": ((), np.int32),
+    "answer_tokens": ((task.max_answer_len + 1,), np.int32),  # `data.prompt_iterator`'s
+  }
+  if eps is not None and c.rollout.partial_budget:
+    budget = c.rollout.partial_budget
+    return episode_pool.EpisodePool(eps, task, sizes(c), budget, fields, score_old)
+  if eps is not None:
+    return episodes.WholeEpisodes(eps, task, c.group_size, score_old)
+  if partial is not None:
+    return partial_rollout.Partial(partial, fields, mesh, score_old)
+  return whole.Whole(sampler, score_old)
+
+
 def replay_capacity(config) -> int:
   """Buffer capacity in batches: at least `steps_to_finish` with partial rollouts.
 
@@ -391,6 +411,7 @@ def _build_fns(config) -> rl_step.StepFns:
     sampler_graphdef, _ = nnx.split(nnx.eval_shape(lambda: sampler_fn(0)))
   options = step_options(c)
   partial = _partial_sampler(c, sampler_graphdef, task, tokenizer)  # before the reward pool starts
+  score_old = train_step.make_scorer(graphdef, options) if _scores_old(c) else None
   sample_kw = dict(
     max_new_tokens=c.max_new_tokens, top_p=c.top_p, top_k=c.top_k, eos_id=tokenizer.eos_id
   )
@@ -409,7 +430,9 @@ def _build_fns(config) -> rl_step.StepFns:
     )
     if not c.rollout.continuous_auto_steps:  # continuous from the start
       sampler = continuous_sampler
+  eps = _episodes(c, task, tokenizer, graphdef, sampler_graphdef)
   return rl_step.StepFns(
+    rollout=_rollout(c, task, sampler, partial, eps, score_old, mesh),
     mesh=mesh,
     graphdef=graphdef,
     tokenizer=tokenizer,
@@ -424,10 +447,9 @@ def _build_fns(config) -> rl_step.StepFns:
     continuous=continuous_sampler,
     continuous_auto_steps=c.rollout.continuous_auto_steps,
     greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
-    partial=partial,
-    score_old=train_step.make_scorer(graphdef, options) if _scores_old(c) else None,
+    score_old=score_old,
     reward=_reward(c, task),
-    episodes=_episodes(c, task, tokenizer, graphdef, sampler_graphdef),
+    episodes=eps,
     truncate_prompts=c.data.truncate_prompts,
     sampler_mesh=sampler_mesh,
     lora=lora_config(c),

@@ -6,7 +6,7 @@
 The run is rebuilt from its recorded config (`config.json`, with the changes
 `config_history.jsonl` records applied in order; fields added since take their
 defaults); the parameters of the checkpoint step (default: the latest) are read
-by name, as `loop.evaluate_checkpoint` reads them. Formats:
+by name, as `start.evaluate_checkpoint` reads them. Formats:
 
 - ``peft`` (a LoRA run): `models.lora.save_peft` writes the adapter to OUT.
   The adapter belongs to the run's frozen base, rebuilt as at the run's start
@@ -31,7 +31,7 @@ import ml_collections
 from flax import nnx
 
 from offpolicy_jax import config_schema, files, models
-from offpolicy_jax.run import components, loop
+from offpolicy_jax.run import components, start
 from offpolicy_jax.store import checkpointing, metrics
 
 FORMATS = ("peft", "merged")
@@ -70,7 +70,7 @@ def recorded_config(workdir: str) -> ml_collections.ConfigDict:
 
 def _restore(workdir: str, comps, step: int | None):
   """`(base, params, meta)` of checkpoint `step`, the base checked against its record."""
-  base, params = loop.initial_weights(comps, warm_start=comps.fns.lora is not None)
+  base, params = start.initial_weights(comps, warm_start=comps.fns.lora is not None)
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
   try:
     items, meta = ckpt.restore({"params": params}, step)

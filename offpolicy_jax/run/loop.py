@@ -40,32 +40,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax import lag, models
-from offpolicy_jax.rollout import (
-  episode_pool,
-  episodes,
-  pipeline,
-  producer,
-  sampler_choice,
-  sampler_mesh,
-)
+from offpolicy_jax import lag
+from offpolicy_jax.rollout import host_step, pipeline, producer, sampler_choice, sampler_mesh
 from offpolicy_jax.rollout.pipeline import EVAL, step_key
+from offpolicy_jax.rollout.programs import programs
+from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.rollout.rl_step import (
   LagSchedule,
   RunState,
-  init_state,
-  programs,
-  state_from_items,
   state_items,
+  state_meta,
   weights,
 )
-from offpolicy_jax.run import evaluation, observability, sft
-from offpolicy_jax.run.components import Components, build_components, snapshot_slots
+from offpolicy_jax.run import evaluation, observability
+from offpolicy_jax.run import start as start_lib
+from offpolicy_jax.run.components import Components, build_components
 from offpolicy_jax.store import checkpointing, metrics
 from offpolicy_jax.store import workdir as workdir_lib
-
-# The checkpoint item (and meta key) of the episodes in flight (`episode_pool`).
-POOL_ITEM = "episode_pool"
 
 
 def train_and_evaluate(
@@ -107,21 +98,19 @@ def train_and_evaluate(
     )
     try:
       latest = ckpt.latest_step()
-      pool = _episode_pool(comps)
       if latest:  # before the config check records an allowed change
-        _check_pool(ckpt, pool)
+        start_lib.check_rollout(ckpt, comps.fns.rollout)
       if latest and primary:
         workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
       data_iter = producer.LockedIterator(pipeline.prompt_iterator(comps.fns, comps.run.seed))
-      state, start, start_accuracy, base, choice = _restore_or_init(
-        comps, ckpt, data_iter, workdir, config.model, pool
+      state, start, start_accuracy, base, choice = start_lib.restore_or_init(
+        comps, ckpt, data_iter, workdir, config.model
       )
       writer = _make_writer(comps, config, workdir, start)
     except BaseException:
       ckpt.close()
       raise
     loop = _Loop(comps, ckpt, writer, data_iter, workdir, on_step)
-    loop.pool = pool
     loop.base_record = base
     loop.resume_choice(choice)
     try:
@@ -153,114 +142,6 @@ def _make_writer(comps: Components, config, workdir: str, start: int) -> metrics
   )
 
 
-def _fresh_state(comps: Components, params, base=None) -> RunState:
-  run = comps.run
-  slots = snapshot_slots(run.lag_mode, run.sync_interval, run.sync_offset)
-  return init_state(
-    comps.fns, params, capacity_batches=run.replay_capacity_batches, snapshots=slots, base=base
-  )
-
-
-def initial_weights(comps: Components, *, warm_start: bool = True, log_fn=print):
-  """`(base, params)` a run starts from: the model (warm-started), split by `StepFns.split`.
-
-  With adapters, the warm start trains the base under the fresh adapters (B =
-  0), and the adapters are what RL trains; without, `base` is None.
-  """
-  fns, run = comps.fns, comps.run
-  base, params = fns.split(fns.init_params(run.seed))
-  if warm_start and run.sft_enabled:
-    kw = dict(
-      steps=run.sft_steps,
-      batch_size=run.sft_batch_size,
-      learning_rate=run.sft_learning_rate,
-      distractor=run.sft_distractor,
-      seed=run.seed,
-      log_fn=log_fn,
-    )
-    if base is None:
-      params = sft.warm_start(fns, params, **kw)
-    else:
-      base = sft.warm_start(fns, base, frozen=params, **kw)
-  return base, params
-
-
-def _base_record(base, model: str) -> dict[str, str] | None:
-  """What a checkpoint records of a LoRA run's frozen base: its source and fingerprint."""
-  return None if base is None else {"model": model, "fingerprint": models.lora.fingerprint(base)}
-
-
-def _episode_pool(comps: Components) -> episode_pool.EpisodePool | None:
-  """The pool of episodes in flight of a multi-turn run with partial rollouts, or None."""
-  fns = comps.fns
-  if fns.episodes is None or not fns.episodes.partial_budget:
-    return None
-  sizes = fns.sizes
-  fields = {
-    "prompt_tokens": ((sizes.max_prompt_len,), np.int32),
-    "prompt_lengths": ((), np.int32),
-    "answer_tokens": ((fns.task.max_answer_len + 1,), np.int32),  # data.prompt_iterator's
-  }
-  return episode_pool.EpisodePool(fns, fns.episodes.partial_budget, fields)
-
-
-def _check_pool(ckpt, pool: episode_pool.EpisodePool | None) -> None:
-  """Refuses, naming the field, a latest checkpoint whose episodes in flight do not fit `pool`.
-
-  Raises:
-    workdir.ConfigChanged: the pool's budget or shape changed (or it was turned on or off).
-  """
-  try:
-    meta = ckpt.restore_meta()
-  except checkpointing.CheckpointError:
-    return  # `restore_latest` reports it and falls back to an older step
-  saved = meta.get(POOL_ITEM)
-  had = None if saved is None else {"slots": saved.get("slots"), "budget": saved.get("budget")}
-  has = None if pool is None else {"slots": pool.slots, "budget": pool.budget}
-  if had != has:  # not allowed by allow_config_change: the pool cannot be taken back
-    raise workdir_lib.ConfigChanged(
-      f"config.rollout.partial_budget: the checkpoint of step {meta.get('step')} holds "
-      f"episodes in flight of a pool {had or 'that does not exist'}, this run's pool is "
-      f"{has or 'none'}; refusing to resume (restore the budget or use a new workdir)"
-    )
-
-
-def _restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str, pool=None):
-  """The run state, its step, the starting accuracy, the base record and the sampler choice.
-
-  From the latest checkpoint, or fresh (choice None: `sampler_choice.SamplerChoice.state`).
-  `pool` (an `episode_pool.EpisodePool`) takes back the checkpoint's episodes in flight.
-
-  Raises:
-    ValueError: the checkpoint's adapters were trained on another base.
-  """
-  fns = comps.fns
-  if ckpt.latest_step():
-    # The base is rebuilt (loaded, warm-started) as at the start; only adapters are saved.
-    base, params = initial_weights(comps, warm_start=fns.lora is not None)
-    record = _base_record(base, model)
-    template = _fresh_state(comps, params, base)
-    # The newest intact step: corrupt ones are reported and moved aside.
-    wanted = state_items(template)
-    if pool is not None:
-      wanted[POOL_ITEM] = pool.arrays()
-    items, meta, start = ckpt.restore_latest(wanted)
-    if meta.get("base") != record:
-      raise ValueError(
-        f"{workdir}: the checkpoint of step {start} holds adapters of the base "
-        f"{meta.get('base')}, but this run's base is {record} (config.model, the warm start "
-        "or the checkpoint's files changed); refusing to resume on another base"
-      )
-    data_iter.set_state(meta["data_state"])
-    if pool is not None:
-      pool.restore(items.pop(POOL_ITEM), meta[POOL_ITEM])
-    print(f"resumed from step {start} in {workdir}", flush=True)
-    state = state_from_items(items, template)
-    return state, start, meta.get("start_accuracy"), record, meta.get("sampler_choice")
-  base, params = initial_weights(comps)
-  return _fresh_state(comps, params, base), 0, None, _base_record(base, model), None
-
-
 # ------------------------------------------------------------------ the loop
 
 
@@ -286,13 +167,13 @@ class _Loop:
     self.seed = put(run.seed)
     self.compiles = observability.CompileCounter()
     self.profiler = observability.Profiler(os.path.join(workdir, "profile"), run.profile_steps)
-    self._prefetched: tuple | None = None  # (step, dispatched rollout) of a two-program run
-    self.pool: episode_pool.EpisodePool | None = None  # episodes in flight (partial rollouts)
-    # A disaggregated sync-mode run samples on its own mesh (`disagg`).
-    self.sampler = None
-    if comps.fns.sampler_mesh is not None and run.lag_mode == "sync":
-      schedule = (run.sync_interval, run.sync_offset)
-      self.sampler = sampler_mesh.SamplerMesh(comps.fns, run.replay, schedule, run.seed)
+    self._prefetched: tuple | None = None  # (step, dispatched rollout) of a host step
+    # The rollout; a disaggregated sync-mode run samples on its own mesh (`disagg`; the
+    # async producer places its own copy).
+    fns = comps.fns
+    self.rollout: Rollout = fns.rollout
+    if fns.sampler_mesh is not None and run.lag_mode == "sync":
+      self.rollout = sampler_mesh.OnSamplerMesh(fns.rollout, fns.sampler_mesh, fns.mesh, fns.split)
     self.choice = sampler_choice.SamplerChoice(comps.fns, run.rollout_continuous_waste_threshold)
 
   def resume_choice(self, saved: dict[str, Any] | None) -> None:
@@ -304,8 +185,10 @@ class _Loop:
 
   def _sample_with(self, fns) -> None:
     self.fns = fns
-    if self.sampler is not None:
-      self.sampler.fns = fns
+    if isinstance(self.rollout, sampler_mesh.OnSamplerMesh):
+      self.rollout.inner = fns.rollout
+    else:
+      self.rollout = fns.rollout
 
   def close(self) -> None:
     self.profiler.stop()
@@ -333,10 +216,14 @@ class _Loop:
     program serves every chunk (only a shorter last chunk compiles another).
     """
     run = self.run_cfg
-    if run.lag_mode == "async" or self.fns.reward.device is None or self.sampler is not None:
+    if run.lag_mode == "async" or not self._on_device():
       return 1
     length = math.gcd(run.log_every, run.eval_every, run.checkpoint_every)
     return self.choice.chunk(step, min(length, run.total_steps - step))
+
+  def _on_device(self) -> bool:
+    """Whether a whole step is one jitted program: a traced rollout and a device reward."""
+    return self.rollout.traced and self.fns.reward.device is not None
 
   def run(self, state: RunState, start: int) -> None:
     run = self.run_cfg
@@ -355,7 +242,7 @@ class _Loop:
         self.profiler.before(step + 1, n, first=step == start)
         if prod is not None:
           state, rows = self._async_step(state, step + 1, prod)
-        elif self.fns.reward.device is not None and self.sampler is None:
+        elif self._on_device():
           state, rows = self._device_chunk(state, step, n)
         else:
           state, rows = self._host_step(state, step + 1)
@@ -407,11 +294,8 @@ class _Loop:
         meta["base"] = self.base_record
       if self.choice.auto:
         meta["sampler_choice"] = self.choice.state()
-      items = state_items(state)
-      if self.pool is not None:
-        items[POOL_ITEM] = self.pool.arrays()
-        meta[POOL_ITEM] = self.pool.meta()
-      self.ckpt.save(step, items, meta)
+      meta |= state_meta(state, self.rollout)
+      self.ckpt.save(step, state_items(state, self.rollout), meta)
 
   def _prompts(self, n: int) -> tuple[list[dict], list[int]]:
     local = [next(self.data) for _ in range(n)]
@@ -435,40 +319,26 @@ class _Loop:
       row["time/device_s"] = device
     return state, rows
 
-  def _dispatch_rollout(self, state: RunState, step: int):
-    """Reads step `step`'s prompts and dispatches its rollout (asynchronously, on device)."""
+  def _dispatch(self, state: RunState, step: int) -> tuple[int, host_step.Sampled]:
+    """Reads step `step`'s prompts and runs (a traced rollout: dispatches) its rollout half."""
     (local,), (truncated,) = self._prompts(1)
     prompts = pipeline.assemble_global(self.comps.mesh, local)
-    device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
-    step_a = jax.device_put(np.int32(step), self._rep)
-    if self.sampler is not None:  # on the sampler's mesh, moved back to the trainer's
-      return prompts, device, truncated, step_a, self.sampler.sample(state, local, step)
-    if self.fns.episodes is not None:  # turns answered by the environment between decodes
-      progs = programs(self.fns, self.run_cfg.replay, state)
-      params, v, found = progs.behaviour(state, step_a, self.schedule)
-      out, rewards_b, info = episodes.sample(
-        self.fns, weights(state, params), prompts, step, self.seed
-      )
-      return (
-        prompts,
-        device,
-        truncated,
-        step_a,
-        sampler_mesh.Sampled(out, v, found, rewards_b, info),
-      )
-    fn = programs(self.fns, self.run_cfg.replay, state).rollout
-    out, v, found = fn(state, device, step_a, self.seed, self.schedule)
-    return prompts, device, truncated, step_a, sampler_mesh.Sampled(out, v, found, None, {})
+    progs = programs(self.fns, self.run_cfg.replay, state)
+    seed = self.run_cfg.seed
+    return truncated, host_step.sample(
+      self.fns, progs, self.rollout, state, prompts, step, seed, self.schedule
+    )
 
   def _can_prefetch(self, step: int) -> bool:
     """Whether step `step + 1` may sample before step `step` has trained.
 
-    Its behaviour parameters must not be the ones `step` produces, and `step`
+    The rollout must allow it (nothing carried, nothing on the host), its
+    behaviour parameters must not be the ones `step` produces, and `step`
     must not end in a checkpoint (the checkpoint's data state must not include
     a prefetched batch).
     """
     run = self.run_cfg
-    if self.fns.episodes is not None:  # an episode's rollout runs on the host: nothing to overlap
+    if not self.rollout.prefetch:
       return False
     if step >= run.total_steps or (run.checkpoint_every and step % run.checkpoint_every == 0):
       return False
@@ -477,57 +347,31 @@ class _Loop:
     return lag.behavior_version(step + 1, run.sync_interval, run.sync_offset) < step
 
   def _host_step(self, state: RunState, step: int):
-    """One step as two programs: jitted rollout, (sandboxed) scoring, jitted learning.
+    """One step whose rollout or reward leaves the device (`host_step`): sample, then learn.
 
-    Host-reward runs and disaggregated runs (`disagg`, whose device rewards
-    come with the rollout) take this path. When the lag schedule allows
-    (`_can_prefetch`), the next step's rollout is dispatched before this
+    Host-reward runs, host rollouts (episodes, the episode pool) and
+    disaggregated runs take this path. When the rollout and the lag schedule
+    allow (`_can_prefetch`), the next step's rollout is dispatched before this
     step's scoring and learning, so the device samples while the verifier
     workers score, and a disaggregated sampler samples while the trainer trains.
     """
-    if self.pool is not None:
-      return self._pool_step(state, step)
     t0 = time.perf_counter()
     pending, self._prefetched = self._prefetched, None
     if pending is None or pending[0] != step:
-      pending = (step, self._dispatch_rollout(state, step))
-    prompts, device, truncated, step_a, (out, v, found, rewards_b, info) = pending[1]
-    jax.block_until_ready(out)
+      pending = (step, self._dispatch(state, step))
+    truncated, sampled = pending[1]
+    jax.block_until_ready(sampled.fin.out)
     t1 = time.perf_counter()
     if self._can_prefetch(step):
-      self._prefetched = (step + 1, self._dispatch_rollout(state, step + 1))
-    if rewards_b is None:
-      rewards_b, stats = pipeline.score(self.fns, prompts, out)
-    else:
-      stats = pipeline.no_reward_stats()
-    t2 = time.perf_counter()
-    learn = programs(self.fns, self.run_cfg.replay, state).learn_scored
-    state, row = learn(state, device, out, rewards_b, v, step_a, self.seed, self.schedule)
-    row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
-    t3 = time.perf_counter()
-    row.update(stats, prompts_truncated=truncated, snapshot_missing=int(not bool(found)))
-    row.update(info)
-    row.update({"time/sample_s": t1 - t0, "time/reward_s": t2 - t1, "time/train_s": t3 - t2})
-    return state, [row]
-
-  def _pool_step(self, state: RunState, step: int):
-    """One step of episodes with partial rollouts: admit, advance and emit (`episode_pool`)."""
-    assert self.pool is not None
-    t0 = time.perf_counter()
-    (local,), (truncated,) = self._prompts(1)
-    prompts = pipeline.assemble_global(self.comps.mesh, local)
-    step_a = jax.device_put(np.int32(step), self._rep)
+      self._prefetched = (step + 1, self._dispatch(state, step + 1))
     progs = programs(self.fns, self.run_cfg.replay, state)
-    params, v, found = progs.behaviour(state, step_a, self.schedule)
-    version = int(self.fns.version(int(v)))
     seed = self.run_cfg.seed
-    batch, keep, info = self.pool.step(weights(state, params), prompts, step, seed, version)
-    t1 = time.perf_counter()
-    state, row = progs.learn(state, batch, step_a, self.seed, self.schedule, keep)
-    row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
-    row.update(info, prompts_truncated=truncated, snapshot_missing=int(not bool(found)))
-    row["behavior_version"] = version
-    row.update({"time/sample_s": t1 - t0, "time/train_s": time.perf_counter() - t1})
+    state, row = host_step.learn(
+      self.fns, progs, self.rollout, state, sampled, step, seed, self.schedule
+    )
+    row.update(prompts_truncated=truncated)
+    row["time/sample_s"] = t1 - t0
+    row["time/train_s"] = time.perf_counter() - t1 - row["time/reward_s"]
     return state, [row]
 
   def _async_step(self, state: RunState, step: int, prod: producer.AsyncProducer):
@@ -549,35 +393,3 @@ class _Loop:
     row["time/wait_s"] = t1 - t0
     row["time/train_s"] = time.perf_counter() - t1
     return state, [row]
-
-
-def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = None):
-  """Evaluates a run's checkpoint (or, without `workdir`, the config's model as built).
-
-  Only the parameters are read from the checkpoint (by name).
-
-  Args:
-    config: the run's config (its model, task and eval settings are used).
-    workdir: a run directory with checkpoints; None evaluates the model of
-      `config.model` (a preset at its seed's initialisation, or an HF directory).
-    step: checkpoint step; None for the latest.
-
-  Returns:
-    dict with `step` and the `eval/` metrics of `evaluation.evaluate`.
-  """
-  comps = build_components(config)
-  fns, run = comps.fns, comps.run
-  # Without adapters the checkpoint holds the whole model: no warm start needed.
-  base, params = initial_weights(comps, warm_start=fns.lora is not None)
-  step_done = 0
-  if workdir is not None:
-    ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
-    try:
-      items, meta = ckpt.restore({"params": params}, step)
-    finally:
-      ckpt.close()
-    params, step_done = items["params"], meta["step"]
-  k = max(run.eval_samples, 1)
-  key = step_key(run.seed, step_done, EVAL)
-  full = models.lora.join(base, params)
-  return {"step": step_done, **evaluation.evaluate(fns, full, key, run.eval_prompts, k)}

@@ -180,6 +180,13 @@ def _validate_sampling(c) -> None:
       "continuous batching samples whole responses; it does not take partial rollouts "
       "(rollout.partial_budget > 0)",
     )
+    # The pool lives with the trainer's state; a disaggregated sampler holds no state.
+    _need(
+      not c.mesh.sampler_devices,
+      "mesh.sampler_devices",
+      "a disaggregated sampler samples whole responses; it does not take partial rollouts "
+      "(rollout.partial_budget > 0)",
+    )
 
 
 def _validate_loss(c) -> None:
@@ -367,7 +374,7 @@ def _validate_multiturn(c) -> None:
   )
   # Each of these samples whole single-turn responses without stopping for the environment
   # (partial rollouts of episodes are `rollout.episode_pool`; under lag.mode='async' an episode
-  # in flight continues under the parameters published while it runs, `rollout.episodes.produce`).
+  # in flight continues under the parameters published while it runs, `episodes.WholeEpisodes`).
   for field, on in (
     ("rollout.continuous_slots", c.rollout.continuous_slots),
     ("mesh.sampler_devices", c.mesh.sampler_devices),

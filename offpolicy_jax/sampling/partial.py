@@ -9,7 +9,8 @@ carried from step to step; each step
            behaviour parameters theta_v, recording per token
            y_t ~ mu_v(. | x, y_<t),  logp_t = log mu_v(y_t | x, y_<t),  version_t = v,
   emit     groups whose K rows have all finished (EOS or max_new_tokens) leave
-           the pool for the replay buffer; their slots become free.
+           the pool for the replay buffer; their slots become free
+           (`rollout.partial.Partial`, the rollout built on these programs).
 
 A response may thus span several parameter versions, and every token keeps
 the version and the behaviour log-prob of the parameters that sampled it, so
@@ -58,10 +59,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from offpolicy_jax import advantages, types
+from offpolicy_jax import types
 from offpolicy_jax.sampling.sampler import SampleOutput, select_token
 from offpolicy_jax.scale import sharding
-from offpolicy_jax.types import TrainBatch
 
 
 class PartialState(NamedTuple):
@@ -75,7 +75,7 @@ class PartialState(NamedTuple):
     kept: int32 [R, N] size of the top-k / top-p set it was drawn from
       (`SampleOutput.kept`).
     old_logprobs: float32 [R, N] the learner's log-prob of each token at the
-      parameters that sampled it (`record_old`; the behaviour log-prob when
+      parameters that sampled it (`rollout.protocol.pi_old`; the behaviour log-prob when
       not scored).
     versions: int32 [R, N] parameter version that sampled each token.
     mask: bool [R, N] generated (valid) tokens.
@@ -333,84 +333,3 @@ def as_output(state: PartialState) -> SampleOutput:
     state.kept,
     state.old_logprobs,
   )
-
-
-def record_old(state: PartialState, old_rn: jax.Array, version) -> PartialState:
-  """Keeps the learner's log-probs `old_rn` [R, N] of the tokens `version` sampled.
-
-  `old_rn` scores every row at the parameters of `version` (`rollout.pipeline`'s
-  learner scoring); only that version's tokens take it, so each token keeps
-  the log pi_old of the parameters that sampled it.
-  """
-  own = state.mask & (state.versions == version)
-  return state._replace(old_logprobs=jnp.where(own, old_rn, state.old_logprobs))
-
-
-def emit(
-  state: PartialState, rewards_r: jax.Array, advantage: str, key: jax.Array
-) -> tuple[TrainBatch, jax.Array, PartialState]:
-  """Packs the finished groups and frees their slots.
-
-  Advantages are computed over the finished groups only (`valid`), so
-  batch-level estimators see no unfinished rows. Groups are ordered oldest
-  admission first (then by slot), so a FIFO replay buffer trains on them in
-  that order.
-
-  Args:
-    state: the pool after `advance`.
-    rewards_r: float32 [R] rewards of every row (only finished groups' are used).
-    advantage: advantage estimator name.
-    key: PRNG key of stochastic estimators.
-
-  Returns:
-    ``(batch, keep, state)``: a `TrainBatch` of all R rows (group order as
-    described), bool [S] which of its groups are finished (to add to the
-    buffer), and the pool with those slots freed.
-  """
-  s = state.active.shape[0]
-  k = state.tokens.shape[0] // s
-  keep = finished(state)
-  order = jnp.argsort(jnp.where(keep, state.admitted, jnp.iinfo(jnp.int32).max), stable=True)
-  rows = (order[:, None] * k + jnp.arange(k)[None, :]).reshape(-1)
-  rewards_gk = jnp.asarray(rewards_r, jnp.float32)[rows].reshape(s, k)
-  keep_o = keep[order]
-  valid = jnp.broadcast_to(keep_o[:, None], (s, k))
-  adv = advantages.compute(advantage, rewards_gk, key=key, valid=valid).reshape(-1)
-  batch = types.pack_groups(
-    state.prompts["prompt_tokens"][order],
-    state.prompts["prompt_lengths"][order],
-    state.tokens[rows],
-    state.mask[rows],
-    state.logprobs[rows],
-    state.versions[rows],
-    rewards_gk.reshape(-1),
-    adv,
-    state.kept[rows],
-    state.old_logprobs[rows],
-  )
-  return batch, keep_o, state._replace(active=state.active & ~keep)
-
-
-def stats(batch: TrainBatch, keep: jax.Array, state: PartialState, dropped) -> dict[str, jax.Array]:
-  """Metrics of one partial-rollout step.
-
-  Returns:
-    ``partial_emitted_groups`` (finished groups added to the buffer),
-    ``partial_inflight_groups`` (left in the pool), ``partial_dropped_prompts``
-    (groups refused for want of a slot; 0 by construction) and
-    ``partial_mixed_rows`` (fraction of emitted rows whose tokens come from more
-    than one parameter version).
-  """
-  k = state.tokens.shape[0] // state.active.shape[0]
-  valid = batch.mask > 0
-  big = jnp.iinfo(jnp.int32).max
-  oldest = jnp.where(valid, batch.versions, big).min(axis=1)
-  newest = jnp.where(valid, batch.versions, -1).max(axis=1)
-  rows = jnp.repeat(keep, k) & valid.any(axis=1)
-  mixed = (rows & (newest > oldest)).sum() / jnp.maximum(rows.sum(), 1)
-  return {
-    "partial_emitted_groups": keep.sum().astype(jnp.int32),
-    "partial_inflight_groups": state.active.sum().astype(jnp.int32),
-    "partial_dropped_prompts": jnp.asarray(dropped, jnp.int32),
-    "partial_mixed_rows": mixed.astype(jnp.float32),
-  }

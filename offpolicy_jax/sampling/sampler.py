@@ -54,7 +54,7 @@ class SampleOutput(NamedTuple):
     kept: int32 [B, N] size m of the kept (top-k / top-p) set each token was
       drawn from (V without truncation), 0 where masked.
     old_logprobs: float32 [B, N] the learner's log-probs of the tokens at the
-      sampling parameters (`rollout.pipeline.sample` with `rollout.score_old`), or
+      sampling parameters (`rollout.protocol.pi_old` with `rollout.score_old`), or
       None: not scored.
   """
 

@@ -39,7 +39,7 @@ import ml_collections
 import numpy as np
 
 from offpolicy_jax import advantages, config_schema, lag, losses
-from offpolicy_jax.rollout import episodes, pipeline, rl_step
+from offpolicy_jax.rollout import host_step, pipeline, programs, rl_step
 from offpolicy_jax.run import components, evaluation, sft
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweeps
@@ -278,30 +278,6 @@ def evaluate(
   return ev["accuracy"], ev.get(f"pass@{k}")
 
 
-def _host_reward_steps(fns, progs: rl_step.Programs, state, prompts_l, steps, seeds, schedule):
-  """`rl_steps` for a host-scored task: the seeds' rollouts, each seed's scoring, learning.
-
-  One `rl_step.host_reward_step` per loop step, with the vmapped programs and
-  each seed's rows scored in the sandboxed workers.
-  """
-  rows = []
-  for i, step in enumerate(steps):
-    prompts = {k: x[:, i] for k, x in prompts_l.items()}
-
-    def score(out, prompts=prompts):
-      per_seed = []
-      for s in range(len(seeds)):
-        one = {k: x[s] for k, x in prompts.items()}
-        per_seed.append(pipeline.score(fns, one, jax.tree.map(lambda x, s=s: x[s], out))[0])
-      return jnp.stack(per_seed), {}
-
-    state, m, _, found = rl_step.host_reward_step(
-      progs, state, prompts, step, seeds, schedule, score
-    )
-    rows.append({**m, "snapshot_missing": (~found).astype(jnp.int32)})
-  return state, jax.tree.map(lambda *x: jnp.stack(x, axis=1), *rows)
-
-
 def _prompt_chunk(iters: list, n: int, host_fields: bool) -> dict[str, Any]:
   """[S, n, ...] prompts: n batches from each seed's iterator."""
   fields = pipeline.DEVICE_FIELDS + (("index", "valid") if host_fields else ())
@@ -389,13 +365,11 @@ def _run_seeds(
   for start in range(0, run.total_steps, run.eval_every):
     prompts = _prompt_chunk(iters, run.eval_every, not device)
     steps = jnp.arange(start + 1, start + run.eval_every + 1, dtype=jnp.int32)
-    progs = rl_step.programs(fns, run.replay, state, over_seeds=True)
-    if fns.episodes is not None:
-      state, out = episodes.steps_over_seeds(fns, progs, state, prompts, steps, seeds_a, schedule)
-    elif device:
+    progs = programs.programs(fns, run.replay, state, over_seeds=True)
+    if fns.rollout.traced and device:  # every step one program, scanned and vmapped
       state, out = progs.rl_steps(state, prompts, steps, seeds_a, schedule)
     else:
-      state, out = _host_reward_steps(fns, progs, state, prompts, steps, seeds_a, schedule)
+      state, out = host_step.steps_over_seeds(fns, progs, state, prompts, steps, seeds_a, schedule)
     metrics_l.append(jax.device_get(out))
     end = start + run.eval_every
     k = run.eval_samples if end == run.total_steps else 0

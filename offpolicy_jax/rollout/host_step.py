@@ -1,0 +1,177 @@
+"""A step that leaves the device: rollout half, host scoring or environment, jitted learning.
+
+The same step as `rl_step.rl_step` (rollout -> score -> pack -> learn) for
+runs where part of it lives on the host: a host reward (scored in the
+sandboxed verifier workers), a rollout that runs on the host (`Rollout.traced`
+false: episodes, whose environment answers between decodes, and the episode
+pool), or a rollout placed on a disaggregated sampler mesh. It is split in
+two so that a caller may overlap them (the loop dispatches the next step's
+rollout while this one is scored, `sample` / `learn`):
+
+  sample  a traced rollout runs as the jitted `Programs.rollout` (behaviour
+          parameters and `advance` in one program); a host rollout runs
+          `advance` on the host with the behaviour parameters of
+          `Programs.behaviour`;
+  learn   rewards (unless the rollout earned them), then the jitted
+          `Programs.learn_finished` (pack, replay, train step).
+
+`steps_over_seeds` is the same step for the study's seeds (vmapped programs,
+each seed's host part on its own rows); `collect` is the rollout half with
+packing for the async producer, which learns elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from offpolicy_jax import models
+from offpolicy_jax.rollout import pipeline, rl_step
+from offpolicy_jax.rollout.protocol import Finished, Rollout
+from offpolicy_jax.scale import sharding
+from offpolicy_jax.store import metrics
+
+
+class Sampled(NamedTuple):
+  """The rollout half of a step (`sample`).
+
+  Attributes:
+    rstate: the rollout's carried state after `advance`.
+    fin: the finished groups (prompts with their host fields).
+    info: the rollout's device metrics (a traced rollout's), into the jitted learning.
+    host: the rollout's host metrics (a host rollout's, or a placement's).
+    v: the behaviour loop step (device scalar).
+    found: whether its snapshot was present.
+  """
+
+  rstate: Any
+  fin: Finished
+  info: dict[str, Any]
+  host: dict[str, Any]
+  v: Any
+  found: Any
+
+
+def _device(fin: Finished) -> Finished:
+  """`fin` with only the prompts' device fields (what the jitted programs take)."""
+  return fin._replace(prompts={k: fin.prompts[k] for k in pipeline.DEVICE_FIELDS})
+
+
+def sample(fns, progs, rollout: Rollout, state, prompts: dict, step: int, seed: int, schedule):
+  """The rollout half of step `step` (module docstring); dispatched asynchronously when traced."""
+  step_a, seed_a = _scalar(fns, step), _scalar(fns, seed)
+  if rollout.traced:
+    device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
+    rstate, fin, info, v, found = progs.rollout(state, device, step_a, seed_a, schedule)
+    # A traced rollout's groups are the step's prompts: they keep their host fields.
+    return Sampled(rstate, fin._replace(prompts={**prompts, **fin.prompts}), info, {}, v, found)
+  params, v, found = progs.behaviour(state, step_a, schedule)
+  key = pipeline.step_key(seed, step, pipeline.SAMPLE)
+  version = fns.version(int(v))
+  params = rl_step.weights(state, params)
+  rstate, fin, host = rollout.advance(state.rollout, params, version, prompts, step, key)
+  return Sampled(rstate, fin, {}, host, v, found)
+
+
+def learn(fns, progs, rollout: Rollout, state, sampled: Sampled, step: int, seed: int, schedule):
+  """The learning half: rewards, then the jitted packing and learning.
+
+  Returns:
+    `(state, row)`: the run state and the step's metrics as Python values
+    (device metrics, host reward statistics, the rollout's host metrics,
+    `time/reward_s`).
+  """
+  fin, begin = sampled.fin, time.perf_counter()
+  if fin.rewards is None:
+    rewards, stats = pipeline.score(fns, fin.prompts, fin.out)
+  else:
+    rewards, stats = fin.rewards, pipeline.no_reward_stats()
+  reward_s = time.perf_counter() - begin
+  rstate = sampled.rstate
+  if not rollout.traced:  # host objects stay outside the programs (`programs._traced`)
+    state, rstate = state._replace(rollout=rstate), None
+  step_a, seed_a = _scalar(fns, step), _scalar(fns, seed)
+  args = (rstate, _device(fin), rewards, sampled.info, sampled.v, step_a, seed_a, schedule)
+  state, out = progs.learn_finished(state, *args)
+  row = {k: metrics.to_python(x) for k, x in jax.device_get(out).items()}
+  row.update(stats)
+  row.update(sampled.host)
+  row["snapshot_missing"] = int(not bool(sampled.found))
+  row["time/reward_s"] = reward_s
+  return state, row
+
+
+def collect(fns, rollout: Rollout, rstate, params, version, prompts, step: int, seed, latest=None):
+  """Rollout, score and pack with given parameters, from the host (the async producer).
+
+  `latest` (`Rollout.advance`) lets episodes continue under parameters
+  published while they run.
+
+  Returns:
+    `(rstate, batch, host metrics)`.
+  """
+  key = pipeline.step_key(seed, step, pipeline.SAMPLE)
+  rstate, fin, info = rollout.advance(rstate, params, version, prompts, step, key, latest)
+  if fin.rewards is None:
+    rewards, stats = pipeline.score(fns, fin.prompts, fin.out)
+  else:
+    rewards, stats = fin.rewards, {}
+  batch, keep = rl_step.pack_finished(fns, fin, rewards, step, seed, jitted=True)
+  if keep is not None:
+    raise ValueError("a rollout with groups in flight cannot feed the async producer")
+  info = {k: metrics.to_python(x) for k, x in jax.device_get(info).items()}
+  return rstate, batch, {**info, **stats}
+
+
+def steps_over_seeds(fns, progs, state, prompts_l: dict, steps, seeds, schedule):
+  """Loop steps of S seeds' runs (the study's vmapped state): `(state, metrics [S, L])`.
+
+  Per step: the rollout half (a traced rollout vmapped over seeds; a host
+  rollout per seed with that seed's behaviour parameters and key), each
+  seed's rows scored on their own, and the vmapped learning: exactly the
+  loop's step of each seed.
+  """
+  rollout, rows = fns.rollout, []
+  seeds_l = np.asarray(seeds).tolist()
+  for i, step in enumerate(steps):
+    prompts = {k: x[:, i] for k, x in prompts_l.items()}
+    if rollout.traced:
+      device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
+      rstate, fin, info, v, found = progs.rollout(state, device, step, seeds, schedule)
+      fin = fin._replace(prompts={**prompts, **fin.prompts})
+      per_seed = [jax.tree.map(lambda x, s=s: x[s], fin) for s in range(len(seeds_l))]
+      host: list[dict[str, Any]] = [{} for _ in seeds_l]
+    else:
+      rstate, info = None, {}
+      params, v, found = progs.behaviour(state, step, schedule)
+      per_seed, host = [], []
+      for s, seed in enumerate(seeds_l):
+        one = {k: x[s] for k, x in prompts.items()}
+        whole = models.lora.join(state.base, jax.tree.map(lambda x, s=s: x[s], params))
+        key = pipeline.step_key(seed, int(step), pipeline.SAMPLE)
+        version = fns.version(int(v[s]))
+        _, fin_s, host_s = rollout.advance(None, whole, version, one, int(step), key)
+        per_seed.append(fin_s)
+        host.append(host_s)
+    rewards = jnp.stack([_rewards(fns, f) for f in per_seed])
+    fin = jax.tree.map(lambda *x: jnp.stack([jnp.asarray(y) for y in x]), *map(_device, per_seed))
+    state, m = progs.learn_finished(state, rstate, fin, rewards, info, v, step, seeds, schedule)
+    m = dict(m)
+    for name in host[0]:
+      m[name] = jnp.asarray([h[name] for h in host], jnp.float32)
+    rows.append({**m, "snapshot_missing": (~found).astype(jnp.int32)})
+  return state, jax.tree.map(lambda *x: jnp.stack(x, axis=1), *rows)
+
+
+def _rewards(fns, fin: Finished):
+  """One seed's rewards: the rollout's own, or scored (device, or the sandboxed workers)."""
+  return fin.rewards if fin.rewards is not None else pipeline.score(fns, fin.prompts, fin.out)[0]
+
+
+def _scalar(fns, x) -> jax.Array:
+  """`x` as an int32 scalar replicated on the run's mesh."""
+  return jax.device_put(np.int32(x), sharding.replicated(fns.mesh))

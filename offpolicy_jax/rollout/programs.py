@@ -1,0 +1,172 @@
+"""A run's compiled programs, by name: `programs(fns, opts, state) -> Programs`.
+
+The pieces of `rl_step` jitted once per state structure and shared by every
+run that shares its `StepFns` (memoised per `fns`): `rl_steps` (L traced
+steps in one scan), the halves of a host step (`rollout`, `learn_finished`),
+`learn` (the async loop's), and `behaviour`. Without `over_seeds` they keep
+the state's shardings and donate it; with it every program is `jax.vmap`ped
+over a leading seed axis of the `SEED_ARGS` arguments (the study). The frozen
+LoRA base and a host rollout's state stay outside the programs.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+
+from offpolicy_jax.rollout.rl_step import (
+  ReplayOptions,
+  RunState,
+  StepFns,
+  behaviour_params,
+  learn,
+  learn_finished,
+  rl_steps,
+  rollout,
+)
+from offpolicy_jax.scale import sharding
+
+
+class Programs(NamedTuple):
+  """A run's compiled programs, by name (`programs` builds them once per state structure).
+
+  Attributes:
+    rl_steps: `(state, prompts_l, steps_l, seed, schedule) -> (state, metrics [L])`,
+      L device-reward steps in one scan.
+    rollout: `(state, prompts, step, seed, schedule) -> (rstate, fin, info, v, found)`,
+      the rollout half of a step with a traced rollout.
+    learn_finished: `(state, rstate, fin, rewards, info, v, step, seed, schedule)
+      -> (state, metrics)`, the learning half (pack, replay, train step).
+    learn: `(state, batch, step, seed, schedule[, keep]) -> (state, metrics)`
+      (`keep` bool [G']: the groups of `batch` to buffer).
+    behaviour: `(state, step, schedule) -> (params, v, found)`.
+  """
+
+  rl_steps: Callable
+  rollout: Callable
+  learn_finished: Callable
+  learn: Callable
+  behaviour: Callable
+
+
+# The arguments that carry a leading seed axis in the vmapped study programs
+# (matched by parameter name, so a signature change cannot silently misalign them).
+SEED_ARGS = frozenset(
+  {
+    "state",
+    "prompts",
+    "prompts_l",
+    "rstate",
+    "fin",
+    "rewards",
+    "info",
+    "v",
+    "seed",
+    "batch",
+    "keep",
+  }
+)
+# Functions whose state argument is donated.
+_DONATES_STATE = ("rl_steps", "learn_finished", "learn")
+
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def programs(fns: StepFns, opts: ReplayOptions, state: RunState, *, over_seeds=False) -> Programs:
+  """The jitted programs of a run whose state has `state`'s structure (built once, shared).
+
+  The state is donated; without `over_seeds` it keeps its shardings and
+  metrics are replicated. With `over_seeds` every program is `jax.vmap`ped
+  over a leading seed axis of the `SEED_ARGS` arguments (the study).
+  Programs are memoised per `fns`, so runs that share it share them.
+  """
+  memo = _PROGRAMS.setdefault(fns, {})
+  key = (opts, jax.tree.structure(_traced(fns, state)), over_seeds)
+  if key not in memo:
+    fns_of: dict[str, Callable] = {
+      "rl_steps": functools.partial(rl_steps, fns, opts),
+      "rollout": functools.partial(rollout, fns),
+      "learn_finished": functools.partial(learn_finished, fns, opts),
+      "learn": functools.partial(learn, fns, opts),
+      "behaviour": behaviour_params,
+    }
+    build = _vmapped if over_seeds else _sharded
+    memo[key] = Programs(**{name: build(fns, name, fn, state) for name, fn in fns_of.items()})
+  return memo[key]
+
+
+def _base_apart(fn: Callable, donates: bool) -> Callable:
+  """`fn(state, *args)` as `(base, state without base, *args)`, so the base is never donated.
+
+  The frozen base (`RunState.base`) is an argument of its own: the donated
+  state does not hold it, vmapped programs share it across seeds
+  (`in_axes=None`), and a sampler thread can read it while the trainer runs.
+  """
+
+  def apart(base, state, *args):
+    out = fn(state._replace(base=base), *args)
+    return (out[0]._replace(base=None), *out[1:]) if donates else out
+
+  return apart
+
+
+def _traced(fns: StepFns, state: RunState) -> RunState:
+  """The part of `state` the programs trace: no base, and no host rollout's state.
+
+  A rollout that runs on the host (`Rollout.traced` false, e.g. the episode
+  pool) carries host objects; they stay outside the programs and go back into
+  the state they return.
+  """
+  return state._replace(base=None, rollout=state.rollout if fns.rollout.traced else None)
+
+
+def _base_back(fns: StepFns, jitted: Callable, donates: bool) -> Callable:
+  def call(state, *args):
+    out = jitted(state.base, _traced(fns, state), *args)
+    if not donates:
+      return out
+    back = out[0]._replace(base=state.base)
+    if not fns.rollout.traced:
+      back = back._replace(rollout=state.rollout)
+    return (back, *out[1:])
+
+  return call
+
+
+def _sharded(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable:
+  state_sh = jax.tree.map(lambda x: x.sharding, _traced(fns, state))
+  rep = sharding.replicated(fns.mesh)
+  donates = name in _DONATES_STATE
+  apart = _base_apart(fn, donates)
+  if donates:
+    jitted = jax.jit(apart, out_shardings=(state_sh, rep), donate_argnums=1)
+  elif name == "behaviour":
+    params_sh = jax.tree.map(lambda x: x.sharding, state.train.params)
+    jitted = jax.jit(apart, out_shardings=(params_sh, rep, rep))
+  else:
+    jitted = jax.jit(apart)
+  return _with_mesh(_base_back(fns, jitted, donates), fns.mesh)
+
+
+def _vmapped(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable:
+  params = list(inspect.signature(fn).parameters)
+  in_axes = (None, *(0 if p in SEED_ARGS else None for p in params))
+  donates = name in _DONATES_STATE
+  vmapped = jax.vmap(_base_apart(fn, donates), in_axes=in_axes)
+  jitted = jax.jit(vmapped, donate_argnums=1 if donates else ())
+  return _with_mesh(_base_back(fns, jitted, donates), fns.mesh)
+
+
+def _with_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
+  """`fn` traced and run with `mesh` set, so activation constraints apply (`sharding.constrain`)."""
+
+  def call(*args):
+    with jax.set_mesh(mesh):
+      return fn(*args)
+
+  return call

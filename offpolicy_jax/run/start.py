@@ -1,0 +1,151 @@
+"""How a run starts: fresh (initialised, warm-started) or from its latest checkpoint.
+
+`restore_or_init` is the loop's start: the run state, its step and what the
+checkpoint's meta recorded (starting accuracy, a LoRA run's base, the sampler
+choice). `check_rollout` refuses, before anything is recorded, a checkpoint
+whose rollout state (episodes or groups in flight) no longer fits the run.
+`evaluate_checkpoint` evaluates a run's parameters without its state.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from offpolicy_jax import models
+from offpolicy_jax.rollout.pipeline import EVAL, step_key
+from offpolicy_jax.rollout.protocol import Rollout
+from offpolicy_jax.rollout.rl_step import RunState, init_state, state_from_items, state_items
+from offpolicy_jax.run import evaluation, sft
+from offpolicy_jax.run.components import Components, build_components, snapshot_slots
+from offpolicy_jax.store import checkpointing
+from offpolicy_jax.store import workdir as workdir_lib
+
+
+def fresh_state(comps: Components, params, base=None) -> RunState:
+  run = comps.run
+  slots = snapshot_slots(run.lag_mode, run.sync_interval, run.sync_offset)
+  return init_state(
+    comps.fns, params, capacity_batches=run.replay_capacity_batches, snapshots=slots, base=base
+  )
+
+
+def initial_weights(comps: Components, *, warm_start: bool = True, log_fn=print):
+  """`(base, params)` a run starts from: the model (warm-started), split by `StepFns.split`.
+
+  With adapters, the warm start trains the base under the fresh adapters (B =
+  0), and the adapters are what RL trains; without, `base` is None.
+  """
+  fns, run = comps.fns, comps.run
+  base, params = fns.split(fns.init_params(run.seed))
+  if warm_start and run.sft_enabled:
+    kw = dict(
+      steps=run.sft_steps,
+      batch_size=run.sft_batch_size,
+      learning_rate=run.sft_learning_rate,
+      distractor=run.sft_distractor,
+      seed=run.seed,
+      log_fn=log_fn,
+    )
+    if base is None:
+      params = sft.warm_start(fns, params, **kw)
+    else:
+      base = sft.warm_start(fns, base, frozen=params, **kw)
+  return base, params
+
+
+def base_record(base, model: str) -> dict[str, str] | None:
+  """What a checkpoint records of a LoRA run's frozen base: its source and fingerprint."""
+  return None if base is None else {"model": model, "fingerprint": models.lora.fingerprint(base)}
+
+
+def _signature(meta: dict[str, Any]) -> dict[str, Any] | None:
+  """The signature of the rollout state a checkpoint holds (`Rollout.signature`)."""
+  if "rollout" in meta:
+    return meta["rollout"]
+  old = meta.get("episode_pool")  # checkpoints written before the rollout protocol
+  if old is None:
+    return None
+  return {"item": "episode_pool", "slots": old.get("slots"), "budget": old.get("budget")}
+
+
+def check_rollout(ckpt, rollout: Rollout) -> None:
+  """Refuses, naming the field, a latest checkpoint whose rollout state does not fit `rollout`.
+
+  Raises:
+    workdir.ConfigChanged: the carried state's shape changed (or it was turned on or off).
+  """
+  try:
+    meta = ckpt.restore_meta()
+  except checkpointing.CheckpointError:
+    return  # `restore_latest` reports it and falls back to an older step
+  had, has = _signature(meta), rollout.signature()
+  if had != has:  # not allowed by allow_config_change: the carried state cannot be taken back
+    raise workdir_lib.ConfigChanged(
+      f"config.rollout.partial_budget: the checkpoint of step {meta.get('step')} holds "
+      f"a rollout in flight {had or 'that does not exist'}, this run's is "
+      f"{has or 'none'}; refusing to resume (restore the budget or use a new workdir)"
+    )
+
+
+def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str):
+  """The run state, its step, the starting accuracy, the base record and the sampler choice.
+
+  From the latest checkpoint, or fresh (choice None: `sampler_choice.SamplerChoice.state`).
+  The rollout's carried state (episodes or groups in flight) is restored by its item name.
+
+  Raises:
+    ValueError: the checkpoint's adapters were trained on another base.
+  """
+  fns = comps.fns
+  if ckpt.latest_step():
+    # The base is rebuilt (loaded, warm-started) as at the start; only adapters are saved.
+    base, params = initial_weights(comps, warm_start=fns.lora is not None)
+    record = base_record(base, model)
+    template = fresh_state(comps, params, base)
+    # The newest intact step: corrupt ones are reported and moved aside.
+    items, meta, start = ckpt.restore_latest(state_items(template, fns.rollout))
+    if meta.get("base") != record:
+      raise ValueError(
+        f"{workdir}: the checkpoint of step {start} holds adapters of the base "
+        f"{meta.get('base')}, but this run's base is {record} (config.model, the warm start "
+        "or the checkpoint's files changed); refusing to resume on another base"
+      )
+    data_iter.set_state(meta["data_state"])
+    print(f"resumed from step {start} in {workdir}", flush=True)
+    state = state_from_items(items, template, fns.rollout, meta)
+    return state, start, meta.get("start_accuracy"), record, meta.get("sampler_choice")
+  base, params = initial_weights(comps)
+  return fresh_state(comps, params, base), 0, None, base_record(base, model), None
+
+
+def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = None):
+  """Evaluates a run's checkpoint (or, without `workdir`, the config's model as built).
+
+  Only the parameters are read from the checkpoint (by name).
+
+  Args:
+    config: the run's config (its model, task and eval settings are used).
+    workdir: a run directory with checkpoints; None evaluates the model of
+      `config.model` (a preset at its seed's initialisation, or an HF directory).
+    step: checkpoint step; None for the latest.
+
+  Returns:
+    dict with `step` and the `eval/` metrics of `evaluation.evaluate`.
+  """
+  comps = build_components(config)
+  fns, run = comps.fns, comps.run
+  # Without adapters the checkpoint holds the whole model: no warm start needed.
+  base, params = initial_weights(comps, warm_start=fns.lora is not None)
+  step_done = 0
+  if workdir is not None:
+    ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
+    try:
+      items, meta = ckpt.restore({"params": params}, step)
+    finally:
+      ckpt.close()
+    params, step_done = items["params"], meta["step"]
+  k = max(run.eval_samples, 1)
+  key = step_key(run.seed, step_done, EVAL)
+  full = models.lora.join(base, params)
+  return {"step": step_done, **evaluation.evaluate(fns, full, key, run.eval_prompts, k)}
