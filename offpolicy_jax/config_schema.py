@@ -1,3 +1,5 @@
+# size: declaration table: RUN_FIELDS and STUDY_FIELDS declare every config field once
+# (default, role, doc, check), about 310 of its lines; the rest is the roles, checks and readers.
 """The experiment config: every field once, with its default, role, check and doc.
 
 `configs/default.py` builds its ConfigDict from `RUN_FIELDS` (`config_dict`),

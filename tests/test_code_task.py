@@ -8,7 +8,7 @@ import re
 import pytest
 
 from offpolicy_jax.models.tokenizers import CharTokenizer
-from offpolicy_jax.rewards import isolation
+from offpolicy_jax.rewards import isolation_wire
 from offpolicy_jax.rewards.tasks import code, code_reward
 
 TOK = CharTokenizer()
@@ -193,18 +193,18 @@ def test_values_cross_as_data_of_exact_types():
   node = ns["Node"]()
   node.v, node.nxt = 1, None
   value = [1, True, 2.5, "s", None, (1, [2]), {3: {4}}, frozenset({5}), b"\xff", 1j, range(3), node]
-  data = json.loads(json.dumps(isolation.encode(value, {ns["Node"]: "Node"}, _refuse)))
-  back = isolation.decode(data, {"Node": ns["Node"]}, _refuse)
+  data = json.loads(json.dumps(isolation_wire.encode(value, {ns["Node"]: "Node"}, _refuse)))
+  back = isolation_wire.decode(data, {"Node": ns["Node"]}, _refuse)
   assert back == value and [type(v) for v in back] == [type(v) for v in value]
-  assert isolation.encode(ns["E"](), {}, lambda v: {"handle": 7}) == {"handle": 7}
+  assert isolation_wire.encode(ns["E"](), {}, lambda v: {"handle": 7}) == {"handle": 7}
   for bad in ({"eval": "1"}, {"tuple": 1}, {"object": "E", "attrs": {"dict": []}}, {}, {"a": 1}):
     with pytest.raises(ValueError):
-      isolation.decode(bad, {"Node": ns["Node"]}, _refuse)
+      isolation_wire.decode(bad, {"Node": ns["Node"]}, _refuse)
   deep = []
-  for _ in range(isolation.MAX_DEPTH + 1):
+  for _ in range(isolation_wire.MAX_DEPTH + 1):
     deep = [deep]
   with pytest.raises(ValueError, match="deeper"):
-    isolation.decode(deep, {}, _refuse)
+    isolation_wire.decode(deep, {}, _refuse)
 
 
 def _refuse(value):

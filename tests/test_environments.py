@@ -19,7 +19,14 @@ import numpy as np
 import pytest
 
 from offpolicy_jax.models.tokenizers import CharTokenizer
-from offpolicy_jax.rewards import environments, tasks, verifiers, worker
+from offpolicy_jax.rewards import (
+  environments,
+  tasks,
+  text_episodes,
+  verifier_results,
+  verifiers,
+  worker,
+)
 from offpolicy_jax.rewards.environments import OBS_PREFIX, TURN_END, EnvResult, EnvRunner
 from offpolicy_jax.rewards.tasks import agentic, rgym
 
@@ -120,7 +127,7 @@ def test_round_trip_from_an_instance_a_factory_and_a_rebuild(pool, tmp_path):
   raw = _runner(pool, wrap=False).step([{"n": 0, "path": ""}] * 2, ["ok", "lines"])
   assert [r.observation for r in raw] == ["o1", "a\nb"]
   lines = runner.step([{"n": 0, "path": ""}], ["lines"])[0].observation
-  assert lines == "|a\n|b\n" and [r for r, _ in environments.split_turns(lines)] == ["env"] * 2
+  assert lines == "|a\n|b\n" and [r for r, _ in text_episodes.split_turns(lines)] == ["env"] * 2
   assert runner.step([], []) == []
   with pytest.raises(ValueError, match="differ in length"):
     runner.step([{}], [])
@@ -165,7 +172,7 @@ def test_every_failure_is_counted_and_the_rest_of_the_batch_returns(pool, tmp_pa
       assert r == environments.failed(kinds[action]), (action, r)
       assert r == EnvResult("", 0.0, True, None, kinds[action])
   stats = runner.stats()
-  counts = {c: list(kinds.values()).count(c) for c in verifiers.FAILURES}
+  counts = {c: list(kinds.values()).count(c) for c in verifier_results.FAILURES}
   assert stats["timeouts"] == counts["timeout"] == 1
   assert stats["errors"] == counts["error"] == 3
   assert stats["crashes"] == counts["crashed"] == 1
@@ -308,7 +315,7 @@ def _assert_demonstration_matches_the_environment(runner, task, examples):
   for ex in examples:
     demo = task.demonstration(ex)
     tok.encode(task.prompt(ex) + "".join(t for _, t in demo))  # in the toy alphabet
-    assert environments.split_turns("".join(t for _, t in demo)) == demo
+    assert text_episodes.split_turns("".join(t for _, t in demo)) == demo
     res = runner.reset([ex])[0]
     for (role, text), nxt in zip(demo, demo[1:] + [("end", "")], strict=True):
       if role != "policy":
@@ -347,7 +354,7 @@ def test_episode_stats_count_tool_calls_per_solved_episode():
     EnvResult("", 0.0, True, {}, "", {"tool_calls": 4, "turns": 4, "solved": 0}),
     environments.failed("timeout"),
   ]
-  stats = environments.episode_stats(finals)
+  stats = text_episodes.episode_stats(finals)
   assert stats == {
     "episodes": 4.0,
     "solved": 2.0,
@@ -358,7 +365,7 @@ def test_episode_stats_count_tool_calls_per_solved_episode():
     "turns": 2.5,
     "turns_per_solved": 3.0,
   }
-  assert environments.episode_stats([])["success_rate"] == 0.0
+  assert text_episodes.episode_stats([])["success_rate"] == 0.0
 
 
 class Forging(environments.Environment):
@@ -424,7 +431,7 @@ def _demonstrator(task, examples):
     out = []
     for b, text in zip(rows, texts, strict=True):
       mine = [t for r, t in task.demonstration(examples[b]) if r == "policy"]
-      out.append(mine[sum(r == "policy" for r, _ in environments.split_turns(text))])
+      out.append(mine[sum(r == "policy" for r, _ in text_episodes.split_turns(text))])
     return out
 
   return policy
@@ -434,27 +441,27 @@ def test_play_runs_episodes_to_done_and_stops_at_max_turns(pool):
   task = tasks.get_task("guess_number")
   runner = EnvRunner(task.environment, pool, timeout_s=5.0, max_observation_chars=8)
   examples = list(task.eval_source)
-  eps = environments.play(runner, examples, _demonstrator(task, examples), task.max_turns)
+  eps = text_episodes.play(runner, examples, _demonstrator(task, examples), task.max_turns)
   assert eps.texts == [task.answer(ex) for ex in examples]
   np.testing.assert_allclose(eps.returns, [task.reward(ex, task.answer(ex)) for ex in examples])
-  stats = environments.episode_stats(eps.finals)
+  stats = text_episodes.episode_stats(eps.finals)
   assert stats["success_rate"] == 1.0 and stats["turns"] == 54 / 16 and not any(eps.truncated)
   # Two turns of always guessing 1: only secret 1 is solved; the others are cut, not done.
-  short = environments.play(runner, examples, lambda rows, texts: ["1"] * len(rows), 2)
+  short = text_episodes.play(runner, examples, lambda rows, texts: ["1"] * len(rows), 2)
   assert short.truncated == [False] + [True] * 15 and short.returns == [1.0] + [0.0] * 15
   assert short.texts[1] == "1\n|h\n1\n|h\n"
   calc = tasks.get_task("calculator")
   runner = EnvRunner(calc.environment, pool, timeout_s=5.0, max_observation_chars=16)
   examples = list(calc.eval_source)[:16]
-  eps = environments.play(runner, examples, _demonstrator(calc, examples), calc.max_turns)
-  stats = environments.episode_stats(eps.finals)
+  eps = text_episodes.play(runner, examples, _demonstrator(calc, examples), calc.max_turns)
+  stats = text_episodes.episode_stats(eps.finals)
   assert stats["success_rate"] == 1.0 and stats["tool_calls_per_solved"] == 1.0
 
 
 def test_encode_turns_masks_the_policy_tokens_of_a_demonstration():
   tok = CharTokenizer()
   turns = agentic.calc_demonstration({"expr": "12*34", "answer": "408"})
-  ids, mask = environments.encode_turns(tok.encode, turns)
+  ids, mask = text_episodes.encode_turns(tok.encode, turns)
   text = "<calc>12*34</calc>\n|408\n=408\n"
   assert ids == tok.encode(text) and tok.decode(ids) == text
   assert "".join(c for c, m in zip(text, mask, strict=True) if m) == "<calc>12*34</calc>\n=408\n"

@@ -15,7 +15,7 @@ from flax import nnx
 
 from offpolicy_jax import losses, models, types
 from offpolicy_jax.models import lora
-from offpolicy_jax.sampling import multiturn
+from offpolicy_jax.sampling import multiturn, turn_pieces
 
 K = 2
 N = 28
@@ -348,7 +348,7 @@ def test_turn_end_sequences_match_within_the_turn_only():
   tokens = jnp.array([[1, 4, 4, 0], [1, 4, 4, 0], [4, 9, 0, 0], [4, 4, 4, 4]], jnp.int32)
   steps = jnp.array([2, 2, 1, 3], jnp.int32)
   starts = jnp.array([1, 2, 1, 3], jnp.int32)
-  hit = multiturn._ends_turn(tokens, jnp.arange(4), steps, starts, TURN_END)
+  hit = turn_pieces._ends_turn(tokens, jnp.arange(4), steps, starts, TURN_END)
   # (4, 4) inside the turn; (4, 4) across the turn's start; 9; a single 4 in the turn.
   np.testing.assert_array_equal(hit, [True, False, True, False])
 

@@ -15,7 +15,7 @@ from configs import lag_study  # noqa: E402
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.run import components
 from offpolicy_jax.store import workdir
-from offpolicy_jax.study import bandit
+from offpolicy_jax.study import bandit, report_tables
 from offpolicy_jax.study import report as study_report
 from offpolicy_jax.study import runner as study
 from offpolicy_jax.study import stats as study_stats
@@ -288,7 +288,7 @@ def test_plots_need_summaries_and_accept_rows_before_and_after_the_csv(mini, tmp
   _, grid = study.grid_from_config(config)
   fresh = [r for c in cells.values() for r in study_report.cell_rows(c, grid.eval_last)]
   read = study_report.read_csv(os.path.join(path, "study.csv"))
-  assert study_report._table(fresh)[2] == study_report._table(read)[2]
+  assert report_tables.summary_table(fresh)[2] == report_tables.summary_table(read)[2]
   curves = [r for r in read if r["step"] is not None]
   with pytest.raises(ValueError, match="final_accuracy"):
     study_report.plot_study(curves, str(tmp_path), baseline=grid.baseline)
@@ -365,7 +365,7 @@ def test_engine_settings_reach_the_cells_config_and_the_report(mini, monkeypatch
     for run in cell["runs"]:
       run["off_policy"] = {"mismatch_kl_k3": 0.25, "staleness_kl_k3": 0.5}
     rows += study_report.cell_rows(cell, mini_grid.eval_last)
-  md = study_report.write_tables(
+  md = report_tables.write_tables(
     rows, str(tmp_path / "study.md"), baseline=mini_grid.baseline, title="t"
   )
   section = open(md).read().split("## Off-policy diagnostics")[1]
@@ -389,10 +389,10 @@ def test_aa_twin_runs_the_baseline_with_other_streams_and_the_report_counts_it(m
       assert t["off_policy"] == b["off_policy"]
       assert a["off_policy"]["behavior_kl_k3"] != b["off_policy"]["behavior_kl_k3"]
   rows = study_report.read_csv(os.path.join(path, "study.csv"))
-  _, lags, values = study_report._table(rows)
-  tests = study_report.aa_tests(values, ["aa-grpo"], lags, [0, 1], 0.05)
+  _, lags, values = report_tables.summary_table(rows)
+  tests = report_tables.aa_tests(values, ["aa-grpo"], lags, [0, 1], 0.05)
   assert [(t[1], t[2]) for t in tests] == [
-    (g, m) for g in ("onpolicy", "offline") for m in study_report.AA_METRICS
+    (g, m) for g in ("onpolicy", "offline") for m in report_tables.AA_METRICS
   ]
   text = open(os.path.join(path, "study.md")).read()
   # With 2 seeds a two-sided sign-flip p-value is at least 2/4: no A/A verdict can be false.

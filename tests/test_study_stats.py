@@ -13,8 +13,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from offpolicy_jax.study import report as study_report  # noqa: E402
-from offpolicy_jax.study import stats  # noqa: E402
+from offpolicy_jax.study import (
+  report_tables,  # noqa: E402
+  stats,  # noqa: E402
+)
 
 
 def test_sign_flip_pvalue_on_hand_computed_cases():
@@ -133,7 +135,7 @@ def test_report_verdicts_holm_power_note_and_aa_rate(tmp_path):
     ("aa-grpo", "on"): base + 0.2,  # a "false" A/A difference on purpose
     ("aa-grpo", "lag"): base - 0.05 - rng.uniform(0, 0.01, n) + rng.normal(0, 0.001, n),
   }
-  path = study_report.write_tables(
+  path = report_tables.write_tables(
     _rows(cells, n), str(tmp_path / "s.md"), baseline=("grpo", "on"), title="t", alpha=0.05
   )
   text = open(path).read()
@@ -156,7 +158,7 @@ def test_report_verdicts_holm_power_note_and_aa_rate(tmp_path):
   assert "permutation test: 3/5 = 0.600 [0.147, 0.947]" in text
   assert "left out of the rates: 1 comparisons whose per-seed differences are all 0" in text
   few = {k: v[:5] for k, v in cells.items() if not k[0].startswith("aa-")}
-  path = study_report.write_tables(
+  path = report_tables.write_tables(
     _rows(few, 5), str(tmp_path / "few.md"), baseline=("grpo", "on"), title="t"
   )
   text = open(path).read()

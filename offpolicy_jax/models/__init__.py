@@ -7,6 +7,17 @@ logp, entropy = models.sequence_logprobs(model, prompt, prompt_mask, tokens, mas
 models.save_pretrained(model, "/tmp/out")                          # transformers loads it
 model = models.Decoder(models.get_config("tiny", lora=models.LoraConfig(rank=8)), rngs=...)
 models.lora.save_peft(model, "/tmp/adapter")                       # peft loads it
+
+  decoder        `Decoder` (embeddings, layers, caches, shared-prefix passes) and `KVCache`
+  attention      the grouped-query self-attention layer (projections, q/k norms, adapters)
+  layers         parameters with logical axis names, RMSNorm, the SwiGLU MLP
+  attention_ops  attention maths without parameters: RoPE, head projections, fused kernels
+  lora_ops       the adapter on a projection in the forward pass, with input dropout
+  config         decoder hyper-parameters and named size presets
+  hf             Hugging Face checkpoint import / export
+  lora           base / adapter split, merging, PEFT import / export
+  logprobs       memory-light teacher-forced log-probs and entropies
+  tokenizers     a tiny character tokenizer and an HF `tokenizers` wrapper
 """
 
 from offpolicy_jax.models import lora

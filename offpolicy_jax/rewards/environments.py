@@ -23,7 +23,7 @@ nothing. A call that hangs, raises, returns something that is not
 `[observation: str, reward: finite number, done: bool, state: JSON data]`
 (or an `EnvResult`), or whose worker dies, ends its episode:
 `EnvResult("", 0.0, True, None, failure)` with `failure` one of
-`verifiers.FAILURES` ("timeout", "error", "garbage", "crashed"), counted in
+`verifier_results.FAILURES` ("timeout", "error", "garbage", "crashed"), counted in
 `stats()`; the other rows of the batch return as usual.
 
 Text conventions (the toy models' character alphabet has no roles): a policy
@@ -42,27 +42,25 @@ worker resolves once to the environment `factory(**kwargs)` is or carries
 
 import math
 import numbers
-import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from offpolicy_jax.rewards import verifiers, worker
+from offpolicy_jax.rewards import verifier_results, verifiers, worker
 
 TURN_END = "\n"
 OBS_PREFIX = "|"
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # The `stats()` counter of each failure kind.
 _COUNTER = {
-  verifiers.TIMEOUT: "timeouts",
-  verifiers.ERROR: "errors",
-  verifiers.GARBAGE: "garbage",
-  verifiers.CRASHED: "crashes",
+  verifier_results.TIMEOUT: "timeouts",
+  verifier_results.ERROR: "errors",
+  verifier_results.GARBAGE: "garbage",
+  verifier_results.CRASHED: "crashes",
 }
 _COUNTERS = ("calls", "failures", *_COUNTER.values(), "truncated", "restarts")
-_LINE = re.compile(r"[^\n]*\n|[^\n]+$")
 
 
 class EnvResult(NamedTuple):
@@ -75,7 +73,7 @@ class EnvResult(NamedTuple):
     reward: reward of this step (0 at reset).
     done: the episode is over (the policy gets no further turn).
     state: JSON data the next `step` receives (None after a failure).
-    failure: "" when the call succeeded, else one of `verifiers.FAILURES`
+    failure: "" when the call succeeded, else one of `verifier_results.FAILURES`
       (set by `EnvRunner`; what an environment puts there is ignored).
     info: the episode's metrics so far, `{name: number}` (e.g. "tool_calls",
       "turns", "solved"), or None; read it at `done`.
@@ -124,7 +122,7 @@ def observation_text(text: str) -> str:
   """`OBS_PREFIX + text + TURN_END` for each line of `text` ("" for an empty `text`).
 
   Every line of a multi-line observation is marked, so no line of it can pass
-  for a policy turn (`split_turns`).
+  for a policy turn (`text_episodes.split_turns`).
   """
   return "".join(OBS_PREFIX + line + TURN_END for line in text.split(TURN_END)) if text else ""
 
@@ -280,7 +278,7 @@ class EnvRunner:
       if r is not None:
         r, why = self._observation(r)
       if r is None:
-        failure = o.failure or verifiers.GARBAGE
+        failure = o.failure or verifier_results.GARBAGE
         self._stats[_COUNTER[failure]] += 1
         self._stats["failures"] += 1
         if not o.failure and len(errors) < 5:
@@ -304,168 +302,13 @@ class EnvRunner:
     return r._replace(observation=observation_text(obs) if self.wrap else obs), ""
 
 
-def split_turns(text: str) -> list[tuple[str, str]]:
-  """`text` (policy turns and wrapped observations) as `("policy" | "env", line)` turns.
-
-  A line that starts with `OBS_PREFIX` is an observation; every other line is a
-  policy turn; each keeps its `TURN_END` (the last line may lack it).
-  """
-  lines = _LINE.findall(text)
-  return [("env" if line.startswith(OBS_PREFIX) else "policy", line) for line in lines]
-
-
-class Episodes(NamedTuple):
-  """B episodes played by `play`.
-
-  Attributes:
-    texts: each episode after its prompt: policy turns and observations, as
-      the sampler's token rows hold them.
-    returns: the summed rewards of each episode.
-    finals: the last `EnvResult` of each episode (`episode_stats` reads them).
-    truncated: True where the episode hit `max_turns` before `done`.
-  """
-
-  texts: list[str]
-  returns: list[float]
-  finals: list[EnvResult]
-  truncated: list[bool]
-
-
-def play(
-  runner: EnvRunner,
-  examples: Sequence[Any],
-  policy: Callable[[list[int], list[str]], list[str]],
-  max_turns: int,
-) -> Episodes:
-  """Plays B episodes with a host policy: the multi-turn loop on text, for scripts and tests.
-
-  Each round asks `policy(rows, texts)` for the next turn of every episode
-  still running (`rows` their indices in `examples`, `texts` their episodes so
-  far), appends it (with `TURN_END` if it lacks one) and the environment's
-  observation, and steps only those episodes; an episode ends at `done` or
-  after `max_turns` policy turns. The sampler does the same on tokens.
-
-  Args:
-    runner: the environment's runner.
-    examples: B examples.
-    policy: `policy(rows, texts) -> actions`, one action per row.
-    max_turns: policy turns per episode at most.
-
-  Returns:
-    Episodes.
-  """
-  finals = runner.reset(examples)
-  texts = [r.observation for r in finals]
-  returns = [r.reward for r in finals]
-  active = [b for b, r in enumerate(finals) if not r.done]
-  for _ in range(max_turns):
-    if not active:
-      break
-    actions = [
-      a if a.endswith(TURN_END) else a + TURN_END
-      for a in policy(active, [texts[b] for b in active])
-    ]
-    if len(actions) != len(active):
-      raise ValueError(f"policy returned {len(actions)} actions for {len(active)} episodes.")
-    out = runner.step([finals[b].state for b in active], actions)
-    for b, action, r in zip(active, actions, out, strict=True):
-      texts[b] += action + r.observation
-      returns[b] += r.reward
-      finals[b] = r
-    active = [b for b in active if not finals[b].done]
-  truncated = [not r.done for r in finals]
-  return Episodes(texts, returns, finals, truncated)
-
-
-def episode_stats(finals: Sequence[EnvResult]) -> dict[str, float]:
-  """Episode metrics for logs, from the last `EnvResult` of each episode.
-
-  Returns:
-    `episodes`; `solved` (episodes whose `info["solved"]` is true) and
-    `success_rate`; `failed` (episodes that ended on a failure); for every
-    other number `k` of the infos, `k` (its mean over the episodes) and
-    `k_per_solved` (its sum over solved episodes / `solved`; 0 if none),
-    e.g. `tool_calls_per_solved`.
-  """
-  n = len(finals)
-  infos = [r.info or {} for r in finals]
-  solved = [bool(i.get("solved")) for i in infos]
-  num_solved = sum(solved)
-  out = {
-    "episodes": float(n),
-    "solved": float(num_solved),
-    "success_rate": num_solved / n if n else 0.0,
-    "failed": float(sum(bool(r.failure) for r in finals)),
-  }
-  keys = sorted({k for i in infos for k in i if k != "solved"})
-  for k in keys:
-    values = [float(i.get(k, 0.0)) for i in infos]
-    out[k] = sum(values) / n
-    out[f"{k}_per_solved"] = sum(v for v, s in zip(values, solved, strict=True) if s) / max(
-      num_solved, 1
-    )
-  return out
-
-
-def encode_turns(
-  encode: Callable[[str], list[int]], turns: Sequence[tuple[str, str]]
-) -> tuple[list[int], list[int]]:
-  """Token ids of an episode's turns and its policy mask, each turn encoded on its own.
-
-  Encoding turn by turn (never the joined text) gives the ids a multi-turn
-  sampler produces: its policy tokens end at the turn's stop text and each
-  observation is encoded by itself, so a warm start on demonstrations
-  trains on the same token boundaries as the rollouts.
-
-  Args:
-    encode: `tokenizer.encode` (text -> ids, no special tokens added).
-    turns: `[(role, text), ...]` as `Task.demonstration` returns them.
-
-  Returns:
-    `(ids, mask)`: the concatenated ids, and 1 on the ids of "policy" turns, 0 elsewhere.
-  """
-  ids: list[int] = []
-  mask: list[int] = []
-  for role, text in turns:
-    t = list(encode(text))
-    ids += t
-    mask += [int(role == "policy")] * len(t)
-  return ids, mask
-
-
-def replay_reward(example: Any, text: str, *, env: Any) -> float:
-  """The summed reward of the episode `text` replays against `env` (a task's host reward).
-
-  The policy turns of `text` (`split_turns`; observations written in it are
-  ignored) are stepped through `env` from `env.reset(example)` until it is
-  done. So a whole episode written as one text (a demonstration, a sample
-  that wrote its own observations) is scored by the environment itself. It
-  runs where a task's reward runs: in a verifier worker.
-  """
-  res = env.reset(example)
-  total, state = float(res.reward), res.state
-  for role, turn in split_turns(text):
-    if res.done:
-      break
-    if role == "policy":
-      res = env.step(state, turn)
-      total, state = total + float(res.reward), res.state
-  return total
-
-
 __all__ = [
   "OBS_PREFIX",
   "TURN_END",
   "EnvResult",
   "EnvRunner",
   "Environment",
-  "Episodes",
   "RebuildEnv",
-  "encode_turns",
-  "episode_stats",
   "failed",
   "observation_text",
-  "play",
-  "replay_reward",
-  "split_turns",
 ]

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from offpolicy_jax.rewards import verifiers
-from offpolicy_jax.rewards.verifiers import RebuildReward, RewardResult, VerifierPool, get_pool
+from offpolicy_jax.rewards.verifier_results import RewardResult
+from offpolicy_jax.rewards.verifiers import RebuildReward, VerifierPool, get_pool
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _FORMAT_RE = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)

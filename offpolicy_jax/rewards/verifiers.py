@@ -48,10 +48,8 @@ the messages on its pipes and `RebuildReward` are in `worker`.
 
 import atexit
 import collections
-import importlib.util
 import logging
 import math
-import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
@@ -59,121 +57,28 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from offpolicy_jax.rewards import sandbox
-from offpolicy_jax.rewards.worker import (
-  MAX_REPLY_BYTES,
-  Rebuild,
-  RebuildReward,
-  parse_reply,
-  worker_main,
+from offpolicy_jax.rewards.verifier_process import (
+  WorkerProcess,
+  closed_after_reply,
+  forkserver_context,
 )
+from offpolicy_jax.rewards.verifier_results import (
+  CRASHED,
+  ERROR,
+  GARBAGE,
+  TIMEOUT,
+  CallResult,
+  Outcome,
+  RewardResult,
+)
+from offpolicy_jax.rewards.worker import MAX_REPLY_BYTES, Rebuild, RebuildReward, parse_reply
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
-_START_TIMEOUT_S = 120.0
-# Verifier libraries the forkserver imports once, when installed.
-_PRELOAD = ("offpolicy_jax.rewards.tasks", "sympy", "math_verify", "reasoning_gym")
-
-
-class RewardResult(NamedTuple):
-  """Scores of a batch of responses.
-
-  Attributes:
-    scores: float32 [B] rewards (0 where the reward failed).
-    failed: bool [B] True where the reward raised, timed out, crashed its
-      worker or returned a score that is not finite in float32.
-    timed_out: bool [B] the subset of `failed` that hit a timeout.
-    seconds: wall-clock time of the batch.
-    restarts: workers killed and replaced during the batch.
-    errors: the first few failure messages, for logs.
-  """
-
-  scores: np.ndarray
-  failed: np.ndarray
-  timed_out: np.ndarray | None = None
-  seconds: float = 0.0
-  restarts: int = 0
-  errors: tuple[str, ...] = ()
-
-
-# Why a call of `VerifierPool.call` failed (`Outcome.failure`).
-TIMEOUT = "timeout"  # ran past its timeout, or the batch's (its worker was killed)
-ERROR = "error"  # raised
-GARBAGE = "garbage"  # returned something that is not JSON data, or too large
-CRASHED = "crashed"  # its worker died or garbled its pipe (the worker was replaced)
-FAILURES = (TIMEOUT, ERROR, GARBAGE, CRASHED)
-
-
-class Outcome(NamedTuple):
-  """What one call of a batch gave.
-
-  Attributes:
-    value: the call's value, JSON data parsed in this process (None if it failed).
-    failure: "" if the call returned, else one of `FAILURES`.
-    error: why it failed (a message for logs), "" if it did not.
-  """
-
-  value: Any = None
-  failure: str = ""
-  error: str = ""
-
-
-class CallResult(NamedTuple):
-  """The outcomes of a batch of calls (`VerifierPool.call`).
-
-  Attributes:
-    outcomes: one `Outcome` per row, in the order of the rows.
-    seconds: wall-clock time of the batch.
-    restarts: workers killed and replaced during the batch.
-    errors: the first few failure messages, for logs.
-  """
-
-  outcomes: list[Outcome]
-  seconds: float = 0.0
-  restarts: int = 0
-  errors: tuple[str, ...] = ()
-
-
-class _Worker:
-  def __init__(self, ctx, limits: sandbox.Limits, strict: bool):
-    self.calls_r, self.calls = ctx.Pipe(duplex=False)
-    self.replies, replies_w = ctx.Pipe(duplex=False)
-    self.process = ctx.Process(
-      target=worker_main, args=(self.calls_r, replies_w, limits, strict), daemon=True
-    )
-    self.process.start()
-    replies_w.close()
-    self.calls_r.close()
-    self.known: set[int] = set()
-    self.busy: tuple[int, float] | None = None  # (row, start time)
-    self.call_id = -1  # of the call in flight
-
-  def wait_ready(self) -> list[str]:
-    if not self.replies.poll(_START_TIMEOUT_S):
-      self.kill()
-      raise sandbox.SandboxError(f"verifier worker did not start within {_START_TIMEOUT_S} s")
-    msg = parse_reply(self.replies.recv_bytes(MAX_REPLY_BYTES))
-    if "fatal" in msg:
-      self.kill()
-      raise sandbox.SandboxError(str(msg["fatal"]))
-    return list(msg.get("ready", []))
-
-  def kill(self) -> None:
-    if self.process.is_alive():
-      self.process.kill()
-    self.process.join(5.0)
-    for conn in (self.calls, self.replies):
-      conn.close()
-
-
-def _context():
-  ctx = mp.get_context("forkserver")
-  # Takes effect when the forkserver starts (the first pool of the process).
-  ctx.set_forkserver_preload([m for m in _PRELOAD if importlib.util.find_spec(m) is not None])
-  return ctx
 
 
 class VerifierPool:
@@ -189,14 +94,14 @@ class VerifierPool:
   def __init__(self, num_workers: int | None = None, memory_mb: int = 2048, sandbox_mode="strict"):
     if sandbox_mode not in ("strict", "warn"):
       raise ValueError(f"sandbox_mode must be 'strict' or 'warn', got {sandbox_mode!r}")
-    self._ctx = _context()
+    self._ctx = forkserver_context()
     self._limits = sandbox.Limits(memory_mb=int(memory_mb))
     self._strict = sandbox_mode == "strict"
     self._lock = threading.Lock()
     self._fn_ids: dict[bytes, int] = {}
     self.restarts = 0
     n = int(num_workers or os.cpu_count() or 1)
-    self._workers: list[_Worker] = []
+    self._workers: list[WorkerProcess] = []
     try:
       for _ in range(n):
         self._workers.append(self._start())
@@ -204,8 +109,8 @@ class VerifierPool:
       self.close()
       raise
 
-  def _start(self) -> _Worker:
-    w = _Worker(self._ctx, self._limits, self._strict)
+  def _start(self) -> WorkerProcess:
+    w = WorkerProcess(self._ctx, self._limits, self._strict)
     missing = w.wait_ready()
     if missing and not getattr(self, "_warned", False):
       self._warned = True
@@ -241,7 +146,7 @@ class VerifierPool:
     if "load_error" in msg or "error" in msg:
       raise ValueError(_unreachable(name, fn, msg.get("load_error") or msg["error"]))
 
-  def _send(self, w: _Worker, fn_id: int, data: bytes, msg: tuple) -> _Worker:
+  def _send(self, w: WorkerProcess, fn_id: int, data: bytes, msg: tuple) -> WorkerProcess:
     """Sends `msg` (after the reward, if `w` lacks it); a dead worker is replaced first."""
     for attempt in range(2):
       try:
@@ -261,7 +166,7 @@ class VerifierPool:
       if not w.process.is_alive():
         self._replace(w)
 
-  def _replace(self, w: _Worker) -> _Worker:
+  def _replace(self, w: WorkerProcess) -> WorkerProcess:
     w.kill()
     self.restarts += 1
     new = self._start()
@@ -383,20 +288,20 @@ class _Batch:
     if len(self.errors) < 5:
       self.errors.append(f"row {i}: {why}")
 
-  def _dispatch(self, w: _Worker, i: int) -> None:
+  def _dispatch(self, w: WorkerProcess, i: int) -> None:
     # A random id, not the row: a call that writes to its pipe cannot answer for later calls.
     call_id = secrets.randbits(62)
     msg = (self.kind, call_id, self.fn_id, self.args[i], self.timeout_s)
     w = self.pool._send(w, self.fn_id, self.data, msg)
     w.busy, w.call_id = (i, time.monotonic()), call_id
 
-  def _receive(self, w: _Worker) -> None:
+  def _receive(self, w: WorkerProcess) -> None:
     i = w.busy[0] if w.busy else -1
     try:
       msg = parse_reply(w.replies.recv_bytes(MAX_REPLY_BYTES))
       if msg.get("i") != w.call_id:
         raise ValueError(f"reply to call {msg.get('i')!r}, expected {w.call_id}")
-      dead = not msg.get("recycle") and w.replies.poll(0) and _closed_after_reply(w)
+      dead = not msg.get("recycle") and w.replies.poll(0) and closed_after_reply(w)
     except (EOFError, OSError, ValueError) as e:  # died (SIGXCPU, os._exit) or garbled its pipe
       code = w.process.exitcode
       self._fail(i, CRASHED, f"worker lost ({type(e).__name__}: {e}; exit code {code})")
@@ -453,24 +358,6 @@ class _Batch:
         break
 
 
-def _closed_after_reply(w: _Worker) -> bool:
-  """After a reply, the worker's pipe is readable: True if it closed (the worker died after
-  replying; the reply stands).
-
-  Raises:
-    ValueError: it holds another message. A worker sends one reply per call,
-      so the call wrote to the pipe itself, e.g. replies for the rows it
-      expects next; the reply and the worker are both dropped.
-  """
-  try:
-    w.replies.recv_bytes(MAX_REPLY_BYTES)
-  except EOFError:
-    return True
-  except OSError:
-    pass
-  raise ValueError("the worker sent more than one reply to one call")
-
-
 def _unreachable(name: str, fn, why) -> str:
   what = f"task {name!r}" if name else f"{fn!r}"
   return (
@@ -506,16 +393,8 @@ def close_pools() -> None:
 
 
 __all__ = [
-  "CRASHED",
-  "ERROR",
-  "FAILURES",
-  "GARBAGE",
-  "TIMEOUT",
-  "CallResult",
-  "Outcome",
   "Rebuild",
   "RebuildReward",
-  "RewardResult",
   "VerifierPool",
   "close_pools",
   "get_pool",

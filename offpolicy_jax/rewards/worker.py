@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from offpolicy_jax.rewards import isolation, sandbox
+from offpolicy_jax.rewards import isolation, isolation_processes, sandbox
 
 # Bound of one reply: a worker truncates its own to it, the trainer reads no more.
 MAX_REPLY_BYTES = 1 << 16
@@ -191,7 +191,8 @@ def worker_main(calls, replies, limits: sandbox.Limits, strict: bool) -> None:
   _close_inherited_fds({calls.fileno(), replies.fileno()})
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
   try:
-    isolation.start_template(limits, strict)  # it forks; this process may not once confined
+    # It forks; this process may not once confined.
+    isolation_processes.start_template(limits, strict)
     missing = sandbox.apply(limits, strict=strict)
   except BaseException as e:  # noqa: BLE001  reported to the pool, which refuses to score
     _reply(replies, {"fatal": f"{type(e).__name__}: {e}"})

@@ -51,7 +51,7 @@ import numpy as np
 from offpolicy_jax import types
 from offpolicy_jax.rollout import data, episodes, pipeline
 from offpolicy_jax.rollout.protocol import Finished, pi_old
-from offpolicy_jax.sampling import SampleOutput, multiturn
+from offpolicy_jax.sampling import SampleOutput, multiturn, turn_pieces
 from offpolicy_jax.sampling import partial as partial_rollouts
 
 # Metrics of every step with a pool (the names of single-turn partial rollouts).
@@ -61,7 +61,7 @@ POOL_STATS = (
   "partial_mixed_rows",
   "partial_dropped_prompts",
 )
-# Row fields of the pool kept between steps ([R] or [R, N]; `multiturn.MultiTurnState`).
+# Row fields of the pool kept between steps ([R] or [R, N]; `turn_pieces.MultiTurnState`).
 _ROW_FIELDS = ("pos", "turn_start", "turn", "ended", "eos", "tokens", "logprobs", "kept")
 _MASK_FIELDS = ("policy", "observation", "turn_ids")
 
@@ -251,11 +251,11 @@ class PoolState:
     examples = data.examples(self.pool.task, "train", np.repeat(self.index[slots], k).tolist())
     self.turns.reset(rows, examples)  # a failed reset ends its row after one turn, as in `play`
 
-  def _state(self) -> multiturn.MultiTurnState:
+  def _state(self) -> turn_pieces.MultiTurnState:
     """The pool as a sampler state without caches (`reencode` computes them)."""
     p = self.prompts["prompt_tokens"].shape[1]
     rows = {name: jnp.asarray(x) for name, x in self.rows.items()}
-    return multiturn.MultiTurnState(
+    return turn_pieces.MultiTurnState(
       prompt_tokens=jnp.asarray(self.prompts["prompt_tokens"]),
       prompt_mask=types.prompt_mask(jnp.asarray(self.prompts["prompt_lengths"]), p),
       # No caches or logits: `reencode` computes them from the tokens (module docstring).

@@ -27,7 +27,7 @@ from jax.typing import ArrayLike
 
 from offpolicy_jax import models, types
 from offpolicy_jax.learn import train_state
-from offpolicy_jax.rewards import environments
+from offpolicy_jax.rewards import text_episodes
 from offpolicy_jax.rollout import data, pipeline
 
 
@@ -82,7 +82,7 @@ def encode_episodes(
   A multi-turn task's demonstration is `[(role, text), ...]` with role
   "policy" or "env"; the trajectory is the turns encoded one by one, the
   token boundaries the multi-turn sampler produces
-  (`environments.encode_turns`). The warm start's targets are the whole
+  (`text_episodes.encode_turns`). The warm start's targets are the whole
   transcript by default: on `calculator`, a warm start that also predicts the
   observation tokens copies the tool's value into its answer (greedy success
   0.75 after 220 steps), one whose loss covers the policy's tokens only
@@ -95,7 +95,7 @@ def encode_episodes(
   tokens = np.full((len(episodes), max_len), tokenizer.pad_id, np.int32)
   mask = np.zeros((len(episodes), max_len), np.float32)
   for i, turns in enumerate(episodes):
-    ids, on = environments.encode_turns(tokenizer.encode, turns)
+    ids, on = text_episodes.encode_turns(tokenizer.encode, turns)
     ids, on = ids[:max_len], on[:max_len]
     tokens[i, : len(ids)] = ids
     mask[i, : len(ids)] = on if policy_only else 1.0

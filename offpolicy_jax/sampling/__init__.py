@@ -7,14 +7,16 @@
             (`make_continuous_sampler`)
   multiturn multi-turn agent rollouts, token in / token out: one row per trajectory, policy
             turns interleaved with environment observations appended to the KV cache
-            (`MultiTurnSampler`, `EpisodeInfo`)
+            (`MultiTurnSampler`, `EpisodeInfo`): the host loop of turns, `respond`'s answers
+  turn_pieces  the jitted device pieces of a multi-turn rollout (start, turn, extend,
+            reencode) and the state they carry (`MultiTurnState`)
   partial   APRIL partial rollouts: a per-step token budget, unfinished responses resumed
             under newer parameters, a version and behaviour log-prob per token
 
 May import: the maths modules, `scale`, `models`.
 """
 
-from offpolicy_jax.sampling import continuous, multiturn, partial, sampler
+from offpolicy_jax.sampling import continuous, multiturn, partial, sampler, turn_pieces
 from offpolicy_jax.sampling.continuous import make_continuous_sampler
 from offpolicy_jax.sampling.multiturn import EpisodeInfo, MultiTurnSampler
 from offpolicy_jax.sampling.sampler import SampleOutput, generate, make_sampler, select_token
@@ -31,4 +33,5 @@ __all__ = [
   "partial",
   "sampler",
   "select_token",
+  "turn_pieces",
 ]

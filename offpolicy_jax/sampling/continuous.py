@@ -40,6 +40,7 @@ gathered by row [R, P], and the outputs [G * K, N].
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -49,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from offpolicy_jax import types
-from offpolicy_jax.models import KVCache
+from offpolicy_jax.models import Decoder, KVCache
 from offpolicy_jax.sampling.sampler import DECODE_BLOCK, SampleOutput, check_options, select_token
 
 
@@ -85,6 +86,46 @@ class _Slots(NamedTuple):
   suffix: KVCache
   pos: jax.Array
   h: jax.Array
+
+
+class _Run(NamedTuple):
+  """One call's inputs, sizes and options, shared by the loop's pieces (`_Slots`: its state).
+
+  Attributes:
+    model: the merged `models.Decoder`.
+    key: the call's key (`row_keys`).
+    prompt_tokens: int32 [G, P] the left-padded prompts.
+    prompt_mask: bool [G, P] their real tokens.
+    ids: int32 [G] the ids the keys fold in.
+    limits: int [G * K] each output row's cap.
+    g, p, n, k_rep: prompts, prompt width, N, K.
+    rows_out: G * K output rows.
+    r, a, q: row slots, prefill batch, prompt slots.
+    temperature, top_p, top_k, behavior_logp, eos_ids, stops, decode_block:
+      the sampler's options.
+  """
+
+  model: Decoder
+  key: jax.Array
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  ids: jax.Array
+  limits: jax.Array
+  g: int
+  p: int
+  n: int
+  k_rep: int
+  rows_out: int
+  r: int
+  a: int
+  q: int
+  temperature: float
+  top_p: float
+  top_k: int
+  behavior_logp: str
+  eos_ids: tuple[int, ...]
+  stops: tuple[tuple[int, ...], ...]
+  decode_block: int
 
 
 def row_keys(key: jax.Array, ids_b: jax.Array, samples_b: jax.Array, steps_b: jax.Array):
@@ -163,133 +204,174 @@ def make_continuous_sampler(
   temperature, top_p = float(temperature), float(top_p)
 
   def sample(params, prompt_tokens, prompt_lengths, key, prompt_ids=None, max_lengths=None):
-    model = nnx.merge(graphdef, params)
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
     g, p = prompt_tokens.shape
     rows_out = g * k_rep
     r = min(slots, g) * k_rep
     a = min(prefill_batch or slots, g)
-    q = prompt_slots or r + a
-    ids = jnp.arange(g) if prompt_ids is None else jnp.asarray(prompt_ids, jnp.int32)
-    limits = jnp.full((rows_out,), n) if max_lengths is None else jnp.asarray(max_lengths)
-    prompt_mask = types.prompt_mask(prompt_lengths, p)
-
-    def prefill(st: _Slots) -> _Slots:
-      """Prefills the next (up to) A prompts into free prompt slots."""
-      free = st.left == 0
-      count = jnp.minimum(jnp.minimum(a, jnp.sum(free)), g - st.next_g)
-      j = jnp.arange(a)
-      ok = j < count
-      gs = jnp.minimum(st.next_g + j, g - 1)
-      tokens_ap, mask_ap = prompt_tokens[gs], prompt_mask[gs]
-      h, cache = model.hidden_states(
-        tokens_ap, attention_mask=mask_ap, cache=model.init_cache(a, p), cache_index=0
-      )
-      order = jnp.argsort(~free, stable=True)
-      dst = jnp.where(ok, order[jnp.minimum(j, q - 1)], q)  # out of bounds: dropped
-      put = lambda big, x: big.at[dst].set(x.astype(big.dtype), mode="drop")
-      return st._replace(
-        next_g=st.next_g + count,
-        group_slot=st.group_slot.at[jnp.where(ok, gs, g)].set(dst, mode="drop"),
-        left=put(st.left, jnp.full((a,), k_rep, jnp.int32)),
-        prefix=jax.tree.map(put, st.prefix, cache),
-        prompt_mask=put(st.prompt_mask, mask_ap),
-        first_h=put(st.first_h, h[:, -1]),
-      )
-
-    def admit_rows(st: _Slots) -> _Slots:
-      """Gives the free row slots, in order, the next resident rows."""
-      free = ~st.live
-      staged = st.next_g * k_rep - st.next_row
-      rank = jnp.cumsum(free) - 1
-      take = free & (rank < staged)
-      row = st.next_row + rank
-      slot = st.group_slot[jnp.minimum(row // k_rep, g - 1)]
-      return st._replace(
-        next_row=st.next_row + jnp.minimum(jnp.sum(free), staged),
-        row=jnp.where(take, row, st.row),
-        row_slot=jnp.where(take, slot, st.row_slot),
-        live=st.live | take,
-        pos=jnp.where(take, 0, st.pos),
-        h=jnp.where(take[:, None], st.first_h[slot], st.h),
-      )
-
-    def staged(st: _Slots):
-      return st.next_g * k_rep - st.next_row
-
-    def can_admit(st: _Slots):
-      can_prefill = (st.next_g < g) & jnp.any(st.left == 0)
-      waiting = (st.next_row < rows_out) & ~jnp.all(st.live)
-      return waiting & ((staged(st) > 0) | can_prefill)
-
-    def admit_one(st: _Slots) -> _Slots:
-      st = jax.lax.cond(staged(st) > 0, lambda st: st, prefill, st)
-      return admit_rows(st)
-
-    def decode(st: _Slots, out):
-      tokens, logps, kept, valid = out
-      g_r, k_r = st.row // k_rep, st.row % k_rep
-      keys = row_keys(key, ids[g_r], k_r, st.pos)
-      logits = model.logits_from_hidden(st.h)
-      draw = select_token(logits, keys, temperature, top_k, top_p, behavior_logp)
-      dst = jnp.where(st.live, st.row, rows_out)  # out of bounds: dropped
-      at = lambda x, v: x.at[dst, st.pos].set(v, mode="drop")
-      tokens, logps = at(tokens, draw.token), at(logps, draw.logp)
-      kept, valid = at(kept, draw.kept), at(valid, True)
-      ended = st.pos + 1 >= limits[st.row]
-      if eos_ids:
-        ended = ended | jnp.isin(draw.token, jnp.asarray(eos_ids, jnp.int32))
-      if stops:
-        ended = ended | _hits_stop(tokens, st.row, st.pos, stops)
-      by_row = lambda c: c[st.row_slot]
-      h, suffix = model.decode_shared(
-        jnp.where(st.live, draw.token, 0),
-        jax.tree.map(by_row, st.prefix),
-        st.suffix,
-        by_row(st.prompt_mask),
-        st.pos,
-        decode_block,
-      )
-      ends = st.live & ended
-      live = st.live & ~ended
-      st = st._replace(
-        left=st.left.at[jnp.where(ends, st.row_slot, q)].add(-1, mode="drop"),
-        live=live,
-        suffix=suffix,
-        # A free slot's row attends to no cache (a stale length would widen the span).
-        pos=jnp.where(live, st.pos + 1, 0),
-        h=h.astype(st.h.dtype),
-      )
-      return st, (tokens, logps, kept, valid)
-
-    def cond(carry):
-      st = carry[0]
-      return (st.next_row < rows_out) | jnp.any(st.live)
-
-    def body(carry):
-      return decode(jax.lax.while_loop(can_admit, admit_one, carry[0]), carry[1])
-
-    d = model.config.hidden_size
-    h_dtype = jnp.dtype(model.config.dtype)
-    state = _Slots(
-      next_row=jnp.int32(0),
-      next_g=jnp.int32(0),
-      group_slot=jnp.zeros((g,), jnp.int32),
-      left=jnp.zeros((q,), jnp.int32),
-      prefix=model.init_cache(q, p),
-      prompt_mask=jnp.zeros((q, p), bool),
-      first_h=jnp.zeros((q, d), h_dtype),
-      row=jnp.zeros((r,), jnp.int32),
-      row_slot=jnp.zeros((r,), jnp.int32),
-      live=jnp.zeros((r,), bool),
-      suffix=model.init_cache(r, n),
-      pos=jnp.zeros((r,), jnp.int32),
-      h=jnp.zeros((r, d), h_dtype),
+    run = _Run(
+      model=nnx.merge(graphdef, params),
+      key=key,
+      prompt_tokens=prompt_tokens,
+      prompt_mask=types.prompt_mask(prompt_lengths, p),
+      ids=jnp.arange(g) if prompt_ids is None else jnp.asarray(prompt_ids, jnp.int32),
+      limits=jnp.full((rows_out,), n) if max_lengths is None else jnp.asarray(max_lengths),
+      g=g,
+      p=p,
+      n=n,
+      k_rep=k_rep,
+      rows_out=rows_out,
+      r=r,
+      a=a,
+      q=prompt_slots or r + a,
+      temperature=temperature,
+      top_p=top_p,
+      top_k=top_k,
+      behavior_logp=behavior_logp,
+      eos_ids=eos_ids,
+      stops=stops,
+      decode_block=decode_block,
     )
-    zeros = lambda dtype: jnp.zeros((rows_out, n), dtype)
-    out = (zeros(jnp.int32), zeros(jnp.float32), zeros(jnp.int32), zeros(bool))
-    _, (tokens, logps, kept, valid) = jax.lax.while_loop(cond, body, (state, out))
-    lengths = valid.sum(axis=1).astype(jnp.int32)
-    return SampleOutput(tokens, logps, valid.astype(jnp.float32), lengths, kept)
+    return _sample(run)
 
   return jax.jit(sample)
+
+
+def _sample(run: _Run) -> SampleOutput:
+  """The loop: admit waiting rows into free slots, decode one token per live row, release."""
+
+  def cond(carry):
+    st = carry[0]
+    return (st.next_row < run.rows_out) | jnp.any(st.live)
+
+  def body(carry):
+    st = jax.lax.while_loop(
+      functools.partial(_can_admit, run), functools.partial(_admit_one, run), carry[0]
+    )
+    return _decode(run, st, carry[1])
+
+  zeros = lambda dtype: jnp.zeros((run.rows_out, run.n), dtype)
+  out = (zeros(jnp.int32), zeros(jnp.float32), zeros(jnp.int32), zeros(bool))
+  _, (tokens, logps, kept, valid) = jax.lax.while_loop(cond, body, (_init_slots(run), out))
+  lengths = valid.sum(axis=1).astype(jnp.int32)
+  return SampleOutput(tokens, logps, valid.astype(jnp.float32), lengths, kept)
+
+
+def _init_slots(run: _Run) -> _Slots:
+  """Every slot free, nothing admitted."""
+  model, g, p, q, r = run.model, run.g, run.p, run.q, run.r
+  d = model.config.hidden_size
+  h_dtype = jnp.dtype(model.config.dtype)
+  return _Slots(
+    next_row=jnp.int32(0),
+    next_g=jnp.int32(0),
+    group_slot=jnp.zeros((g,), jnp.int32),
+    left=jnp.zeros((q,), jnp.int32),
+    prefix=model.init_cache(q, p),
+    prompt_mask=jnp.zeros((q, p), bool),
+    first_h=jnp.zeros((q, d), h_dtype),
+    row=jnp.zeros((r,), jnp.int32),
+    row_slot=jnp.zeros((r,), jnp.int32),
+    live=jnp.zeros((r,), bool),
+    suffix=model.init_cache(r, run.n),
+    pos=jnp.zeros((r,), jnp.int32),
+    h=jnp.zeros((r, d), h_dtype),
+  )
+
+
+def _prefill(run: _Run, st: _Slots) -> _Slots:
+  """Prefills the next (up to) A prompts into free prompt slots."""
+  a, g, p, q = run.a, run.g, run.p, run.q
+  free = st.left == 0
+  count = jnp.minimum(jnp.minimum(a, jnp.sum(free)), g - st.next_g)
+  j = jnp.arange(a)
+  ok = j < count
+  gs = jnp.minimum(st.next_g + j, g - 1)
+  tokens_ap, mask_ap = run.prompt_tokens[gs], run.prompt_mask[gs]
+  h, cache = run.model.hidden_states(
+    tokens_ap, attention_mask=mask_ap, cache=run.model.init_cache(a, p), cache_index=0
+  )
+  order = jnp.argsort(~free, stable=True)
+  dst = jnp.where(ok, order[jnp.minimum(j, q - 1)], q)  # out of bounds: dropped
+  put = lambda big, x: big.at[dst].set(x.astype(big.dtype), mode="drop")
+  return st._replace(
+    next_g=st.next_g + count,
+    group_slot=st.group_slot.at[jnp.where(ok, gs, g)].set(dst, mode="drop"),
+    left=put(st.left, jnp.full((a,), run.k_rep, jnp.int32)),
+    prefix=jax.tree.map(put, st.prefix, cache),
+    prompt_mask=put(st.prompt_mask, mask_ap),
+    first_h=put(st.first_h, h[:, -1]),
+  )
+
+
+def _admit_rows(run: _Run, st: _Slots) -> _Slots:
+  """Gives the free row slots, in order, the next resident rows."""
+  k_rep = run.k_rep
+  free = ~st.live
+  staged = st.next_g * k_rep - st.next_row
+  rank = jnp.cumsum(free) - 1
+  take = free & (rank < staged)
+  row = st.next_row + rank
+  slot = st.group_slot[jnp.minimum(row // k_rep, run.g - 1)]
+  return st._replace(
+    next_row=st.next_row + jnp.minimum(jnp.sum(free), staged),
+    row=jnp.where(take, row, st.row),
+    row_slot=jnp.where(take, slot, st.row_slot),
+    live=st.live | take,
+    pos=jnp.where(take, 0, st.pos),
+    h=jnp.where(take[:, None], st.first_h[slot], st.h),
+  )
+
+
+def _staged(run: _Run, st: _Slots):
+  return st.next_g * run.k_rep - st.next_row
+
+
+def _can_admit(run: _Run, st: _Slots):
+  can_prefill = (st.next_g < run.g) & jnp.any(st.left == 0)
+  waiting = (st.next_row < run.rows_out) & ~jnp.all(st.live)
+  return waiting & ((_staged(run, st) > 0) | can_prefill)
+
+
+def _admit_one(run: _Run, st: _Slots) -> _Slots:
+  st = jax.lax.cond(_staged(run, st) > 0, lambda st: st, functools.partial(_prefill, run), st)
+  return _admit_rows(run, st)
+
+
+def _decode(run: _Run, st: _Slots, out):
+  """Every live row draws one token; a row that ends frees its slot."""
+  tokens, logps, kept, valid = out
+  model, k_rep, rows_out = run.model, run.k_rep, run.rows_out
+  g_r, k_r = st.row // k_rep, st.row % k_rep
+  keys = row_keys(run.key, run.ids[g_r], k_r, st.pos)
+  logits = model.logits_from_hidden(st.h)
+  draw = select_token(logits, keys, run.temperature, run.top_k, run.top_p, run.behavior_logp)
+  dst = jnp.where(st.live, st.row, rows_out)  # out of bounds: dropped
+  at = lambda x, v: x.at[dst, st.pos].set(v, mode="drop")
+  tokens, logps = at(tokens, draw.token), at(logps, draw.logp)
+  kept, valid = at(kept, draw.kept), at(valid, True)
+  ended = st.pos + 1 >= run.limits[st.row]
+  if run.eos_ids:
+    ended = ended | jnp.isin(draw.token, jnp.asarray(run.eos_ids, jnp.int32))
+  if run.stops:
+    ended = ended | _hits_stop(tokens, st.row, st.pos, run.stops)
+  by_row = lambda c: c[st.row_slot]
+  h, suffix = model.decode_shared(
+    jnp.where(st.live, draw.token, 0),
+    jax.tree.map(by_row, st.prefix),
+    st.suffix,
+    by_row(st.prompt_mask),
+    st.pos,
+    run.decode_block,
+  )
+  ends = st.live & ended
+  live = st.live & ~ended
+  st = st._replace(
+    left=st.left.at[jnp.where(ends, st.row_slot, run.q)].add(-1, mode="drop"),
+    live=live,
+    suffix=suffix,
+    # A free slot's row attends to no cache (a stale length would widen the span).
+    pos=jnp.where(live, st.pos + 1, 0),
+    h=h.astype(st.h.dtype),
+  )
+  return st, (tokens, logps, kept, valid)

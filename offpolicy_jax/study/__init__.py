@@ -3,7 +3,8 @@
   runner     the lag study: a seeded grid of methods x lags, every cell's seeds under one
              jax.vmap, resumable
   stats      bootstrap intervals, paired verdicts against a baseline, run summaries
-  report     study.csv, study.md tables, curves and interval plots
+  report     study.csv (one row per run and metric), curves and interval plots, write_report
+  report_tables  study.md: verdicts against the baseline, learning speed, the A/A rate, ...
   bandit     the paper's 3-armed bandit as a seeded study of the losses
   sweeps     run_sweep(config, sweep, workdir): runs of a get_sweep() list, summary table
   launchers  a sweep as per-host scripts, SLURM scripts or GKE JobSets (written, not run)
@@ -12,6 +13,24 @@
 May import: every other wing.
 """
 
-from offpolicy_jax.study import bandit, launchers, report, reports, runner, stats, sweeps
+from offpolicy_jax.study import (
+  bandit,
+  launchers,
+  report,
+  report_tables,
+  reports,
+  runner,
+  stats,
+  sweeps,
+)
 
-__all__ = ["bandit", "launchers", "report", "reports", "runner", "stats", "sweeps"]
+__all__ = [
+  "bandit",
+  "launchers",
+  "report",
+  "report_tables",
+  "reports",
+  "runner",
+  "stats",
+  "sweeps",
+]

@@ -50,15 +50,10 @@ from typing import Any
 
 import numpy as np
 
-from offpolicy_jax.rewards.environments import (
-  TURN_END,
-  Environment,
-  EnvResult,
-  observation_text,
-  replay_reward,
-)
+from offpolicy_jax.rewards.environments import TURN_END, Environment, EnvResult, observation_text
 from offpolicy_jax.rewards.tasks import synthetic
 from offpolicy_jax.rewards.tasks.base import Example, ListSource, Task
+from offpolicy_jax.rewards.text_episodes import replay_reward
 
 HIGHER, LOWER, INVALID = "h", "l", "?"
 _NUMBER = re.compile(r"-?[0-9]{1,20}")

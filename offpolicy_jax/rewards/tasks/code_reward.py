@@ -46,7 +46,7 @@ import builtins
 import re
 from typing import Any
 
-from offpolicy_jax.rewards import isolation
+from offpolicy_jax.rewards import isolation, isolation_wire
 from offpolicy_jax.rewards.tasks.base import Example
 
 _TESTS = "__tests__"  # `__name__` of the trusted test namespace (and its classes' `__module__`)
@@ -98,7 +98,7 @@ def program_reward(
   grade = _io_results if "io" in example else _assert_results
   try:
     passed = grade(program, example, timeout_s)
-  except isolation.ProgramError:  # did not compile, or raised while it ran
+  except isolation_wire.ProgramError:  # did not compile, or raised while it ran
     return 0.0
   if partial_credit:
     return sum(passed) / len(passed)

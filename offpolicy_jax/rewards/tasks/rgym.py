@@ -18,7 +18,7 @@ import functools
 import json
 from typing import Any
 
-from offpolicy_jax.rewards import answer_gate, isolation
+from offpolicy_jax.rewards import answer_gate, isolation_wire
 from offpolicy_jax.rewards import scoring as rewards
 from offpolicy_jax.rewards.environments import Environment, EnvResult
 from offpolicy_jax.rewards.tasks.base import INSTRUCTION, Example, ListSource, Task
@@ -72,7 +72,7 @@ def _no_handle(value: Any) -> Any:
 class Retry(Environment):
   """Answer a reasoning-gym question; after a wrong answer, hear so and try again.
 
-  State: `{"entry": the example (isolation.encode: tuples and sets keep their
+  State: `{"entry": the example (isolation_wire.encode: tuples and sets keep their
   type), "attempt": int}`; info: `attempts`, `solved`, `score` (of the last
   answer). A step scores its answer with the dataset's verifier (`score`); an
   answer scoring 1 ends the episode, and so does attempt `max_attempts`, with
@@ -83,11 +83,11 @@ class Retry(Environment):
     self.score_fn, self.max_attempts, self.attempt_penalty = score_fn, max_attempts, attempt_penalty
 
   def reset(self, example: Example) -> EnvResult:
-    state = {"entry": isolation.encode(example, {}, _no_handle), "attempt": 0}
+    state = {"entry": isolation_wire.encode(example, {}, _no_handle), "attempt": 0}
     return EnvResult("", 0.0, False, state, info={"attempts": 0, "solved": 0, "score": 0.0})
 
   def step(self, state: Any, action_text: str) -> EnvResult:
-    entry = isolation.decode(state["entry"], {}, _no_handle)
+    entry = isolation_wire.decode(state["entry"], {}, _no_handle)
     attempt = int(state["attempt"]) + 1
     score_t = float(self.score_fn(entry, action_text))
     solved = score_t >= 1.0

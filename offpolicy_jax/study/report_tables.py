@@ -1,0 +1,365 @@
+"""`study.md`: a study's tables, read from its CSV rows (`study.report`) with `study.stats`.
+
+Accuracy with bootstrap intervals and Holm-corrected permutation verdicts
+against a baseline cell, learning speed within a lag, the A/A calibration's
+measured false-verdict rate, pass@k, training reward, collapsed runs and the
+off-policy diagnostics.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from offpolicy_jax.study import runner as study
+from offpolicy_jax.study import stats as study_stats
+
+MARK = {study_stats.WORSE: "worse", study_stats.BETTER: "better", study_stats.SAME: "~"}
+# Marks of a difference in steps to the threshold (more steps: slower).
+FASTER = {study_stats.WORSE: "faster", study_stats.BETTER: "slower", study_stats.SAME: "~"}
+
+
+# Off-policy diagnostics tabulated when the runs recorded them (`study.runner.OFF_POLICY_METRICS`).
+OFF_POLICY_TABLES = (
+  "staleness_kl_k3",
+  "mismatch_kl_k3",
+  "clip_frac",
+  "corr_token_masked_frac",
+  "corr_seq_masked_frac",
+)
+
+
+def summary_table(rows: list[dict]) -> tuple[list[str], list[str], dict]:
+  """(methods, lags in order of appearance, {(method, lag, metric): {seed: value}}) of summaries."""
+  methods, lags = [], []
+  values: dict = collections.defaultdict(dict)
+  for r in rows:
+    methods += [r["method"]] if r["method"] not in methods else []
+    lags += [r["lag"]] if r["lag"] not in lags else []
+    if r["step"] in (None, ""):  # summaries (rows from `read_csv` or `cell_rows`)
+      values[r["method"], r["lag"], r["metric"]][r["seed"]] = r["value"]
+  return methods, lags, values
+
+
+def _by_seed(d: Mapping[int, float], seeds: Sequence[int]) -> list[float]:
+  return [d[s] for s in seeds]
+
+
+def _md(header: Sequence[str], body: Iterable[Sequence[str]]) -> list[str]:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  return lines + ["| " + " | ".join(row) + " |" for row in body]
+
+
+# Learning-speed summaries of a run (`study_stats.run_summary`), compared within a lag.
+SPEED_METRICS = (
+  ("steps_to_threshold", f"Steps to reach the warm start + {study_stats.LEARNING_GAIN:.2f}"),
+  ("accuracy_auc", "Area under the held-out accuracy curve, divided by the steps"),
+  ("final_accuracy", "Final greedy accuracy"),
+)
+# The metrics an A/A pair is tested on (the false-verdict rate counts all of them).
+AA_METRICS = ("final_accuracy", "accuracy_auc", "steps_to_threshold")
+
+
+def _signed(iv: study_stats.Interval, fmt: str = "+.3f") -> str:
+  return f"{iv.mean:{fmt}} [{iv.low:{fmt}}, {iv.high:{fmt}}]"
+
+
+def _final_accuracy_tests(values, main, lags, baseline, seeds, alpha):
+  """{(method, lag): (Comparison, Holm-adjusted p, verdict)} against the baseline cell."""
+  ref = _by_seed(values[baseline[0], baseline[1], "final_accuracy"], seeds)
+  comps = {
+    (m, g): study_stats.compare(_by_seed(values[m, g, "final_accuracy"], seeds), ref)
+    for m in main
+    for g in lags
+    if values.get((m, g, "final_accuracy")) and (m, g) != tuple(baseline)
+  }
+  return {k: (comps[k], *v) for k, v in study_stats.verdicts(comps, alpha).items()}
+
+
+def _power_note(n: int, m: int, alpha: float) -> str:
+  """What n seeds allow among m Holm-corrected comparisons."""
+  if not m:
+    return "The grid has no comparison to test."
+  floor = study_stats.smallest_p(n)
+  note = (
+    f"With {n} seeds the smallest attainable p-value is {floor:.2g}; Holm's first step over "
+    f"{m} comparisons needs p <= {alpha / max(m, 1):.2g}."
+  )
+  if floor > alpha / max(m, 1):
+    note += (
+      f" **No verdict is attainable here**: that needs >= "
+      f"{study_stats.needed_seeds(m, alpha)} seeds (`--config.study.seeds`)."
+    )
+  return note
+
+
+def _speed_section(values, main, lags, baseline_method, seeds, alpha) -> list[str]:
+  """Learning speed per cell and paired differences to the baseline method in the same lag."""
+  lines = [
+    "",
+    "## Learning speed",
+    "",
+    "Per run: the first evaluated step at which held-out greedy accuracy reaches its warm "
+    f"start + {study_stats.LEARNING_GAIN:.2f} (a run that never does is censored at the "
+    "budget: it counts as the last evaluated step, so a mean with unreached runs is a lower "
+    "bound; `k/n` counts the runs that reached it); the area under the held-out accuracy "
+    "curve divided by the steps (the run's time-averaged accuracy); the final accuracy. Each "
+    "cell: mean over seeds [95% bootstrap interval]. The differences compare with "
+    f"**{baseline_method}** in the same lag on the same seeds: mean [95% paired bootstrap], "
+    "the sign-flip permutation p-value, and the verdict from the Holm-adjusted p-values over "
+    f"the table's comparisons at alpha = {alpha:g} (`faster` / `slower` for the steps).",
+  ]
+  for metric, title in SPEED_METRICS:
+    if not any(values.get((m, g, metric)) for m in main for g in lags):
+      continue
+    steps = metric == "steps_to_threshold"
+    fmt = "+.1f" if steps else "+.3f"
+
+    def cell(m, g, metric=metric, steps=steps):
+      got = values.get((m, g, metric))
+      if not got:
+        return "-"
+      iv = study_stats.bootstrap(_by_seed(got, seeds))
+      if not steps:
+        return str(iv)
+      reached = values.get((m, g, "threshold_reached"), {})
+      k = int(sum(_by_seed(reached, seeds))) if reached else "?"
+      return f"{iv.mean:.1f} [{iv.low:.1f}, {iv.high:.1f}] ({k}/{len(seeds)})"
+
+    comps = {
+      (m, g): study_stats.compare(
+        _by_seed(values[m, g, metric], seeds), _by_seed(values[baseline_method, g, metric], seeds)
+      )
+      for m in main
+      for g in lags
+      if m != baseline_method
+      and values.get((m, g, metric))
+      and values.get((baseline_method, g, metric))
+    }
+    tested = study_stats.verdicts(comps, alpha)
+    lines += ["", f"### {title}", ""]
+    lines += _md(["method", *lags], [[m, *(cell(m, g) for g in lags)] for m in main])
+    lines += ["", f"Paired difference to {baseline_method} in the same lag:", ""]
+
+    marks = FASTER if steps else MARK  # fewer steps to the threshold is better
+
+    def diff(m, g, comps=comps, tested=tested, fmt=fmt, marks=marks):
+      if (m, g) not in comps:
+        return "-"
+      c = comps[m, g]
+      return f"{_signed(c.diff, fmt)} p={c.p:.2g} {marks[tested[m, g][1]]}"
+
+    body = [[m, *(diff(m, g) for g in lags)] for m in main if m != baseline_method]
+    lines += _md(["method", *lags], body)
+  return lines
+
+
+def aa_tests(
+  values, aa_methods, lags, seeds, alpha
+) -> list[tuple[str, str, str, study_stats.Comparison, str]]:
+  """(A/A method, lag, metric, Comparison, permutation verdict at alpha) of every A/A pair."""
+  out = []
+  for a in aa_methods:
+    base = a[len(study.AA_PREFIX) :]
+    for g in lags:
+      for metric in AA_METRICS:
+        x, y = values.get((a, g, metric)), values.get((base, g, metric))
+        if not x or not y:
+          continue
+        c = study_stats.compare(_by_seed(x, seeds), _by_seed(y, seeds))
+        out.append((a, g, metric, c, c.verdict(c.p, alpha)))
+  return out
+
+
+def _aa_section(tests, alpha) -> tuple[list[str], str]:
+  """(the A/A section, its one-line false-verdict rate of final accuracy).
+
+  The rates leave out pairs whose differences are all 0 (e.g. steps to the
+  threshold when no run reached it): no test can call those different.
+  """
+  skipped = sum(t[3].diff.low == t[3].diff.high == 0 for t in tests)
+  shown, tests = tests, [t for t in tests if not t[3].diff.low == t[3].diff.high == 0]
+  final = [t for t in tests if t[2] == "final_accuracy"]
+  perm = sum(t[4] != study_stats.SAME for t in final)
+  boot = sum(t[3].bootstrap_verdict != study_stats.SAME for t in final)
+  perm_all = sum(t[4] != study_stats.SAME for t in tests)
+  boot_all = sum(t[3].bootstrap_verdict != study_stats.SAME for t in tests)
+
+  def rate(k, n):
+    return study_stats.rate(k, n) if n else "no informative pair"
+
+  headline = (
+    f"A/A false-verdict rate (final accuracy, permutation test at alpha = {alpha:g}): "
+    f"{rate(perm, len(final))}; nominal {alpha:g}."
+  )
+  lines = [
+    "",
+    "## A/A calibration",
+    "",
+    "The baseline method run twice on the same warm starts and prompts with independent "
+    "random streams (sampling, advantages, replay, training; `study.runner.AA_STREAM_OFFSET`): "
+    "nothing differs but chance, so every `better`/`worse` here is a false verdict. Each pair "
+    f"is tested alone (no Holm correction, which only lowers the rate) at alpha = {alpha:g} "
+    "with the sign-flip permutation test, and by the bootstrap rule (95% interval excludes 0). "
+    "Rates: false verdicts / comparisons with a 95% Clopper-Pearson interval.",
+    "",
+  ]
+  rows = []
+  for a, g, metric, c, verdict in shown:
+    fmt = "+.1f" if metric == "steps_to_threshold" else "+.3f"
+    rows.append(
+      [a, g, metric, _signed(c.diff, fmt), f"{c.p:.3g}", MARK[verdict], MARK[c.bootstrap_verdict]]
+    )
+  lines += _md(
+    ["A/A", "lag", "metric", "difference [95%]", "p", "verdict", "bootstrap verdict"], rows
+  )
+  lines += [
+    "",
+    f"- final accuracy, permutation test: {rate(perm, len(final))} (nominal {alpha:g})",
+    f"- final accuracy, bootstrap rule: {rate(boot, len(final))} (nominal 0.05)",
+    f"- all {len(AA_METRICS)} metrics pooled (correlated within a pair), permutation test: "
+    f"{rate(perm_all, len(tests))}; bootstrap rule: {rate(boot_all, len(tests))}",
+    f"- left out of the rates: {skipped} comparisons whose per-seed differences are all 0",
+  ]
+  return lines, headline
+
+
+def write_tables(
+  rows: list[dict],
+  path: str,
+  *,
+  baseline: tuple[str, str],
+  title: str,
+  extra: Sequence[str] = (),
+  alpha: float = 0.05,
+) -> str:
+  """`study.md`: accuracy with intervals and tested verdicts, learning speed, the A/A rate, ...
+
+  Rows of methods named `study.runner.AA_PREFIX + method` are A/A twins: they
+  are left out of the grid's tables and tested against their method instead.
+  """
+  methods, lags, values = summary_table(rows)
+  main = [m for m in methods if not m.startswith(study.AA_PREFIX)]
+  aa_methods = [m for m in methods if m.startswith(study.AA_PREFIX)]
+  ref = values[baseline[0], baseline[1], "final_accuracy"]
+  if not ref:
+    raise ValueError(f"the baseline {baseline[0]}@{baseline[1]} has no finished runs")
+  seeds = sorted(ref)
+  tests = _final_accuracy_tests(values, main, lags, baseline, seeds, alpha)
+  aa = aa_tests(values, aa_methods, lags, seeds, alpha)
+  aa_lines, aa_headline = _aa_section(aa, alpha) if aa else ([], "")
+  lines = _accuracy_sections(values, main, lags, baseline, seeds, tests, alpha, title, aa_headline)
+  lines += _speed_section(values, main, lags, baseline[0], seeds, alpha)
+  lines += aa_lines
+  lines += _run_sections(values, main, lags, seeds)
+  lines += ["", *extra] if extra else []
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  return path
+
+
+def _grid(main, lags, fn) -> list[list[str]]:
+  """Table rows: one per method, `fn(method, lag)` per lag."""
+  return [[m, *(fn(m, g) for g in lags)] for m in main]
+
+
+def _summary(values, seeds, metric, fmt):
+  """The cell function of a summary metric: `fmt(per-seed values)`, "-" where none."""
+
+  def cell(m, g):
+    got = values.get((m, g, metric))
+    return fmt(_by_seed(got, seeds)) if got else "-"
+
+  return cell
+
+
+def _accuracy_sections(values, main, lags, baseline, seeds, tests, alpha, title, aa_headline):
+  """The title, final accuracy, its paired differences and the tests against the baseline."""
+  acc_cells, diff_cells = {}, {}
+  for m in main:
+    for g in lags:
+      got = values.get((m, g, "final_accuracy"))
+      if not got:
+        continue
+      mark = MARK[tests[m, g][2]] if (m, g) in tests else "(baseline)"
+      acc_cells[m, g] = f"{study_stats.bootstrap(_by_seed(got, seeds))} {mark}"
+      if (m, g) in tests:
+        diff_cells[m, g] = _signed(tests[m, g][0].diff)
+  start = study_stats.bootstrap(_by_seed(values[baseline[0], baseline[1], "start_accuracy"], seeds))
+  start_sd = float(np.std(_by_seed(values[baseline[0], baseline[1], "start_accuracy"], seeds)))
+  lines = [f"# {title}", ""]
+  lines += [
+    f"{len(seeds)} seeds per cell (seeds {seeds[0]}..{seeds[-1]}); the warm start's greedy "
+    f"accuracy is {start} (standard deviation over seeds {start_sd:.3f}).",
+    *(["", aa_headline] if aa_headline else []),
+    "",
+    "## Final greedy accuracy",
+    "",
+    "Mean over seeds of each run's final accuracy (the mean of its last evaluations), with a "
+    "95% percentile bootstrap interval over seeds. The mark compares with the baseline "
+    f"**{baseline[0]}@{baseline[1]}** on the same seeds: a paired sign-flip permutation test "
+    f"of the mean per-seed difference, Holm-corrected over the {len(tests)} comparisons of "
+    f"the grid, at alpha = {alpha:g}: `worse` / `better` when the adjusted p-value is <= "
+    "alpha, `~` otherwise (read `~` as 'no evidence of a difference', not as equality). "
+    + _power_note(len(seeds), len(tests), alpha),
+    "",
+  ]
+  lines += _md(["method", *lags], _grid(main, lags, lambda m, g: acc_cells.get((m, g), "-")))
+  lines += ["", f"## Paired difference to {baseline[0]}@{baseline[1]}", ""]
+  lines += _md(["method", *lags], _grid(main, lags, lambda m, g: diff_cells.get((m, g), "-")))
+  lines += [
+    "",
+    "## Tests against the baseline",
+    "",
+    "Each comparison of the final accuracy: the mean per-seed difference with its 95% paired "
+    "bootstrap interval and the bootstrap rule's verdict (interval excludes 0; no known "
+    "error rate), the two-sided sign-flip permutation p-value, its Holm-adjusted value over "
+    f"the grid and the verdict at alpha = {alpha:g} (the mark of the tables above).",
+    "",
+  ]
+  body = [
+    [m, g, _signed(c.diff), MARK[c.bootstrap_verdict], f"{c.p:.3g}", f"{adj:.3g}", MARK[v]]
+    for (m, g), (c, adj, v) in tests.items()
+  ]
+  lines += _md(["method", "lag", "difference [95%]", "bootstrap", "p", "Holm p", "verdict"], body)
+  return lines
+
+
+def _run_sections(values, main, lags, seeds) -> list[str]:
+  """pass@k, the training reward, collapsed runs and the off-policy diagnostics."""
+  grid = lambda metric, fmt: _grid(main, lags, _summary(values, seeds, metric, fmt))
+  interval = lambda x: str(study_stats.bootstrap(x))
+  lines: list[str] = []
+  pass_metric = next((m for (_, _, m) in values if m.startswith("pass@")), None)
+  if pass_metric:
+    lines += ["", f"## {pass_metric} at the end (sampled at the training temperature)", ""]
+    lines += _md(["method", *lags], grid(pass_metric, interval))
+  lines += ["", "## Mean training reward over the run (area under the training curve)", ""]
+  lines += _md(["method", *lags], grid("auc", interval))
+  lines += [
+    "",
+    "## Collapsed runs",
+    "",
+    "Runs whose last evaluations all fall more than "
+    f"{study_stats.COLLAPSE_MARGIN} below their warm start, or with an update skipped as "
+    "non-finite.",
+    "",
+  ]
+  lines += _md(["method", *lags], grid("collapsed", lambda x: f"{int(sum(x))}/{len(x)}"))
+  diagnostics = [k for k in OFF_POLICY_TABLES if any(key[2] == k for key in values)]
+  if diagnostics:
+    lines += [
+      "",
+      "## Off-policy diagnostics",
+      "",
+      "Per-step means over the run, then the mean over seeds (docs/off_policyness.md): the "
+      "KL(mu || pi) estimate k3 of the staleness factor pi / pi_old and of the engine mismatch "
+      "pi_old / mu (0 where pi_old is not scored), and the fraction of tokens the loss clipped "
+      "or a rollout correction masked.",
+    ]
+    for metric in diagnostics:
+      lines += ["", f"`{metric}`", ""]
+      lines += _md(["method", *lags], grid(metric, lambda x: f"{float(np.mean(x)):.3g}"))
+  return lines
