@@ -1,6 +1,7 @@
 """The run wing: from a config to a trained policy.
 
-  components    build_components(config): the only reader of the config
+  components    build_components(config): the only reader of the config;
+                components_rollout: its rollout half (reward, episodes, the rollout kind)
   validation    start-up checks of every config field;  data_checks: of every prompt
   loop          train_and_evaluate(config, workdir): iterate chunks, write rows, checkpoint
   start         how a run starts: fresh (warm start) or from its latest checkpoint;
@@ -16,6 +17,7 @@ May import: every wing below it (maths, scale, models, sampling, rewards, store,
 
 from offpolicy_jax.run import (
   components,
+  components_rollout,
   data_checks,
   evaluation,
   export,
@@ -29,6 +31,7 @@ from offpolicy_jax.run import (
 
 __all__ = [
   "components",
+  "components_rollout",
   "data_checks",
   "evaluation",
   "export",

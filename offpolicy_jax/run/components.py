@@ -22,7 +22,6 @@ cannot go stale.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from typing import Any
@@ -35,14 +34,11 @@ from flax import nnx
 from offpolicy_jax import config_schema, lag, losses, models
 from offpolicy_jax.learn import train_state, train_step
 from offpolicy_jax.models import tokenizers
-from offpolicy_jax.rewards import environments, tasks
-from offpolicy_jax.rewards import scoring as rewards
-from offpolicy_jax.rollout import episode_pool, episodes, pipeline, rl_step, whole
-from offpolicy_jax.rollout import partial as partial_rollout
+from offpolicy_jax.rewards import tasks
+from offpolicy_jax.rollout import pipeline, rl_step
 from offpolicy_jax.rollout.pipeline import INIT, step_key
-from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.run import data_checks, validation
-from offpolicy_jax.sampling import continuous, multiturn
+from offpolicy_jax.run import components_rollout, data_checks, validation
+from offpolicy_jax.sampling import continuous
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.scale import disagg, sharding
@@ -239,11 +235,6 @@ def _scores_old(config) -> bool:
   return config.rollout.score_old or spec.needs_old
 
 
-def _recorded_logp(config) -> str:
-  """What the sampler records (`rollout.behavior_logp`; "mismatched" records as "sampled")."""
-  return "sampled" if config.rollout.behavior_logp == "mismatched" else config.rollout.behavior_logp
-
-
 def _whole_groups(config) -> bool:
   """Whether every micro-batch holds whole groups (what a shared prefix needs)."""
   return validation.micro_batch_rows(config) % config.group_size == 0
@@ -265,121 +256,6 @@ def snapshot_slots(lag_mode: str, sync_interval: int, sync_offset: int) -> int:
   if lag_mode != "sync" or (sync_interval, sync_offset) == (1, 0):
     return 0
   return lag.snapshot_capacity(sync_interval, sync_offset)
-
-
-def _reward(config, task) -> pipeline.Reward:
-  if config.multiturn.max_turns:  # the environment scores the episodes (`_episodes`)
-    return pipeline.Reward()
-  if task.device_reward is not None:
-    return pipeline.Reward(device=jax.jit(task.device_reward))
-  c = config
-  pool = rewards.get_pool(c.reward_workers or None, c.reward_memory_mb, c.reward_sandbox)
-  pool.check(task.reward, config.task)  # fails here if it cannot reach a worker
-  return pipeline.Reward(
-    host=task.reward,
-    pool=pool,
-    timeout_s=config.reward_timeout,
-    batch_timeout_s=config.reward_batch_timeout or None,
-  )
-
-
-def _partial_sampler(config, graphdef, task, tokenizer) -> partial_rollouts.PartialSampler | None:
-  """The partial-rollout sampler of `config.rollout.partial_budget` (None when 0)."""
-  c, budget = config, config.rollout.partial_budget
-  if not budget or c.multiturn.max_turns:  # episodes: `rollout.episode_pool`, built by the loop
-    return None
-  if task.device_reward is None:
-    raise ValueError(
-      f"config.rollout.partial_budget: partial rollouts need a task with a device reward; "
-      f"{c.task!r} is scored on the host"
-    )
-  advance = partial_rollouts.make_advance(
-    graphdef,
-    max_new_tokens=c.max_new_tokens,
-    budget=budget,
-    group_size=c.group_size,
-    temperature=c.temperature,
-    top_p=c.top_p,
-    top_k=c.top_k,
-    eos_id=tokenizer.eos_id,
-    behavior_logp=_recorded_logp(c),
-  )
-  slots = partial_rollouts.steps_to_finish(c.max_new_tokens, budget) * c.prompts_per_step
-  return partial_rollouts.PartialSampler(advance, slots, c.group_size, c.max_new_tokens)
-
-
-def _episodes(config, task, tokenizer, graphdef, sampler_graphdef) -> episodes.Episodes | None:
-  """The multi-turn rollout parts of `config.multiturn.max_turns` (None when 0)."""
-  c, mt = config, config.multiturn
-  if not mt.max_turns:
-    return None
-  if task.environment is None:
-    raise ValueError(
-      f"config.multiturn.max_turns: task {c.task!r} has no environment to answer turns "
-      "(set multiturn.max_turns = 0, or pick a multi-turn task such as guess_number or "
-      "calculator)"
-    )
-  if jax.process_count() > 1:
-    raise ValueError("config.multiturn.max_turns: multi-turn episodes run in one process")
-  chat = task.use_chat_template and getattr(tokenizer, "chat_template", None) is not None
-  fmt = episodes.turn_format(tokenizer, chat)
-  pool = rewards.get_pool(c.reward_workers or None, c.reward_memory_mb, c.reward_sandbox)
-  runner = environments.EnvRunner(
-    task.environment,
-    pool,
-    timeout_s=c.reward_timeout,
-    batch_timeout_s=c.reward_batch_timeout or None,
-    # Characters are at least tokens; the token cap applies after encoding.
-    max_observation_chars=8 * mt.observation_tokens,
-    wrap=not chat,  # a chat template frames observations itself
-    alphabet=getattr(tokenizer, "alphabet", None),
-  )
-
-  @functools.lru_cache(maxsize=4)
-  def make_sampler(group_size: int, greedy: bool) -> multiturn.MultiTurnSampler:
-    return multiturn.MultiTurnSampler(
-      graphdef if greedy else sampler_graphdef,
-      max_new_tokens=c.max_new_tokens,
-      turn_tokens=mt.turn_tokens or c.max_new_tokens,
-      max_turns=mt.max_turns,
-      observation_tokens=mt.observation_tokens,
-      group_size=group_size,
-      temperature=0.0 if greedy else c.temperature,
-      top_p=c.top_p,
-      top_k=c.top_k,
-      eos_id=fmt.eos_id,
-      turn_end=fmt.turn_end,
-      behavior_logp=_recorded_logp(c),
-      decode_block=c.rollout.decode_block,
-    )
-
-  return episodes.Episodes(
-    make_sampler,
-    runner,
-    fmt,
-    mt.observation_tokens,
-    credit=mt.credit,
-    gamma=mt.gamma,
-    partial_budget=c.rollout.partial_budget,
-  )
-
-
-def _rollout(config, task, sampler, partial, eps, score_old, mesh) -> Rollout:
-  """The run's rollout kind (`rollout.protocol`): the one place the kind is chosen."""
-  c = config
-  fields = {
-    "prompt_tokens": ((c.max_prompt_len,), np.int32),
-    "prompt_lengths": ((), np.int32),
-    "answer_tokens": ((task.max_answer_len + 1,), np.int32),  # `data.prompt_iterator`'s
-  }
-  if eps is not None and c.rollout.partial_budget:
-    budget = c.rollout.partial_budget
-    return episode_pool.EpisodePool(eps, task, sizes(c), budget, fields, score_old)
-  if eps is not None:
-    return episodes.WholeEpisodes(eps, task, c.group_size, score_old)
-  if partial is not None:
-    return partial_rollout.Partial(partial, fields, mesh, score_old)
-  return whole.Whole(sampler, score_old)
 
 
 def replay_capacity(config) -> int:
@@ -410,7 +286,9 @@ def _build_fns(config) -> rl_step.StepFns:
     sampler_fn = _model_constructor(c, mesh, tokenizer, c.rollout.sampler_dtype)
     sampler_graphdef, _ = nnx.split(nnx.eval_shape(lambda: sampler_fn(0)))
   options = step_options(c)
-  partial = _partial_sampler(c, sampler_graphdef, task, tokenizer)  # before the reward pool starts
+  partial = components_rollout.partial_sampler(
+    c, sampler_graphdef, task, tokenizer
+  )  # before the reward pool starts
   score_old = train_step.make_scorer(graphdef, options) if _scores_old(c) else None
   sample_kw = dict(
     max_new_tokens=c.max_new_tokens, top_p=c.top_p, top_k=c.top_k, eos_id=tokenizer.eos_id
@@ -418,7 +296,7 @@ def _build_fns(config) -> rl_step.StepFns:
   behaviour_kw = dict(
     group_size=c.group_size,
     temperature=c.temperature,
-    behavior_logp=_recorded_logp(c),
+    behavior_logp=components_rollout.recorded_logp(c),
     decode_block=c.rollout.decode_block,
     **sample_kw,
   )
@@ -430,9 +308,11 @@ def _build_fns(config) -> rl_step.StepFns:
     )
     if not c.rollout.continuous_auto_steps:  # continuous from the start
       sampler = continuous_sampler
-  eps = _episodes(c, task, tokenizer, graphdef, sampler_graphdef)
+  eps = components_rollout.episodes_of(c, task, tokenizer, graphdef, sampler_graphdef)
   return rl_step.StepFns(
-    rollout=_rollout(c, task, sampler, partial, eps, score_old, mesh),
+    rollout=components_rollout.rollout_kind(
+      c, task, sampler, partial, eps, score_old, mesh, sizes(c)
+    ),
     mesh=mesh,
     graphdef=graphdef,
     tokenizer=tokenizer,
@@ -448,7 +328,7 @@ def _build_fns(config) -> rl_step.StepFns:
     continuous_auto_steps=c.rollout.continuous_auto_steps,
     greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
     score_old=score_old,
-    reward=_reward(c, task),
+    reward=components_rollout.reward(c, task),
     episodes=eps,
     truncate_prompts=c.data.truncate_prompts,
     sampler_mesh=sampler_mesh,
