@@ -32,6 +32,7 @@ import numpy as np
 from offpolicy_jax import models
 from offpolicy_jax.rollout import pipeline, rl_step
 from offpolicy_jax.rollout.protocol import Finished, Rollout
+from offpolicy_jax.rollout.rl_step import StepFns
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.store import metrics
 
@@ -61,7 +62,9 @@ def _device(fin: Finished) -> Finished:
   return fin._replace(prompts={k: fin.prompts[k] for k in pipeline.DEVICE_FIELDS})
 
 
-def sample(fns, progs, rollout: Rollout, state, prompts: dict, step: int, seed: int, schedule):
+def sample(
+  fns: StepFns, progs, rollout: Rollout, state, prompts: dict, step: int, seed: int, schedule
+):
   """The rollout half of step `step` (module docstring); dispatched asynchronously when traced."""
   step_a, seed_a = _scalar(fns, step), _scalar(fns, seed)
   if rollout.traced:
@@ -77,7 +80,9 @@ def sample(fns, progs, rollout: Rollout, state, prompts: dict, step: int, seed: 
   return Sampled(rstate, fin, {}, host, v, found)
 
 
-def learn(fns, progs, rollout: Rollout, state, sampled: Sampled, step: int, seed: int, schedule):
+def learn(
+  fns: StepFns, progs, rollout: Rollout, state, sampled: Sampled, step: int, seed: int, schedule
+):
   """The learning half: rewards, then the jitted packing and learning.
 
   Returns:
@@ -105,7 +110,9 @@ def learn(fns, progs, rollout: Rollout, state, sampled: Sampled, step: int, seed
   return state, row
 
 
-def collect(fns, rollout: Rollout, rstate, params, version, prompts, step: int, seed, latest=None):
+def collect(
+  fns: StepFns, rollout: Rollout, rstate, params, version, prompts, step: int, seed, latest=None
+):
   """Rollout, score and pack with given parameters, from the host (the async producer).
 
   `latest` (`Rollout.advance`) lets episodes continue under parameters
@@ -127,7 +134,7 @@ def collect(fns, rollout: Rollout, rstate, params, version, prompts, step: int, 
   return rstate, batch, {**info, **stats}
 
 
-def steps_over_seeds(fns, progs, state, prompts_l: dict, steps, seeds, schedule):
+def steps_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, schedule):
   """Loop steps of S seeds' runs (the study's vmapped state): `(state, metrics [S, L])`.
 
   Per step: the rollout half (a traced rollout vmapped over seeds; a host
@@ -167,11 +174,11 @@ def steps_over_seeds(fns, progs, state, prompts_l: dict, steps, seeds, schedule)
   return state, jax.tree.map(lambda *x: jnp.stack(x, axis=1), *rows)
 
 
-def _rewards(fns, fin: Finished):
+def _rewards(fns: StepFns, fin: Finished):
   """One seed's rewards: the rollout's own, or scored (device, or the sandboxed workers)."""
   return fin.rewards if fin.rewards is not None else pipeline.score(fns, fin.prompts, fin.out)[0]
 
 
-def _scalar(fns, x) -> jax.Array:
+def _scalar(fns: StepFns, x) -> jax.Array:
   """`x` as an int32 scalar replicated on the run's mesh."""
   return jax.device_put(np.int32(x), sharding.replicated(fns.mesh))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,9 @@ SAMPLE, ADV, REPLAY, TRAIN, EVAL, INIT = range(6)
 DEVICE_FIELDS = ("prompt_tokens", "prompt_lengths", "answer_tokens")
 # Host reward statistics of a batch (every metrics row carries them; zero for device rewards).
 REWARD_STATS = ("reward_failures", "reward_timeouts", "reward_worker_restarts", "reward_time_s")
+
+if TYPE_CHECKING:  # rl_step imports this module
+  from offpolicy_jax.rollout.rl_step import StepFns
 
 
 class Sizes(NamedTuple):
@@ -154,7 +157,7 @@ class ProcessRows:
     self._it.set_state(state)
 
 
-def prompt_iterator(fns, seed: int, split: str = "train", batch_size: int | None = None):
+def prompt_iterator(fns: StepFns, seed: int, split: str = "train", batch_size: int | None = None):
   """The grain iterator over tokenized prompts (shuffled by `seed` for training).
 
   Training batches are this process's block of rows of the global batch; an
@@ -208,7 +211,7 @@ def _gather_stats(stats: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def score_on_host(fns, prompts: dict, rollout, *, split: str, group_size: int):
+def score_on_host(fns: StepFns, prompts: dict, rollout, *, split: str, group_size: int):
   """Host rewards [B] (a device array) and their statistics (`REWARD_STATS` keys).
 
   Each process scores the rows of its own prompts in its verifier workers; the
@@ -223,6 +226,7 @@ def score_on_host(fns, prompts: dict, rollout, *, split: str, group_size: int):
   examples = data.examples(fns.task, split, index.tolist())
   examples = [ex for ex in examples for _ in range(group_size)]
   texts = [fns.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
+  assert reward.host is not None, "score_on_host needs a host reward"
   res = rewards.score_batch(
     reward.host,
     examples,
@@ -267,14 +271,19 @@ def decode_waste(mask_bn) -> jax.Array:
   return 1.0 - jnp.sum(lengths) / (lengths.shape[0] * longest)
 
 
-def score_on_device(fns, prompts: dict, rollout, group_size: int | None = None) -> jax.Array:
+def score_on_device(
+  fns: StepFns, prompts: dict, rollout, group_size: int | None = None
+) -> jax.Array:
   """Rewards [B] of a device-reward task (traceable): each response against its prompt's answer."""
   k = group_size or fns.sizes.group_size
   answers = jnp.repeat(jnp.asarray(prompts["answer_tokens"]), k, axis=0)
+  assert fns.reward.device is not None, "score_on_device needs a device reward"
   return fns.reward.device(answers, rollout.tokens, rollout.mask)
 
 
-def score(fns, prompts: dict, rollout, *, split: str = "train", group_size: int | None = None):
+def score(
+  fns: StepFns, prompts: dict, rollout, *, split: str = "train", group_size: int | None = None
+):
   """Rewards [B] and the host reward statistics, on device or in the verifier workers."""
   k = group_size or fns.sizes.group_size
   if fns.reward.device is not None:

@@ -45,7 +45,10 @@ from flax import nnx
 from offpolicy_jax import lag, models
 from offpolicy_jax.learn import replay, train_state, train_step
 from offpolicy_jax.learn.train_state import TrainState
+from offpolicy_jax.models import tokenizers
+from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rollout import pipeline
+from offpolicy_jax.rollout.episodes import Episodes
 from offpolicy_jax.rollout.protocol import Finished, Rollout
 from offpolicy_jax.scale import sharding
 
@@ -76,8 +79,8 @@ class StepFns:
 
   mesh: jax.sharding.Mesh
   graphdef: nnx.GraphDef
-  tokenizer: Any
-  task: Any
+  tokenizer: tokenizers.Tokenizer
+  task: tasks.Task
   model_fn: Callable[[int], Any]
   options: train_step.StepOptions
   optimizer: optax.GradientTransformation
@@ -104,7 +107,7 @@ class StepFns:
   continuous: Callable | None = None
   continuous_auto_steps: int = 0
   # Multi-turn episodes (`multiturn.max_turns > 0`, `rollout.episodes.Episodes`); None: single-turn.
-  episodes: Any = None
+  episodes: Episodes | None = None
 
   @property
   def packing(self) -> pipeline.Packing:
@@ -317,7 +320,19 @@ def pack_finished(fns: StepFns, fin: Finished, rewards, step, seed, *, jitted: b
   return batch, keep
 
 
-def learn_finished(fns, opts, state, rstate, fin, rewards, info, v, step, seed, schedule):
+def learn_finished(
+  fns: StepFns,
+  opts: ReplayOptions,
+  state: RunState,
+  rstate,
+  fin: Finished,
+  rewards,
+  info,
+  v,
+  step,
+  seed,
+  schedule,
+):
   """The learning half of a step: packs the scored groups, learns from them (traceable).
 
   Args:

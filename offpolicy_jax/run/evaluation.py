@@ -27,20 +27,21 @@ import numpy as np
 
 from offpolicy_jax import models
 from offpolicy_jax.rollout import data, episodes, pipeline
+from offpolicy_jax.rollout.rl_step import StepFns
 from offpolicy_jax.sampling import sampler as sampling
 
 # Per `StepFns`: the eval prompt batches and the eval samplers, built once.
 _MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _memo(fns, key, build: Callable) -> Any:
+def _memo(fns: StepFns, key, build: Callable) -> Any:
   memo = _MEMO.setdefault(fns, {})
   if key not in memo:
     memo[key] = build()
   return memo[key]
 
 
-def eval_prompts(fns, num_prompts: int, batch_size: int = 0) -> list[dict[str, Any]]:
+def eval_prompts(fns: StepFns, num_prompts: int, batch_size: int = 0) -> list[dict[str, Any]]:
   """The first `num_prompts` eval prompts, in batches of `batch_size` (built once per `fns`).
 
   `batch_size` 0 means `prompts_per_step`. Rows past `num_prompts` (and filler
@@ -62,7 +63,7 @@ def eval_prompts(fns, num_prompts: int, batch_size: int = 0) -> list[dict[str, A
   return _memo(fns, ("prompts", num_prompts, size), build)
 
 
-def _sampler(fns, k: int, over_seeds: bool) -> Callable:
+def _sampler(fns: StepFns, k: int, over_seeds: bool) -> Callable:
   """Greedy (k = 1) or k samples per prompt at the training temperature; vmapped over seeds.
 
   `(base, params, tokens, lengths, key)`: with adapters, vmapped over the
@@ -161,7 +162,9 @@ class _Rows(NamedTuple):
   tool_calls: np.ndarray | None = None
 
 
-def _sampled_rows(fns, params, base, prompts, keys, k: int, over_seeds: bool) -> list[_Rows]:
+def _sampled_rows(
+  fns: StepFns, params, base, prompts, keys, k: int, over_seeds: bool
+) -> list[_Rows]:
   """Greedy (k = 1) or k sampled responses per prompt, scored (device or sandboxed host reward)."""
   fn = _sampler(fns, k, over_seeds)
   tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
@@ -174,9 +177,12 @@ def _sampled_rows(fns, params, base, prompts, keys, k: int, over_seeds: bool) ->
   return rows
 
 
-def _episode_rows(fns, params, base, prompts, keys, k: int, over_seeds: bool) -> list[_Rows]:
+def _episode_rows(
+  fns: StepFns, params, base, prompts, keys, k: int, over_seeds: bool
+) -> list[_Rows]:
   """Greedy (k = 1) or k sampled episodes per prompt, one seed at a time (a host loop)."""
   examples = data.examples(fns.task, "eval", np.asarray(prompts["index"]).tolist())
+  assert fns.episodes is not None
   rows = []
   for seed in range(keys.shape[0]):
     one = params if not over_seeds else jax.tree.map(lambda x, seed=seed: x[seed], params)
@@ -195,7 +201,7 @@ def _episode_rows(fns, params, base, prompts, keys, k: int, over_seeds: bool) ->
   return rows
 
 
-def evaluate(fns, params, key: jax.Array, num_prompts: int, k: int) -> dict[str, float]:
+def evaluate(fns: StepFns, params, key: jax.Array, num_prompts: int, k: int) -> dict[str, float]:
   """The loop's evaluation of one set of parameters: `eval/` metrics (empty if no prompts).
 
   See `evaluate_seeds` for the arguments.
