@@ -319,3 +319,29 @@ def shard(state: ReplayState, mesh: Mesh) -> ReplayState:
 def size(state: ReplayState) -> jax.Array:
   """Number of valid groups held."""
   return state.valid.sum()
+
+
+def _row_abs_advantage(batch: TrainBatch) -> jax.Array:
+  """[B] mean |advantage| of each row (over its response tokens when per token)."""
+  a = jnp.abs(batch.advantages)
+  if a.ndim == 1:
+    return a
+  return (a * batch.mask).sum(1) / jnp.maximum(batch.mask.sum(1), 1.0)
+
+
+def batch_stats(batch: TrainBatch, group_size: int) -> dict[str, jax.Array]:
+  """Reward and length statistics of a batch's rows (filler rows, weight 0, excluded)."""
+  w = (batch.weights > 0).astype(jnp.float32)
+  n = jnp.maximum(w.sum(), 1.0)
+  r = batch.rewards
+  mean = (r * w).sum() / n
+  r_gk = r.reshape(-1, group_size)
+  return {
+    "reward_mean": mean,
+    "reward_std": jnp.sqrt(((r - mean) ** 2 * w).sum() / n),
+    "accuracy": ((r > 0.5) * w).sum() / n,
+    "response_len": (batch.mask.sum(1) * w).sum() / n,
+    "response_tokens": (batch.mask.sum(1) * w).sum(),
+    "groups_all_equal": (r_gk.max(1) == r_gk.min(1)).mean(),
+    "adv_abs_mean": (_row_abs_advantage(batch) * w).sum() / n,
+  }

@@ -23,6 +23,7 @@ packing for the async producer, which learns elsewhere.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import models
-from offpolicy_jax.rollout import pipeline, rl_step
+from offpolicy_jax.rollout import pipeline, programs, rl_step
 from offpolicy_jax.rollout.protocol import Finished, Rollout
 from offpolicy_jax.rollout.rl_step import StepFns
 from offpolicy_jax.scale import sharding
@@ -108,6 +109,56 @@ def learn(
   row["snapshot_missing"] = int(not bool(sampled.found))
   row["time/reward_s"] = reward_s
   return state, row
+
+
+class Stepper:
+  """The host steps of a run, the next step's rollout dispatched ahead when allowed.
+
+  `step` is the whole step (`sample`, then `learn`); with `prefetch` it reads
+  and dispatches step t + 1's rollout before scoring and learning step t, so
+  the device samples while the verifier workers score (and a disaggregated
+  sampler samples while the trainer trains). The caller says when the lag
+  schedule allows it (the next behaviour parameters must not be this step's).
+
+  Args:
+    fns: the run's step functions; `rollout`: the rollout (placed or not).
+    opts: the replay options (which compiled programs to use).
+    seed: the run's seed; `schedule`: the `rl_step.LagSchedule`.
+  """
+
+  def __init__(self, fns: StepFns, rollout: Rollout, opts, seed: int, schedule):
+    self.fns, self.rollout, self.opts, self.seed, self.schedule = fns, rollout, opts, seed, schedule
+    self._pending: tuple[int, Any, Sampled] | None = None  # (step, its read info, its rollout)
+
+  def step(self, state, step: int, read: Callable[[], tuple[dict, Any]], prefetch: bool):
+    """One host step: `(state, row)`; `read()` gives the next prompts and what to log of them.
+
+    The row has `read_info` (what `read` returned beside the prompts) and
+    `time/sample_s`, `time/reward_s`, `time/train_s`.
+    """
+    t0 = time.perf_counter()
+    pending, self._pending = self._pending, None
+    if pending is None or pending[0] != step:
+      pending = (step, *self._sample(state, step, read))
+    _, read_info, sampled = pending
+    jax.block_until_ready(sampled.fin.out)
+    t1 = time.perf_counter()
+    if prefetch:
+      self._pending = (step + 1, *self._sample(state, step + 1, read))
+    progs = programs.programs(self.fns, self.opts, state)
+    state, row = learn(
+      self.fns, progs, self.rollout, state, sampled, step, self.seed, self.schedule
+    )
+    row["read_info"] = read_info
+    row["time/sample_s"] = t1 - t0
+    row["time/train_s"] = time.perf_counter() - t1 - row["time/reward_s"]
+    return state, row
+
+  def _sample(self, state, step: int, read) -> tuple[Any, Sampled]:
+    prompts, read_info = read()
+    progs = programs.programs(self.fns, self.opts, state)
+    args = (self.rollout, state, prompts, step, self.seed, self.schedule)
+    return read_info, sample(self.fns, progs, *args)
 
 
 def collect(

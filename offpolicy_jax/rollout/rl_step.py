@@ -265,7 +265,7 @@ def learn(
     current_version=fns.version(step - 1),
     temperature=opts.temperature,
   )
-  stats = pipeline.batch_stats(sampled, fns.sizes.group_size)
+  stats = replay.batch_stats(sampled, fns.sizes.group_size)
   train, metrics = train_step.train_step(
     fns.graphdef,
     fns.optimizer,

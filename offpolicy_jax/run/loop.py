@@ -167,7 +167,6 @@ class _Loop:
     self.seed = put(run.seed)
     self.compiles = observability.CompileCounter()
     self.profiler = observability.Profiler(os.path.join(workdir, "profile"), run.profile_steps)
-    self._prefetched: tuple | None = None  # (step, dispatched rollout) of a host step
     # The rollout; a disaggregated sync-mode run samples on its own mesh (`disagg`; the
     # async producer places its own copy).
     fns = comps.fns
@@ -175,6 +174,7 @@ class _Loop:
     if fns.sampler_mesh is not None and run.lag_mode == "sync":
       self.rollout = sampler_mesh.OnSamplerMesh(fns.rollout, fns.sampler_mesh, fns.mesh, fns.split)
     self.choice = sampler_choice.SamplerChoice(comps.fns, run.rollout_continuous_waste_threshold)
+    self.host = host_step.Stepper(fns, self.rollout, run.replay, run.seed, self.schedule)
 
   def resume_choice(self, saved: dict[str, Any] | None) -> None:
     """Takes up the automatic sampler choice saved in the checkpoint the run resumes from."""
@@ -189,6 +189,7 @@ class _Loop:
       self.rollout.inner = fns.rollout
     else:
       self.rollout = fns.rollout
+    self.host.fns, self.host.rollout = fns, self.rollout
 
   def close(self) -> None:
     self.profiler.stop()
@@ -319,15 +320,10 @@ class _Loop:
       row["time/device_s"] = device
     return state, rows
 
-  def _dispatch(self, state: RunState, step: int) -> tuple[int, host_step.Sampled]:
-    """Reads step `step`'s prompts and runs (a traced rollout: dispatches) its rollout half."""
+  def _read(self) -> tuple[dict[str, Any], int]:
+    """The next step's prompts (global arrays) and how many of them were truncated."""
     (local,), (truncated,) = self._prompts(1)
-    prompts = pipeline.assemble_global(self.comps.mesh, local)
-    progs = programs(self.fns, self.run_cfg.replay, state)
-    seed = self.run_cfg.seed
-    return truncated, host_step.sample(
-      self.fns, progs, self.rollout, state, prompts, step, seed, self.schedule
-    )
+    return pipeline.assemble_global(self.comps.mesh, local), truncated
 
   def _can_prefetch(self, step: int) -> bool:
     """Whether step `step + 1` may sample before step `step` has trained.
@@ -347,31 +343,14 @@ class _Loop:
     return lag.behavior_version(step + 1, run.sync_interval, run.sync_offset) < step
 
   def _host_step(self, state: RunState, step: int):
-    """One step whose rollout or reward leaves the device (`host_step`): sample, then learn.
+    """One step whose rollout or reward leaves the device (`host_step.Stepper`).
 
     Host-reward runs, host rollouts (episodes, the episode pool) and
-    disaggregated runs take this path. When the rollout and the lag schedule
-    allow (`_can_prefetch`), the next step's rollout is dispatched before this
-    step's scoring and learning, so the device samples while the verifier
-    workers score, and a disaggregated sampler samples while the trainer trains.
+    disaggregated runs take this path; the next step's rollout is dispatched
+    ahead when `_can_prefetch` allows.
     """
-    t0 = time.perf_counter()
-    pending, self._prefetched = self._prefetched, None
-    if pending is None or pending[0] != step:
-      pending = (step, self._dispatch(state, step))
-    truncated, sampled = pending[1]
-    jax.block_until_ready(sampled.fin.out)
-    t1 = time.perf_counter()
-    if self._can_prefetch(step):
-      self._prefetched = (step + 1, self._dispatch(state, step + 1))
-    progs = programs(self.fns, self.run_cfg.replay, state)
-    seed = self.run_cfg.seed
-    state, row = host_step.learn(
-      self.fns, progs, self.rollout, state, sampled, step, seed, self.schedule
-    )
-    row.update(prompts_truncated=truncated)
-    row["time/sample_s"] = t1 - t0
-    row["time/train_s"] = time.perf_counter() - t1 - row["time/reward_s"]
+    state, row = self.host.step(state, step, self._read, self._can_prefetch(step))
+    row["prompts_truncated"] = row.pop("read_info")
     return state, [row]
 
   def _async_step(self, state: RunState, step: int, prod: producer.AsyncProducer):
