@@ -48,7 +48,7 @@ import numpy as np
 
 from offpolicy_jax import types
 from offpolicy_jax.rewards import environments
-from offpolicy_jax.rollout import data
+from offpolicy_jax.rollout import data, pipeline
 from offpolicy_jax.rollout.protocol import Finished, Stateless, pi_old
 from offpolicy_jax.sampling import SampleOutput
 
@@ -396,6 +396,7 @@ class WholeEpisodes(Stateless):
       out = out._replace(old_logprobs=old)
     rewards = played.turn_rewards if self.ep.credit == "turn" else played.rewards
     stats = dict(played.stats)
+    stats["sampler/decode_waste"] = pipeline.decode_waste(out.mask)
     if latest is not None:
       stats["episode/parameter_updates"] = len(used) - 1
     fin = Finished(prompts, out, jnp.asarray(versions), rewards=jnp.asarray(rewards))

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import models
-from offpolicy_jax.rollout import pipeline, programs, rl_step
+from offpolicy_jax.rollout import episodes, pipeline, programs, rl_step
 from offpolicy_jax.rollout.protocol import Finished, Rollout
 from offpolicy_jax.rollout.rl_step import StepFns
 from offpolicy_jax.scale import sharding
@@ -98,14 +98,14 @@ def learn(
     rewards, stats = fin.rewards, pipeline.no_reward_stats()
   reward_s = time.perf_counter() - begin
   rstate = sampled.rstate
-  if not rollout.traced:  # host objects stay outside the programs (`programs._traced`)
+  if not fns.rollout.traced:  # host objects stay outside the programs (`programs._traced`)
     state, rstate = state._replace(rollout=rstate), None
   step_a, seed_a = _scalar(fns, step), _scalar(fns, seed)
   args = (rstate, _device(fin), rewards, sampled.info, sampled.v, step_a, seed_a, schedule)
   state, out = progs.learn_finished(state, *args)
   row = {k: metrics.to_python(x) for k, x in jax.device_get(out).items()}
   row.update(stats)
-  row.update(sampled.host)
+  row.update({k: metrics.to_python(x) for k, x in sampled.host.items()})
   row["snapshot_missing"] = int(not bool(sampled.found))
   row["time/reward_s"] = reward_s
   return state, row
@@ -219,8 +219,9 @@ def steps_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, 
     fin = jax.tree.map(lambda *x: jnp.stack([jnp.asarray(y) for y in x]), *map(_device, per_seed))
     state, m = progs.learn_finished(state, rstate, fin, rewards, info, v, step, seeds, schedule)
     m = dict(m)
-    for name in host[0]:
-      m[name] = jnp.asarray([h[name] for h in host], jnp.float32)
+    for name in episodes.EPISODE_STATS:
+      if name in host[0]:
+        m[name] = jnp.asarray([h[name] for h in host], jnp.float32)
     rows.append({**m, "snapshot_missing": (~found).astype(jnp.int32)})
   return state, jax.tree.map(lambda *x: jnp.stack(x, axis=1), *rows)
 

@@ -357,7 +357,7 @@ def pack(
   )
 
 
-# `pack` jitted, for callers on the host (`rl_step.collect` outside a jitted step).
+# `pack` jitted, for callers on the host (`rl_step.pack_finished` outside a jitted step).
 pack_jit = jax.jit(pack, static_argnums=0)
 
 

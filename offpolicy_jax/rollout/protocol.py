@@ -15,7 +15,7 @@ which groups are valid and in which order they go to the replay buffer.
 Everything after it is the same for every kind: score (`pipeline.score`),
 pack (`pipeline.pack`, the one packer) and learn (`rl_step.learn`).
 
-Kinds (built once, in `run.components`):
+Kinds (chosen and built once, in `run.components_rollout.rollout_kind`):
 
   `whole.Whole`                 static or continuous batching: every response to its end
   `partial.Partial`             APRIL partial rollouts: groups in flight across steps (device)
@@ -79,9 +79,14 @@ class Rollout(Protocol):
     item: the checkpoint item of the carried state ("": nothing carried).
   """
 
-  traced: bool
-  prefetch: bool
-  item: str
+  @property
+  def traced(self) -> bool: ...
+
+  @property
+  def prefetch(self) -> bool: ...
+
+  @property
+  def item(self) -> str: ...
 
   def init(self) -> Any:
     """The empty carried state (None for a kind that carries nothing)."""

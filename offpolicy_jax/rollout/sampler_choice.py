@@ -24,9 +24,8 @@ cadence.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
-from offpolicy_jax.rollout import whole
 from offpolicy_jax.rollout.rl_step import StepFns
 
 # The switched `StepFns` of each run's, shared like the run's (its compiled programs too).
@@ -40,7 +39,7 @@ def continuous_fns(fns: StepFns) -> StepFns:
   if fns.sampler is fns.continuous:
     return fns
   if fns not in _SWITCHED:
-    continuous = whole.Whole(fns.continuous, fns.score_old)
+    continuous = dataclasses.replace(cast(Any, fns.rollout), sampler=fns.continuous)
     _SWITCHED[fns] = dataclasses.replace(fns, sampler=fns.continuous, rollout=continuous)
   return _SWITCHED[fns]
 

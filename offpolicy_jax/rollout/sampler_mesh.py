@@ -23,7 +23,6 @@ from offpolicy_jax import models
 from offpolicy_jax.rollout import pipeline
 from offpolicy_jax.rollout.protocol import Finished, Rollout
 from offpolicy_jax.scale.disagg import SamplerParams, row_shardings, transfer
-from offpolicy_jax.store import metrics
 
 
 class OnSamplerMesh:
@@ -42,8 +41,14 @@ class OnSamplerMesh:
     self.inner, self.mesh, self.trainer_mesh, self._split = rollout, mesh, trainer_mesh, split
     self.copy = SamplerParams(mesh)
     self.base: Any = None  # a LoRA run's frozen base on the sampler mesh, placed once
-    self.prefetch = rollout.prefetch
-    self.item = rollout.item
+
+  @property
+  def prefetch(self) -> bool:
+    return self.inner.prefetch
+
+  @property
+  def item(self) -> str:
+    return self.inner.item
 
   def init(self) -> Any:
     return self.inner.init()
@@ -87,5 +92,5 @@ class OnSamplerMesh:
       fin.valid,
       fin.order,
     )
-    info |= {k: metrics.to_python(x) for k, x in jax.device_get(inner).items()}
-    return rstate, fin, info
+    # Device values stay on device: fetching them here would wait for the whole decode.
+    return rstate, fin, {**info, **inner}
