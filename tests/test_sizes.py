@@ -24,7 +24,6 @@ PENDING = (
   "run/components.py",
   "learn/train_step.py",
   "study/runner.py",
-  "sampling/partial.py:make_advance",
 )
 
 
