@@ -20,10 +20,7 @@ MARKER = "# size: declaration table"
 
 # Modules ("run/loop.py") and functions ("sampling/partial.py:make_advance", by qualified
 # name) still over the limits, being split by others.
-PENDING = (
-  "run/components.py",
-  "study/runner.py",
-)
+PENDING = ("run/components.py",)
 
 
 def _functions(tree: ast.AST, prefix: str = ""):
