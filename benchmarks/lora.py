@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from offpolicy_jax import losses, models, types
-from offpolicy_jax.learn import train_state, train_step
+from offpolicy_jax.learn import step_options, train_state, train_step
 from offpolicy_jax.sampling import sampler as sampling
 
 
@@ -61,7 +61,7 @@ def _train_row(model, rank: int, batch, group: int, repeats: int) -> dict:
   else:
     (graphdef, params), base = nnx.split(model), None
   opt = train_state.make_optimizer(1e-4)
-  options = train_step.StepOptions(losses.get_spec("grpo"), group_size=group)
+  options = step_options.StepOptions(losses.get_spec("grpo"), group_size=group)
   step = train_step.make_train_step(graphdef, opt, "grpo", group_size=group)
   state = train_state.init_train_state(params, opt)
   holder = {"state": state}

@@ -42,7 +42,7 @@ import ml_collections
 
 from configs import default
 from offpolicy_jax import config_schema
-from offpolicy_jax.study import runner as study
+from offpolicy_jax.study import grid as study_grid
 
 # Methods: name=loss_preset[+advantage] (no value: the preset of that name with its default
 # advantage). RED-Drop is REINFORCE with the red_drop advantage.
@@ -77,7 +77,7 @@ ALL_METHODS = ",".join(
   )
 )
 # Lag schedules: name=m/n (sync_interval / sync_offset, SCIENCE.md section 5) or offline;
-# a "+engine" suffix adds an engine-mismatch setting (study.runner.ENGINES: bf16, topk5, topp8).
+# a "+engine" suffix adds an engine-mismatch setting (study.grid.ENGINES: bf16, topk5, topp8).
 LAGS = "onpolicy=1/0,interval20=20/0,offset10=1/10,stale32=1/32,offline=offline"
 
 
@@ -158,10 +158,10 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
 def get_sweep() -> list[dict]:
   """Single runs of the grid (`experiments.sweep`): one seed, `name` names the subdirectory."""
   c = get_config()
-  lags = study.parse_lags(c.study.lags, c.total_steps)
-  engines = study.parse_engines(c.study.lags)
+  lags = study_grid.parse_lags(c.study.lags, c.total_steps)
+  engines = study_grid.parse_engines(c.study.lags)
   runs = []
-  for method, overrides in study.parse_methods(c.study.methods).items():
+  for method, overrides in study_grid.parse_methods(c.study.methods).items():
     for lag, (m, n) in lags.items():
       runs.append(
         {

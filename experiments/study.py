@@ -19,6 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from offpolicy_jax.store import workdir
+from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import report as study_report
 from offpolicy_jax.study import runner as study
 
@@ -36,7 +37,7 @@ def main(argv):
   begin = time.perf_counter()
   try:
     if _REPORT_ONLY.value:
-      cells = study.load_cells(path, study.grid_from_config(config)[1])
+      cells = study.load_cells(path, study_grid.grid_from_config(config)[1])
     else:
       cells = study.run_study(config, path, log=lambda s: print(s, flush=True))
     files = study_report.write_report(config, path, cells)

@@ -485,7 +485,7 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("progress", True, NO_CELL_EFFECT, "Show a progress bar.", Bool()),
 )  # fmt: skip
 
-# `config.study` of a study config (configs/lag_study.py; study.runner reads it).
+# `config.study` of a study config (configs/lag_study.py; study.grid reads it).
 STUDY_FIELDS: tuple[Field, ...] = (
   _F("study.methods", "grpo", NUMBERS,
      "Methods: name=loss_preset[+advantage], comma-separated (no value: the preset of that "

@@ -2,7 +2,7 @@
 
 For every sampling setting the sampler accepts (temperature, top-k, top-p,
 stop sequences), teacher-forced scoring at the behaviour's parameters, as the
-train step does it (`train_step.token_logprobs` with the run's `StepOptions`),
+train step does it (`scorer.token_logprobs` with the run's `StepOptions`),
 equals the recorded log mu within 1e-5 (float32); `behavior_logp="full"`
 records the untruncated tempered log-prob and the learner then scores the full
 softmax. A bf16 sampler against an fp32 learner differs (engine mismatch),
@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from offpolicy_jax import models, types
-from offpolicy_jax.learn import train_step
+from offpolicy_jax.learn import scorer
 from offpolicy_jax.sampling import sampler as sampling
 
 N = 8  # max_new_tokens
@@ -61,7 +61,7 @@ def score(tiny):
 
   @jax.jit(static_argnums=(2, 3, 4, 5))
   def fn(params, batch, temperature, truncated, top_k, shared):
-    return train_step.token_logprobs(
+    return scorer.token_logprobs(
       graphdef, params, batch, temperature, K if shared else 0, truncated=truncated, top_k=top_k
     )[0]
 
@@ -179,7 +179,7 @@ def test_bf16_sampler_is_an_engine_mismatch_that_bf16_scoring_removes(tiny, prom
   mask = np.asarray(out.mask) > 0
 
   def gap(g, shared):
-    logp = jax.jit(lambda p, b: train_step.token_logprobs(g, p, b, 1.0, shared, truncated=True)[0])
+    logp = jax.jit(lambda p, b: scorer.token_logprobs(g, p, b, 1.0, shared, truncated=True)[0])
     return np.abs(np.asarray(logp(params, batch)) - np.asarray(out.logprobs))[mask]
 
   fp32_gap = gap(graphdef, K)

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from offpolicy_jax import losses, models
-from offpolicy_jax.learn import train_state, train_step
+from offpolicy_jax.learn import scorer, step_options, train_state, train_step
 from offpolicy_jax.models import lora, lora_ops
 from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.types import TrainBatch
@@ -94,7 +94,7 @@ def test_dropout_zero_derives_no_key_and_dropout_does():
     graphdef, state = nnx.split(_model(p))
     base, adapter = lora.split(state)
     sgd = optax.sgd(1.0)
-    options = train_step.StepOptions(losses.get_spec("grpo"))
+    options = step_options.StepOptions(losses.get_spec("grpo"))
     fn = lambda st, key: train_step.train_step(graphdef, sgd, options, st, batch, key, base=base)
     jaxpr = jax.make_jaxpr(fn)(train_state.init_train_state(adapter, sgd), jax.random.key(0))
     return str(jaxpr)
@@ -113,8 +113,8 @@ def test_sampler_scorer_and_plain_forward_ignore_dropout():
     fn = sampling.make_sampler(graphdef, max_new_tokens=N, group_size=K, temperature=1.0)
     out = fn(params, prompts, lengths, jax.random.key(2))
     outs.append(out)
-    options = train_step.StepOptions(losses.get_spec("grpo"), group_size=K)
-    scores.append(train_step.make_scorer(graphdef, options)(params, prompts, lengths, out))
+    options = step_options.StepOptions(losses.get_spec("grpo"), group_size=K)
+    scores.append(scorer.make_scorer(graphdef, options)(params, prompts, lengths, out))
   np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
   np.testing.assert_array_equal(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs))
   np.testing.assert_array_equal(np.asarray(scores[0]), np.asarray(scores[1]))

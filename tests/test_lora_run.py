@@ -95,14 +95,15 @@ def test_other_paths_train_adapters(tmp_path, overrides):
 @pytest.mark.slow  # about 80 s (two study cells); run with -m slow
 def test_study_vmaps_adapters_over_a_shared_base():
   """Seeds vmapped together (one base, stacked adapters) equal seeds run one at a time."""
-  from offpolicy_jax.study import runner as study
+  from offpolicy_jax.study import cell as study_cell
+  from offpolicy_jax.study import grid as study_grid
   from offpolicy_jax.study import sweeps
   from tests.test_study import mini_config
 
-  base, grid = study.grid_from_config(mini_config())
+  base, grid = study_grid.grid_from_config(mini_config())
   base = sweeps.apply_overrides(base, {"lora.rank": 2})
-  together = study.run_cell(base, grid, "grpo", "onpolicy")
-  apart = study.run_cell(base, dataclasses.replace(grid, vmap_seeds=1), "grpo", "onpolicy")
+  together = study_cell.run_cell(base, grid, "grpo", "onpolicy")
+  apart = study_cell.run_cell(base, dataclasses.replace(grid, vmap_seeds=1), "grpo", "onpolicy")
   for a, b in zip(together["runs"], apart["runs"], strict=True):
     np.testing.assert_allclose(a["eval_accuracy"], b["eval_accuracy"])
     np.testing.assert_allclose(a["train_reward"], b["train_reward"], rtol=1e-5)

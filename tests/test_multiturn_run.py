@@ -258,10 +258,10 @@ def test_miniature_multi_turn_study_runs_its_seeds_and_reports(tmp_path):
 
 def test_a_study_refuses_episodes_in_flight_across_steps():
   from configs import lag_study
-  from offpolicy_jax.study import runner as study
+  from offpolicy_jax.study import grid as study_grid
 
   c = lag_study.get_config("calculator")
   c.unlock()
   c.rollout.partial_budget = 4
   with pytest.raises(ValueError, match=r"^config\.rollout\.partial_budget: a study"):
-    study.grid_from_config(c)
+    study_grid.grid_from_config(c)

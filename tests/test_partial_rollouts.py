@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
 from offpolicy_jax import losses, models
-from offpolicy_jax.learn import replay, train_state, train_step
+from offpolicy_jax.learn import replay, scorer, step_options, train_state, train_step
 from offpolicy_jax.rollout import partial as partial_rollout
 from offpolicy_jax.rollout import pipeline, protocol
 from offpolicy_jax.run import components, loop
@@ -154,8 +154,8 @@ def test_record_old_keeps_each_tokens_own_versions_learner_logprob(tiny):
   """pi_old per token (`protocol.pi_old` after each advance) is the sampling version's score."""
   graphdef, params = tiny
   advance = _advance(graphdef, B_TOK)
-  options = train_step.StepOptions(losses.get_spec("grpo"), temperature=TEMP, group_size=K)
-  score = train_step.make_scorer(graphdef, options)
+  options = step_options.StepOptions(losses.get_spec("grpo"), temperature=TEMP, group_size=K)
+  score = scorer.make_scorer(graphdef, options)
   slots = partial_rollouts.steps_to_finish(N, B_TOK) * G
   pool = partial_rollouts.init(_prompts(), slots=slots, group_size=K, max_new_tokens=N)
   for t, v in zip((1, 2, 3), (0, 1, 2), strict=True):

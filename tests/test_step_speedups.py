@@ -14,7 +14,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import losses, models  # noqa: E402
-from offpolicy_jax.learn import batch_splits, train_state, train_step  # noqa: E402
+from offpolicy_jax.learn import batch_splits, scorer, step_options, train_state, train_step  # noqa: E402
 from offpolicy_jax.scale import sharding  # noqa: E402
 from offpolicy_jax.types import TrainBatch  # noqa: E402
 
@@ -59,7 +59,7 @@ def setup():
     behavior_kept=np.full((B, N), model.config.vocab_size, np.int32),
     old_logp=np.zeros((B, N), np.float32),
   )
-  logp = train_step.token_logprobs(graphdef, params, batch, 1.0)[0]
+  logp = scorer.token_logprobs(graphdef, params, batch, 1.0)[0]
   behavior = np.asarray(logp) + 0.2 * rng.normal(size=(B, N)) * mask
   behavior = behavior.astype(np.float32)
   batch = batch._replace(behavior_logp=behavior, old_logp=behavior)
@@ -98,7 +98,7 @@ def test_shared_prefix_logprobs_and_gradients_equal_the_plain_forward(setup, ove
   b = setup["batch"]
 
   def total(p, shared):
-    logp, ent = train_step.token_logprobs(graphdef, p, b, 0.9, K if shared else 0)
+    logp, ent = scorer.token_logprobs(graphdef, p, b, 0.9, K if shared else 0)
     return jnp.sum(logp) + 0.1 * jnp.sum(ent), (logp, ent)
 
   value_and_grad = jax.jit(jax.value_and_grad(total, has_aux=True), static_argnums=1)
@@ -161,9 +161,9 @@ def test_skipping_on_a_mesh_and_with_nothing_to_train(setup):
 
 def test_losses_that_are_not_inert_never_skip(setup):
   for name in ("opmd", "m2po", "oapl", "clip_cov"):
-    options = train_step.StepOptions(losses.get_spec(name), skip_zero_advantage=True)
+    options = step_options.StepOptions(losses.get_spec(name), skip_zero_advantage=True)
     assert not options.skips_rows, name
-  kl = train_step.StepOptions(losses.get_spec("grpo", kl_coef=0.1), skip_zero_advantage=True)
+  kl = step_options.StepOptions(losses.get_spec("grpo", kl_coef=0.1), skip_zero_advantage=True)
   assert not kl.skips_rows
 
 

@@ -16,6 +16,8 @@ from offpolicy_jax.rewards import tasks
 from offpolicy_jax.run import components
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import bandit, report_tables
+from offpolicy_jax.study import cell as study_cell
+from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import report as study_report
 from offpolicy_jax.study import runner as study
 from offpolicy_jax.study import stats as study_stats
@@ -61,42 +63,46 @@ def test_run_summary_flags_collapse_and_skips():
 
 
 def test_grid_parsing_names_the_bad_field():
-  methods = study.parse_methods("grpo,red_drop=reinforce+red_drop")
+  methods = study_grid.parse_methods("grpo,red_drop=reinforce+red_drop")
   assert methods["red_drop"] == {"loss.name": "reinforce", "advantage.name": "red_drop"}
   assert methods["grpo"] == {"loss.name": "grpo"}
-  assert study.parse_lags("a=1/0,b=20/0,off=offline", 100) == {
+  assert study_grid.parse_lags("a=1/0,b=20/0,off=offline", 100) == {
     "a": (1, 0),
     "b": (20, 0),
     "off": (101, 0),
   }
   for spec, match in (("a=1", "config.study.lags"), ("a=0/1", "config.study.lags"), ("", "empty")):
     with pytest.raises(ValueError, match=match):
-      study.parse_lags(spec, 10)
+      study_grid.parse_lags(spec, 10)
   with pytest.raises(ValueError, match="duplicate"):
-    study.parse_methods("grpo,grpo")
+    study_grid.parse_methods("grpo,grpo")
   c = lag_study.get_config()
-  _, grid = study.grid_from_config(c)
+  _, grid = study_grid.grid_from_config(c)
   assert len(grid.methods) >= 8 and len(grid.lags) >= 5 and len(grid.seeds) >= 10
-  assert len(study.grid_from_config(lag_study.get_config("toy_full"))[1].methods) >= 16
+  assert len(study_grid.grid_from_config(lag_study.get_config("toy_full"))[1].methods) >= 16
   c.unlock()
   c.study.baseline = "grpo@nowhere"
   with pytest.raises(ValueError, match="config.study.baseline"):
-    study.grid_from_config(c)
+    study_grid.grid_from_config(c)
   c = lag_study.get_config()
   c.unlock()
   c.mesh.sampler_devices = 2
   with pytest.raises(ValueError, match="config.mesh.sampler_devices"):
-    study.grid_from_config(c)
+    study_grid.grid_from_config(c)
 
 
 def test_lag_entries_carry_engine_mismatch_settings():
   spec = "onpolicy=1/0,bf16=1/0+bf16,stale_topk=1/8+topk5"
-  assert study.parse_lags(spec, 10) == {"onpolicy": (1, 0), "bf16": (1, 0), "stale_topk": (1, 8)}
-  engines = study.parse_engines(spec)
+  assert study_grid.parse_lags(spec, 10) == {
+    "onpolicy": (1, 0),
+    "bf16": (1, 0),
+    "stale_topk": (1, 8),
+  }
+  engines = study_grid.parse_engines(spec)
   assert set(engines) == {"bf16", "stale_topk"}
   assert engines["stale_topk"]["rollout.behavior_logp"] == "mismatched"
   with pytest.raises(ValueError, match="config.study.lags: x=.*unknown engine"):
-    study.parse_engines("x=1/0+fp8")
+    study_grid.parse_engines("x=1/0+fp8")
 
 
 def mini_config(**study_overrides):
@@ -197,7 +203,7 @@ def test_changed_config_is_refused_and_corrupt_cell_is_named(mini):
   victim = study.cell_path(path, "grpo", "onpolicy")
   with open(victim, "w") as f:
     f.write("{not json")
-  _, grid = study.grid_from_config(mini_config())
+  _, grid = study_grid.grid_from_config(mini_config())
   with pytest.raises(ValueError, match="grpo@onpolicy.json"):
     study.load_cells(path, grid)
 
@@ -259,7 +265,7 @@ def test_study_binary_refuses_bad_grid_in_one_line(tmp_path):
 
 
 def test_bandit_fixed_behaviour_reinforce_takes_the_trap_on_policy_finds_the_best():
-  methods = study.parse_methods("reinforce,rec_oneside_nois")
+  methods = study_grid.parse_methods("reinforce,rec_oneside_nois")
   res = {(r["method"], r["setting"]): r for r in bandit.run_bandit(methods, (0, 1, 2), steps=300)}
   assert res["reinforce", "fixed"]["trap_frac"] == 1.0
   assert res["reinforce", "onpolicy"]["best_frac"] == 1.0
@@ -275,9 +281,9 @@ def test_bandit_fixed_behaviour_reinforce_takes_the_trap_on_policy_finds_the_bes
 
 def test_seeds_one_at_a_time_and_batched_evaluation_give_the_same_cell(mini):
   config, _, cells, _ = mini
-  base, grid = study.grid_from_config(config)
+  base, grid = study_grid.grid_from_config(config)
   grid = dataclasses.replace(grid, vmap_seeds=1, eval_batch=5)  # 16 prompts: 5+5+5+1
-  cell = study.run_cell(base, grid, "grpo", "onpolicy")
+  cell = study_cell.run_cell(base, grid, "grpo", "onpolicy")
   for a, b in zip(cell["runs"], cells["grpo", "onpolicy"]["runs"], strict=True):
     np.testing.assert_allclose(a["eval_accuracy"], b["eval_accuracy"])
     np.testing.assert_allclose(a["train_reward"], b["train_reward"], rtol=1e-5)
@@ -285,7 +291,7 @@ def test_seeds_one_at_a_time_and_batched_evaluation_give_the_same_cell(mini):
 
 def test_plots_need_summaries_and_accept_rows_before_and_after_the_csv(mini, tmp_path):
   config, path, cells, _ = mini
-  _, grid = study.grid_from_config(config)
+  _, grid = study_grid.grid_from_config(config)
   fresh = [r for c in cells.values() for r in study_report.cell_rows(c, grid.eval_last)]
   read = study_report.read_csv(os.path.join(path, "study.csv"))
   assert report_tables.summary_table(fresh)[2] == report_tables.summary_table(read)[2]
@@ -296,9 +302,9 @@ def test_plots_need_summaries_and_accept_rows_before_and_after_the_csv(mini, tmp
 
 def test_unknown_loss_and_wrong_shape_cells_are_refused_naming_them(mini, tmp_path):
   with pytest.raises(ValueError, match="config.study.methods: foo=nosuchloss"):
-    study.grid_from_config(mini_config(methods="grpo,foo=nosuchloss"))
+    study_grid.grid_from_config(mini_config(methods="grpo,foo=nosuchloss"))
   config, path, cells, _ = mini
-  _, grid = study.grid_from_config(config)
+  _, grid = study_grid.grid_from_config(config)
   for key, cell in cells.items():  # undo what earlier tests did to the files
     with open(study.cell_path(path, *key), "w") as f:
       json.dump(cell, f)
@@ -319,7 +325,7 @@ def test_host_scored_task_runs_the_same_cell_as_the_device_reward(mini, monkeypa
   """The study's host-reward path (vmapped rollout, sandboxed scoring per seed, vmapped
   learning) gives the device-reward path's numbers: the synthetic task's host twin."""
   config, _, cells, _ = mini
-  base, grid = study.grid_from_config(config)
+  base, grid = study_grid.grid_from_config(config)
   real_get_task = tasks.get_task
   monkeypatch.setattr(
     tasks,
@@ -328,7 +334,7 @@ def test_host_scored_task_runs_the_same_cell_as_the_device_reward(mini, monkeypa
   )
   components.clear_cache()
   try:
-    cell = study.run_cell(base, grid, "grpo", "offline")
+    cell = study_cell.run_cell(base, grid, "grpo", "offline")
   finally:
     components.clear_cache()
   for a, b in zip(cell["runs"], cells["grpo", "offline"]["runs"], strict=True):
@@ -344,21 +350,21 @@ def test_engine_settings_reach_the_cells_config_and_the_report(mini, monkeypatch
   themselves are tested through the loop in test_loop.)
   """
   config = mini_config(methods="tis_old", lags="topk5=1/0+topk5", baseline="tis_old@topk5")
-  base, grid = study.grid_from_config(config)
+  base, grid = study_grid.grid_from_config(config)
   built = []
 
   def capture(cfg):
     built.append(cfg)
     raise KeyboardInterrupt
 
-  monkeypatch.setattr(study.components, "build_components", capture)
+  monkeypatch.setattr(components, "build_components", capture)
   with pytest.raises(KeyboardInterrupt):
-    study.run_cell(base, grid, "tis_old", "topk5")
+    study_cell.run_cell(base, grid, "tis_old", "topk5")
   cfg = built[0]
   assert (cfg.top_k, cfg.rollout.behavior_logp, cfg.rollout.score_old) == (5, "mismatched", True)
   # The report's diagnostics section, from the miniature study's records.
   mini_cfg, _, cells, _ = mini
-  _, mini_grid = study.grid_from_config(mini_cfg)
+  _, mini_grid = study_grid.grid_from_config(mini_cfg)
   rows = []
   for cell in cells.values():
     cell = json.loads(json.dumps(cell))
@@ -375,12 +381,12 @@ def test_engine_settings_reach_the_cells_config_and_the_report(mini, monkeypatch
 def test_aa_twin_runs_the_baseline_with_other_streams_and_the_report_counts_it(mini):
   """The A/A path end to end: `aa-grpo` cells at both lags (the default `aa_lags=all`)."""
   config, path, cells, _ = mini
-  _, grid = study.grid_from_config(config)
+  _, grid = study_grid.grid_from_config(config)
   assert grid.aa_method == "aa-grpo" and grid.aa_lags == ("onpolicy", "offline")
   for lag_name in grid.lags:
     aa, base = cells["aa-grpo", lag_name], cells["grpo", lag_name]
     twin = cells["twin", lag_name]
-    assert aa["aa_of"] == "grpo" and aa["stream_offset"] == study.AA_STREAM_OFFSET
+    assert aa["aa_of"] == "grpo" and aa["stream_offset"] == study_grid.AA_STREAM_OFFSET
     for a, b, t in zip(aa["runs"], base["runs"], twin["runs"], strict=True):
       assert a["seed"] == b["seed"]
       assert a["eval_accuracy"][0] == b["eval_accuracy"][0]  # the same warm start
@@ -411,12 +417,12 @@ def test_aa_twin_runs_the_baseline_with_other_streams_and_the_report_counts_it(m
 
 
 def test_aa_lags_and_reserved_names_are_checked():
-  _, grid = study.grid_from_config(mini_config(aa_lags="offline"))
+  _, grid = study_grid.grid_from_config(mini_config(aa_lags="offline"))
   assert grid.aa_lags == ("offline",)
   assert grid.cells()[-1] == ("aa-grpo", "offline") and len(grid.cells()) == 5
-  assert study.grid_from_config(mini_config(aa_lags=""))[1].aa_lags == ()
+  assert study_grid.grid_from_config(mini_config(aa_lags=""))[1].aa_lags == ()
   for spec in ("nowhere", "offline,offline"):
     with pytest.raises(ValueError, match="config.study.aa_lags"):
-      study.grid_from_config(mini_config(aa_lags=spec))
+      study_grid.grid_from_config(mini_config(aa_lags=spec))
   with pytest.raises(ValueError, match="config.study.methods: 'aa-x'"):
-    study.grid_from_config(mini_config(methods="grpo,aa-x=grpo"))
+    study_grid.grid_from_config(mini_config(methods="grpo,aa-x=grpo"))

@@ -178,13 +178,13 @@ def test_continuous_auto_needs_sync_mode():
 
 
 def test_a_study_refuses_the_automatic_sampler_choice():
-  from offpolicy_jax.study import runner
+  from offpolicy_jax.study import grid as study_grid
 
   c = lag_study.get_config()
-  runner.grid_from_config(c)
+  study_grid.grid_from_config(c)
   c.rollout.continuous_slots, c.rollout.continuous_auto_steps = 1, 2
   with pytest.raises(ValueError, match="^config.rollout.continuous_auto_steps: a study"):
-    runner.grid_from_config(c)
+    study_grid.grid_from_config(c)
 
 
 # Fields of `config.study` (configs/lag_study.py), with values the study refuses.
@@ -203,12 +203,12 @@ STUDY_BAD = [
   "field,value,named", STUDY_BAD, ids=[f"{f}={v!r}" for f, v, _ in STUDY_BAD]
 )
 def test_bad_study_value_fails_naming_the_field(field, value, named):
-  from offpolicy_jax.study import runner
+  from offpolicy_jax.study import grid as study_grid
 
   d = lag_study.get_config().to_dict()
   d["study"][field.split(".")[1]] = value
   with pytest.raises(ValueError, match=f"^config.{named}:"):
-    runner.grid_from_config(ml_collections.ConfigDict(d))
+    study_grid.grid_from_config(ml_collections.ConfigDict(d))
 
 
 @pytest.mark.parametrize("module", [default, code, lag_study], ids=lambda m: m.__name__)

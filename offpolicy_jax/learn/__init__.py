@@ -1,7 +1,11 @@
 """The learn wing: from a packed `TrainBatch` to a parameter update.
 
-  train_step    the pure sharded train step: micro-batch scan, exact (sum, count), skip
-                non-finite, shared-prefix groups
+  train_step    the pure sharded train step: U optimizer steps on a batch, make_train_step
+                (jitted with mesh shardings)
+  step_options  StepOptions, the train step's static settings
+  optimizer_step  one optimizer step: micro-batch scan, exact (sum, count), skip non-finite
+  micro_batch_loss  one micro-batch's forward passes, policy loss and typed metrics
+  scorer        the learner's log-probs (token_logprobs, shared-prefix groups), make_scorer
   train_state   TrainState and the optimizer
   batch_splits  how the train step cuts a batch: micro-batches, chunks of the rows that count
   replay        device-resident ring buffer of rollout groups (fifo / uniform / staleness / reward)
@@ -10,6 +14,26 @@
 May import: maths, scale, models, sampling, rewards, store (never rollout or run).
 """
 
-from offpolicy_jax.learn import batch_splits, diagnostics, replay, train_state, train_step
+from offpolicy_jax.learn import (
+  batch_splits,
+  diagnostics,
+  micro_batch_loss,
+  optimizer_step,
+  replay,
+  scorer,
+  step_options,
+  train_state,
+  train_step,
+)
 
-__all__ = ["batch_splits", "diagnostics", "replay", "train_state", "train_step"]
+__all__ = [
+  "batch_splits",
+  "diagnostics",
+  "micro_batch_loss",
+  "optimizer_step",
+  "replay",
+  "scorer",
+  "step_options",
+  "train_state",
+  "train_step",
+]

@@ -167,7 +167,7 @@ def pi_old(
     pi_old_t = score_{theta_v(t)}(y_t | x, y_<t),   v(t) = the version that drew y_t
 
   Args:
-    score: the learner's scorer (`learn.train_step.make_scorer`):
+    score: the learner's scorer (`learn.scorer.make_scorer`):
       `(params, prompt_tokens, prompt_lengths, out) -> [B, N]`.
     scored: `(params, version)` pairs, the versions whose tokens to score now.
     prompts: `prompt_tokens` [B / K, P] and `prompt_lengths` [B / K].

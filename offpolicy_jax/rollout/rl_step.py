@@ -43,7 +43,7 @@ import optax
 from flax import nnx
 
 from offpolicy_jax import lag, models
-from offpolicy_jax.learn import replay, train_state, train_step
+from offpolicy_jax.learn import replay, step_options, train_state, train_step
 from offpolicy_jax.learn.train_state import TrainState
 from offpolicy_jax.models import tokenizers
 from offpolicy_jax.rewards import tasks
@@ -82,7 +82,7 @@ class StepFns:
   tokenizer: tokenizers.Tokenizer
   task: tasks.Task
   model_fn: Callable[[int], Any]
-  options: train_step.StepOptions
+  options: step_options.StepOptions
   optimizer: optax.GradientTransformation
   advantage: str
   sizes: pipeline.Sizes
@@ -97,7 +97,7 @@ class StepFns:
   # The sampler's own mesh in a disaggregated run (`disagg`); None: it shares `mesh`.
   sampler_mesh: jax.sharding.Mesh | None = None
   # The learner's scoring of sampled tokens at the sampling parameters (log pi_old,
-  # `train_step.make_scorer`), with `rollout.score_old`; None: not scored.
+  # `scorer.make_scorer`), with `rollout.score_old`; None: not scored.
   score_old: Callable | None = None
   # Low-rank adapters (`lora.rank > 0`): the trained parameters are the adapters.
   lora: models.LoraConfig | None = None

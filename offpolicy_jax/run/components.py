@@ -32,7 +32,8 @@ import numpy as np
 from flax import nnx
 
 from offpolicy_jax import config_schema, lag, losses, models
-from offpolicy_jax.learn import train_state, train_step
+from offpolicy_jax.learn import scorer, train_state
+from offpolicy_jax.learn.step_options import StepOptions
 from offpolicy_jax.models import tokenizers
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rollout import pipeline, rl_step
@@ -206,10 +207,10 @@ def optimizer(config):
   )
 
 
-def step_options(config) -> train_step.StepOptions:
+def step_options(config) -> StepOptions:
   """The train step's static options: loss spec, batch splits, temperature."""
   micro_batches = validation.minibatch_rows(config) // validation.micro_batch_rows(config)
-  return train_step.StepOptions(
+  return StepOptions(
     losses.get_spec(config.loss.name, **validation.loss_overrides(config)),
     num_micro_batches=micro_batches,
     num_minibatches=config.train.num_minibatches,
@@ -286,10 +287,9 @@ def _build_fns(config) -> rl_step.StepFns:
     sampler_fn = _model_constructor(c, mesh, tokenizer, c.rollout.sampler_dtype)
     sampler_graphdef, _ = nnx.split(nnx.eval_shape(lambda: sampler_fn(0)))
   options = step_options(c)
-  partial = components_rollout.partial_sampler(
-    c, sampler_graphdef, task, tokenizer
-  )  # before the reward pool starts
-  score_old = train_step.make_scorer(graphdef, options) if _scores_old(c) else None
+  # Before the reward pool starts.
+  partial = components_rollout.partial_sampler(c, sampler_graphdef, task, tokenizer)
+  score_old = scorer.make_scorer(graphdef, options) if _scores_old(c) else None
   sample_kw = dict(
     max_new_tokens=c.max_new_tokens, top_p=c.top_p, top_k=c.top_k, eos_id=tokenizer.eos_id
   )

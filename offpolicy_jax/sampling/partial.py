@@ -198,6 +198,28 @@ def admit(
   return state, (g - take.sum()).astype(jnp.int32)
 
 
+def _context(state: PartialState, group_size: int, generated: int):
+  """Rows' prompt + generated tokens right-aligned into W slots: (tokens, mask) [R, W].
+
+  W = P + `generated`: the prompt's width and the most tokens a row can have
+  generated before its last call.
+  """
+  p = state.prompts["prompt_tokens"].shape[1]
+  w = p + generated
+  prompt = jnp.repeat(state.prompts["prompt_tokens"], group_size, axis=0)
+  lengths_p = jnp.repeat(state.prompts["prompt_lengths"], group_size, axis=0)
+  prompt_mask = types.prompt_mask(lengths_p, p)
+  full = jnp.concatenate([prompt, state.tokens], axis=1)
+  full_mask = jnp.concatenate([prompt_mask, state.mask], axis=1)
+  shift = jnp.maximum(w - p - state.lengths, 0)
+  src = jnp.arange(w)[None, :] - shift[:, None]
+  ok = src >= 0
+  src = jnp.maximum(src, 0)
+  ctx = jnp.where(ok, jnp.take_along_axis(full, src, axis=1), 0)
+  ctx_mask = ok & jnp.take_along_axis(full_mask, src, axis=1)
+  return ctx, ctx_mask
+
+
 def make_advance(
   graphdef: nnx.GraphDef,
   *,
@@ -232,26 +254,9 @@ def make_advance(
   eos_ids = () if eos_id is None else tuple(int(t) for t in np.atleast_1d(eos_id))
   temperature, top_p = float(temperature), float(top_p)
 
-  def context(state: PartialState):
-    """Rows' prompt + generated tokens right-aligned into W slots: (tokens, mask) [R, W]."""
-    p = state.prompts["prompt_tokens"].shape[1]
-    w = p + (lag_steps - 1) * b
-    prompt = jnp.repeat(state.prompts["prompt_tokens"], group_size, axis=0)
-    lengths_p = jnp.repeat(state.prompts["prompt_lengths"], group_size, axis=0)
-    prompt_mask = types.prompt_mask(lengths_p, p)
-    full = jnp.concatenate([prompt, state.tokens], axis=1)
-    full_mask = jnp.concatenate([prompt_mask, state.mask], axis=1)
-    shift = jnp.maximum(w - p - state.lengths, 0)
-    src = jnp.arange(w)[None, :] - shift[:, None]
-    ok = src >= 0
-    src = jnp.maximum(src, 0)
-    ctx = jnp.where(ok, jnp.take_along_axis(full, src, axis=1), 0)
-    ctx_mask = ok & jnp.take_along_axis(full_mask, src, axis=1)
-    return ctx, ctx_mask
-
   def advance(params, state: PartialState, version, key) -> PartialState:
     model = nnx.merge(graphdef, params)
-    ctx, ctx_mask = context(state)
+    ctx, ctx_mask = _context(state, group_size, (lag_steps - 1) * b)
     r, w = ctx.shape
     kv_mask = jnp.concatenate([ctx_mask, jnp.ones((r, b), bool)], axis=1)
     cache = model.init_cache(r, w + b)

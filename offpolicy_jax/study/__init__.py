@@ -1,7 +1,8 @@
 """The study wing: many runs, compared.
 
-  runner     the lag study: a seeded grid of methods x lags, every cell's seeds under one
-             jax.vmap, resumable
+  runner     the lag study: run_study, every cell of the grid once, resumable
+  grid       the study's grid (methods x lags x seeds, A/A lags) from config.study
+  cell       one cell's seeds under one jax.vmap: warm starts, evaluation, the record
   stats      bootstrap intervals, paired verdicts against a baseline, run summaries
   report     study.csv (one row per run and metric), curves and interval plots, write_report
   report_tables  study.md: verdicts against the baseline, learning speed, the A/A rate, ...
@@ -15,6 +16,8 @@ May import: every other wing.
 
 from offpolicy_jax.study import (
   bandit,
+  cell,
+  grid,
   launchers,
   report,
   report_tables,
@@ -26,6 +29,8 @@ from offpolicy_jax.study import (
 
 __all__ = [
   "bandit",
+  "cell",
+  "grid",
   "launchers",
   "report",
   "report_tables",

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from offpolicy_jax.study import bandit
-from offpolicy_jax.study import runner as study
+from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import stats as study_stats
 from offpolicy_jax.study.report_tables import summary_table, write_tables
 
@@ -30,7 +30,7 @@ CURVES = ("eval_accuracy", "train_reward")
 
 
 def cell_rows(cell: Mapping[str, Any], eval_last: int) -> list[dict[str, Any]]:
-  """The CSV rows of one cell record (`study.run_cell`)."""
+  """The CSV rows of one cell record (`study.cell.run_cell`)."""
   rows = []
   base = {"method": cell["method"], "lag": cell["lag"]}
   for run in cell["runs"]:
@@ -149,7 +149,7 @@ def plot_study(rows: list[dict], out_dir: str, *, baseline: tuple[str, str]) -> 
 
 def write_report(config, path: str, cells: Mapping) -> list[str]:
   """study.csv, study.md (with the bandit) and the plots of the finished `cells`."""
-  _, grid = study.grid_from_config(config)
+  _, grid = study_grid.grid_from_config(config)
   rows = [r for c in cells.values() for r in cell_rows(c, grid.eval_last)]
   csv_path = write_csv(os.path.join(path, "study.csv"), rows)
   st = config.study

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from offpolicy_jax.study import runner as study
+from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import stats as study_stats
 
 MARK = {study_stats.WORSE: "worse", study_stats.BETTER: "better", study_stats.SAME: "~"}
@@ -21,7 +21,7 @@ MARK = {study_stats.WORSE: "worse", study_stats.BETTER: "better", study_stats.SA
 FASTER = {study_stats.WORSE: "faster", study_stats.BETTER: "slower", study_stats.SAME: "~"}
 
 
-# Off-policy diagnostics tabulated when the runs recorded them (`study.runner.OFF_POLICY_METRICS`).
+# Off-policy diagnostics tabulated when the runs recorded them (`study.cell.OFF_POLICY_METRICS`).
 OFF_POLICY_TABLES = (
   "staleness_kl_k3",
   "mismatch_kl_k3",
@@ -162,7 +162,7 @@ def aa_tests(
   """(A/A method, lag, metric, Comparison, permutation verdict at alpha) of every A/A pair."""
   out = []
   for a in aa_methods:
-    base = a[len(study.AA_PREFIX) :]
+    base = a[len(study_grid.AA_PREFIX) :]
     for g in lags:
       for metric in AA_METRICS:
         x, y = values.get((a, g, metric)), values.get((base, g, metric))
@@ -199,7 +199,7 @@ def _aa_section(tests, alpha) -> tuple[list[str], str]:
     "## A/A calibration",
     "",
     "The baseline method run twice on the same warm starts and prompts with independent "
-    "random streams (sampling, advantages, replay, training; `study.runner.AA_STREAM_OFFSET`): "
+    "random streams (sampling, advantages, replay, training; `study.grid.AA_STREAM_OFFSET`): "
     "nothing differs but chance, so every `better`/`worse` here is a false verdict. Each pair "
     f"is tested alone (no Holm correction, which only lowers the rate) at alpha = {alpha:g} "
     "with the sign-flip permutation test, and by the bootstrap rule (95% interval excludes 0). "
@@ -237,12 +237,12 @@ def write_tables(
 ) -> str:
   """`study.md`: accuracy with intervals and tested verdicts, learning speed, the A/A rate, ...
 
-  Rows of methods named `study.runner.AA_PREFIX + method` are A/A twins: they
+  Rows of methods named `study.grid.AA_PREFIX + method` are A/A twins: they
   are left out of the grid's tables and tested against their method instead.
   """
   methods, lags, values = summary_table(rows)
-  main = [m for m in methods if not m.startswith(study.AA_PREFIX)]
-  aa_methods = [m for m in methods if m.startswith(study.AA_PREFIX)]
+  main = [m for m in methods if not m.startswith(study_grid.AA_PREFIX)]
+  aa_methods = [m for m in methods if m.startswith(study_grid.AA_PREFIX)]
   ref = values[baseline[0], baseline[1], "final_accuracy"]
   if not ref:
     raise ValueError(f"the baseline {baseline[0]}@{baseline[1]} has no finished runs")

@@ -19,7 +19,7 @@ most alpha. Verdicts (`verdicts`) come from the Holm-adjusted p-values. With n
 seeds the smallest two-sided p-value is 2 / 2^n (n = 5: 0.0625, never below
 0.05), and Holm needs the smallest of m p-values below alpha / m: a grid of m
 comparisons can only give a verdict when 2 / 2^n <= alpha / m
-(`smallest_p`). The study's A/A calibration (`study.runner`) measures the
+(`smallest_p`). The study's A/A calibration (`study.grid`) measures the
 false-verdict rate these tests give when nothing differs.
 
 Learning speed per run (`run_summary`): the first evaluated step at which

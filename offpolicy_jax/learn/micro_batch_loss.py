@@ -1,0 +1,110 @@
+"""The loss of one micro-batch: forward passes, the policy loss, its typed metrics.
+
+The current policy's log-probs are recomputed (with adapter dropout when it
+has a key), the reference and proximal log-probs only when the loss needs
+them; the train step differentiates ``loss_sum`` (`learn.train_step`).
+Metrics are typed reductions (`reductions.Mean`/`Sum`/`Max`/`Min`).
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from offpolicy_jax import losses, models, types
+from offpolicy_jax import reductions as red
+from offpolicy_jax.learn import diagnostics
+from offpolicy_jax.learn.scorer import token_logprobs
+from offpolicy_jax.learn.step_options import StepOptions
+from offpolicy_jax.types import TrainBatch
+
+
+def _typed(loss_metrics: dict[str, jax.Array]) -> dict[str, Any]:
+  """The loss's per-micro-batch metrics as typed reductions.
+
+  The loss reports token means over its valid tokens and `*_max`/`*_min`
+  extremes; the means are weighted by those tokens so that they combine exactly.
+  """
+  n = loss_metrics["valid_tokens"]
+  out: dict[str, Any] = {}
+  for k, v in loss_metrics.items():
+    if k in ("valid_tokens", "loss_sum"):
+      continue
+    out[k] = (
+      red.Max(v) if k.endswith("_max") else red.Min(v) if k.endswith("_min") else red.mean(v, n)
+    )
+  return out
+
+
+def _behavior_ratio(logp, mb: TrainBatch) -> dict[str, Any]:
+  """Mean, max and min of w = pi / mu over valid tokens (when the loss's ratio is not to mu)."""
+  valid = mb.mask > 0
+  log_ratio = jnp.where(valid, logp - mb.behavior_logp, 0.0)
+  m = valid.astype(jnp.float32)
+  return {
+    "behavior_ratio_mean": red.Mean((jnp.exp(log_ratio) * m).sum(), m.sum()),
+    "behavior_ratio_max": red.Max(jnp.exp(jnp.max(jnp.where(valid, log_ratio, -jnp.inf)))),
+    "behavior_ratio_min": red.Min(jnp.exp(jnp.min(jnp.where(valid, log_ratio, jnp.inf)))),
+  }
+
+
+def micro_batch_loss(
+  params, mb: TrainBatch, graphdef, options: StepOptions, ref_params, anchor, base=None, key=None
+):
+  """``(loss_sum, typed metrics)`` of one micro-batch; differentiate the first output.
+
+  Args:
+    params: the parameters being trained (with `base`, the adapters).
+    mb: a micro-batch.
+    graphdef: the model's graph.
+    options: static settings.
+    ref_params: reference parameters (KL to reference), or None.
+    anchor: proximal parameters, or None for ``stop_gradient(logp)`` (the
+      current parameters are the anchor).
+    base: frozen base weights the parameters adapt (`models.lora`), or None.
+      Not differentiated: gradients and optimizer state cover `params` only.
+    key: the micro-batch's adapter-dropout key (None: no dropout); only the
+      current policy's forward uses it.
+  """
+  spec, o = options.spec, options
+  shared = options.group_size if options.shared_prefix else 0
+  sg = jax.lax.stop_gradient
+  score = lambda p, key=None: token_logprobs(
+    graphdef,
+    models.lora.join(base, p),
+    mb,
+    o.temperature,
+    shared,
+    truncated=o.truncated,
+    top_k=o.top_k,
+    dropout_key=key,
+  )
+  logp, ent = score(params, key)
+  extra = {}
+  if spec.needs_ref:
+    extra["ref_logp"] = sg(score(ref_params)[0])
+  if spec.needs_proximal:
+    extra["proximal_logp"] = sg(logp) if anchor is None else sg(score(anchor)[0])
+  if spec.needs_old:
+    extra["old_logp"] = mb.old_logp
+  if spec.entropy_coef > 0:
+    extra["entropy"] = ent
+  if spec.level == "turn_geo":  # a multi-turn row's turns are its runs of policy tokens
+    extra["turn_ids"] = types.turn_ids(mb.mask)
+  out = losses.policy_loss(
+    spec,
+    logp=logp,
+    behavior_logp=mb.behavior_logp,
+    advantages=mb.advantages,
+    mask=mb.mask * mb.weights[:, None],
+    **extra,
+  )
+  m = (mb.mask > 0).astype(jnp.float32)
+  metrics = _typed(out.metrics)
+  metrics["loss"] = red.Mean(sg(out.loss_sum), out.loss_count)
+  metrics["entropy"] = red.Mean((sg(ent) * m).sum(), m.sum())
+  metrics["tokens"] = red.Sum(m.sum())
+  if spec.ratio != "behavior":
+    metrics.update(_behavior_ratio(sg(logp), mb))
+  metrics.update(diagnostics.policy_terms(logp, mb))
+  return out.loss_sum, metrics

@@ -1,0 +1,97 @@
+"""The learner's log-probs of responses: `token_logprobs` and the rollout scorer `make_scorer`.
+
+Both score as the train step does (temperature, top-k / top-p truncation,
+shared prefix; `StepOptions`), so log pi_old scored at the sampling parameters
+matches the train step's log-probs at the same parameters.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from offpolicy_jax import models, types
+from offpolicy_jax.learn.step_options import StepOptions
+from offpolicy_jax.types import TrainBatch
+
+
+def token_logprobs(
+  graphdef: nnx.GraphDef,
+  params,
+  mb: TrainBatch,
+  temperature: float,
+  shared_group: int = 0,
+  *,
+  truncated: bool = False,
+  top_k: int = 0,
+  dropout_key: jax.Array | None = None,
+):
+  """Teacher-forced log-probs and entropies [B, N] of `mb`'s responses under `params`.
+
+  With ``shared_group = K > 0`` the rows are groups of K sharing a prompt and
+  each prompt runs once (`models.shared_prefix_logprobs`). With `truncated`
+  the log-probs are those of the top-k / top-p truncated distribution of
+  ``mb.behavior_kept`` tokens (`StepOptions.truncated`). `dropout_key` turns
+  on the adapters' input dropout (the train step's current policy only).
+  """
+  model = nnx.merge(graphdef, params)
+  kept = mb.behavior_kept if truncated else None
+  if shared_group:
+    return models.shared_prefix_logprobs(
+      model,
+      mb.prompt_tokens[::shared_group],
+      mb.prompt_mask[::shared_group],
+      mb.tokens,
+      mb.mask,
+      shared_group,
+      temperature,
+      kept=kept,
+      top_k=top_k,
+      dropout_key=dropout_key,
+    )
+  return models.sequence_logprobs(
+    model,
+    mb.prompt_tokens,
+    mb.prompt_mask,
+    mb.tokens,
+    mb.mask,
+    temperature,
+    kept=kept,
+    top_k=top_k,
+    dropout_key=dropout_key,
+  )
+
+
+def make_scorer(graphdef: nnx.GraphDef, options: StepOptions):
+  """Jitted `score(params, prompt_tokens [G, P], prompt_lengths [G], out) -> logp [G*K, N]`.
+
+  The learner's log-probs of a sampled rollout `out` (`sampling.SampleOutput`)
+  at `params`, scored as the train step scores (temperature, truncation,
+  shared prefix): at the sampling parameters, log pi_old (SCIENCE.md s7).
+  """
+  shared = options.group_size if options.shared_prefix else 0
+
+  def score(params, prompt_tokens, prompt_lengths, out):
+    zeros = jnp.zeros(out.tokens.shape[:1], jnp.float32)
+    batch = types.pack_groups(
+      prompt_tokens,
+      prompt_lengths,
+      out.tokens,
+      out.mask,
+      out.logprobs,
+      jnp.zeros(out.tokens.shape, jnp.int32),
+      zeros,
+      zeros,
+      out.kept,
+    )
+    logp, _ = token_logprobs(
+      graphdef,
+      params,
+      batch,
+      options.temperature,
+      shared,
+      truncated=options.truncated,
+      top_k=options.top_k,
+    )
+    return logp
+
+  return jax.jit(score)

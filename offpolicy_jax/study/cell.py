@@ -1,0 +1,202 @@
+"""One cell of the study (method, lag): every seed's run under one `jax.vmap`.
+
+The run states of the seeds are stacked on a leading axis and one jitted
+`vmap(rl_step.rl_steps)` advances them together, evaluating every
+`config.eval_every` steps with a vmapped greedy sampler on
+`config.eval_prompts` held-out prompts. Runs with the same seed share the warm
+start (`sft.warm_start`, computed once per seed) and the prompt stream, so they
+are paired (`study.stats`). The lag schedule is a traced argument and every
+cell has the same number of snapshot slots (`grid.grid_snapshot_slots`), so
+the lags of one method share one compiled program.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from offpolicy_jax.rollout import host_step, pipeline, programs, rl_step
+from offpolicy_jax.run import components, evaluation, sft
+from offpolicy_jax.study import sweeps
+from offpolicy_jax.study.grid import AA_STREAM_OFFSET, Grid, grid_snapshot_slots
+
+# Off-policy diagnostics a run's record keeps (means over its steps; docs/off_policyness.md).
+OFF_POLICY_METRICS = (
+  "behavior_kl_k3",
+  "staleness_kl_k3",
+  "mismatch_kl_k3",
+  "clip_frac",
+  "corr_token_masked_frac",
+  "corr_seq_masked_frac",
+  "corr_token_truncated_frac",
+)
+
+
+def _stack(trees: list) -> Any:
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def evaluate(
+  fns: rl_step.StepFns,
+  params,
+  seeds: tuple[int, ...],
+  num_prompts: int,
+  *,
+  k: int = 0,
+  step: int = 0,
+  batch_size: int = 0,
+  base=None,
+):
+  """Greedy accuracy [S] (and pass@k [S] when k >= 2) of seed-stacked `params` (over `base`).
+
+  The run's evaluator (`evaluation.evaluate_seeds`) on the first `num_prompts`
+  held-out prompts, `batch_size` at a time (0: all at once), pass@k sampled
+  with each seed's EVAL key of `step`.
+  """
+  keys = jax.vmap(lambda s: pipeline.step_key(s, step, pipeline.EVAL))(jnp.asarray(seeds))
+  ev = evaluation.evaluate_seeds(
+    fns, params, keys, num_prompts, k, batch_size=batch_size or num_prompts, base=base
+  )
+  return ev["accuracy"], ev.get(f"pass@{k}")
+
+
+def _prompt_chunk(iters: list, n: int, host_fields: bool) -> dict[str, Any]:
+  """[S, n, ...] prompts: n batches from each seed's iterator."""
+  fields = pipeline.DEVICE_FIELDS + (("index", "valid") if host_fields else ())
+  per_seed = []
+  for it in iters:
+    batches = [next(it) for _ in range(n)]
+    per_seed.append({k: np.stack([b[k] for b in batches]) for k in fields})
+  return {k: np.stack([p[k] for p in per_seed]) for k in fields}
+
+
+def run_cell(
+  base: ml_collections.ConfigDict,
+  grid: Grid,
+  method: str,
+  lag_name: str,
+  starts: dict[int, Any] | None = None,
+) -> dict[str, Any]:
+  """Runs every seed of one cell; returns its record (curves per seed, JSON-ready).
+
+  Seeds run `grid.vmap_seeds` at a time under one `vmap` (0: all at once).
+  `starts` keeps the warm-started parameters of each seed between cells (filled here).
+  The A/A twin (`grid.aa_method`) runs the baseline method with its random
+  streams drawn from seed + `AA_STREAM_OFFSET`.
+  """
+  m, n = grid.lags[lag_name]
+  aa = method == grid.aa_method and lag_name in grid.aa_lags
+  offset = AA_STREAM_OFFSET if aa else 0
+  overrides = {
+    **grid.methods[grid.baseline[0] if aa else method],
+    **grid.engines.get(lag_name, {}),
+    "lag.sync_interval": m,
+    "lag.sync_offset": n,
+  }
+  comps = components.build_components(sweeps.apply_overrides(base, overrides))
+  starts = {} if starts is None else starts
+  for s in grid.seeds:
+    if s not in starts:
+      starts[s] = warm_start(comps, s, base_seed=grid.seeds[0])
+  size = grid.vmap_seeds or len(grid.seeds)
+  runs = []
+  for lo in range(0, len(grid.seeds), size):
+    seeds = grid.seeds[lo : lo + size]
+    runs += _run_seeds(comps, grid, seeds, [starts[s] for s in seeds], (m, n), offset)
+  if any(r.pop("snapshot_missing") for r in runs):
+    raise RuntimeError(f"{method}@{lag_name}: a behaviour snapshot was missing (a bug)")
+  record: dict[str, Any] = {"method": method, "lag": lag_name, "schedule": [m, n], "runs": runs}
+  if aa:
+    record |= {"aa_of": grid.baseline[0], "stream_offset": offset}
+  if lag_name in grid.engines:
+    record["engine"] = dict(grid.engines[lag_name])
+  return record
+
+
+def _run_seeds(
+  comps, grid: Grid, seeds: tuple[int, ...], starts: list, schedule_mn, stream_offset: int = 0
+) -> list[dict]:
+  """One vmapped run of `seeds` from their warm starts `(base, params)`: per-seed curves.
+
+  The prompts are each seed's; the random streams of the steps and the
+  pass@k evaluation are those of seed + `stream_offset`. With adapters the
+  seeds share one base (held once, not stacked) and only their adapters and
+  states are vmapped.
+  """
+  fns, run = comps.fns, comps.run
+  slots = grid_snapshot_slots(grid)
+  state = _stack(
+    [
+      rl_step.init_state(fns, p, capacity_batches=run.replay_capacity_batches, snapshots=slots)
+      for _, p in starts
+    ]
+  )._replace(base=starts[0][0])
+  iters = [pipeline.prompt_iterator(fns, s) for s in seeds]
+  streams = tuple(s + stream_offset for s in seeds)
+  seeds_a = jnp.asarray(streams, jnp.int32)
+  schedule = rl_step.LagSchedule(*(jnp.int32(x) for x in schedule_mn))
+  device = fns.reward.device is not None
+  ev = dict(batch_size=grid.eval_batch, base=state.base)
+  acc0, _ = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
+  eval_steps, accs, metrics_l, pass_k = [0], [acc0], [], None
+  for start in range(0, run.total_steps, run.eval_every):
+    prompts = _prompt_chunk(iters, run.eval_every, not device)
+    steps = jnp.arange(start + 1, start + run.eval_every + 1, dtype=jnp.int32)
+    progs = programs.programs(fns, run.replay, state, over_seeds=True)
+    if fns.rollout.traced and device:  # every step one program, scanned and vmapped
+      state, out = progs.rl_steps(state, prompts, steps, seeds_a, schedule)
+    else:
+      state, out = host_step.steps_over_seeds(fns, progs, state, prompts, steps, seeds_a, schedule)
+    metrics_l.append(jax.device_get(out))
+    end = start + run.eval_every
+    k = run.eval_samples if end == run.total_steps else 0
+    acc, solved = evaluate(fns, state.train.params, streams, run.eval_prompts, k=k, step=end, **ev)
+    eval_steps.append(end)
+    accs.append(acc)
+    pass_k = solved if solved is not None else pass_k
+  out = {key: np.concatenate([o[key] for o in metrics_l], axis=1) for key in metrics_l[0]}
+  accs_sl = np.stack(accs, axis=1)
+  return [
+    {
+      "seed": seed,
+      "eval_steps": eval_steps,
+      "eval_accuracy": accs_sl[i].tolist(),
+      "train_reward": out["reward_mean"][i].tolist(),
+      "staleness_mean": out["staleness_mean"][i].tolist(),
+      "skipped": float(out["skipped"][i].sum()),
+      f"pass@{run.eval_samples}": None if pass_k is None else float(pass_k[i]),
+      "snapshot_missing": bool(out["snapshot_missing"][i].any()),
+      "off_policy": {k: float(np.mean(out[k][i])) for k in OFF_POLICY_METRICS if k in out},
+    }
+    for i, seed in enumerate(seeds)
+  ]
+
+
+def warm_start(comps: components.Components, seed: int, base_seed: int | None = None):
+  """Seed `seed`'s warm start `(base, params)` (shared by every cell through the sft cache).
+
+  Without adapters `base` is None and `params` the whole warm-started model.
+  With adapters every seed of a study shares the base of `base_seed` (its
+  warm start), and `params` is seed `seed`'s fresh adapter.
+  """
+  fns, run = comps.fns, comps.run
+  base, params = fns.split(fns.init_params(seed))
+  kw: dict[str, Any] = dict(
+    steps=run.sft_steps,
+    batch_size=run.sft_batch_size,
+    learning_rate=run.sft_learning_rate,
+    distractor=run.sft_distractor,
+    log_fn=lambda *_: None,
+  )
+  if base is None:
+    return None, sft.warm_start(fns, params, seed=seed, **kw) if run.sft_enabled else params
+  base_seed = seed if base_seed is None else base_seed
+  if base_seed != seed:
+    base = fns.split(fns.init_params(base_seed))[0]
+  if run.sft_enabled:  # any adapter with B = 0 leaves the warm start of the base unchanged
+    base = sft.warm_start(fns, base, seed=base_seed, frozen=params, **kw)
+  return base, params

@@ -1,0 +1,220 @@
+"""The study's grid: methods x lag schedules x seeds, parsed from `config.study`.
+
+`grid_from_config` checks the config and returns the base run config and the
+`Grid`: methods (loss and advantage overrides), lags (m, n) with their
+engine-mismatch settings (`ENGINES`), seeds, and the A/A lags.
+
+A/A calibration: for every lag of `config.study.aa_lags` the baseline method
+runs a second time as the cell `aa-<method>@<lag>`, from the same warm starts
+on the same prompts, with every other random stream (sampling, advantages,
+replay, training) drawn from seed + `AA_STREAM_OFFSET` instead of seed. The
+two runs differ only by chance, so `study.report` counts how often its tests
+call them different (`study.stats`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+from offpolicy_jax import advantages, config_schema, lag, losses
+from offpolicy_jax.run import components
+
+# The A/A twin of the baseline method is the method `AA_PREFIX + method`.
+AA_PREFIX = "aa-"
+# Added to each seed for the A/A twin's random streams (not its warm start or prompts).
+AA_STREAM_OFFSET = 1_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+  """What a study runs: methods (config overrides) x lags (m, n) x seeds."""
+
+  methods: Mapping[str, Mapping[str, Any]]
+  lags: Mapping[str, tuple[int, int]]
+  seeds: tuple[int, ...]
+  eval_last: int
+  baseline: tuple[str, str]
+  vmap_seeds: int = 0  # seeds per vmapped program (0: all)
+  eval_batch: int = 0  # held-out prompts per sampler call (0: all at once)
+  # Engine-mismatch overrides of a lag entry (`ENGINES`, "name=m/n+engine"); none: exact.
+  engines: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+  # Lags at which the baseline method runs again as its A/A twin (`aa_method`).
+  aa_lags: tuple[str, ...] = ()
+
+  @property
+  def aa_method(self) -> str:
+    """The name of the baseline method's A/A twin (cells `aa-<method>@<lag>`)."""
+    return AA_PREFIX + self.baseline[0]
+
+  def cells(self) -> list[tuple[str, str]]:
+    """Every cell: methods x lags, then the A/A twins."""
+    cells = [(m, g) for m in self.methods for g in self.lags]
+    return cells + [(self.aa_method, g) for g in self.aa_lags]
+
+
+def _parse_pairs(field: str, spec: str) -> list[tuple[str, str]]:
+  pairs = []
+  for item in (s.strip() for s in spec.split(",")):
+    if not item:
+      continue
+    name, _, value = item.partition("=")
+    if not name.isidentifier() and not name.replace("-", "_").isidentifier():
+      raise ValueError(f"config.study.{field}: {name!r} is not a name (letters, digits, _ and -)")
+    pairs.append((name, value or name))
+  if not pairs:
+    raise ValueError(f"config.study.{field} is empty")
+  names = [n for n, _ in pairs]
+  if len(set(names)) != len(names):
+    raise ValueError(f"config.study.{field}: duplicate names in {names}")
+  return pairs
+
+
+def parse_methods(spec: str) -> dict[str, dict[str, str]]:
+  """`"grpo,red_drop=reinforce+red_drop"` -> {name: {loss.name, advantage.name}} overrides."""
+  out = {}
+  for name, value in _parse_pairs("methods", spec):
+    loss, _, adv = value.partition("+")
+    out[name] = {"loss.name": loss} | ({"advantage.name": adv} if adv else {})
+  return out
+
+
+# Engine-mismatch settings a lag entry can carry ("bf16_onpolicy=1/0+bf16"): the
+# sampler's numerics or truncation differ from the learner's at the same
+# parameters (docs/off_policyness.md). `rollout.score_old` reports both factors.
+ENGINES: dict[str, dict[str, Any]] = {
+  "bf16": {"rollout.sampler_dtype": "bfloat16", "rollout.score_old": True},
+  "topk5": {"top_k": 5, "rollout.behavior_logp": "mismatched", "rollout.score_old": True},
+  "topp8": {"top_p": 0.8, "rollout.behavior_logp": "mismatched", "rollout.score_old": True},
+}
+
+
+def parse_engines(spec: str) -> dict[str, dict[str, Any]]:
+  """The `ENGINES` overrides of the lag entries of `spec` that name one (`name=m/n+engine`)."""
+  out = {}
+  for name, value in _parse_pairs("lags", spec):
+    engine = value.partition("+")[2]
+    if not engine:
+      continue
+    if engine not in ENGINES:
+      raise ValueError(
+        f"config.study.lags: {name}={value!r} names an unknown engine setting {engine!r} "
+        f"(one of {sorted(ENGINES)})"
+      )
+    out[name] = ENGINES[engine]
+  return out
+
+
+def parse_lags(spec: str, total_steps: int) -> dict[str, tuple[int, int]]:
+  """`"onpolicy=1/0,interval20=20/0,offline=offline,bf16=1/0+bf16"` -> {name: (m, n)}.
+
+  `offline` stands for m = total_steps + 1: every batch from version 0. A
+  `+engine` suffix adds an engine-mismatch setting (`parse_engines`).
+  """
+  out = {}
+  for name, value in _parse_pairs("lags", spec):
+    value = value.partition("+")[0]
+    if value == "offline":
+      out[name] = (total_steps + 1, 0)
+      continue
+    m, sep, n = value.partition("/")
+    try:
+      pair = (int(m), int(n))
+      if not sep:
+        raise ValueError
+      lag.validate_schedule(*pair)
+    except ValueError as e:
+      raise ValueError(
+        f"config.study.lags: {name}={value!r} is not 'm/n' (sync_interval >= 1 / "
+        f"sync_offset >= 0) or 'offline' ({e})"
+      ) from None
+    out[name] = pair
+  return out
+
+
+def parse_aa_lags(spec: str, lags: Mapping[str, Any]) -> tuple[str, ...]:
+  """`"all"` -> every lag, `""` -> none, `"onpolicy,offline"` -> those (names of `lags`)."""
+  if spec.strip() == "all":
+    return tuple(lags)
+  names = tuple(s.strip() for s in spec.split(",") if s.strip())
+  unknown = [g for g in names if g not in lags]
+  if unknown or len(set(names)) != len(names):
+    raise ValueError(
+      f"config.study.aa_lags: {spec!r} must be 'all', '' or distinct lags of the grid "
+      f"(unknown {unknown}; lags {list(lags)})"
+    )
+  return names
+
+
+def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, Grid]:
+  """(the base run config without `study`, the grid of `config.study`)."""
+  config_schema.check(config, config_schema.STUDY_FIELDS)
+  st = config.study
+  base = ml_collections.ConfigDict({k: v for k, v in config.items() if k != "study"})
+  run = components.run_settings(base)
+  if run.eval_every < 1 or run.total_steps % run.eval_every:
+    raise ValueError(
+      f"config.eval_every: {run.eval_every} must be >= 1 and divide total_steps {run.total_steps}"
+    )
+  if not st.eval_last <= run.total_steps // run.eval_every:
+    raise ValueError(
+      f"config.study.eval_last: {st.eval_last} evaluations, the run has "
+      f"{run.total_steps // run.eval_every}"
+    )
+  if run.lag_mode != "sync":
+    raise ValueError("config.lag.mode: a study simulates lag exactly; it must be 'sync'")
+  if base.mesh.sampler_devices:
+    raise ValueError(
+      "config.mesh.sampler_devices: a study runs every seed's step as one program on one "
+      "mesh; it must be 0"
+    )
+  if base.multiturn.max_turns and base.rollout.partial_budget:
+    raise ValueError(
+      "config.rollout.partial_budget: a study plays every seed's episodes to their end within "
+      "the step; episodes in flight across steps (rollout.episode_pool) run in single runs only"
+    )
+  if base.rollout.continuous_auto_steps:
+    raise ValueError(
+      "config.rollout.continuous_auto_steps: a study runs one sampler for every seed and "
+      "cell; it must be 0 (choose with rollout.continuous_slots)"
+    )
+  methods = parse_methods(st.methods)
+  for name, overrides in methods.items():
+    loss, adv = overrides["loss.name"], overrides.get("advantage.name")
+    if loss not in losses.names() or (adv and adv not in advantages.names()):
+      raise ValueError(
+        f"config.study.methods: {name}={loss}{'+' + adv if adv else ''} names an unknown "
+        f"loss or advantage (losses.names(), advantages.names())"
+      )
+    if name.startswith(AA_PREFIX):
+      raise ValueError(
+        f"config.study.methods: {name!r}: names starting with {AA_PREFIX!r} are the A/A twins"
+      )
+  lags = parse_lags(st.lags, run.total_steps)
+  method, _, lag_name = st.baseline.partition("@")
+  if method not in methods or lag_name not in lags:
+    raise ValueError(
+      f"config.study.baseline: {st.baseline!r} must be <method>@<lag> of the grid "
+      f"(methods {list(methods)}, lags {list(lags)})"
+    )
+  seeds = tuple(range(run.seed, run.seed + st.seeds))
+  grid = Grid(
+    methods,
+    lags,
+    seeds,
+    st.eval_last,
+    (method, lag_name),
+    st.vmap_seeds,
+    st.eval_batch,
+    parse_engines(st.lags),
+    parse_aa_lags(st.aa_lags, lags),
+  )
+  return base, grid
+
+
+def grid_snapshot_slots(grid: Grid) -> int:
+  """Snapshot slots enough for every lag of the grid (one state shape for all)."""
+  return max(lag.snapshot_capacity(m, n) for m, n in grid.lags.values())
