@@ -19,6 +19,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # subprocesses and notebook kernels included (they inherit the environment),
 # runs with it raising.
 os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
+# Tests (and the training subprocesses they start) build many identical programs: a
+# persistent compilation cache, new and empty for each session and shared by its xdist
+# workers and subprocesses, compiles each of them once. The controller makes it before
+# the workers start (they inherit the environment) and removes it at exit. Tests that
+# count compilations turn it off (`no_compile_cache`): a cache hit is not a compilation.
+if "PYTEST_XDIST_WORKER" not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+
+  _CACHE_DIR = tempfile.mkdtemp(prefix="offpolicy_jax_tests_xla_cache_")
+  atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import pytest  # noqa: E402
 
@@ -50,3 +64,19 @@ def _numpy_init(config, scale=8.0, seed=0):
 def numpy_init():
   """The `_numpy_init(config, scale=8.0, seed=0)` factory, shared by model and sampler tests."""
   return _numpy_init
+
+
+@pytest.fixture
+def no_compile_cache():
+  """The persistent compilation cache off for one test, so every program it builds compiles."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()

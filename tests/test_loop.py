@@ -132,7 +132,7 @@ def test_recorded_staleness_follows_the_schedule(tmp_path, m, n):
     assert all(abs(r["ratio_mean"] - 1.0) < 1e-5 for r in rows)
 
 
-def test_no_recompilation_after_warmup(tmp_path):
+def test_no_recompilation_after_warmup(tmp_path, no_compile_cache):
   compiles = []
 
   def listener(event, duration, **kwargs):
@@ -453,7 +453,7 @@ def test_each_process_reads_its_own_block_of_the_global_batch(monkeypatch):
   ]
 
 
-def test_rows_carry_phase_times_and_compiles_and_profile_writes_a_trace(tmp_path):
+def test_rows_carry_phase_times_and_compiles_and_profile_writes_a_trace(tmp_path, no_compile_cache):
   cfg = small_config(
     **{
       "total_steps": 6,
