@@ -194,7 +194,7 @@ class PoolState:
         jnp.asarray(np.where(new, version, -1)),
         jnp.asarray(self.old),
       )
-      self.old = np.asarray(jax.device_get(scored), np.float32)
+      self.old = np.array(jax.device_get(scored), np.float32)  # a writable copy
       out = out._replace(old_logprobs=jnp.asarray(self.old))
     emitted = self.occupied & self.rec.done.reshape(self.slots, k).all(axis=1)
     rows = np.flatnonzero(np.repeat(emitted, k))
