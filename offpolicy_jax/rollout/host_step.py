@@ -200,6 +200,7 @@ def steps_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, 
     if rollout.traced:
       device = {k: prompts[k] for k in pipeline.DEVICE_FIELDS}
       rstate, fin, info, v, found = progs.rollout(state, device, step, seeds, schedule)
+      stacked = _device(fin)  # already [S, ...]: sliced per seed only for scoring
       fin = fin._replace(prompts={**prompts, **fin.prompts})
       per_seed = [jax.tree.map(lambda x, s=s: x[s], fin) for s in range(len(seeds_l))]
       host: list[dict[str, Any]] = [{} for _ in seeds_l]
@@ -215,9 +216,11 @@ def steps_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, 
         _, fin_s, host_s = rollout.advance(None, whole, version, one, int(step), key)
         per_seed.append(fin_s)
         host.append(host_s)
+      stack = lambda *x: jnp.stack([jnp.asarray(y) for y in x])
+      stacked = jax.tree.map(stack, *map(_device, per_seed))
     rewards = jnp.stack([_rewards(fns, f) for f in per_seed])
-    fin = jax.tree.map(lambda *x: jnp.stack([jnp.asarray(y) for y in x]), *map(_device, per_seed))
-    state, m = progs.learn_finished(state, rstate, fin, rewards, info, v, step, seeds, schedule)
+    args = (rstate, stacked, rewards, info, v, step, seeds, schedule)
+    state, m = progs.learn_finished(state, *args)
     m = dict(m)
     for name in episodes.EPISODE_STATS:
       if name in host[0]:
