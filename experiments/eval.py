@@ -1,8 +1,13 @@
 r"""Evaluates a run's checkpoint, or a Hugging Face directory, on a task.
 
-  python -m experiments.eval --config=configs/default.py --workdir=/tmp/opj_default
+  python -m experiments.eval --workdir=/tmp/opj_default [--step=200]
   python -m experiments.eval --config=configs/gsm8k_qwen25_1p5b.py \
       --config.model=/ckpt/Qwen2.5-1.5B-Instruct --config.eval_samples=8
+
+With --workdir the run's recorded config is used; a --config given beside it
+may change how evaluation runs (eval_prompts, eval_samples, mesh) but not
+what the run is (task, model, loss, ...): those differences are refused by
+field name.
 
 Prints (and with --out writes as JSON) greedy accuracy, mean reward, response
 length and pass@k (k = config.eval_samples) on config.eval_prompts held-out prompts.
@@ -13,11 +18,19 @@ import json
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from offpolicy_jax import cli
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (omit to evaluate config.model).")
+_WORKDIR = flags.DEFINE_string(
+  "workdir", None, "Run directory (its config.json is used); omit to evaluate config.model."
+)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 _OUT = flags.DEFINE_string("out", None, "Optional JSON output path.")
-flags.mark_flag_as_required("config")
+flags.register_multi_flags_validator(
+  ["config", "workdir"],
+  lambda v: v["config"] is not None or v["workdir"] is not None,
+  "give --workdir (a run's checkpoint) or --config (a model as configured)",
+)
 
 
 def main(argv):
@@ -35,4 +48,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

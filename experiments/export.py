@@ -12,6 +12,8 @@ import json
 
 from absl import app, flags, logging
 
+from offpolicy_jax import cli
+
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (config.json, checkpoints/).")
 _OUT = flags.DEFINE_string("out", None, "Output directory.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
@@ -41,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

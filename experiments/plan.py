@@ -14,6 +14,7 @@ import math
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from offpolicy_jax import cli
 from offpolicy_jax.run import planner
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
@@ -99,4 +100,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -12,6 +12,7 @@ import sys
 
 from absl import app, flags
 
+from offpolicy_jax import cli
 from offpolicy_jax.study import report as study_report
 from offpolicy_jax.study import reports
 
@@ -54,4 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

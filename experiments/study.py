@@ -18,6 +18,7 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from offpolicy_jax import cli
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import report as study_report
@@ -49,4 +50,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

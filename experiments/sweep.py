@@ -22,6 +22,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from offpolicy_jax import cli
 from offpolicy_jax.study import launchers
 from offpolicy_jax.study.sweeps import (
   SweepError,
@@ -113,4 +114,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

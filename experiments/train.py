@@ -20,9 +20,12 @@ through gloo.
 """
 
 import os
+import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+from offpolicy_jax import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
@@ -74,31 +77,28 @@ def main(argv):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**distributed)
 
-  from offpolicy_jax.run import loop
+  from offpolicy_jax.run import loop, validation
   from offpolicy_jax.study import reports
 
-  logging.info(
-    "JAX %s, process %d of %d, devices: %s",
-    jax.__version__,
-    jax.process_index(),
-    jax.process_count(),
-    jax.devices(),
-  )
-  # Library progress goes to stdout; keep orbax's INFO chatter out of the way.
+  # Library progress goes to stdout; keep JAX's and orbax's INFO chatter out of the way.
   logging.set_verbosity(logging.WARNING)
-  from offpolicy_jax.store import workdir
-
-  try:
-    loop.train_and_evaluate(
-      _CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value
+  validation.validate_config(_CONFIG.value)  # a refused config: one line, nothing written
+  print(
+    f"JAX {jax.__version__}, process {jax.process_index()} of {jax.process_count()}, "
+    f"devices: {jax.devices()}",
+    flush=True,
+  )
+  begin = time.perf_counter()
+  loop.train_and_evaluate(
+    _CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value
+  )
+  if jax.process_index() == 0:
+    wall = time.perf_counter() - begin
+    lora = bool(_CONFIG.value.lora.rank)
+    print(
+      "run finished:", reports.format_run_summary(_WORKDIR.value, wall_s=wall, lora=lora), sep="\n"
     )
-  except (workdir.WorkdirLocked, workdir.ConfigChanged) as e:
-    # Expected refusals: one line, exit code 1, no traceback.
-    raise SystemExit(f"error: {e}") from None
-  summary = reports.summarize_run(_WORKDIR.value)
-  fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
-  print(" ".join(f"{k}={fmt(v)}" for k, v in summary.items()))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -21,26 +21,16 @@ The names of the public contract: `losses`, `advantages`, `models`, `sampling`,
 `lag`, `tasks`, `rewards`, `loop`.
 """
 
-from offpolicy_jax import (
-  advantages,
-  config_schema,
-  files,
-  lag,
-  learn,
-  losses,
-  models,
-  reductions,
-  rewards,
-  rollout,
-  run,
-  sampling,
-  scale,
-  store,
-  study,
-  types,
-)
-from offpolicy_jax.rewards import tasks
-from offpolicy_jax.run import loop
+import importlib
+from typing import Any
+
+# The wings load on first use (`offpolicy_jax.losses`, `from offpolicy_jax import loop`):
+# a binary that only reads its config, or refuses it, does not pay for JAX and the
+# models (seconds per start).
+_LAZY = {
+  "tasks": "offpolicy_jax.rewards.tasks",
+  "loop": "offpolicy_jax.run.loop",
+}
 
 __version__ = "0.2.0"
 
@@ -64,3 +54,15 @@ __all__ = [
   "tasks",
   "types",
 ]
+
+
+def __getattr__(name: str) -> Any:
+  if name not in __all__:
+    raise AttributeError(f"module 'offpolicy_jax' has no attribute {name!r}")
+  module = importlib.import_module(_LAZY.get(name, f"offpolicy_jax.{name}"))
+  globals()[name] = module
+  return module
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))

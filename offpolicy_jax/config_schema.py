@@ -48,6 +48,8 @@ import ml_collections
 import numpy as np
 from ml_collections import config_dict as _config_dict
 
+from offpolicy_jax import errors
+
 
 class Role(NamedTuple):
   """What changing a field changes (module docstring)."""
@@ -597,4 +599,4 @@ def check(config: Any, fields: Iterable[Field] = RUN_FIELDS) -> None:
     if f.check is not None:
       complaint = f.check(get(config, f.name))
       if complaint:
-        raise ValueError(f"config.{f.name}: {complaint}")
+        raise errors.ConfigError(f"config.{f.name}: {complaint}")

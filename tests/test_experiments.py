@@ -19,6 +19,7 @@ sys.path.insert(0, REPO)
 from test_loop import small_config, strip_timing  # noqa: E402
 
 from experiments import sweep  # noqa: E402
+from offpolicy_jax import errors  # noqa: E402
 from offpolicy_jax.run import loop, start  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from offpolicy_jax.store import workdir as workdir_lib  # noqa: E402
@@ -60,31 +61,55 @@ def _last_step(workdir):
   return train[-1]["step"] if train else 0
 
 
-def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
+def _run_until(cmd, env, workdir, step, sig):
+  """Starts `cmd`, sends `sig` once metrics reach `step`; returns (exit code, stderr)."""
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  deadline = time.time() + 240
+  while _last_step(workdir) < step:
+    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+    assert time.time() < deadline, "training subprocess made no progress"
+    time.sleep(0.02)
+  proc.send_signal(sig)
+  _, err = proc.communicate(timeout=240)
+  return proc.returncode, err.decode()
+
+
+def _checkpoint_steps(workdir):
+  return sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints")) if s.isdigit())
+
+
+def test_signals_and_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
+  """SIGTERM saves and exits 143, SIGKILL loses at most the steps since a checkpoint,
+  SIGINT saves and exits 130; the run resumed after each equals the uninterrupted one."""
   workdir = str(tmp_path / "killed")
-  # A compilation cache shared by the two subprocesses makes the restart cheaper.
+  # A compilation cache shared by the subprocesses makes the restarts cheaper.
   env = {
     **os.environ,
     "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
   }
-  proc = subprocess.Popen(
-    _train_cmd(workdir), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-  )
-  deadline = time.time() + 240
-  while _last_step(workdir) < 14:
-    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-    assert time.time() < deadline, "training subprocess made no progress"
-    time.sleep(0.02)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  assert proc.returncode == -signal.SIGKILL
-  killed_at = _last_step(workdir)
-  assert 14 <= killed_at < 40
+  cmd = _train_cmd(workdir)
+  # Checkpoints fall every 4 steps; a signal's checkpoint lands where the run stops.
+  for sig, at in ((signal.SIGTERM, 5), (signal.SIGKILL, 14), (signal.SIGINT, 25)):
+    code, err = _run_until(cmd, env, workdir, at, sig)
+    stopped_at = _last_step(workdir)
+    if sig == signal.SIGKILL:
+      assert code == -signal.SIGKILL
+      assert 14 <= stopped_at < 40
+      continue
+    assert code == 128 + sig, err[-3000:]
+    name = signal.Signals(sig).name
+    lines = [x for x in err.splitlines() if x.strip() and "%|" not in x]
+    assert lines == [
+      f"{name}: finishing the current step and saving (a second signal stops at once)",
+      f"stopped at step {stopped_at}; the same command resumes",
+    ], err[-3000:]
+    assert at <= stopped_at < 40
+    assert _checkpoint_steps(workdir)[-1] == stopped_at  # saved at the signal, not before
 
   # While the restarted subprocess compiles, compute the uninterrupted reference here.
   resumed = subprocess.Popen(
-    _train_cmd(workdir), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
   )
   cfg = small_config(
     **{
@@ -157,6 +182,11 @@ def test_evaluate_checkpoint(tmp_path):
   assert result["step"] == 2
   assert result["eval/accuracy"] == final_eval["eval/accuracy"]
   assert "eval/pass@2" in result
+  # Without a config, the run's recorded one; a config that is another run is refused by name.
+  assert start.evaluate_checkpoint(None, str(tmp_path)) == result
+  other = small_config(total_steps=2, task="sort")
+  with pytest.raises(errors.ConfigError, match=f"task: run '{cfg.task}', given '{other.task}'"):
+    start.evaluate_checkpoint(other, str(tmp_path))
 
 
 def _load(name):

@@ -12,7 +12,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from offpolicy_jax import models  # noqa: E402
+from offpolicy_jax import errors, models  # noqa: E402
 from offpolicy_jax.models import lora  # noqa: E402
 from offpolicy_jax.run import components, export, loop  # noqa: E402
 from offpolicy_jax.store import checkpointing  # noqa: E402
@@ -90,9 +90,9 @@ def _b_matrices(model):
 
 def test_errors_name_what_is_wrong(lora_run, tmp_path):
   workdir, _ = lora_run
-  with pytest.raises(FileNotFoundError, match="not a run directory"):
+  with pytest.raises(errors.WorkdirError, match="not a run directory"):
     export.export_checkpoint(str(tmp_path), str(tmp_path / "out"))
-  with pytest.raises(ValueError, match="format must be one of"):
+  with pytest.raises(errors.UserError, match="format must be one of"):
     export.export_checkpoint(workdir, str(tmp_path / "out"), fmt="gguf")
   empty = tmp_path / "empty"
   empty.mkdir()
@@ -102,8 +102,9 @@ def test_errors_name_what_is_wrong(lora_run, tmp_path):
   config = json.loads((empty / "config.json").read_text())
   config["lora"]["rank"], config["lora"]["dropout"] = 0, 0.0
   (empty / "config.json").write_text(json.dumps(config))
-  with pytest.raises(ValueError, match="no adapters .* format 'merged'"):
+  with pytest.raises(errors.UserError, match="no adapters") as refused:
     export.export_checkpoint(str(empty), str(tmp_path / "out"), fmt="peft")
+  assert "--merged" in refused.value.line()
 
   corrupt = str(tmp_path / "corrupt")
   shutil.copytree(workdir, corrupt)

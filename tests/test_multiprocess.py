@@ -181,10 +181,37 @@ def test_two_processes_match_one_process(two_process_run, tmp_path):
       )
 
 
-def test_killing_one_process_then_resuming_both_continues_exactly(two_process_run, tmp_path):
-  """SIGKILL process 1 right after the step-6 checkpoint; both restarted finish like no kill."""
+def _sigterm_process_0_once_it_runs(workdir: str) -> int:
+  """Starts a run, SIGTERMs process 0 alone once it holds the workdir; the step both stop at."""
+  procs = _launch(workdir)
+  holder = os.path.join(workdir, ".lock.json")  # written just before the signal handlers
+  deadline = time.monotonic() + TIMEOUT_S
+  while not os.path.exists(holder):
+    if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+      for p in procs:
+        p.kill()
+      pytest.fail(f"the run never took its workdir:\n{_logs(workdir)}")
+    time.sleep(0.02)
+  time.sleep(1.0)
+  procs[0].send_signal(signal.SIGTERM)
+  codes = _wait(procs, workdir)
+  # Process 1 got no signal: it stops with process 0 (the flag is agreed between them).
+  assert codes == [128 + signal.SIGTERM] * 2, _logs(workdir)
+  stopped = _train_rows(_rows(workdir))[-1]["step"]
+  for i in range(2):
+    with open(os.path.join(os.path.dirname(workdir), f"process{i}.log")) as f:
+      assert f"stopped at step {stopped}; the same command resumes" in f.read()
+  assert os.path.exists(os.path.join(workdir, "checkpoints", str(stopped), MANIFEST))
+  return stopped
+
+
+def test_sigterm_then_sigkill_then_resuming_both_continues_exactly(two_process_run, tmp_path):
+  """SIGTERM process 0 alone: both stop at the same step, saved. Resumed, SIGKILL process 1
+  right after the step-6 checkpoint; both restarted finish like the uninterrupted run."""
   workdir = str(tmp_path / "mp" / "run")
   os.makedirs(os.path.dirname(workdir))
+  stopped = _sigterm_process_0_once_it_runs(workdir)
+  assert stopped < 6  # the first chunk of 2 steps (checkpoint_every 6, log_every 10)
   procs = _launch(workdir)
   manifest = os.path.join(workdir, "checkpoints", "6", MANIFEST)
   deadline = time.monotonic() + TIMEOUT_S

@@ -130,6 +130,11 @@ class Stepper:
     self.fns, self.rollout, self.opts, self.seed, self.schedule = fns, rollout, opts, seed, schedule
     self._pending: tuple[int, Any, Sampled] | None = None  # (step, its read info, its rollout)
 
+  @property
+  def prefetched(self) -> bool:
+    """Whether the next step's rollout was sampled ahead (and its prompts read)."""
+    return self._pending is not None
+
   def step(self, state, step: int, read: Callable[[], tuple[dict, Any]], prefetch: bool):
     """One host step: `(state, row)`; `read()` gives the next prompts and what to log of them.
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from offpolicy_jax import config_schema, lag, losses, models
+from offpolicy_jax import config_schema, errors, lag, losses, models
 from offpolicy_jax.learn import scorer, train_state
 from offpolicy_jax.learn.step_options import StepOptions
 from offpolicy_jax.models import tokenizers
@@ -388,10 +388,13 @@ def build_components(config, *, data_cache_dir: str | None = None) -> Components
   if key not in _FNS_CACHE:
     if len(_FNS_CACHE) >= _FNS_CACHE_SIZE:
       _FNS_CACHE.pop(next(iter(_FNS_CACHE)))
-    _FNS_CACHE[key] = _build_fns(config)
+    # What fails here is the config's: a model directory, a tokenizer, a task's files.
+    with errors.as_user_error():
+      _FNS_CACHE[key] = _build_fns(config)
   fns = _FNS_CACHE[key]
   # Every prompt checked once (cached under `data_cache_dir`), before anything compiles.
-  data_checks.validate_data(config, fns.task, fns.tokenizer, cache_dir=data_cache_dir)
+  with errors.as_user_error():
+    data_checks.validate_data(config, fns.task, fns.tokenizer, cache_dir=data_cache_dir)
   return Components(fns=fns, run=run_settings(config))
 
 

@@ -23,65 +23,39 @@ by name, as `start.evaluate_checkpoint` reads them. Formats:
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
-import ml_collections
+import jax.numpy as jnp
 from flax import nnx
 
-from offpolicy_jax import config_schema, files, models
+from offpolicy_jax import errors, models
 from offpolicy_jax.run import components, start
-from offpolicy_jax.store import checkpointing, metrics
+from offpolicy_jax.store import checkpointing
+from offpolicy_jax.store import workdir as workdir_lib
+
+# The config a run last ran with (kept here by name for existing callers).
+recorded_config = workdir_lib.recorded_config
 
 FORMATS = ("peft", "merged")
 BASE_DIR = "base"
 
 
-def recorded_config(workdir: str) -> ml_collections.ConfigDict:
-  """The config a run in `workdir` last ran with: `config.json` plus its recorded changes.
-
-  Raises:
-    FileNotFoundError: `workdir` has no `config.json` (not a run directory).
-    ValueError: `config.json` or `config_history.jsonl` is not readable JSON.
-  """
-  path = os.path.join(workdir, metrics.CONFIG_FILE)
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"{workdir}: no {metrics.CONFIG_FILE}; not a run directory")
-  config = config_schema.config_dict()
-  flat = config_schema.flatten(files.read_json_object(path))
-  history = os.path.join(workdir, metrics.CONFIG_HISTORY_FILE)
-  if os.path.isfile(history):
-    with open(history) as f:
-      for i, line in enumerate(f):
-        try:
-          changes = json.loads(line)["changes"]
-        except (ValueError, KeyError, TypeError) as e:
-          raise ValueError(f"{history}: line {i + 1} is not a recorded change ({e})") from None
-        flat.update({k: new for k, (_, new) in changes.items()})
-  for name, value in flat.items():
-    *parents, leaf = name.split(".")
-    node = config
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
-
-
 def _restore(workdir: str, comps, step: int | None):
   """`(base, params, meta)` of checkpoint `step`, the base checked against its record."""
   base, params = start.initial_weights(comps, warm_start=comps.fns.lora is not None)
-  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
   try:
-    items, meta = ckpt.restore({"params": params}, step)
-  except FileNotFoundError as e:
-    raise FileNotFoundError(f"{workdir}: nothing to export ({e})") from None
+    ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), create=False)
+    try:
+      items, meta = ckpt.restore({"params": params}, step)
+    finally:
+      ckpt.close()
+  except checkpointing.MissingCheckpoint as e:
+    raise checkpointing.MissingCheckpoint(f"{workdir}: nothing to export: {e}") from None
   except checkpointing.CheckpointError as e:
     raise checkpointing.CheckpointError(
       f"{workdir}: cannot export: {e}; pass --step for an older intact step", e.failures
     ) from None
-  finally:
-    ckpt.close()
   if base is not None:
     want = meta.get("base") or {}
     got = models.lora.fingerprint(base)
@@ -114,11 +88,19 @@ def export_checkpoint(
     FileNotFoundError / checkpointing.CheckpointError: no checkpoint, or a corrupt step.
   """
   if fmt not in FORMATS:
-    raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    raise errors.UserError(f"export format must be one of {FORMATS}, got {fmt!r}")
+  if dtype is not None:
+    try:
+      jnp.dtype(dtype)
+    except TypeError:
+      raise errors.UserError(
+        f"--dtype {dtype}: not a dtype", "e.g. bfloat16, float16 or float32"
+      ) from None
   config = recorded_config(workdir)
   if fmt == "peft" and not config.lora.rank:
-    raise ValueError(
-      f"{workdir}: the run has no adapters (lora.rank = 0); export it with format 'merged'"
+    raise errors.UserError(
+      f"{workdir}: the run has no adapters (lora.rank = 0), so there is no PEFT adapter",
+      "export the whole model with --merged",
     )
   comps = components.build_components(config)
   base, params, meta = _restore(workdir, comps, step)

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax import lag
+from offpolicy_jax import errors, lag
 from offpolicy_jax.rollout import host_step, pipeline, producer, sampler_choice, sampler_mesh
 from offpolicy_jax.rollout.pipeline import EVAL, step_key
 from offpolicy_jax.rollout.programs import programs
@@ -52,7 +52,7 @@ from offpolicy_jax.rollout.rl_step import (
   state_meta,
   weights,
 )
-from offpolicy_jax.run import evaluation, observability
+from offpolicy_jax.run import evaluation, observability, stopping, validation
 from offpolicy_jax.run import start as start_lib
 from offpolicy_jax.run.components import Components, build_components
 from offpolicy_jax.store import checkpointing, metrics
@@ -87,45 +87,67 @@ def train_and_evaluate(
     workdir.WorkdirLocked: another run holds `workdir`.
     workdir.ConfigChanged: a resume with a changed config, not allowed.
   """
-  os.makedirs(workdir, exist_ok=True)
+  validation.validate_config(config)  # a refused config leaves no trace in the workdir
   primary = jax.process_index() == 0
-  with workdir_lib.lock(workdir) if primary else contextlib.nullcontext():
-    comps = build_components(config, data_cache_dir=workdir)
-    ckpt = checkpointing.Checkpointer(
-      os.path.join(workdir, "checkpoints"),
-      max_to_keep=comps.run.keep_checkpoints,
-      async_save=comps.run.async_checkpoint,
+  created = workdir_lib.create(workdir)
+  started = False
+  try:
+    held = workdir_lib.lock(workdir) if primary else contextlib.nullcontext()
+    with held, stopping.Stop() as stop:
+      comps, ckpt, writer, data_iter, begin = _start(config, workdir, allow_config_change)
+      started = True
+      return _run(comps, ckpt, writer, data_iter, begin, workdir, on_step, stop)
+  except errors.UserError:
+    if created and not started and primary:
+      workdir_lib.remove_created(workdir)  # a refused start leaves no empty workdir behind
+    raise
+
+
+def _start(config, workdir: str, allow_config_change: bool):
+  """Builds the run and restores its state (or a fresh one): everything before the first step."""
+  primary = jax.process_index() == 0
+  comps = build_components(config, data_cache_dir=workdir)
+  ckpt = checkpointing.Checkpointer(
+    os.path.join(workdir, "checkpoints"),
+    max_to_keep=comps.run.keep_checkpoints,
+    async_save=comps.run.async_checkpoint,
+  )
+  try:
+    latest = ckpt.latest_step()
+    if latest:  # before the config check records an allowed change
+      start_lib.check_rollout(ckpt, comps.fns.rollout)
+    if latest and primary:
+      workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
+    data_iter = producer.LockedIterator(pipeline.prompt_iterator(comps.fns, comps.run.seed))
+    state, start, start_accuracy, base, choice = start_lib.restore_or_init(
+      comps, ckpt, data_iter, workdir, config.model
     )
-    try:
-      latest = ckpt.latest_step()
-      if latest:  # before the config check records an allowed change
-        start_lib.check_rollout(ckpt, comps.fns.rollout)
-      if latest and primary:
-        workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
-      data_iter = producer.LockedIterator(pipeline.prompt_iterator(comps.fns, comps.run.seed))
-      state, start, start_accuracy, base, choice = start_lib.restore_or_init(
-        comps, ckpt, data_iter, workdir, config.model
-      )
-      writer = _make_writer(comps, config, workdir, start)
-    except BaseException:
-      ckpt.close()
-      raise
-    loop = _Loop(comps, ckpt, writer, data_iter, workdir, on_step)
-    loop.base_record = base
-    loop.resume_choice(choice)
-    try:
-      if not start:
-        start_accuracy = loop.evaluate(state, 0).get("eval/accuracy")
-        if start_accuracy is not None:
-          warm = "after the warm start" if comps.run.sft_enabled else "(no warm start)"
-          writer.log_text(f"starting accuracy {warm}: {start_accuracy:.3f}")
-      loop.start_accuracy = start_accuracy
-      loop.run(state, start)
-    finally:
-      loop.close()
-      ckpt.close()
-      writer.close()
-    return loop.rows
+    writer = _make_writer(comps, config, workdir, start)
+  except BaseException:
+    ckpt.close()
+    raise
+  return comps, ckpt, writer, data_iter, (state, start, start_accuracy, base, choice)
+
+
+def _run(comps, ckpt, writer, data_iter, begin, workdir: str, on_step, stop) -> list[dict]:
+  """Runs the loop from the restored state to `total_steps` (or a signal), then closes."""
+  state, start, start_accuracy, base, choice = begin
+  loop = _Loop(comps, ckpt, writer, data_iter, workdir, on_step, stop)
+  loop.base_record = base
+  loop.resume_choice(choice)
+  try:
+    if not start:
+      start_accuracy = loop.evaluate(state, 0).get("eval/accuracy")
+      if start_accuracy is not None:
+        warm = "after the warm start" if comps.run.sft_enabled else "(no warm start)"
+        writer.log_text(f"starting accuracy {warm}: {start_accuracy:.3f}")
+    loop.start_accuracy = start_accuracy
+    loop.run(state, start)
+  finally:
+    loop.close()
+    ckpt.close()
+    writer.close()
+  return loop.rows
 
 
 def _make_writer(comps: Components, config, workdir: str, start: int) -> metrics.MetricsWriter:
@@ -152,8 +174,10 @@ def _rows_of(stacked: dict[str, np.ndarray], n: int) -> list[dict[str, Any]]:
 class _Loop:
   """Iterates chunks of loop steps, writing rows, evaluating and checkpointing at boundaries."""
 
-  def __init__(self, comps: Components, ckpt, writer, data_iter, workdir: str, on_step):
+  def __init__(self, comps: Components, ckpt, writer, data_iter, workdir: str, on_step, stop):
     self.comps, self.fns, self.run_cfg = comps, comps.fns, comps.run
+    self.stop: stopping.Stop = stop
+    self.stopping: int | None = None  # the signal all processes agreed to stop on
     self.ckpt, self.writer, self.data = ckpt, writer, data_iter
     self.on_step = on_step
     self.rows: list[dict[str, Any]] = []
@@ -259,6 +283,7 @@ class _Loop:
         step += n
         writing = time.perf_counter() - done  # charged to the next chunk
         self._boundary(state, step)
+        self._maybe_stop(state, step)
         begin = time.perf_counter() - writing
     finally:
       if prod is not None:
@@ -282,21 +307,47 @@ class _Loop:
     last = step == run.total_steps
     if (run.eval_every and step % run.eval_every == 0) or last:
       self.evaluate(state, step)
-    if (run.checkpoint_every and step % run.checkpoint_every == 0) or last:
-      # Rows up to this step reach the disk before the checkpoint that covers them.
-      self.writer.sync()
-      meta = {
-        "step": step,
-        "seed": run.seed,
-        "data_state": self.data.get_state(),
-        "start_accuracy": self.start_accuracy,
-      }
-      if self.base_record is not None:
-        meta["base"] = self.base_record
-      if self.choice.auto:
-        meta["sampler_choice"] = self.choice.state()
-      meta |= state_meta(state, self.rollout)
-      self.ckpt.save(step, state_items(state, self.rollout), meta)
+    if self._checkpoints(step):
+      self._save(state, step)
+
+  def _checkpoints(self, step: int) -> bool:
+    run = self.run_cfg
+    every = run.checkpoint_every
+    return bool(every and step % every == 0) or step == run.total_steps
+
+  def _maybe_stop(self, state: RunState, step: int) -> None:
+    """Ends the run after `step` on a signal, saved: `errors.Interrupted` (`stopping`).
+
+    A step sampled ahead (prefetch) is trained first, so that the checkpoint's
+    data state holds no prompts the next run would skip.
+    """
+    if self.stopping is None:
+      self.stopping = self.stop.agreed()
+    if self.stopping is None or step >= self.run_cfg.total_steps or self.host.prefetched:
+      return
+    if not self._checkpoints(step):
+      self._save(state, step)
+    self.writer.sync()
+    raise errors.Interrupted(
+      f"stopped at step {step}; the same command resumes", 128 + self.stopping
+    )
+
+  def _save(self, state: RunState, step: int) -> None:
+    run = self.run_cfg
+    # Rows up to this step reach the disk before the checkpoint that covers them.
+    self.writer.sync()
+    meta = {
+      "step": step,
+      "seed": run.seed,
+      "data_state": self.data.get_state(),
+      "start_accuracy": self.start_accuracy,
+    }
+    if self.base_record is not None:
+      meta["base"] = self.base_record
+    if self.choice.auto:
+      meta["sampler_choice"] = self.choice.state()
+    meta |= state_meta(state, self.rollout)
+    self.ckpt.save(step, state_items(state, self.rollout), meta)
 
   def _prompts(self, n: int) -> tuple[list[dict], list[int]]:
     local = [next(self.data) for _ in range(n)]
@@ -334,7 +385,7 @@ class _Loop:
     a prefetched batch).
     """
     run = self.run_cfg
-    if not self.rollout.prefetch:
+    if not self.rollout.prefetch or self.stopping is not None:
       return False
     if step >= run.total_steps or (run.checkpoint_every and step % run.checkpoint_every == 0):
       return False

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from offpolicy_jax import advantages, config_schema, losses, models
+from offpolicy_jax import advantages, config_schema, errors, losses, models
 from offpolicy_jax.learn import replay
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.scale import disagg, sharding
@@ -92,7 +92,7 @@ def micro_batch_rows(config) -> int:
 
 def _need(ok: bool, field: str, msg: str) -> None:
   if not ok:
-    raise ValueError(f"config.{field}: {msg}")
+    raise errors.ConfigError(f"config.{field}: {msg}")
 
 
 def _is_int(v) -> bool:
@@ -141,17 +141,18 @@ def validate_config(config) -> None:
       data * fsdp devices, a missing model directory or data file, ...).
   """
   c = config
-  _validate_finite(c)
-  config_schema.check(c)
-  _validate_sampling(c)
-  _validate_loss(c)
-  _validate_replay(c)
-  _validate_train(c)
-  _validate_mesh(c)
-  _validate_sources(c)
-  _validate_sft(c)
-  _validate_lora(c)
-  _validate_multiturn(c)
+  with errors.as_user_error():
+    _validate_finite(c)
+    config_schema.check(c)
+    _validate_sampling(c)
+    _validate_loss(c)
+    _validate_replay(c)
+    _validate_train(c)
+    _validate_mesh(c)
+    _validate_sources(c)
+    _validate_sft(c)
+    _validate_lora(c)
+    _validate_multiturn(c)
 
 
 def _validate_sampling(c) -> None:

@@ -48,6 +48,7 @@ import jax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from offpolicy_jax import errors
 from offpolicy_jax.store import integrity
 from offpolicy_jax.store import items as named
 
@@ -61,6 +62,10 @@ _FLAT_FORMAT = (
 )
 _ITEM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 _log = logging.getLogger(__name__)
+
+
+class MissingCheckpoint(errors.WorkdirError, FileNotFoundError):
+  """No checkpoint at the step asked for (or none at all)."""
 
 
 class CheckpointError(RuntimeError):
@@ -85,6 +90,13 @@ def _check_names(names: Iterable[str]) -> None:
       raise ValueError(f"checkpoint item name {name!r}: not {_ITEM_NAME.pattern}, or reserved")
 
 
+def _listdir(path: str) -> list[str]:
+  try:
+    return os.listdir(path)
+  except (FileNotFoundError, NotADirectoryError):
+    return []
+
+
 class Checkpointer:
   """Keeps the last `max_to_keep` complete checkpoints of a run under `directory`.
 
@@ -95,13 +107,20 @@ class Checkpointer:
     directory: where step directories go (created if missing).
     max_to_keep: number of most recent checkpoints kept.
     async_save: write in a background thread after the device-to-host copy.
+    create: make `directory` if it is missing; False (readers: eval, export)
+      raises `MissingCheckpoint` instead.
   """
 
-  def __init__(self, directory: str, *, max_to_keep: int = 2, async_save: bool = True):
+  def __init__(
+    self, directory: str, *, max_to_keep: int = 2, async_save: bool = True, create: bool = True
+  ):
     self.directory = os.path.abspath(directory)
+    if not create and not any(name.isdigit() for name in _listdir(self.directory)):
+      # Refused before orbax starts its threads (a reader then exits cleanly).
+      raise MissingCheckpoint(f"no checkpoint under {self.directory} (none there yet)")
     options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep,
-      create=True,
+      create=create,
       enable_async_checkpointing=async_save,
       cleanup_tmp_directories=True,
     )
@@ -280,9 +299,11 @@ class Checkpointer:
 
   def _require(self, step: int | None) -> int:
     step = self.latest_step() if step is None else int(step)
-    if step is None or step not in self.all_steps():
+    steps = self.all_steps()
+    if step is None or step not in steps:
       what = "checkpoint" if step is None else f"checkpoint step {step}"
-      raise FileNotFoundError(f"no {what} under {self.directory}")
+      have = f"steps there: {', '.join(map(str, steps))}" if steps else "none there yet"
+      raise MissingCheckpoint(f"no {what} under {self.directory} ({have})")
     return step
 
   def _write_manifests(self) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -31,7 +32,7 @@ from typing import Any
 
 import filelock
 
-from offpolicy_jax import config_schema, files
+from offpolicy_jax import config_schema, errors, files
 from offpolicy_jax.store import metrics
 
 LOCK_FILE = ".lock"
@@ -43,11 +44,11 @@ PARAMETER_SHAPE_FIELDS = ("model", "lora.rank", "lora.targets")
 ABSENT = "<absent>"
 
 
-class WorkdirLocked(RuntimeError):
+class WorkdirLocked(errors.UserError, RuntimeError):
   """Another live run holds the workdir."""
 
 
-class ConfigChanged(ValueError):
+class ConfigChanged(errors.UserError, ValueError):
   """A resume's config differs from the run's record in fields that change its meaning."""
 
 
@@ -71,6 +72,31 @@ def _describe(holder: Any) -> str:
   if not isinstance(holder, dict):
     return "an unknown process"
   return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started')}"
+
+
+def create(path: str) -> bool:
+  """Makes the workdir `path` if it is missing; returns whether this call made it.
+
+  Raises:
+    WorkdirError: `path` is a file, or cannot be created or written.
+  """
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise errors.WorkdirError(f"--workdir {path} is a file", "give a directory")
+  existed = os.path.isdir(path)
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise errors.WorkdirError(
+      f"--workdir {path}: cannot create it ({e.strerror})", "give a writable directory"
+    ) from None
+  if not os.access(path, os.W_OK | os.X_OK):
+    raise errors.WorkdirError(f"--workdir {path} is not writable", "give a writable directory")
+  return not existed
+
+
+def remove_created(path: str) -> None:
+  """Removes a workdir `create` made, after a refused start (it holds no run's data)."""
+  shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -200,3 +226,52 @@ def check_config(path: str, config: Any, *, step: int, allow_change: bool = Fals
     f.flush()
     os.fsync(f.fileno())
   print(f"workdir {path}: resuming at step {step} with a changed config: {listed}", flush=True)
+
+
+def require_run(path: str) -> None:
+  """Refuses a path that is not a run's directory (missing, or without `config.json`).
+
+  Raises:
+    errors.WorkdirError: naming the path and what it lacks.
+  """
+  if not os.path.isdir(path):
+    raise errors.WorkdirError(f"--workdir {path}: no such directory", "give a run's workdir")
+  if not os.path.isfile(os.path.join(path, metrics.CONFIG_FILE)):
+    raise errors.WorkdirError(
+      f"--workdir {path}: not a run directory (no {metrics.CONFIG_FILE})",
+      "give the --workdir a train run wrote",
+    )
+
+
+def recorded_config(workdir: str) -> Any:
+  """The config a run in `workdir` last ran with: `config.json` plus its recorded changes.
+
+  Raises:
+    errors.WorkdirError: `workdir` is missing or has no `config.json` (not a run
+      directory), or `config.json` / `config_history.jsonl` is not readable JSON.
+  """
+  path = os.path.join(workdir, metrics.CONFIG_FILE)
+  require_run(workdir)
+  config = config_schema.config_dict()
+  try:
+    flat = config_schema.flatten(files.read_json_object(path))
+  except ValueError as e:
+    raise errors.WorkdirError(str(e)) from None
+  history = os.path.join(workdir, metrics.CONFIG_HISTORY_FILE)
+  if os.path.isfile(history):
+    with open(history) as f:
+      for i, line in enumerate(f):
+        try:
+          changes = json.loads(line)["changes"]
+        except (ValueError, KeyError, TypeError) as e:
+          raise errors.WorkdirError(
+            f"{history}: line {i + 1} is not a recorded change ({e})"
+          ) from None
+        flat.update({k: new for k, (_, new) in changes.items()})
+  for name, value in flat.items():
+    *parents, leaf = name.split(".")
+    node = config
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config

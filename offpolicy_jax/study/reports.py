@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from offpolicy_jax import errors
 from offpolicy_jax.store.metrics_files import read_metrics, split_rows
 
 # Longest text a markdown summary cell shows (the CSV keeps it whole).
@@ -41,14 +42,23 @@ def plot_runs(runs: Mapping[str, str], out_path: str, *, smooth: int = 5) -> str
 
   Returns:
     `out_path`.
+
+  Raises:
+    errors.WorkdirError: a run without metrics rows (nothing is drawn).
   """
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, axes = plt.subplots(2, 3, figsize=(15, 8))
   data = {label: read_metrics(path) for label, path in runs.items()}
+  for label, rows in data.items():
+    if not rows:
+      raise errors.WorkdirError(
+        f"{runs[label]}: no metrics rows to plot (a missing or empty metrics.jsonl)",
+        "give a workdir a train run wrote",
+      )
+  fig, axes = plt.subplots(2, 3, figsize=(15, 8))
   cmap = plt.get_cmap("tab10" if len(data) <= 10 else "tab20")
   colors = {label: cmap(i % cmap.N) for i, label in enumerate(data)}
   for ax, (title, keys) in zip(axes.flat, PLOT_PANELS, strict=True):
@@ -98,6 +108,34 @@ def summarize_run(path: str) -> dict[str, Any]:
   if evals:
     out.update({k: v for k, v in evals[-1].items() if k.startswith("eval/")})
   return out
+
+
+def format_run_summary(path: str, *, wall_s: float | None = None, lora: bool = False) -> str:
+  """The table a finished run prints: what it did, and the commands that come next.
+
+  Args:
+    path: the run's workdir.
+    wall_s: the command's wall time, when known.
+    lora: the run trains adapters (its export is a PEFT adapter).
+  """
+  s = summarize_run(path)
+  rows = [("workdir", path), ("steps", str(s["steps"]))]
+  if wall_s is not None:
+    rows.append(("wall time", f"{wall_s:.0f} s"))
+  if "reward_first_fifth" in s:
+    first, last = s["reward_first_fifth"], s["reward_last_fifth"]
+    rows.append(("reward", f"{first:.3f} (first fifth of steps) -> {last:.3f} (last fifth)"))
+    rows.append(("staleness", f"{s['staleness_mean']:.3g} steps behind (mean)"))
+  rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in s.items() if "/" in k]
+  export = "" if lora else " --merged"
+  rows += [
+    ("go on", "the same command with a larger --config.total_steps"),
+    ("plot", f"python -m experiments.plot --workdirs={path} --out={path}/curves.png"),
+    ("evaluate", f"python -m experiments.eval --workdir={path}"),
+    ("export", f"python -m experiments.export --workdir={path} --out={path}/export{export}"),
+  ]
+  width = max(len(k) for k, _ in rows)
+  return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
 
 def _md_cell(text: str) -> str:

@@ -1,0 +1,103 @@
+"""How the binaries start and fail: `cli.run(main)` in place of `absl.app.run(main)`.
+
+A problem the user caused (a `errors.UserError`, or a flag or config
+override that does not parse) ends the command with one line on stderr,
+
+  error: --config.totl_steps: no such config field (did you mean --config.total_steps?)
+
+and exit status 1, no traceback; `--verbose` (or `OFFPOLICY_JAX_VERBOSE=1`)
+re-raises it with its traceback. Every other exception is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import app, flags
+
+from offpolicy_jax import errors
+
+VERBOSE_ENV = "OFFPOLICY_JAX_VERBOSE"
+USAGE_EXIT = 1  # as absl's own flag errors; a crash exits 1 too, with its traceback
+
+_VERBOSE = flags.DEFINE_bool(
+  "verbose", False, f"Show tracebacks of usage errors (also: {VERBOSE_ENV}=1)."
+)
+
+
+def verbose(argv: Sequence[str] = ()) -> bool:
+  """Whether usage errors keep their traceback (the flag may not have parsed yet)."""
+  if os.environ.get(VERBOSE_ENV, "") not in ("", "0"):
+    return True
+  return ("--verbose" in argv) or (flags.FLAGS.is_parsed() and _VERBOSE.value)
+
+
+def _override_error(argv: Sequence[str], e: Exception) -> errors.UserError:
+  """A readable error for a `--config.<path>=<value>` that ml_collections refused."""
+  text = str(e).replace("\\n", "\n").replace("\\'", "'")
+  unknown = re.search(r"'([^'\s]+)'", text)
+  better = re.search(r'Did you mean "([^"]+)"', text)
+  if isinstance(e, KeyError | AttributeError) and unknown:
+    key = unknown.group(1)
+    for arg in argv:
+      name = arg.split("=", 1)[0]
+      if name.startswith("--") and name.rsplit(".", 1)[-1] == key:
+        hint = None
+        if better:
+          hint = f"did you mean {name.rsplit('.', 1)[0]}.{better.group(1)}?"
+        return errors.UserError(f"{name}: no such config field", hint or "see docs/config.md")
+  if isinstance(e, SyntaxError):
+    return errors.UserError(f"--config: {e.filename}, line {e.lineno}: {e.msg}")
+  lines = [ln for ln in text.splitlines() if ln.strip()]
+  return errors.UserError(
+    f"flags: {type(e).__name__}: {lines[0] if lines else ''}", "--helpfull lists the flags"
+  )
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing with every failure turned into a `UserError`."""
+  try:
+    rest = flags.FLAGS(argv)
+  except flags.Error as e:
+    raise errors.UserError(str(e), "--helpfull lists the flags") from e
+  except Exception as e:  # config_flags: a field override that does not apply
+    raise _override_error(argv, e) from e
+  _load_config_files()
+  return rest
+
+
+def _load_config_files() -> None:
+  """Loads every config-file flag now: config_flags defers a file's failure to first use."""
+  for name in list(flags.FLAGS):
+    flag = flags.FLAGS[name]
+    if "." in name or not type(flag).__module__.startswith("ml_collections.config_flags"):
+      continue  # not a config file flag (overrides are flags named --config.<field>)
+    if flag.value is None:
+      continue
+    try:
+      flag.value.keys()
+    except Exception as e:  # a missing file, or one that does not run
+      last = [ln.strip() for ln in str(e).splitlines() if ln.strip()][-1]
+      raise errors.UserError(
+        f"--{name}: cannot load the config file: {last}", "give the path of a config .py file"
+      ) from e
+
+
+def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> None:
+  """`absl.app.run(main)`, printing a `UserError` as one line (see the module doc)."""
+  argv = list(sys.argv if argv is None else argv)
+  try:
+    app.run(main, argv=argv, flags_parser=parse_flags)
+  except errors.UserError as e:
+    if verbose(argv):
+      raise
+    print(f"error: {e.line()}", file=sys.stderr, flush=True)
+    sys.exit(USAGE_EXIT)
+  except errors.Interrupted as e:
+    print(e, file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)
