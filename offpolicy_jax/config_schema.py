@@ -286,7 +286,7 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("top_k", 0, PROGRAM, "Top-k sampling (0 = off).", Int(0, note=" (0 = off)")),
   _F("rollout.behavior_logp", "sampled", PROGRAM,
      "What the sampler records as the behaviour log-prob mu, and so what the learner scores "
-     "(SCIENCE.md s7; the same without top_k / top_p). \"sampled\": the log-prob of the "
+     "(docs/science.md s7; the same without top_k / top_p). \"sampled\": the log-prob of the "
      "tempered, top-k / top-p truncated and renormalised distribution it drew from; the learner "
      "scores that distribution (the kept set's size is recorded per token), so ratios are 1 at "
      "the behaviour's parameters. Right when the truncated sampler is the policy being trained "
@@ -302,12 +302,12 @@ RUN_FIELDS: tuple[Field, ...] = (
      "Compute dtype of the sampler (\"\" = model_dtype). \"bfloat16\" with an float32 learner "
      "is the engine mismatch of a bf16 inference engine: the same parameters, other numerics, "
      "so the learner's ratios at the behaviour's parameters are not 1 (behavior_ratio_*, "
-     "SCIENCE.md s7).", Choice(("", "float32", "bfloat16"))),
+     "docs/science.md s7).", Choice(("", "float32", "bfloat16"))),
   _F("rollout.score_old", False, PROGRAM,
      "The learner also scores every sampled token at the sampling parameters (log pi_old: one "
      "more forward pass of each batch), so pi / mu factors into staleness pi / pi_old and "
      "engine mismatch pi_old / mu, both reported in every row and available to losses "
-     "(SCIENCE.md s7). Forced on by a loss that corrects pi_old / mu. False: pi_old = mu.",
+     "(docs/science.md s7). Forced on by a loss that corrects pi_old / mu. False: pi_old = mu.",
      Bool()),
   _F("group_size", 8, PROGRAM,
      "K: responses sampled per prompt (>= 2 for group-relative advantages).",
@@ -491,7 +491,7 @@ STUDY_FIELDS: tuple[Field, ...] = (
      "Methods: name=loss_preset[+advantage], comma-separated (no value: the preset of that "
      "name with its default advantage).", Str()),
   _F("study.lags", "onpolicy=1/0", NUMBERS,
-     "Lag schedules: name=m/n (sync_interval / sync_offset, SCIENCE.md section 5) or "
+     "Lag schedules: name=m/n (sync_interval / sync_offset, docs/science.md section 5) or "
      "name=offline, comma-separated.", Str()),
   _F("study.seeds", 5, NUMBERS,
      "Seeds per cell (seed, seed + 1, ...): each has its own warm start and prompt order.",
