@@ -76,7 +76,7 @@ ALL_METHODS = ",".join(
     "decoupled_ppo",
   )
 )
-# Lag schedules: name=m/n (sync_interval / sync_offset, SCIENCE.md section 5) or offline;
+# Lag schedules: name=m/n (sync_interval / sync_offset, docs/science.md section 5) or offline;
 # a "+engine" suffix adds an engine-mismatch setting (study.grid.ENGINES: bf16, topk5, topp8).
 LAGS = "onpolicy=1/0,interval20=20/0,offset10=1/10,stale32=1/32,offline=offline"
 

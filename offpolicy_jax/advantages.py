@@ -121,7 +121,7 @@ def red_drop(r_gk: jax.Array, g: _Group, *, key: jax.Array) -> jax.Array:
   A response is positive when `r_i >= mean r`. If the group has more negatives
   than positives, `n_neg - n_pos` uniformly random negatives are dropped; the
   mean is recomputed over the kept responses, `A_i = r_i - mean_kept` for kept
-  ones and `A_i = 0` for dropped ones (seed paper, SCIENCE.md section 3). Fully
+  ones and `A_i = 0` for dropped ones (arXiv:2509.24203, docs/science.md section 3). Fully
   vectorised: negatives are ranked by an i.i.d. uniform score per response and
   the first `n_pos` of them are kept.
 

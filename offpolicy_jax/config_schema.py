@@ -1,5 +1,6 @@
 # size: declaration table: RUN_FIELDS and STUDY_FIELDS declare every config field once
-# (default, role, doc, check), about 310 of its lines; the rest is the roles, checks and readers.
+# (default, role, doc, check), about 310 of its lines; the rest is the roles, checks, readers
+# and the config reference (docs/config.md) rendered from the table.
 """The experiment config: every field once, with its default, role, check and doc.
 
 `configs/default.py` builds its ConfigDict from `RUN_FIELDS` (`config_dict`),
@@ -36,6 +37,9 @@ advantage, task and model names), files or other fields stay there.
 Why this wing: it is the bottom one, so `store.workdir` (below `run`) reads the
 roles too. The study's fields (`config.study.*`, configs/lag_study.py) are
 `STUDY_FIELDS`.
+
+`reference_markdown()` renders every field as the config reference, docs/config.md
+(`python -m offpolicy_jax.config_schema > docs/config.md`).
 """
 
 from __future__ import annotations
@@ -94,10 +98,14 @@ class Int(NamedTuple):
   note: str = ""
   also: tuple[int, ...] = ()
 
+  def describe(self) -> str:
+    """What it accepts, in the words of its complaint."""
+    want = f">= {self.lo}" if self.hi is None else f"in [{self.lo}, {self.hi})"
+    return f"an int {want}{self.note}"
+
   def __call__(self, v: Any) -> str | None:
     ok = _is_int(v) and (v in self.also or (v >= self.lo and (self.hi is None or v < self.hi)))
-    want = f">= {self.lo}" if self.hi is None else f"in [{self.lo}, {self.hi})"
-    return None if ok else f"must be an int {want}{self.note}, got {v!r}"
+    return None if ok else f"must be {self.describe()}, got {v!r}"
 
 
 class Float(NamedTuple):
@@ -115,6 +123,18 @@ class Float(NamedTuple):
   also: tuple[float, ...] = ()
   none_ok: bool = False
 
+  def _number(self) -> str:
+    if self.hi == math.inf:
+      want = f"{'>' if self.lo_open else '>='} {self.lo}"
+    else:
+      want = f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+    unit = f" of {self.unit}" if self.unit else ""
+    return f"a finite number{unit} {want}{self.note}"
+
+  def describe(self) -> str:
+    """What it accepts, in the words of its complaint (and None with `none_ok`)."""
+    return self._number() + (", or None (unset)" if self.none_ok else "")
+
   def __call__(self, v: Any) -> str | None:
     if v is None and self.none_ok:
       return None
@@ -123,12 +143,7 @@ class Float(NamedTuple):
     inside = inside and (v < self.hi if self.hi_open else v <= self.hi)
     if ok and (inside or v in self.also):
       return None
-    if self.hi == math.inf:
-      want = f"{'>' if self.lo_open else '>='} {self.lo}"
-    else:
-      want = f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
-    unit = f" of {self.unit}" if self.unit else ""
-    return f"must be a finite number{unit} {want}{self.note}, got {v!r}"
+    return f"must be {self._number()}, got {v!r}"
 
 
 class Choice(NamedTuple):
@@ -136,23 +151,35 @@ class Choice(NamedTuple):
 
   choices: tuple[Any, ...]
 
+  def describe(self) -> str:
+    """What it accepts, in the words of its complaint."""
+    return f"one of {', '.join(map(repr, self.choices))}"
+
   def __call__(self, v: Any) -> str | None:
     if v in self.choices:
       return None
-    return f"must be one of {', '.join(map(repr, self.choices))}, got {v!r}"
+    return f"must be {self.describe()}, got {v!r}"
 
 
 class Bool(NamedTuple):
   """True or False."""
 
+  def describe(self) -> str:
+    """What it accepts, in the words of its complaint."""
+    return "True or False"
+
   def __call__(self, v: Any) -> str | None:
-    return None if isinstance(v, bool | np.bool_) else f"must be True or False, got {v!r}"
+    return None if isinstance(v, bool | np.bool_) else f"must be {self.describe()}, got {v!r}"
 
 
 class Str(NamedTuple):
   """A string (None too with `none_ok`)."""
 
   none_ok: bool = False
+
+  def describe(self) -> str:
+    """What it accepts."""
+    return "a string" + (", or None (unset)" if self.none_ok else "")
 
   def __call__(self, v: Any) -> str | None:
     if isinstance(v, str) or (v is None and self.none_ok):
@@ -161,9 +188,14 @@ class Str(NamedTuple):
 
 
 class Check(Protocol):
-  """`check(value) -> complaint` ("must be ..., got ...") or None when the value is fine."""
+  """`check(value) -> complaint` ("must be ..., got ...") or None when the value is fine.
+
+  `describe()` says what it accepts ("an int >= 1"), for the config reference.
+  """
 
   def __call__(self, v: Any, /) -> str | None: ...
+
+  def describe(self) -> str: ...
 
 
 # ----------------------------------------------------------------- fields
@@ -206,11 +238,15 @@ class Names(NamedTuple):
 
   choices: tuple[str, ...]
 
+  def describe(self) -> str:
+    """What it accepts, in the words of its complaint."""
+    return f"comma-separated names from {', '.join(self.choices)}"
+
   def __call__(self, v: Any) -> str | None:
     words = [w.strip() for w in v.split(",")] if isinstance(v, str) else None
     if words and all(w in self.choices for w in words):
       return None
-    return f"must be comma-separated names from {', '.join(self.choices)}, got {v!r}"
+    return f"must be {self.describe()}, got {v!r}"
 
 
 _F = Field
@@ -288,7 +324,7 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("top_k", 0, PROGRAM, "Top-k sampling (0 = off).", Int(0, note=" (0 = off)")),
   _F("rollout.behavior_logp", "sampled", PROGRAM,
      "What the sampler records as the behaviour log-prob mu, and so what the learner scores "
-     "(SCIENCE.md s7; the same without top_k / top_p). \"sampled\": the log-prob of the "
+     "(docs/science.md s7; the same without top_k / top_p). \"sampled\": the log-prob of the "
      "tempered, top-k / top-p truncated and renormalised distribution it drew from; the learner "
      "scores that distribution (the kept set's size is recorded per token), so ratios are 1 at "
      "the behaviour's parameters. Right when the truncated sampler is the policy being trained "
@@ -304,12 +340,12 @@ RUN_FIELDS: tuple[Field, ...] = (
      "Compute dtype of the sampler (\"\" = model_dtype). \"bfloat16\" with an float32 learner "
      "is the engine mismatch of a bf16 inference engine: the same parameters, other numerics, "
      "so the learner's ratios at the behaviour's parameters are not 1 (behavior_ratio_*, "
-     "SCIENCE.md s7).", Choice(("", "float32", "bfloat16"))),
+     "docs/science.md s7).", Choice(("", "float32", "bfloat16"))),
   _F("rollout.score_old", False, PROGRAM,
      "The learner also scores every sampled token at the sampling parameters (log pi_old: one "
      "more forward pass of each batch), so pi / mu factors into staleness pi / pi_old and "
      "engine mismatch pi_old / mu, both reported in every row and available to losses "
-     "(SCIENCE.md s7). Forced on by a loss that corrects pi_old / mu. False: pi_old = mu.",
+     "(docs/science.md s7). Forced on by a loss that corrects pi_old / mu. False: pi_old = mu.",
      Bool()),
   _F("group_size", 8, PROGRAM,
      "K: responses sampled per prompt (>= 2 for group-relative advantages).",
@@ -493,7 +529,7 @@ STUDY_FIELDS: tuple[Field, ...] = (
      "Methods: name=loss_preset[+advantage], comma-separated (no value: the preset of that "
      "name with its default advantage).", Str()),
   _F("study.lags", "onpolicy=1/0", NUMBERS,
-     "Lag schedules: name=m/n (sync_interval / sync_offset, SCIENCE.md section 5) or "
+     "Lag schedules: name=m/n (sync_interval / sync_offset, docs/science.md section 5) or "
      "name=offline, comma-separated.", Str()),
   _F("study.seeds", 5, NUMBERS,
      "Seeds per cell (seed, seed + 1, ...): each has its own warm start and prompt order.",
@@ -600,3 +636,136 @@ def check(config: Any, fields: Iterable[Field] = RUN_FIELDS) -> None:
       complaint = f.check(get(config, f.name))
       if complaint:
         raise errors.ConfigError(f"config.{f.name}: {complaint}")
+
+
+# ----------------------------------------------------------------- the reference
+
+# The sections of the config reference (docs/config.md): (title, one line, members). A member
+# is a top-level field or the first part of dotted ones ("loss" holds every loss.* field).
+_SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+  ("Run", "The run's seed and length.", ("seed", "total_steps")),
+  ("Model", "Which model, its dtype and how its forward runs ([models.md](models.md)).",
+   ("model", "model_dtype", "model_scan_layers", "model_attention", "tokenizer")),
+  ("Task and data", "The task, its data and the static shapes of prompts and responses.",
+   ("task", "task_kwargs", "max_prompt_len", "max_new_tokens", "data")),
+  ("Sampling", "The behaviour policy's decoding and the batch: G prompts of K responses a step.",
+   ("temperature", "top_p", "top_k", "group_size", "prompts_per_step")),
+  ("Rollout (`rollout.*`)", "How the sampler produces a step's rows and what it records "
+   "([off_policyness.md](off_policyness.md), [speed.md](speed.md)).", ("rollout",)),
+  ("Host rewards", "The sandboxed verifier workers that score host rewards "
+   "([rewards_and_security.md](rewards_and_security.md)).",
+   ("reward_timeout", "reward_batch_timeout", "reward_workers", "reward_memory_mb",
+    "reward_sandbox")),
+  ("Loss (`loss.*`)", "A loss preset and its overrides; an override left unset (None) keeps "
+   "the preset's value ([losses.md](losses.md)).", ("loss",)),
+  ("Advantage (`advantage.*`)", "The advantage estimator ([losses.md](losses.md)).",
+   ("advantage",)),
+  ("Policy lag (`lag.*`)", "The schedule of the parameter versions that sample "
+   "([science.md](science.md) s5, [lag_and_study.md](lag_and_study.md)).", ("lag",)),
+  ("Replay (`replay.*`)", "The buffer of sampled groups a step trains on.", ("replay",)),
+  ("Train step (`train.*`)", "Optimizer steps per sampled batch and how each runs.",
+   ("train",)),
+  ("Optimizer (`optimizer.*`)", "AdamW and its schedule.", ("optimizer",)),
+  ("LoRA (`lora.*`)", "Low-rank adapters ([lora.md](lora.md)).", ("lora",)),
+  ("Multi-turn (`multiturn.*`)", "Multi-turn episodes ([multiturn.md](multiturn.md)).",
+   ("multiturn",)),
+  ("Mesh (`mesh.*`)", "Device meshes ([scaling_out.md](scaling_out.md)).", ("mesh",)),
+  ("Warm start (`sft.*`)", "The supervised warm start before RL.", ("sft",)),
+  ("Evaluation", "Held-out evaluation during the run.",
+   ("eval_every", "eval_prompts", "eval_samples")),
+  ("Checkpoints and logging", "What the run writes, and how often.",
+   ("checkpoint_every", "log_every", "profile_steps", "keep_checkpoints", "async_checkpoint",
+    "tensorboard", "wandb_project", "progress")),
+  ("Study (`study.*`)", "A study config's own fields (`configs/lag_study.py`; "
+   "[lag_and_study.md](lag_and_study.md)).", ("study",)),
+)  # fmt: skip
+
+_INTRO = """\
+# Config reference
+
+<!-- Generated from offpolicy_jax/config_schema.py; do not edit. Regenerate with:
+python -m offpolicy_jax.config_schema > docs/config.md -->
+
+Every field of a run's config, declared once in `offpolicy_jax/config_schema.py`
+with its default, role, check and doc. The defaults are the main job's
+(`configs/default.py`); the other configs under `configs/` start from them.
+Set a field on the command line, `--config.<name>=<value>`:
+
+    python -m experiments.train --config=configs/default.py --workdir=DIR \\
+      --config.lag.sync_interval=8 --config.loss.name=grpo
+
+or in a config file under `configs/`, whose `get_config()` returns the config
+(`c.lag.sync_interval = 8`). The config is locked: a misspelt name is an
+error. Every value is checked at start-up, before anything compiles, and a
+bad one fails naming the field: "Accepts" below is the check of the value
+alone; checks against registries (loss, advantage, task and model names),
+files and other fields run there too.
+
+## Roles
+
+A field's role says what changing it changes:
+
+| Role | Compiled | Kept on resume | Study cell | Changing it |
+|---|---|---|---|---|
+"""
+
+_ROLES_NOTES = """
+- compiled: the cached compiled part of a run is built from it.
+- kept on resume: resuming a run (the same `--workdir`) with a changed value
+  is refused unless `--allow_config_change` is given (the change is then
+  recorded in the workdir); the fields the checkpointed parameters' shapes
+  follow (`model`, `lora.rank`, `lora.targets`) cannot change even then.
+- study cell: a finished study cell depends on it, so a study that changes it
+  is not resumed.
+"""
+
+
+def _cell(text: str) -> str:
+  """`text` for a markdown table cell: pipes escaped, no `<name>` read as an HTML tag."""
+  text = text.replace("|", "\\|")
+  return "".join(
+    "&lt;" if c == "<" and text[i + 1 : i + 2].isalpha() else c for i, c in enumerate(text)
+  )
+
+
+def _row(f: Field) -> str:
+  accepts = f.check.describe() if f.check is not None else "checked at start-up"
+  default = _cell(f"`{f.default!r}`")
+  return f"| `{f.name}` | {default} | {f.role.name} | {_cell(accepts)} | {_cell(f.doc)} |"
+
+
+def reference_sections(
+  fields: Iterable[Field] = (*RUN_FIELDS, *STUDY_FIELDS),
+) -> list[tuple[str, str, list[Field]]]:
+  """The config reference's sections, `(title, one line, fields)`, in declaration order.
+
+  Raises:
+    ValueError: a field that no section holds (add it to `_SECTIONS`).
+  """
+  fields = list(fields)
+  out = [
+    (title, line, [f for f in fields if f.name.split(".")[0] in members])
+    for title, line, members in _SECTIONS
+  ]
+  placed = {f.name for _, _, held in out for f in held}
+  missing = [f.name for f in fields if f.name not in placed]
+  if missing:
+    raise ValueError(f"fields in no section of the config reference (_SECTIONS): {missing}")
+  return out
+
+
+def reference_markdown() -> str:
+  """The config reference (docs/config.md): the roles, then every field by section."""
+  yes = {True: "yes", False: "no"}
+  lines = [_INTRO.rstrip("\n")]
+  for r in ROLES:
+    lines.append(f"| {r.name} | {yes[r.compiled]} | {yes[r.kept]} | {yes[r.cell]} | {r.doc} |")
+  lines.append(_ROLES_NOTES)
+  for title, line, fields in reference_sections():
+    lines += [f"## {title}", "", line, "", "| Field | Default | Role | Accepts | Description |"]
+    lines += ["|---|---|---|---|---|", *map(_row, fields), ""]
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  print(reference_markdown(), end="")

@@ -42,7 +42,7 @@ def validate_schedule(sync_interval: int, sync_offset: int) -> None:
 def behavior_version(step, sync_interval=1, sync_offset=0):
   """Parameter version that generated the batch of optimizer step ``step``.
 
-  ``v(t) = 0 if t <= n else m * floor((t - n - 1) / m)`` (SCIENCE.md s5).
+  ``v(t) = 0 if t <= n else m * floor((t - n - 1) / m)`` (docs/science.md s5).
   The one implementation of v(t): Python ints give an int (checked), traced
   or array arguments an int32 array (what the jitted RL step uses).
 

@@ -32,10 +32,10 @@ class TrainBatch(NamedTuple):
     behavior_kept: int32 [B, N] size of the top-k / top-p set each token was
       drawn from (V without truncation; `sampling.SampleOutput.kept`), with
       which the learner scores the truncated distribution mu was taken from
-      (`models.logprobs`, SCIENCE.md s7).
+      (`models.logprobs`, docs/science.md s7).
     old_logp: float32 [B, N] log pi_old: the behaviour version's parameters
       scored by the learner (`rollout.score_old`), so that pi / mu factors
-      into staleness pi / pi_old and engine mismatch pi_old / mu (SCIENCE.md
+      into staleness pi / pi_old and engine mismatch pi_old / mu (docs/science.md
       s7); equal to `behavior_logp` when not scored.
   """
 

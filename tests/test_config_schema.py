@@ -76,3 +76,36 @@ def test_check_names_the_field():
   )
   assert schema.Int(1, note=" or -1", also=(-1,))(-1) is None
   assert schema.Int(0)(True) is not None  # a bool is not an int
+
+
+def test_docs_config_md_is_the_generated_reference():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "docs", "config.md")) as f:
+    written = f.read()
+  assert written == schema.reference_markdown(), (
+    "docs/config.md differs from config_schema.reference_markdown(); regenerate it with "
+    "`python -m offpolicy_jax.config_schema > docs/config.md`"
+  )
+
+
+def test_reference_lists_every_field_once_with_what_it_accepts():
+  rows = [r for r in schema.reference_markdown().splitlines() if r.startswith("| `")]
+  assert sorted(r.split("`")[1] for r in rows) == sorted(f.name for f in ALL)
+  row = next(r for r in rows if r.startswith("| `lag.sync_interval` "))
+  assert row.startswith("| `lag.sync_interval` | `4` | numbers | an int >= 1 | m: parameters")
+  stray = schema.Field("no_section", 0, schema.NUMBERS, "A field no section holds.")
+  with pytest.raises(ValueError, match="no_section"):
+    schema.reference_sections((*ALL, stray))
+
+
+def test_describe_is_what_the_complaint_says():
+  for check, bad in [
+    (schema.Int(1, note=" or -1", also=(-1,)), 0),
+    (schema.Float(0, 1, lo_open=True, unit="seconds"), 0.0),
+    (schema.Choice(("sync", "async")), "nope"),
+    (schema.Bool(), 1),
+    (schema.Str(), 1),
+    (schema.Names(("q_proj", "k_proj")), "x"),
+  ]:
+    assert check(bad) == f"must be {check.describe()}, got {bad!r}"
+  assert schema.Float(0, none_ok=True).describe() == "a finite number >= 0, or None (unset)"

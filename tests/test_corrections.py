@@ -1,4 +1,4 @@
-"""The rollout-correction family (SCIENCE.md s7) against float64 references.
+"""The rollout-correction family (docs/science.md s7) against float64 references.
 
 The golden batch and the per-preset reference (`correction_ref`) live in
 tests/test_losses.py, which also checks every preset's loss and gradient,

@@ -1,4 +1,4 @@
-"""The log-prob contract (SCIENCE.md s7): the learner reproduces mu on every sampled token.
+"""The log-prob contract (docs/science.md s7): the learner reproduces mu on every sampled token.
 
 For every sampling setting the sampler accepts (temperature, top-k, top-p,
 stop sequences), teacher-forced scoring at the behaviour's parameters, as the

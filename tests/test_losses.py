@@ -115,7 +115,7 @@ SEQ_CORRECTIONS = ("tis_seq", "mis_seq", "mis_geo", "tr_mask_k3", "tr_mask_k1")
 def correction_ref(name, lw, m):
   """A correction preset's ``(weight, dropped, truncated)`` [B, T] from ``lw = log(pi_x / mu)``.
 
-  SCIENCE.md s7, written out per preset: TIS ``min(w, 2)`` (token, or the
+  docs/science.md s7, written out per preset: TIS ``min(w, 2)`` (token, or the
   row's ``exp(sum lw)`` on every token); IcePop / MIS ``w`` inside
   ``[lo, hi]``, else 0; MIS min/max rule (row dropped if any ``w_t`` leaves
   ``[0.125, 8]``); geometric band ``[0.999, 1.001]`` plus veto ``w_t < 1e-4``
@@ -871,7 +871,7 @@ def test_m2po_tau_and_bapo_bounds_against_reference():
 
 
 # ---------------------------------------------------------------------------
-# The 3-armed bandit of the seed paper (SCIENCE.md section 2).
+# The 3-armed bandit of arXiv:2509.24203 (docs/science.md section 2).
 # ---------------------------------------------------------------------------
 REWARDS = jnp.array([0.0, 0.8, 1.0])
 BEHAVIOUR = jnp.array([0.3, 0.6, 0.1])

@@ -1,4 +1,4 @@
-"""Off-policy diagnostics of every training row: how far mu is, and why (SCIENCE.md s6-7).
+"""Off-policy diagnostics of every training row: how far mu is, and why (docs/science.md s6-7).
 
 The ratio of the current policy to the behaviour's recorded log-probs factors
 through pi_old, the behaviour version's parameters scored by the learner

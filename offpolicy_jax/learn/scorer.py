@@ -66,7 +66,7 @@ def make_scorer(graphdef: nnx.GraphDef, options: StepOptions):
 
   The learner's log-probs of a sampled rollout `out` (`sampling.SampleOutput`)
   at `params`, scored as the train step scores (temperature, truncation,
-  shared prefix): at the sampling parameters, log pi_old (SCIENCE.md s7).
+  shared prefix): at the sampling parameters, log pi_old (docs/science.md s7).
   """
   shared = options.group_size if options.shared_prefix else 0
 

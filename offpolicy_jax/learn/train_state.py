@@ -1,7 +1,7 @@
 """The trainer's state and optimizer: `TrainState`, `make_optimizer`, `init_train_state`.
 
 `TrainState.version` counts optimizer steps, skipped ones included, so it
-follows the lag schedule of SCIENCE.md s5: version ``k`` is "the parameters
+follows the lag schedule of docs/science.md s5: version ``k`` is "the parameters
 after ``k`` optimizer steps". The step that updates it is in `train_step.py`.
 """
 

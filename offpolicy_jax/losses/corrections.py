@@ -1,6 +1,6 @@
 """The rollout-correction family: constant per-token weights and masks on ``w = pi_x / mu``.
 
-SCIENCE.md s7. With ``l_old`` the log-prob of a sampled token under the
+docs/science.md s7. With ``l_old`` the log-prob of a sampled token under the
 behaviour *version*'s parameters scored by the learner,
 ``pi_theta / mu = (pi_theta / pi_old) * (pi_old / mu)``: the first factor is
 staleness plus the update in progress (what a trust region limits), the
@@ -26,7 +26,7 @@ with ``A = 0`` stays exactly inert and no mechanism couples rows.
   ``exp(mean_t lw_t)`` leaves ``[lo, hi]`` (geometric sequence masking,
   huggingface/trl#4891, verl#3984; band around ``[0.999, 1.001]``).
 - Veto (``veto_threshold``): drop the row if any ``w_t < tau`` (verl#3694;
-  verl#4544 later flags ``|lw_t|`` instead; this follows SCIENCE.md s7).
+  verl#4544 later flags ``|lw_t|`` instead; this follows docs/science.md s7).
 - Trust-region masking (``trm``; Li et al., "Trust region masking for
   long-horizon LLM reinforcement learning", arXiv 2512.23075; verl#4544):
   drop the row when the max or mean (``trm_stat``) over its tokens of a

@@ -263,7 +263,7 @@ _BUILTIN: tuple[tuple[str, dict, str, str], ...] = (
   ),
 )
 
-# The rollout-correction family (SCIENCE.md s7; formulas and sources in
+# The rollout-correction family (docs/science.md s7; formulas and sources in
 # `corrections` and `shaping.tv_mask`). Thresholds of tr_mask_* are illustrative.
 _CORRECTIONS: tuple[tuple[str, dict, str, str], ...] = (
   (

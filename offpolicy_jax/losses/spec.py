@@ -8,7 +8,7 @@ off-policy algorithm", arXiv 2509.24203). A spec picks one value on each axis:
    (``rho = pi / mu``), ``proximal`` (``pi / prox``), ``decoupled``
    (``pi / prox`` for the trust region, ``prox / mu`` as a rollout correction)
    or ``old`` (``pi / pi_old``, ``pi_old`` the behaviour version's parameters
-   scored by the learner: the staleness factor of SCIENCE.md s7).
+   scored by the learner: the staleness factor of docs/science.md s7).
 2. ``level``: granularity of the ratio. ``token``; ``seq_prod``
    (``exp(sum_t log rho_t)``); ``seq_geo`` (``exp(mean_t log rho_t)``, GSPO);
    ``seq_geo_token`` (GSPO-token: ``s_it = sg(s_i) pi_t / sg(pi_t)``, value

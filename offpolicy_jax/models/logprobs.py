@@ -8,7 +8,7 @@ log-softmax run chunk by chunk over T under `lax.map` (rematerialised in the
 backward pass), so at most one [B, chunk, V] float32 block of logits exists at
 a time, forward or backward.
 
-Truncated scoring (the log-prob contract, SCIENCE.md s7). A sampler with
+Truncated scoring (the log-prob contract, docs/science.md s7). A sampler with
 top-k / top-p draws y_t from q_t = p_t / Z_t on a kept set S_t, Z_t = p_t(S_t).
 Given `kept` m_t = |S_t| (recorded by the sampler, `SampleOutput.kept`) the
 learner scores

@@ -1,7 +1,7 @@
 """The `Rollout` protocol: every way of sampling a step's rows is one implementation.
 
 A rollout is an `(init, advance)` pair over a carried state (optax's
-`GradientTransformation`, STYLE.md 7):
+`GradientTransformation`, an `(init, update)` pair):
 
   rstate                  = rollout.init()
   rstate, finished, info  = rollout.advance(rstate, params, version, prompts, step, key)

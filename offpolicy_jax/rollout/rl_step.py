@@ -1,6 +1,6 @@
 """One RL step as a pure function: ``rl_step(fns, opts, state, prompts, step, seed, lag)``.
 
-Per loop step ``t`` (SCIENCE.md s5; Yao et al., "Group-relative REINFORCE is
+Per loop step ``t`` (docs/science.md s5; Yao et al., "Group-relative REINFORCE is
 secretly an off-policy algorithm", arXiv:2509.24203):
 
   v(t)     = m * floor((t - n - 1) / m)  (0 if t <= n)    behaviour version (loop steps)

@@ -3,7 +3,7 @@
 Placement is a wrapper over any rollout kind, not a kind of its own
 (`protocol.Rollout`). The device split, the weight transfer and the
 sampler's parameter copy live in `scale.disagg`; this wrapper keeps the copy
-at the behaviour version of the schedule (SCIENCE.md s5): a step whose
+at the behaviour version of the schedule (docs/science.md s5): a step whose
 version differs from the copy's first reshards the parameters onto the
 sampler mesh (with adapters only the adapters; the frozen base is placed
 once). The step's prompts move to the sampler mesh, the wrapped rollout runs

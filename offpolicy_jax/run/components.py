@@ -225,7 +225,7 @@ def step_options(config) -> StepOptions:
 
 
 def _scores_truncation(config) -> bool:
-  """Whether the learner scores the sampler's truncated distribution (SCIENCE.md s7)."""
+  """Whether the learner scores the sampler's truncated distribution (docs/science.md s7)."""
   truncates = config.top_k > 0 or config.top_p < 1.0
   return truncates and config.rollout.behavior_logp == "sampled"
 

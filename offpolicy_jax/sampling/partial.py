@@ -28,7 +28,7 @@ cache instead would save the prefill (one forward over about P + N tokens per
 row per step) but condition the new tokens on keys and values computed by
 older parameters: the recorded log-probs then belong to no single parameter
 version, and behaviour corrections mix that mismatch with staleness
-(SCIENCE.md s5). Re-prefill costs compute; it keeps the behaviour policy exact.
+(docs/science.md s5). Re-prefill costs compute; it keeps the behaviour policy exact.
 
 Layout. Unfinished rows that entered at the same step are at the same length,
 rows of different ages are not. Each step, a row's context (left-padded

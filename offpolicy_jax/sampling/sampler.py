@@ -14,7 +14,7 @@ temperature)`. temperature = 0 means greedy decoding (argmax); the distribution 
 then a point mass, and the recorded log-probs are the untempered model
 log-probs log softmax(logits)(y_t) instead.
 
-The log-prob contract (SCIENCE.md s7). Each token also records m_t = |S_t|,
+The log-prob contract (docs/science.md s7). Each token also records m_t = |S_t|,
 the size of the kept set it was drawn from (V without truncation). The kept
 set is always the m_t most likely tokens, so the learner rebuilds
 log mu_t(y_t) = log p_t(y_t) - log Z_t from its own logits and m_t alone

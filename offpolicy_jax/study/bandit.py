@@ -3,7 +3,7 @@
 Arms have rewards `[0, 0.8, 1]`; the behaviour policy is `[0.3, 0.6, 0.1]`.
 REINFORCE on samples of that fixed behaviour pushes the logit of arm a at the
 rate `mu(a) * (r(a) - E_mu[r])`, so it converges to arm 1 (reward 0.8), not
-the best arm 2 (SCIENCE.md section 2). Each step draws `group_size` arms (one
+the best arm 2 (docs/science.md section 2). Each step draws `group_size` arms (one
 group), scores them, computes the method's group-relative advantages and
 takes one SGD step on the method's loss (`losses.policy_loss`, one-token
 responses). `fixed`: the behaviour stays `mu` forever; `onpolicy`: the
