@@ -35,6 +35,8 @@ ALLOWED = {
   ("tests/test_docs.py", "configs/nope.py"),
   ("tests/test_docs.py", "colab/nope.ipynb"),
   ("tests/test_docs.py", "STYLE.md"),
+  # A user's mistake the binaries must refuse in one line: a config file that does not exist.
+  ("tests/test_cli.py", "configs/nope.py"),
 }
 
 
