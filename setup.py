@@ -16,6 +16,8 @@ INSTALL_REQUIRES = [
     "numpy>=2.0,<3",
     "safetensors==0.8.0",
     "tokenizers==0.23.3",
+    # `config.model=org/name`: a Hugging Face repo id, downloaded or read from the cache.
+    "huggingface_hub==2.4.0",
     "jinja2>=3.1",
     "tensorboardX==2.6.5",
     "matplotlib>=3.9",
@@ -27,6 +29,10 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
+    # Viewers of the metrics a run writes: `tensorboard --logdir=WORKDIR/tb`,
+    # and Weights & Biases (`--config.wandb_project=NAME`).
+    "tensorboard": ["tensorboard>=2.16"],
+    "wandb": ["wandb>=0.19"],
     "tasks": [
         "reasoning-gym==0.1.25",
         "math-verify==0.9.0",

@@ -13,7 +13,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import errors, models  # noqa: E402
-from offpolicy_jax.models import lora  # noqa: E402
+from offpolicy_jax.models import lora, tokenizers  # noqa: E402
 from offpolicy_jax.run import components, export, loop  # noqa: E402
 from offpolicy_jax.store import checkpointing  # noqa: E402
 from tests.test_loop import small_config  # noqa: E402
@@ -82,6 +82,17 @@ def test_peft_and_merged_exports_give_our_logits(lora_run, tmp_path):
   # Our own import of the adapter onto the exported base gives the same model.
   back = lora.load_peft(models.from_pretrained(got["base"]), adapter_dir)
   np.testing.assert_allclose(np.asarray(back(jnp.asarray(tokens))), ours, atol=1e-5, rtol=0)
+  # The run's tokenizer travels with each export: transformers loads it from the directory.
+  # (The toy character vocabulary loads by its class: AutoTokenizer gives a qwen2 config
+  # Qwen2's own pre-tokenizer. A Hugging Face model's tokenizer loads with AutoTokenizer:
+  # tests/test_tokenizers.py.)
+  ref = tokenizers.CharTokenizer()
+  text = "12+34=?\nab c"
+  for d in (merged_dir, adapter_dir, got["base"]):
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(d)
+    assert tok.encode(text, add_special_tokens=False) == ref.encode(text), d
+    assert tok.decode(ref.encode(text)) == text
+    assert (len(tok), tok.eos_token_id, tok.pad_token_id) == (ref.vocab_size, ref.eos_id, 0)
 
 
 def _b_matrices(model):

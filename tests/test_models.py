@@ -420,3 +420,38 @@ def test_bfloat16_compute_with_float32_master_weights_keeps_logprobs_close():
     params
   )
   assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+
+
+def test_a_hub_id_loads_from_a_prefilled_cache(hf_models, tmp_path, monkeypatch):
+  """`config.model=org/name` on an offline machine: the files come from the HF cache."""
+  import huggingface_hub
+
+  from offpolicy_jax import config_schema, errors
+  from offpolicy_jax.models import hub
+  from offpolicy_jax.run import validation
+
+  _, path = hf_models["qwen2"]
+  repo = tmp_path / "hub" / "models--testorg--tiny-qwen2"
+  commit = "0123456789abcdef0123456789abcdef01234567"
+  shutil.copytree(path, repo / "snapshots" / commit)
+  (repo / "refs").mkdir()
+  (repo / "refs" / "main").write_text(commit)
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+  hub._snapshot.cache_clear()
+  try:
+    local = hub.model_dir("testorg/tiny-qwen2")
+    assert local == str(repo / "snapshots" / commit)
+    got = nnx.state(models.from_pretrained(local))
+    want = nnx.state(models.from_pretrained(path))
+    chex.assert_trees_all_equal(got, want)
+    config = config_schema.config_dict()
+    config.model = "testorg/tiny-qwen2"
+    validation.validate_config(config)  # the id is a model, as a directory would be
+    config.model = "testorg/not-there"
+    with pytest.raises(errors.ConfigError, match="'testorg/not-there' .* cache"):
+      validation.validate_config(config)
+  finally:
+    hub._snapshot.cache_clear()
+  assert not hub.is_repo_id("tiny") and not hub.is_repo_id("/abs/path")
+  assert hub.model_dir("tiny") is None  # a preset

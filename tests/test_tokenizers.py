@@ -116,6 +116,29 @@ def test_hf_matches_transformers(hf_dir):
   assert tok.eos_id == ref.eos_token_id and tok.pad_id == ref.pad_token_id
 
 
+def test_saved_tokenizers_load_in_transformers(hf_dir, tmp_path):
+  """What an export writes: the same ids and chat template through AutoTokenizer."""
+  transformers = pytest.importorskip("transformers")
+  tok = toks.HFTokenizer.from_pretrained(hf_dir)
+  tok.save_pretrained(str(tmp_path / "hf"))
+  msgs = [{"role": "user", "content": "Natalia sold 48 clips?"}]
+  text = tok.apply_chat_template(msgs)
+  for load in (transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast):
+    back, original = load.from_pretrained(str(tmp_path / "hf")), load.from_pretrained(hf_dir)
+    assert back.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == text
+    ids = back.encode(text, add_special_tokens=False)
+    assert ids == original.encode(text, add_special_tokens=False)
+    assert (back.eos_token_id, back.pad_token_id) == (tok.eos_id, tok.pad_id)
+  assert ids == tok.encode(text)  # the class the tokenizer.json was written for
+  char = toks.CharTokenizer()
+  char.save_pretrained(str(tmp_path / "char"))
+  back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "char"))
+  text = "12+34=?\nab c|x_y!"
+  assert back.encode(text, add_special_tokens=False) == char.encode(text)
+  assert back.decode(char.encode(text)) == text
+  assert toks.HFTokenizer.from_pretrained(tmp_path / "char").encode(text) == char.encode(text)
+
+
 def test_hf_errors(tmp_path, hf_dir):
   with pytest.raises(ValueError, match="tokenizer.json"):
     toks.HFTokenizer.from_pretrained(tmp_path)

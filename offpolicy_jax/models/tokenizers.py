@@ -39,6 +39,8 @@ class Tokenizer(Protocol):
     self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
   ) -> str: ...
 
+  def save_pretrained(self, path: str) -> None: ...
+
 
 # Order is the vocabulary: ids are stable across versions (append only).
 _CHAR_SPECIALS = ("<pad>", "<bos>", "<eos>")
@@ -90,6 +92,28 @@ class CharTokenizer:
     """No roles for the toy models: the message contents joined by newlines."""
     del add_generation_prompt
     return "\n".join(m["content"] for m in messages)
+
+  def save_pretrained(self, path: str) -> None:
+    """Writes the same character vocabulary as a Hugging Face fast tokenizer into `path`.
+
+    `transformers.AutoTokenizer.from_pretrained(path)` then encodes and decodes
+    exactly as this class does (one id per character; `<bos>`, `<eos>`, `<pad>`).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(self._itos)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(_CHAR_SPECIALS))
+    config = {
+      "tokenizer_class": "PreTrainedTokenizerFast",
+      "bos_token": _CHAR_SPECIALS[self.bos_id],
+      "eos_token": _CHAR_SPECIALS[self.eos_id],
+      "pad_token": _CHAR_SPECIALS[self.pad_id],
+      "model_max_length": 1 << 20,
+    }
+    _write(path, tok, config)
 
 
 def _token_content(tok: Any) -> str | None:
@@ -160,6 +184,13 @@ class HFTokenizer:
       raise ValueError(f"special token {token!r} from tokenizer_config.json is not in the vocab.")
     return i
 
+  def save_pretrained(self, path: str) -> None:
+    """Writes `tokenizer.json`, `tokenizer_config.json` (with the chat template) into `path`."""
+    config = dict(self._config)
+    if self.chat_template is not None:
+      config["chat_template"] = self.chat_template
+    _write(path, self._tok, config)
+
   @classmethod
   def from_pretrained(cls, path: str | os.PathLike) -> HFTokenizer:
     """Loads `tokenizer.json`, `tokenizer_config.json` and the chat template from `path`.
@@ -227,3 +258,10 @@ class HFTokenizer:
       **special,
       **kwargs,
     )
+
+
+def _write(path: str, tokenizer, config: dict[str, Any]) -> None:
+  os.makedirs(path, exist_ok=True)
+  tokenizer.save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f, indent=2, ensure_ascii=False)

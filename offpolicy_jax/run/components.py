@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Any
 
 import jax
@@ -34,7 +33,7 @@ from flax import nnx
 from offpolicy_jax import config_schema, errors, lag, losses, models
 from offpolicy_jax.learn import scorer, train_state
 from offpolicy_jax.learn.step_options import StepOptions
-from offpolicy_jax.models import tokenizers
+from offpolicy_jax.models import hub, tokenizers
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rollout import pipeline, rl_step
 from offpolicy_jax.rollout.pipeline import INIT, step_key
@@ -142,8 +141,9 @@ def sampler_and_trainer_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.
 def _tokenizer(config):
   if config.tokenizer:
     return tokenizers.HFTokenizer.from_pretrained(config.tokenizer)
-  if os.path.isdir(config.model):
-    return tokenizers.HFTokenizer.from_pretrained(config.model)
+  path = hub.model_dir(config.model)
+  if path is not None:
+    return tokenizers.HFTokenizer.from_pretrained(path)
   return tokenizers.CharTokenizer()
 
 
@@ -166,8 +166,9 @@ def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
   """
   dtype = dtype or config.model_dtype
   lc = lora_config(config)
-  if os.path.isdir(config.model):
-    path, compute = config.model, jnp.dtype(dtype)
+  path = hub.model_dir(config.model)
+  if path is not None:
+    compute = jnp.dtype(dtype)
     scan, attention = config.model_scan_layers, config.model_attention
 
     def load(seed):

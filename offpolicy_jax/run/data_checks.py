@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from offpolicy_jax import files, models
+from offpolicy_jax.models import hub
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rollout import data
 
@@ -48,9 +49,10 @@ def get_model_config(config, tokenizer) -> models.ModelConfig:
   Raises:
     ValueError: `config.model: ...` for an unreadable or unsupported config.json.
   """
-  if not os.path.isdir(config.model):
+  local = hub.model_dir(config.model)
+  if local is None:
     return models.get_config(config.model, vocab_size=tokenizer.vocab_size)
-  path = os.path.join(config.model, "config.json")
+  path = os.path.join(local, "config.json")
   try:
     return models.config_from_hf(files.read_json_object(path))
   except (OSError, ValueError, TypeError, KeyError) as e:
@@ -229,7 +231,7 @@ def _scan(c, task: tasks.Task, tokenizer, split: str, cache_dir: str | None) -> 
 
 def _scan_key(c, task, tokenizer, split: str, size: int, limit: int | None) -> str:
   """Everything a scan depends on: task, data files, tokenizer files, a probe of the data."""
-  tok_dir = c.tokenizer or (c.model if os.path.isdir(c.model) else "")
+  tok_dir = c.tokenizer or hub.model_dir(c.model) or ""
   files = [v for v in c.task_kwargs.values() if isinstance(v, str) and os.path.isfile(v)]
   if tok_dir:
     names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

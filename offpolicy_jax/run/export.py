@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from offpolicy_jax import errors, models
+from offpolicy_jax.models import hub
 from offpolicy_jax.run import components, start
 from offpolicy_jax.store import checkpointing
 from offpolicy_jax.store import workdir as workdir_lib
@@ -82,6 +83,7 @@ def export_checkpoint(
 
   Returns:
     `{"step", "format", "out", "base"}`; "base" is the adapter's base (PEFT) or None.
+    `out` (and a base written under it) also holds the run's tokenizer files.
 
   Raises:
     ValueError: an unknown format, "peft" for a run without adapters, or a base mismatch.
@@ -110,14 +112,19 @@ def export_checkpoint(
     models.lora.save_merged(model, out, dtype)
   else:
     base_path = _base_path(config, model, out, dtype)
+    if base_path.startswith(os.path.abspath(out)):
+      comps.fns.tokenizer.save_pretrained(base_path)
     models.lora.save_peft(model, out, base_model_name_or_path=base_path, dtype=dtype)
+  # The run's tokenizer beside the weights: `transformers` loads both from `out`.
+  comps.fns.tokenizer.save_pretrained(out)
   return {"step": meta["step"], "format": fmt, "out": out, "base": base_path}
 
 
 def _base_path(config, model, out: str, dtype) -> str:
   """The HF directory of the adapter's base: `config.model`, or the base written to OUT/base."""
-  if os.path.isdir(config.model) and not config.sft.enabled:
-    return os.path.abspath(config.model)
+  local = hub.model_dir(config.model)
+  if local is not None and not config.sft.enabled:
+    return os.path.abspath(local)
   path = os.path.join(out, BASE_DIR)
   models.save_pretrained(models.lora.without_adapters(_zeroed(model)), path, dtype)
   return os.path.abspath(path)

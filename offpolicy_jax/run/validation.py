@@ -24,6 +24,7 @@ import numpy as np
 
 from offpolicy_jax import advantages, config_schema, errors, losses, models
 from offpolicy_jax.learn import replay
+from offpolicy_jax.models import hub
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.scale import disagg, sharding
 
@@ -314,11 +315,18 @@ def _validate_disaggregated(c) -> None:
 
 def _validate_sources(c) -> None:
   """Model, tokenizer, task and data files exist."""
-  if os.path.sep in c.model or os.path.isdir(c.model):
+  if os.path.isdir(c.model) or (os.path.sep in c.model and not hub.is_repo_id(c.model)):
     _need(
       os.path.isfile(os.path.join(c.model, "config.json")),
       "model",
       f"{c.model!r} is not a Hugging Face directory with config.json",
+    )
+  elif hub.is_repo_id(c.model):
+    local = hub.model_dir(c.model)  # downloads, or finds it in the cache
+    _need(
+      local is not None and os.path.isfile(os.path.join(local, "config.json")),
+      "model",
+      f"the Hugging Face repo {c.model!r} has no config.json",
     )
   else:
     _need(
