@@ -10,11 +10,16 @@ r"""Expands a config's `get_sweep()` into runs: runs them here one by one, or wr
 `offpolicy_jax.launchers`) and `index.tsv` to `--launch_dir`, or prints them
 without it. `--print_only` is `--launcher=local` printed.
 
-Each run goes to `workdir/<run name>` (resumable like train.py); at the end the
-sweep writes `workdir/summary.md`, `workdir/summary.csv` and `workdir/curves.png`.
-A run that fails is recorded (`status` failed and its `error` in the summary)
-and the sweep goes on; the process then exits with status 1, naming the
-failed runs.
+Each run goes to `workdir/<run name>` (resumable like train.py) and trains in
+a worker process of its own (its output in `<run>/sweep_run.log`; `--inline`
+trains here instead, for debugging), so a crash, an OOM kill or a segfault
+costs that run only. Progress (done, failed, to go, ETA) is printed after each
+run; at the end the sweep writes `workdir/summary.md`, `workdir/summary.csv`
+and `workdir/curves.png`. A run that fails is recorded (`status` failed and
+its `error` in the summary) and the sweep goes on; the process then exits with
+status 1, naming the failed runs. Rerunning the command skips the runs that
+finished (`sweep_status.json`) and retries the failed ones. SIGINT / SIGTERM
+let the current run save at its step, then stop the sweep.
 """
 
 import sys
@@ -33,6 +38,11 @@ from offpolicy_jax.study.sweeps import (
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file with get_sweep().")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Parent directory of the runs.")
 _PRINT_ONLY = flags.DEFINE_bool("print_only", False, "Print one train command per run and exit.")
+_INLINE = flags.DEFINE_bool(
+  "inline",
+  False,
+  "Train every run in this process (debugging) instead of one worker process per run.",
+)
 _LAUNCHER = flags.DEFINE_enum(
   "launcher", None, launchers.LAUNCHERS, "Write (or print) launch files instead of running."
 )
@@ -103,7 +113,8 @@ def main(argv):
     except ValueError as e:
       raise app.UsageError(str(e)) from e
   try:
-    summary = run_sweep(_CONFIG.value, sweep, _WORKDIR.value)
+    isolation = "inline" if _INLINE.value else "process"
+    summary = run_sweep(_CONFIG.value, sweep, _WORKDIR.value, isolation=isolation)
   except SweepError as e:
     _print_file(e.summary)
     print(e, file=sys.stderr, flush=True)

@@ -38,11 +38,11 @@ def test_failing_run_is_recorded_and_the_others_run(tmp_path, monkeypatch):
   monkeypatch.setattr(loop, "train_and_evaluate", train_and_evaluate)
   runs = [{"name": "a"}, {"name": "broken", "optimizer.learning_rate": -1.0}, {"name": "c"}]
   with pytest.raises(sweep.SweepError, match="1 of 3 sweep runs failed: broken") as info:
-    sweep.run_sweep(default.get_config(), runs, str(tmp_path))
+    sweep.run_sweep(default.get_config(), runs, str(tmp_path), isolation="inline")
   assert calls == ["a", "broken", "c"]
   error = info.value.failed["broken"]
   assert list(info.value.failed) == ["broken"]
-  assert error.startswith("ValueError: config.optimizer.learning_rate: ")
+  assert error.startswith("ConfigError: config.optimizer.learning_rate: ")
   assert info.value.summary == str(tmp_path / "summary.md")
 
   with open(tmp_path / "summary.csv", newline="") as f:
@@ -64,7 +64,9 @@ def test_failing_run_is_recorded_and_the_others_run(tmp_path, monkeypatch):
 
 def test_all_runs_ok_returns_the_summary(tmp_path, monkeypatch):
   monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir: _fake_run(workdir, 2))
-  summary = sweep.run_sweep(default.get_config(), [{"seed": 1}, {"seed": 2}], str(tmp_path))
+  summary = sweep.run_sweep(
+    default.get_config(), [{"seed": 1}, {"seed": 2}], str(tmp_path), isolation="inline"
+  )
   assert summary == str(tmp_path / "summary.md")
   text = open(summary).read()
   assert "| seed=1 | 2 |" in text and "| ok |  |" in text and "failed" not in text
@@ -74,30 +76,45 @@ def test_bad_override_fails_before_any_run(tmp_path, monkeypatch):
   calls, workdir = [], str(tmp_path)
   monkeypatch.setattr(loop, "train_and_evaluate", lambda config, workdir: calls.append(workdir))
   with pytest.raises(ValueError, match="'optimizer.no_such_field'"):
-    sweep.run_sweep(default.get_config(), [{"seed": 1}, {"optimizer.no_such_field": 1}], workdir)
+    sweep.run_sweep(
+      default.get_config(),
+      [{"seed": 1}, {"optimizer.no_such_field": 1}],
+      workdir,
+      isolation="inline",
+    )
   assert calls == [] and not os.listdir(tmp_path)
 
 
 DRIVER = """
-import sys
+import os
+import signal
 
-from absl import app
-
-from experiments import sweep
 from offpolicy_jax.run import loop
 from offpolicy_jax.store import metrics
 
 
+# Stands in for training; the worker processes import this file too, so they run it.
 def train_and_evaluate(config, workdir):
+  sweep_dir = os.path.dirname(workdir)
+  with open(os.path.join(sweep_dir, "calls.txt"), "a") as f:
+    f.write(os.path.basename(workdir) + "\\n")
   with metrics.MetricsWriter(workdir, tensorboard=False, progress=False) as writer:
     writer.write(1, {"reward_mean": 0.5})
-  if config.seed == 2:
-    raise FloatingPointError("loss | blew up\\nat step 2")
+  if not os.path.exists(os.path.join(sweep_dir, "fixed")):
+    if config.seed == 2:
+      os.kill(os.getpid(), signal.SIGSEGV)  # what XLA did after ~50 runs in one process
+    if config.seed == 3:
+      raise FloatingPointError("loss | blew up\\nat step 2")
   return []
 
 
 loop.train_and_evaluate = train_and_evaluate
-app.run(sweep.main)
+
+if __name__ == "__main__":
+  from experiments import sweep
+  from offpolicy_jax import cli
+
+  cli.run(sweep.main)
 """
 
 SWEEP_CONFIG = """
@@ -113,31 +130,37 @@ def get_sweep():
 """
 
 
-def test_sweep_process_exits_nonzero_naming_failed_runs(tmp_path):
+def test_a_crashed_run_costs_that_run_only_and_a_rerun_retries_it(tmp_path):
+  """Worker processes: a segfault and an exception fail their runs; the others and a rerun go on."""
   (tmp_path / "driver.py").write_text(textwrap.dedent(DRIVER))
   (tmp_path / "sweep_config.py").write_text(textwrap.dedent(SWEEP_CONFIG))
-  env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"}
   workdir = tmp_path / "runs"
-  out = subprocess.run(
-    [
-      sys.executable,
-      str(tmp_path / "driver.py"),
-      f"--config={tmp_path / 'sweep_config.py'}",
-      f"--workdir={workdir}",
-    ],
-    cwd=REPO,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  env = {**os.environ, "PYTHONPATH": REPO}
+  cmd = [
+    sys.executable,
+    str(tmp_path / "driver.py"),
+    f"--config={tmp_path / 'sweep_config.py'}",
+    f"--workdir={workdir}",
+  ]
+  out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stderr[-3000:]
   summary = str(workdir / "summary.md")
-  assert f"1 of 3 sweep runs failed: middle (see {summary})" in out.stderr
-  assert "  middle: FloatingPointError: loss | blew up at step 2" in out.stderr
-  assert "Traceback" in out.stderr  # the failed run's traceback
-  assert "sweep run last done" in out.stdout
-  # The summary is printed: every run, the failed one with its escaped error.
-  assert "| first | 1 |" in out.stdout and "| last | 1 |" in out.stdout
-  assert r"| failed | FloatingPointError: loss \| blew up at step 2 |" in out.stdout
+  assert f"2 of 3 sweep runs failed: middle, last (see {summary})" in out.stderr
+  assert "  middle: killed by SIGSEGV" in out.stderr
+  assert "  last: exit status 1: FloatingPointError: loss | blew up at step 2" in out.stderr
+  assert "sweep run first done" in out.stdout
+  assert "sweep: 3/3 done (2 failed), 0 to go" in out.stdout
+  assert "sweep: 1/3 done, 2 to go, ETA" in out.stdout
+  # The summary is printed: every run, the failed ones with their escaped errors.
+  assert "| first | 1 |" in out.stdout and "| middle | 1 |" in out.stdout
+  assert r"| failed | exit status 1: FloatingPointError: loss \| blew up at step 2 |" in out.stdout
   assert open(summary).read() in out.stdout
+  assert "Traceback" in (workdir / "last" / "sweep_run.log").read_text()
+
+  (workdir / "fixed").write_text("")
+  again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "sweep run first skipped (done before)" in again.stdout
+  calls = (workdir / "calls.txt").read_text().split()
+  assert calls == ["first", "middle", "last", "middle", "last"]  # only the failed ones again
+  assert "failed" not in (workdir / "summary.md").read_text()

@@ -1,21 +1,27 @@
 """Sweeps: a config's `get_sweep()` list of dotted overrides, run one after another.
 
 `run_sweep(config, sweep, workdir)` runs each entry in `workdir/<run name>`
-(resumable like a single run), records a failing run and goes on, and writes
-`summary.md`, `summary.csv` and `curves.png`. Runs that share compiled shapes
-share compiled functions and warm starts (`components.build_components`).
+(resumable like a single run), each in a worker process of its own
+(`sweep_runs`), records a failing run and goes on, prints progress with an
+ETA, and writes `summary.md`, `summary.csv` and `curves.png`.
 The `experiments.sweep` binary is a thin wrapper around this module.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import time
-import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
-from offpolicy_jax.study import reports
+from offpolicy_jax import files
+from offpolicy_jax.study import reports, sweep_runs
+
+ISOLATIONS = ("process", "inline")
+STATUS_FILE = "sweep_status.json"
 
 
 def run_name(overrides: dict) -> str:
@@ -78,50 +84,125 @@ class SweepError(RuntimeError):
     super().__init__(f"{len(self.failed)} of {num_runs} sweep runs failed: {names} (see {summary})")
 
 
-def _error_line(e: BaseException) -> str:
-  """`Type: message` on one line (newlines and runs of spaces collapsed)."""
-  return " ".join(f"{type(e).__name__}: {e}".split())
+def _fingerprint(config) -> str:
+  """What a run is: its whole config (a finished run with another config runs again)."""
+  return hashlib.sha256(
+    json.dumps(config.to_dict(), sort_keys=True, default=str).encode()
+  ).hexdigest()
 
 
-def run_sweep(config, sweep: list[dict], workdir: str) -> str:
-  """Runs every entry of `sweep` (dotted overrides of `config`) here, one after another.
+class _Progress:
+  """`sweep: 12/108 done (1 failed), 96 to go, ETA 41m` after every run."""
 
-  Runs sharing compiled shapes reuse one set of compiled functions and one warm
-  start. A run that raises is recorded and the sweep goes on with the next
-  one. Writes `summary.md` and `summary.csv` (every run, with a `status`
-  column, `ok` or `failed`, and the failed runs' `error`) and `curves.png`
-  under `workdir`.
+  def __init__(self, total: int, log: Callable[[str], None]):
+    self.total, self.log = total, log
+    self.done = self.failed = 0
+    self.spent: list[float] = []  # seconds of the runs that ran here
+
+  def update(self, name: str, error: str | None, seconds: float | None) -> None:
+    self.done += 1
+    self.failed += error is not None
+    if seconds is not None:
+      self.spent.append(seconds)
+    left = self.total - self.done
+    eta = ""
+    if left and self.spent:
+      eta = f", ETA {_duration(left * sum(self.spent) / len(self.spent))}"
+    if seconds is None:
+      what = "skipped (done before)"
+    else:
+      what = f"FAILED after {seconds:.1f}s: {error}" if error else f"done ({seconds:.1f}s)"
+    failed = f" ({self.failed} failed)" if self.failed else ""
+    self.log(f"sweep run {name} {what}")
+    self.log(f"sweep: {self.done}/{self.total} done{failed}, {left} to go{eta}")
+
+
+def _duration(seconds: float) -> str:
+  if seconds < 120:
+    return f"{seconds:.0f}s"
+  if seconds < 7200:
+    return f"{seconds / 60:.0f}m"
+  return f"{seconds / 3600:.1f}h"
+
+
+def _read_status(workdir: str) -> dict[str, dict[str, Any]]:
+  path = os.path.join(workdir, STATUS_FILE)
+  if not os.path.exists(path):
+    return {}
+  try:
+    return dict(files.read_json_object(path))
+  except ValueError:
+    return {}  # unreadable: every run runs (a finished one resumes at its end)
+
+
+def _write_status(workdir: str, status: Mapping[str, Any]) -> None:
+  path = os.path.join(workdir, STATUS_FILE)
+  with open(path + ".tmp", "w") as f:
+    json.dump(status, f, indent=1, sort_keys=True)
+  os.replace(path + ".tmp", path)
+
+
+def run_sweep(
+  config,
+  sweep: list[dict],
+  workdir: str,
+  *,
+  isolation: str = "process",
+  log: Callable[[str], None] = lambda s: print(s, flush=True),
+) -> str:
+  """Runs every entry of `sweep` (dotted overrides of `config`), one after another.
+
+  Each run trains in a worker process of its own (`isolation="process"`,
+  `sweep_runs.run_in_process`): a crash or a kill ends that run only, and
+  memory stays flat over hundreds of runs. `isolation="inline"` trains here
+  (debugging; runs sharing compiled shapes then share compiled functions and
+  warm starts). A failed run is recorded and the sweep goes on. The status of
+  each run is kept in `sweep_status.json`: rerunning the command skips the
+  runs that finished with the same config and retries the others. Writes
+  `summary.md` and `summary.csv` (every run, with a `status` column, `ok` or
+  `failed`, and the failed runs' `error`) and `curves.png` under `workdir`.
 
   Returns:
     The path of `summary.md`.
 
   Raises:
-    ValueError: before any run, for repeated run names or an override that
-      names no config field.
+    ValueError: before any run, for repeated run names, an override that
+      names no config field, or an unknown `isolation`.
     SweepError: after every run and the summary, if any run failed.
+    errors.Interrupted: SIGINT or SIGTERM; the current run saved and stopped.
   """
-  from offpolicy_jax.run import loop
-
+  if isolation not in ISOLATIONS:
+    raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
   check_unique_names(sweep)
   configs = {run_name(o): apply_overrides(config, o) for o in sweep}
+  os.makedirs(workdir, exist_ok=True)
+  status = _read_status(workdir)
+  progress = _Progress(len(configs), log)
   runs: dict[str, str] = {}
   failed: dict[str, str] = {}
   for name, run_config in configs.items():
     runs[name] = os.path.join(workdir, name)
-    start = time.time()
-    try:
-      loop.train_and_evaluate(run_config, runs[name])
-    except Exception as e:
-      traceback.print_exc()
-      failed[name] = _error_line(e)
-      print(f"sweep run {name} FAILED after {time.time() - start:.1f}s: {failed[name]}", flush=True)
+    key = _fingerprint(run_config)
+    if status.get(name, {}).get("status") == "ok" and status[name].get("config") == key:
+      progress.update(name, None, None)
       continue
-    print(f"sweep run {name} done in {time.time() - start:.1f}s", flush=True)
-  status = {
+    start = time.time()
+    if isolation == "inline":
+      error = sweep_runs.run_inline(run_config, runs[name])
+    else:
+      error = sweep_runs.run_in_process(run_config, runs[name], workdir)
+    status[name] = {"status": "failed" if error else "ok", "error": error or "", "config": key}
+    _write_status(workdir, status)
+    if error:
+      failed[name] = error
+    progress.update(name, error, time.time() - start)
+  table = {
     n: {"status": "failed" if n in failed else "ok", "error": failed.get(n, "")} for n in runs
   }
-  summary = reports.write_summary_table(runs, workdir, extra=status)
-  reports.plot_runs(runs, os.path.join(workdir, "curves.png"))
+  summary = reports.write_summary_table(runs, workdir, extra=table)
+  with_rows = {n: w for n, w in runs.items() if reports.summarize_run(w)["steps"]}
+  if with_rows:
+    reports.plot_runs(with_rows, os.path.join(workdir, "curves.png"))
   if failed:
     raise SweepError(summary, failed, len(runs))
   return summary

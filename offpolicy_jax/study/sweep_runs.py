@@ -1,0 +1,147 @@
+"""How a sweep runs each of its runs: in a worker process of its own, or here.
+
+`run_in_process(config, workdir)` trains one run in a fresh (spawned) Python
+process whose stdout and stderr go to `workdir/sweep_run.log`. Whatever ends
+that process (an exception, a segmentation fault inside XLA, the kernel's OOM
+killer, a hung compile stopped by a signal) ends that run only, and what the
+process held (compiled programs, device buffers, threads) goes with it, so a
+sweep of hundreds of runs keeps a flat memory. Runs sharing compiled shapes
+still share compilations, through a persistent compilation cache under the
+sweep's workdir. `run_inline` trains in this process (for debugging: one
+traceback, pdb, no start-up cost).
+
+Signals: the worker runs in its own process group, so Ctrl-C at a terminal
+reaches this process only, which passes SIGINT or SIGTERM on to the worker
+once: the worker saves at its current step and stops
+(`offpolicy_jax.run.stopping`), and the sweep stops after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import traceback
+from typing import Any
+
+from offpolicy_jax import errors
+
+LOG_FILE = "sweep_run.log"
+ERROR_FILE = "sweep_run.error"  # the exception that ended a worker, on one line
+CACHE_DIR = ".jax_cache"  # under the sweep's workdir, shared by its workers
+
+
+def _error_line(e: BaseException) -> str:
+  """`Type: message` on one line (newlines and runs of spaces collapsed)."""
+  return " ".join(f"{type(e).__name__}: {e}".split())
+
+
+def run_inline(config: Any, workdir: str) -> str | None:
+  """Trains here; returns None, or the run's error on one line (its traceback printed)."""
+  from offpolicy_jax.run import loop
+
+  try:
+    loop.train_and_evaluate(config, workdir)
+  except errors.Interrupted:
+    raise
+  except Exception as e:
+    traceback.print_exc()
+    return _error_line(e)
+  return None
+
+
+def _worker(config: Any, workdir: str, log_path: str, cache_dir: str) -> None:
+  """The worker process: its own process group, output to the log, then the run."""
+  os.setpgrp()
+  log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+  os.dup2(log, 1)
+  os.dup2(log, 2)
+  os.close(log)
+  import jax
+
+  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  from offpolicy_jax.run import loop
+
+  try:
+    loop.train_and_evaluate(config, workdir)
+  except errors.Interrupted as e:
+    print(e, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(e.exit_code)
+  except Exception as e:
+    traceback.print_exc()
+    sys.stderr.flush()
+    with open(os.path.join(workdir, ERROR_FILE), "w") as f:
+      f.write(_error_line(e))
+    os._exit(1)
+
+
+def _tail(path: str, n: int) -> list[str]:
+  """The last `n` non-empty lines of a log, progress bars left out."""
+  try:
+    with open(path, errors="replace") as f:
+      lines = [x.rstrip() for x in f.read()[-20000:].splitlines() if x.strip()]
+  except OSError:
+    return []
+  return [x for x in lines if "%|" not in x][-n:]
+
+
+def _last_line(path: str) -> str:
+  last = _tail(path, 1)
+  return " ".join(last[0].split()) if last else ""
+
+
+def describe_exit(code: int, log_path: str) -> str:
+  """One line for a worker's exit status: how it ended, and its error or its log's last line."""
+  how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+  error = os.path.join(os.path.dirname(log_path), ERROR_FILE)
+  last = _last_line(error) if os.path.exists(error) else _last_line(log_path)
+  return f"{how}: {last}" if last else how
+
+
+def run_in_process(config: Any, workdir: str, sweep_dir: str) -> str | None:
+  """Trains in a worker process; returns None, or how it failed on one line.
+
+  Raises:
+    errors.Interrupted: this process got SIGINT or SIGTERM; the worker was
+      asked to save and stop, and did.
+  """
+  os.makedirs(workdir, exist_ok=True)
+  log_path = os.path.join(workdir, LOG_FILE)
+  with contextlib.suppress(FileNotFoundError):
+    os.remove(os.path.join(workdir, ERROR_FILE))  # a previous attempt's
+  cache = os.path.join(sweep_dir, CACHE_DIR)
+  proc = multiprocessing.get_context("spawn").Process(
+    target=_worker, args=(config, workdir, log_path, cache), daemon=False
+  )
+  received: list[int] = []
+
+  def forward(signum, frame):
+    del frame
+    if not received and proc.pid is not None:
+      os.kill(proc.pid, signum)  # once: a second signal would stop it without saving
+    received.append(signum)
+
+  main = threading.current_thread() is threading.main_thread()  # handlers: main thread only
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM) if main}
+  try:
+    proc.start()
+    proc.join()
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+  code = proc.exitcode if proc.exitcode is not None else -signal.SIGKILL
+  if received:
+    raise errors.Interrupted(
+      f"sweep stopped in run {os.path.basename(workdir)} ({describe_exit(code, log_path)}); "
+      "the same command resumes",
+      128 + received[0],
+    )
+  if code == 0:
+    return None
+  tail = _tail(log_path, 12)
+  print(f"--- the last lines of {log_path}:", *tail, "---", sep="\n", file=sys.stderr, flush=True)
+  return describe_exit(code, log_path)
