@@ -6,6 +6,7 @@ or replaced file is re-created, `sync` fsyncs, a fresh start moves old files asi
 
 import json
 import os
+import struct
 import warnings
 
 import jax.numpy as jnp
@@ -189,6 +190,78 @@ def test_tensorboard_events_written(tmp_path):
     w.write(1, {"reward_mean": 0.25})
   files = os.listdir(tmp_path / "tb")
   assert any(f.startswith("events.out.tfevents") for f in files)
+
+
+def _event_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
+  """{tag: [(step, value), ...]} of the scalars in the event files of a TensorBoard directory.
+
+  An event file is a sequence of records: the data's length (little-endian
+  uint64), its masked CRC32C, the serialised `Event`, the data's masked CRC32C.
+  They are read with tensorboardX's protos (a dependency), so no TensorBoard
+  install is needed.
+  """
+  from tensorboardX.proto import event_pb2
+  from tensorboardX.record_writer import masked_crc32c
+
+  scalars: dict[str, list[tuple[int, float]]] = {}
+  for name in sorted(os.listdir(tb_dir)):
+    if not name.startswith("events.out.tfevents"):
+      continue
+    data, pos = (tb_dir / name).read_bytes(), 0
+    while pos < len(data):
+      header = data[pos : pos + 8]
+      (length,) = struct.unpack("<Q", header)
+      assert struct.unpack("<I", data[pos + 8 : pos + 12])[0] == masked_crc32c(header)
+      record = data[pos + 12 : pos + 12 + length]
+      (crc,) = struct.unpack("<I", data[pos + 12 + length : pos + 16 + length])
+      assert crc == masked_crc32c(record)
+      pos += 16 + length
+      event = event_pb2.Event.FromString(record)
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars
+
+
+def test_tensorboard_tags_are_grouped_and_jsonl_keys_are_not(tmp_path):
+  row = {
+    "reward_mean": 0.5,
+    "loss": -1.5,
+    "entropy": 2.0,
+    "staleness_mean": 1.0,
+    "clip_frac_pos": 0.25,
+    "mismatch_kl_k3": 0.0,
+    "kl_k1": 0.125,
+    "ess": 0.75,
+    "step_time_s": 0.5,
+    "compiles": 3,
+    "reward_failures": 0,
+    "time/sample_s": 0.25,
+    "sampler/decode_waste": 0.5,
+    "brand_new_metric": 7.0,
+  }
+  with metrics.MetricsWriter(str(tmp_path), progress=False) as w:
+    w.write(2, row)
+    w.write(2, {"eval/accuracy": 0.5})
+  scalars = _event_scalars(tmp_path / metrics.TB_DIR)
+  assert scalars == {
+    "train/reward_mean": [(2, 0.5)],
+    "train/loss": [(2, -1.5)],
+    "train/entropy": [(2, 2.0)],
+    "offpolicy/staleness_mean": [(2, 1.0)],
+    "offpolicy/clip_frac_pos": [(2, 0.25)],
+    "offpolicy/mismatch_kl_k3": [(2, 0.0)],
+    "offpolicy/kl_k1": [(2, 0.125)],
+    "offpolicy/ess": [(2, 0.75)],
+    "speed/step_time_s": [(2, 0.5)],
+    "speed/compiles": [(2, 3.0)],
+    "health/reward_failures": [(2, 0.0)],
+    "time/sample_s": [(2, 0.25)],
+    "sampler/decode_waste": [(2, 0.5)],
+    "train/brand_new_metric": [(2, 7.0)],  # a key no group names: the default group
+    "eval/accuracy": [(2, 0.5)],
+  }
+  rows = metrics_files.read_metrics(str(tmp_path))
+  assert rows == [{"step": 2, **row}, {"step": 2, "eval/accuracy": 0.5}]
 
 
 def test_summary_and_plot(tmp_path):
