@@ -46,7 +46,7 @@ TB_DIR = "tb"
 # Where a fresh start moves an earlier run's files: workdir/previous/<timestamp>/.
 PREVIOUS_DIR = "previous"
 
-# TensorBoard groups: a row key without a "/" is shown as
+# TensorBoard groups (docs/metrics.md): a row key without a "/" is shown as
 # "<group>/<key>", the group whose names match it (a name ending in "*" is a
 # prefix), else TB_DEFAULT_GROUP; a key with a "/" (eval/..., time/...,
 # sampler/..., episode/...) keeps its own. Only the TensorBoard tag changes:
