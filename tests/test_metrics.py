@@ -2,11 +2,15 @@
 
 The run-cannot-be-corrupted tests: a bad line keeps the rows around it, a deleted
 or replaced file is re-created, `sync` fsyncs, a fresh start moves old files aside.
+TensorBoard tags carry their group; docs/metrics.md documents every key of a real
+run's rows under that group.
 """
 
 import json
 import os
+import re
 import struct
+import sys
 import warnings
 
 import jax.numpy as jnp
@@ -15,6 +19,10 @@ import pytest
 
 from offpolicy_jax.store import metrics, metrics_files
 from offpolicy_jax.study import reports
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+METRICS_PAGE = os.path.join(ROOT, "docs", "metrics.md")
 
 
 def _write_steps(workdir, steps, resume_step=None, **kw):
@@ -293,3 +301,63 @@ def test_summary_and_plot(tmp_path):
   assert "| a | 10 | 1.5000 | 9.5000" in text and "| b |" in text
   png = reports.plot_runs(runs, str(tmp_path / "c.png"))
   assert os.path.getsize(png) > 1000
+
+
+@pytest.fixture(scope="module")
+def real_rows(tmp_path_factory):
+  """The rows of a one-step run of the default config at test sizes (eval rows included).
+
+  Without the warm start: the same keys in half the time.
+  """
+  from offpolicy_jax.run import loop
+  from tests.test_loop import small_config
+
+  return loop.train_and_evaluate(
+    small_config(total_steps=1, **{"sft.enabled": False}), str(tmp_path_factory.mktemp("run"))
+  )
+
+
+def _documented_keys() -> dict[str, tuple[str, str]]:
+  """{key: (group, the "in" column)} of the key tables of docs/metrics.md.
+
+  A key's group is the one named, in backquotes, at the start of its section's heading.
+  """
+  keys: dict[str, tuple[str, str]] = {}
+  group, fenced = None, False
+  with open(METRICS_PAGE) as f:
+    for line in f:
+      if line.startswith("```"):
+        fenced = not fenced
+      if fenced:
+        continue
+      heading = re.match(r"#+ (?:`(\w+)/`)?", line)
+      if heading:
+        group = heading.group(1)
+        continue
+      row = re.match(r"\| `([^`]+)` \| ([^|]+) \|", line)
+      if row and group:
+        keys[row.group(1)] = (group, row.group(2).strip())
+  return keys
+
+
+def test_metrics_page_documents_every_key_of_a_real_row(real_rows):
+  _, evals = metrics_files.split_rows(real_rows)
+  assert evals, "the run wrote no eval row"
+  # pass@K is named after eval_samples.
+  keys = {re.sub(r"^eval/pass@\d+$", "eval/pass@K", k) for r in real_rows for k in r} - {"step"}
+  documented = _documented_keys()
+  default = {k for k, (_, rows) in documented.items() if rows == "default"}
+  wrong_group = {
+    k: metrics.tb_tag(k)
+    for k, (group, _) in documented.items()
+    if not metrics.tb_tag(k).startswith(group + "/")
+  }
+  problems = [
+    f"not documented: {sorted(keys - documented.keys())}",
+    f"documented, not marked 'default': {sorted(keys & documented.keys() - default)}",
+    f"marked 'default' but not in the rows (renamed or removed?): {sorted(default - keys)}",
+    f"in a section that is not their TensorBoard group (key: tag): {wrong_group}",
+  ]
+  assert keys == default and not wrong_group, "docs/metrics.md against a real run's rows:\n" + (
+    "\n".join(p for p in problems if not p.endswith(("[]", "{}")))
+  )
