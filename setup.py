@@ -29,7 +29,7 @@ INSTALL_REQUIRES = [
 ]
 
 EXTRAS_REQUIRE = {
-    # Viewers of the metrics a run writes: `tensorboard --logdir=WORKDIR/tb`,
+    # Viewers of the metrics a run writes (docs/metrics.md): `tensorboard --logdir=WORKDIR/tb`,
     # and Weights & Biases (`--config.wandb_project=NAME`).
     "tensorboard": ["tensorboard>=2.16"],
     "wandb": ["wandb>=0.19"],

@@ -2,10 +2,15 @@
 
 The run-cannot-be-corrupted tests: a bad line keeps the rows around it, a deleted
 or replaced file is re-created, `sync` fsyncs, a fresh start moves old files aside.
+TensorBoard tags carry their group; docs/metrics.md documents every key of a real
+run's rows under that group.
 """
 
 import json
 import os
+import re
+import struct
+import sys
 import warnings
 
 import jax.numpy as jnp
@@ -14,6 +19,10 @@ import pytest
 
 from offpolicy_jax.store import metrics, metrics_files
 from offpolicy_jax.study import reports
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+METRICS_PAGE = os.path.join(ROOT, "docs", "metrics.md")
 
 
 def _write_steps(workdir, steps, resume_step=None, **kw):
@@ -191,6 +200,78 @@ def test_tensorboard_events_written(tmp_path):
   assert any(f.startswith("events.out.tfevents") for f in files)
 
 
+def _event_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
+  """{tag: [(step, value), ...]} of the scalars in the event files of a TensorBoard directory.
+
+  An event file is a sequence of records: the data's length (little-endian
+  uint64), its masked CRC32C, the serialised `Event`, the data's masked CRC32C.
+  They are read with tensorboardX's protos (a dependency), so no TensorBoard
+  install is needed.
+  """
+  from tensorboardX.proto import event_pb2
+  from tensorboardX.record_writer import masked_crc32c
+
+  scalars: dict[str, list[tuple[int, float]]] = {}
+  for name in sorted(os.listdir(tb_dir)):
+    if not name.startswith("events.out.tfevents"):
+      continue
+    data, pos = (tb_dir / name).read_bytes(), 0
+    while pos < len(data):
+      header = data[pos : pos + 8]
+      (length,) = struct.unpack("<Q", header)
+      assert struct.unpack("<I", data[pos + 8 : pos + 12])[0] == masked_crc32c(header)
+      record = data[pos + 12 : pos + 12 + length]
+      (crc,) = struct.unpack("<I", data[pos + 12 + length : pos + 16 + length])
+      assert crc == masked_crc32c(record)
+      pos += 16 + length
+      event = event_pb2.Event.FromString(record)
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars
+
+
+def test_tensorboard_tags_are_grouped_and_jsonl_keys_are_not(tmp_path):
+  row = {
+    "reward_mean": 0.5,
+    "loss": -1.5,
+    "entropy": 2.0,
+    "staleness_mean": 1.0,
+    "clip_frac_pos": 0.25,
+    "mismatch_kl_k3": 0.0,
+    "kl_k1": 0.125,
+    "ess": 0.75,
+    "step_time_s": 0.5,
+    "compiles": 3,
+    "reward_failures": 0,
+    "time/sample_s": 0.25,
+    "sampler/decode_waste": 0.5,
+    "brand_new_metric": 7.0,
+  }
+  with metrics.MetricsWriter(str(tmp_path), progress=False) as w:
+    w.write(2, row)
+    w.write(2, {"eval/accuracy": 0.5})
+  scalars = _event_scalars(tmp_path / metrics.TB_DIR)
+  assert scalars == {
+    "train/reward_mean": [(2, 0.5)],
+    "train/loss": [(2, -1.5)],
+    "train/entropy": [(2, 2.0)],
+    "offpolicy/staleness_mean": [(2, 1.0)],
+    "offpolicy/clip_frac_pos": [(2, 0.25)],
+    "offpolicy/mismatch_kl_k3": [(2, 0.0)],
+    "offpolicy/kl_k1": [(2, 0.125)],
+    "offpolicy/ess": [(2, 0.75)],
+    "speed/step_time_s": [(2, 0.5)],
+    "speed/compiles": [(2, 3.0)],
+    "health/reward_failures": [(2, 0.0)],
+    "time/sample_s": [(2, 0.25)],
+    "sampler/decode_waste": [(2, 0.5)],
+    "train/brand_new_metric": [(2, 7.0)],  # a key no group names: the default group
+    "eval/accuracy": [(2, 0.5)],
+  }
+  rows = metrics_files.read_metrics(str(tmp_path))
+  assert rows == [{"step": 2, **row}, {"step": 2, "eval/accuracy": 0.5}]
+
+
 def test_summary_and_plot(tmp_path):
   runs = {}
   for name, slope in [("a", 1.0), ("b", -1.0)]:
@@ -220,3 +301,63 @@ def test_summary_and_plot(tmp_path):
   assert "| a | 10 | 1.5000 | 9.5000" in text and "| b |" in text
   png = reports.plot_runs(runs, str(tmp_path / "c.png"))
   assert os.path.getsize(png) > 1000
+
+
+@pytest.fixture(scope="module")
+def real_rows(tmp_path_factory):
+  """The rows of a one-step run of the default config at test sizes (eval rows included).
+
+  Without the warm start: the same keys in half the time.
+  """
+  from offpolicy_jax.run import loop
+  from tests.test_loop import small_config
+
+  return loop.train_and_evaluate(
+    small_config(total_steps=1, **{"sft.enabled": False}), str(tmp_path_factory.mktemp("run"))
+  )
+
+
+def _documented_keys() -> dict[str, tuple[str, str]]:
+  """{key: (group, the "in" column)} of the key tables of docs/metrics.md.
+
+  A key's group is the one named, in backquotes, at the start of its section's heading.
+  """
+  keys: dict[str, tuple[str, str]] = {}
+  group, fenced = None, False
+  with open(METRICS_PAGE) as f:
+    for line in f:
+      if line.startswith("```"):
+        fenced = not fenced
+      if fenced:
+        continue
+      heading = re.match(r"#+ (?:`(\w+)/`)?", line)
+      if heading:
+        group = heading.group(1)
+        continue
+      row = re.match(r"\| `([^`]+)` \| ([^|]+) \|", line)
+      if row and group:
+        keys[row.group(1)] = (group, row.group(2).strip())
+  return keys
+
+
+def test_metrics_page_documents_every_key_of_a_real_row(real_rows):
+  _, evals = metrics_files.split_rows(real_rows)
+  assert evals, "the run wrote no eval row"
+  # pass@K is named after eval_samples.
+  keys = {re.sub(r"^eval/pass@\d+$", "eval/pass@K", k) for r in real_rows for k in r} - {"step"}
+  documented = _documented_keys()
+  default = {k for k, (_, rows) in documented.items() if rows == "default"}
+  wrong_group = {
+    k: metrics.tb_tag(k)
+    for k, (group, _) in documented.items()
+    if not metrics.tb_tag(k).startswith(group + "/")
+  }
+  problems = [
+    f"not documented: {sorted(keys - documented.keys())}",
+    f"documented, not marked 'default': {sorted(keys & documented.keys() - default)}",
+    f"marked 'default' but not in the rows (renamed or removed?): {sorted(default - keys)}",
+    f"in a section that is not their TensorBoard group (key: tag): {wrong_group}",
+  ]
+  assert keys == default and not wrong_group, "docs/metrics.md against a real run's rows:\n" + (
+    "\n".join(p for p in problems if not p.endswith(("[]", "{}")))
+  )

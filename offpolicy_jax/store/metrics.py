@@ -1,8 +1,10 @@
 """Run metrics: an append-only JSONL log, TensorBoard, optional W&B, a progress bar.
 
 One JSON object per optimizer step goes to `workdir/metrics.jsonl` (evaluation
-rows carry `eval/` keys and the step they were taken at). The file is written
-so that no event loses rows that could be kept:
+rows carry `eval/` keys and the step they were taken at); TensorBoard shows
+each key under a group (`tb_tag`: `train/`, `offpolicy/`, `speed/`, `health/`,
+or the key's own prefix). The file is written so that no event loses rows
+that could be kept:
 
 - every row is flushed as soon as it is written, and `MetricsWriter.sync`
   (called at each checkpoint) fsyncs the file, so a kill loses at most the row
@@ -43,6 +45,57 @@ CONFIG_HISTORY_FILE = "config_history.jsonl"
 TB_DIR = "tb"
 # Where a fresh start moves an earlier run's files: workdir/previous/<timestamp>/.
 PREVIOUS_DIR = "previous"
+
+# TensorBoard groups (docs/metrics.md): a row key without a "/" is shown as
+# "<group>/<key>", the group whose names match it (a name ending in "*" is a
+# prefix), else TB_DEFAULT_GROUP; a key with a "/" (eval/..., time/...,
+# sampler/..., episode/...) keeps its own. Only the TensorBoard tag changes:
+# metrics.jsonl and W&B keep the row's keys.
+TB_GROUPS: dict[str, tuple[str, ...]] = {
+  # How far the batch is from the policy being trained, and what limits it.
+  "offpolicy": (
+    "staleness_*",
+    "behavior_*",
+    "mismatch_*",
+    "ratio_*",
+    "clip_frac*",
+    "kl_k*",
+    "ess",
+    "version",
+    "corr_*",
+    "opsm_*",
+    "m2po_*",
+    "bapo_*",
+    "replay_*",
+    "partial_*",
+    "async_*",
+  ),
+  # Wall time, throughput, compilations.
+  "speed": ("step_time_s", "tokens_per_s", "compiles", "reward_time_s", "reshard_*"),
+  # Counts that stay 0 in a healthy run.
+  "health": (
+    "skipped",
+    "num_skipped",
+    "nonfinite",
+    "reward_failures",
+    "reward_timeouts",
+    "reward_worker_restarts",
+    "prompts_truncated",
+  ),
+}
+# Everything else: reward, accuracy, lengths, advantages, loss, entropy, gradient norm.
+TB_DEFAULT_GROUP = "train"
+
+
+def tb_tag(key: str) -> str:
+  """The TensorBoard tag of a row key: `<group>/<key>` (`TB_GROUPS`), or the key if it has a "/"."""
+  if "/" in key:
+    return key
+  for group, names in TB_GROUPS.items():
+    for name in names:
+      if key == name or (name.endswith("*") and key.startswith(name[:-1])):
+        return f"{group}/{key}"
+  return f"{TB_DEFAULT_GROUP}/{key}"
 
 
 def to_python(value: Any) -> Any:
@@ -134,7 +187,8 @@ class MetricsWriter:
       `workdir/previous/<timestamp>/`, never deleted.
     total_steps: total optimizer steps, for the progress bar's ETA.
     config: optional config, saved as `config.json` and passed to W&B.
-    tensorboard: write TensorBoard event files under `workdir/tb`.
+    tensorboard: write TensorBoard event files under `workdir/tb`, each key
+      under its group (`tb_tag`).
     wandb_project: a W&B project name; W&B is used only when this is set and
       the `wandb` package is installed.
     progress: show a tqdm progress bar with the ETA and the current reward.
@@ -221,7 +275,7 @@ class MetricsWriter:
     if self._tb is not None:
       for k, v in row.items():
         if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-          self._tb.add_scalar(k, v, global_step=step)
+          self._tb.add_scalar(tb_tag(k), v, global_step=step)
     if self._wandb is not None:
       self._wandb.log({k: v for k, v in row.items() if k != "step"}, step=int(step))
     return row
