@@ -13,7 +13,17 @@ from offpolicy_jax.rewards.worker import MAX_REPLY_BYTES, parse_reply, worker_ma
 
 _START_TIMEOUT_S = 120.0
 # Verifier libraries the forkserver imports once, when installed.
-_PRELOAD = ("offpolicy_jax.rewards.tasks", "sympy", "math_verify", "reasoning_gym")
+# The forkserver imports these once; every worker forks with them loaded, so a call's first
+# unpickling (a task, an environment and the modules it comes from) does not spend its
+# timeout importing. `offpolicy_jax.models` brings flax and the tokenizers, which tasks and
+# environments defined beside the library's code import.
+_PRELOAD = (
+  "offpolicy_jax.rewards.tasks",
+  "offpolicy_jax.models",
+  "sympy",
+  "math_verify",
+  "reasoning_gym",
+)
 
 
 class WorkerProcess:

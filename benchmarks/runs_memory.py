@@ -1,0 +1,72 @@
+"""Host memory over many short runs in one process (what an inline sweep or a study does).
+
+Trains `--runs` short runs of the default task one after another in this
+process (each its own workdir and seed, its own warm start) and prints the
+resident memory (VmRSS), threads and open files after each. A process that
+releases what each run built keeps its memory flat after the first runs; the
+growth from run 2 to the last, divided by the runs, is what each run leaves
+behind.
+
+  python benchmarks/runs_memory.py [--runs 20] [--steps 4]
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from configs import default  # noqa: E402
+from offpolicy_jax.run import loop  # noqa: E402
+
+
+def rss_mb() -> float:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmRSS:"):
+        return int(line.split()[1]) / 1024
+  return float("nan")
+
+
+def config(seed: int, steps: int):
+  c = default.get_config()
+  c.seed = seed
+  c.total_steps = steps
+  c.sft.steps = 20
+  c.eval_prompts = 8
+  c.eval_every = 0
+  c.checkpoint_every = steps
+  c.progress = False
+  c.tensorboard = True
+  return c
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--runs", type=int, default=20)
+  parser.add_argument("--steps", type=int, default=4)
+  args = parser.parse_args()
+  rss = []
+  with tempfile.TemporaryDirectory() as root:
+    for i in range(args.runs):
+      begin = time.perf_counter()
+      loop.train_and_evaluate(config(i, args.steps), os.path.join(root, f"run{i}"))
+      rss.append(rss_mb())
+      fds = len(os.listdir("/proc/self/fd"))
+      print(
+        f"run {i + 1:3d}: rss {rss[-1]:7.1f} MB, threads {threading.active_count():3d}, "
+        f"open files {fds:4d}, {time.perf_counter() - begin:5.1f} s",
+        flush=True,
+      )
+  if len(rss) >= 3:
+    per_run = (rss[-1] - rss[1]) / (len(rss) - 2)
+    print(
+      f"growth from run 2 to run {len(rss)}: {rss[-1] - rss[1]:.1f} MB ({per_run:.1f} MB per run)"
+    )
+
+
+if __name__ == "__main__":
+  main()
