@@ -40,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Sampled at temperature 1 the warm start copies a 4-5 digit value right in
   # about 2% of episodes, too rare a reward to learn from in 300 steps (its
   # greedy accuracy fell from 0.52 to 0.00); at 0.7 about 6%, and it learns
-  # (docs/multiturn.md).
+  # (docs/results/multiturn.md).
   c.temperature = 0.7
   c.reward_timeout = 5.0
   c.lock()

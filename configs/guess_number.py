@@ -12,7 +12,7 @@ the policy must use the answers: one row per episode, observation tokens are
 in the trajectory (mask 0) and the KV cache, never in the loss. A supervised
 warm start on binary-search episodes, then REC-OneSide-NoIS under the default
 sawtooth lag. It learns little in 400 steps (greedy success 0.28 -> 0.31;
-docs/multiturn.md): configs/calculator.py is the multi-turn task that learns
+docs/results/multiturn.md): configs/calculator.py is the multi-turn task that learns
 clearly here.
 """
 

@@ -15,7 +15,7 @@ Cost on a 2-core CPU (toy scale): the `reverse` task with the tiny decoder,
 `c.study.seeds` below); the 12 warm starts take about 3 minutes and a cell of
 12 seeds about a minute, so the default grid is 8 methods (`METHODS`) x 5
 lags plus GRPO's A/A twin at the 5 lags, 45 cells (its measured time is in
-docs/lag_and_study.md); `:toy_full` runs all 16 methods. The step count is
+docs/results/lag_study.md); `:toy_full` runs all 16 methods. The step count is
 enough for lag to separate the methods (REINFORCE collapses within 50 steps
 of stale data) and, from the distractor warm start, for on-policy GRPO to
 gain +0.19 [+0.11, +0.28] greedy accuracy over 12 seeds. 640 held-out
@@ -50,7 +50,7 @@ from offpolicy_jax.study import grid as study_grid
 # REC-OneSide-NoIS learns like GRPO; wide clipping learns faster under lag; OPMD, AsymRE and
 # RED work). 8 methods x 5 lags x 12 seeds + the A/A twin fit the 60-minute budget here (42 min
 # 33 s); all 16 do not (about 74 minutes, measured), so the rest run in the `toy_full` scale
-# (docs/lag_and_study.md).
+# (docs/results/lag_study.md).
 METHODS = ",".join(
   (
     "reinforce",
@@ -90,7 +90,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     # 300 supervised steps of which 40% of the examples show the distractor answer (the
     # digits copied, not reversed). Greedy accuracy starts near 0.29 and on-policy GRPO
     # reaches about 0.48 at step 200 (12 seeds: +0.19 [+0.11, +0.28]; 4 seeds: +0.33;
-    # docs/lag_and_study.md). With the
+    # docs/results/lag_study.md). With the
     # single run's 150 clean steps, GRPO gained +0.01 in 200 steps, and no learning rate,
     # batch size, temperature or length range tried changed that (the same doc).
     c.sft.steps = 300
@@ -147,7 +147,8 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   # One seed per vmapped program and 64 held-out prompts per sampler call for large models.
   c.study.vmap_seeds = 0 if scale in ("toy", "toy_full", "code") else 1
   c.study.eval_batch = 0 if scale in ("toy", "toy_full", "code") else 64
-  if scale == "code":  # 9 cells x 5 seeds in under an hour on a 2-core CPU (docs/lag_and_study.md)
+  # 9 cells x 5 seeds in under an hour on a 2-core CPU (docs/results/lag_study.md).
+  if scale == "code":
     c.study.seeds = 5
     c.study.aa_lags = ""
     c.eval_samples = 1  # greedy only: every sampled program is one more sandboxed process

@@ -16,7 +16,7 @@ verdicts, resumable) on a grid of GRPO and the rollout-correction family
 Every run scores pi_old (`rollout.score_old`), so the study records both
 factors (`mismatch_kl_k3`, `staleness_kl_k3`) and what each correction
 masked. Sized to run in about half an hour on a 2-core CPU: 100 steps, 3
-seeds, 256 held-out prompts. Results: docs/off_policyness.md.
+seeds, 256 held-out prompts. Results: docs/results/off_policyness.md.
 """
 
 from configs import lag_study

@@ -86,7 +86,7 @@ def encode_episodes(
   transcript by default: on `calculator`, a warm start that also predicts the
   observation tokens copies the tool's value into its answer (greedy success
   0.75 after 220 steps), one whose loss covers the policy's tokens only
-  (`policy_only`) does not (0.00 after 220 steps; docs/multiturn.md). The RL
+  (`policy_only`) does not (0.00 after 220 steps; docs/results/multiturn.md). The RL
   steps never train on observation tokens.
 
   Returns:
