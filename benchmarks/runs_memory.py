@@ -7,7 +7,13 @@ releases what each run built keeps its memory flat after the first runs; the
 growth from run 2 to the last, divided by the runs, is what each run leaves
 behind.
 
-  python benchmarks/runs_memory.py [--runs 20] [--steps 4]
+  python benchmarks/runs_memory.py [--runs 20] [--steps 4] [--losses grpo,cispo,...]
+
+With `--losses`, run i trains loss `losses[i % len(losses)]`: every run then
+builds and compiles its own programs, as the runs of a sweep over methods do.
+Memory mappings (`/proc/self/maps` lines) are printed too: XLA's CPU backend
+maps each compiled program's code, and a process that never releases old
+programs runs out of mappings (`vm.max_map_count`) long before memory.
 """
 
 import argparse
@@ -31,9 +37,16 @@ def rss_mb() -> float:
   return float("nan")
 
 
-def config(seed: int, steps: int):
+def maps() -> int:
+  with open("/proc/self/maps") as f:
+    return sum(1 for _ in f)
+
+
+def config(seed: int, steps: int, loss: str | None):
   c = default.get_config()
   c.seed = seed
+  if loss:
+    c.loss.name = loss
   c.total_steps = steps
   c.sft.steps = 20
   c.eval_prompts = 8
@@ -48,17 +61,20 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--runs", type=int, default=20)
   parser.add_argument("--steps", type=int, default=4)
+  parser.add_argument("--losses", default="", help="Comma-separated loss presets to cycle.")
   args = parser.parse_args()
+  losses = [x for x in args.losses.split(",") if x]
   rss = []
   with tempfile.TemporaryDirectory() as root:
     for i in range(args.runs):
       begin = time.perf_counter()
-      loop.train_and_evaluate(config(i, args.steps), os.path.join(root, f"run{i}"))
+      loss = losses[i % len(losses)] if losses else None
+      loop.train_and_evaluate(config(i, args.steps, loss), os.path.join(root, f"run{i}"))
       rss.append(rss_mb())
       fds = len(os.listdir("/proc/self/fd"))
       print(
-        f"run {i + 1:3d}: rss {rss[-1]:7.1f} MB, threads {threading.active_count():3d}, "
-        f"open files {fds:4d}, {time.perf_counter() - begin:5.1f} s",
+        f"run {i + 1:3d}: rss {rss[-1]:7.1f} MB, maps {maps():6d}, threads "
+        f"{threading.active_count():3d}, open files {fds:4d}, {time.perf_counter() - begin:5.1f} s",
         flush=True,
       )
   if len(rss) >= 3:
