@@ -77,3 +77,36 @@ def test_every_config_field_is_either_compiled_or_a_run_setting():
 def test_bad_config_fails_before_anything_is_built():
   with pytest.raises(ValueError, match="config.log_every"):
     components.build_components(small_config(log_every=0))
+
+
+def test_a_dropped_step_fns_is_freed_with_what_was_built_from_it():
+  """Nothing module-level keeps a run's StepFns (and so its compiled programs) alive.
+
+  A sweep or a study runs many configs in one process; each StepFns carries
+  jitted programs whose executables XLA maps into memory. What is built from it
+  (programs, eval batches, the continuous-batching copy) lives in `fns.memo`, a
+  cycle the collector frees once the compiled-parts cache lets go of it
+  (benchmarks/runs_memory.py measures the process).
+  """
+  import gc
+  import weakref
+
+  from offpolicy_jax.rollout import programs, rl_step, sampler_choice
+  from offpolicy_jax.run import evaluation
+
+  components.clear_cache()
+  comps = components.build_components(
+    small_config(**{"rollout.continuous_slots": 4, "rollout.continuous_auto_steps": 2})
+  )
+  fns = comps.fns
+  state = rl_step.init_state(fns, fns.init_params(0), capacity_batches=1, snapshots=2)
+  built = programs.programs(fns, comps.run.replay, state)
+  assert programs.programs(fns, comps.run.replay, state) is built  # built once, shared
+  assert evaluation.eval_prompts(fns, 4)
+  switched = sampler_choice.continuous_fns(fns)
+  assert sampler_choice.continuous_fns(fns) is switched and switched.memo == {}
+  gone = weakref.ref(fns), weakref.ref(switched), weakref.ref(built.rl_steps)
+  del comps, fns, state, built, switched
+  components.clear_cache()
+  gc.collect()
+  assert [ref() for ref in gone] == [None, None, None]

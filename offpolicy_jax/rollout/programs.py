@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -74,8 +73,6 @@ SEED_ARGS = frozenset(
 # Functions whose state argument is donated.
 _DONATES_STATE = ("rl_steps", "learn_finished", "learn")
 
-_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 def programs(fns: StepFns, opts: ReplayOptions, state: RunState, *, over_seeds=False) -> Programs:
   """The jitted programs of a run whose state has `state`'s structure (built once, shared).
@@ -85,7 +82,7 @@ def programs(fns: StepFns, opts: ReplayOptions, state: RunState, *, over_seeds=F
   over a leading seed axis of the `SEED_ARGS` arguments (the study).
   Programs are memoised per `fns`, so runs that share it share them.
   """
-  memo = _PROGRAMS.setdefault(fns, {})
+  memo = fns.memo.setdefault("programs", {})
   key = (opts, jax.tree.structure(_traced(fns, state)), over_seeds)
   if key not in memo:
     fns_of: dict[str, Callable] = {

@@ -28,9 +28,6 @@ from typing import Any, cast
 
 from offpolicy_jax.rollout.rl_step import StepFns
 
-# The switched `StepFns` of each run's, shared like the run's (its compiled programs too).
-_SWITCHED: dict[StepFns, StepFns] = {}
-
 
 def continuous_fns(fns: StepFns) -> StepFns:
   """`fns` sampling with its continuous sampler (the same object for the same `fns`)."""
@@ -38,10 +35,12 @@ def continuous_fns(fns: StepFns) -> StepFns:
     raise ValueError("this run has no continuous sampler (rollout.continuous_slots = 0)")
   if fns.sampler is fns.continuous:
     return fns
-  if fns not in _SWITCHED:
+  # Kept in the run's memo, so runs sharing `fns` share the switched one (and its
+  # compiled programs), and it goes with `fns` (a module-level dict kept both forever).
+  if "continuous" not in fns.memo:
     continuous = dataclasses.replace(cast(Any, fns.rollout), sampler=fns.continuous)
-    _SWITCHED[fns] = dataclasses.replace(fns, sampler=fns.continuous, rollout=continuous)
-  return _SWITCHED[fns]
+    fns.memo["continuous"] = dataclasses.replace(fns, sampler=fns.continuous, rollout=continuous)
+  return fns.memo["continuous"]
 
 
 def is_continuous(fns: StepFns) -> bool:

@@ -22,6 +22,7 @@ cannot go stale.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 from typing import Any
 
@@ -389,6 +390,7 @@ def build_components(config, *, data_cache_dir: str | None = None) -> Components
   if key not in _FNS_CACHE:
     if len(_FNS_CACHE) >= _FNS_CACHE_SIZE:
       _FNS_CACHE.pop(next(iter(_FNS_CACHE)))
+      gc.collect()  # the evicted StepFns and its programs are a reference cycle (its memo)
     # What fails here is the config's: a model directory, a tokenizer, a task's files.
     with errors.as_user_error():
       _FNS_CACHE[key] = _build_fns(config)

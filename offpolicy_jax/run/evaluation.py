@@ -17,7 +17,6 @@ eval split), so the numbers do not depend on the number of processes.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,12 +29,10 @@ from offpolicy_jax.rollout import data, episodes, pipeline
 from offpolicy_jax.rollout.rl_step import StepFns
 from offpolicy_jax.sampling import sampler as sampling
 
-# Per `StepFns`: the eval prompt batches and the eval samplers, built once.
-_MEMO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 def _memo(fns: StepFns, key, build: Callable) -> Any:
-  memo = _MEMO.setdefault(fns, {})
+  """The eval prompt batches and eval samplers of `fns`, built once (kept in `fns.memo`)."""
+  memo = fns.memo.setdefault("eval", {})
   if key not in memo:
     memo[key] = build()
   return memo[key]
