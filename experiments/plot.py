@@ -28,8 +28,9 @@ def _study(path: str, out_dir: str) -> list[str]:
   method, sep, lag = _BASELINE.value.partition("@")
   if not sep:
     raise ValueError(f"--baseline: {_BASELINE.value!r} is not <method>@<lag>")
+  rows = study_report.read_csv(path)
   os.makedirs(out_dir, exist_ok=True)
-  return study_report.plot_study(study_report.read_csv(path), out_dir, baseline=(method, lag))
+  return study_report.plot_study(rows, out_dir, baseline=(method, lag))
 
 
 def main(argv):
@@ -39,7 +40,7 @@ def main(argv):
     try:
       paths = _study(_STUDY_CSV.value, _OUT.value)
     except (OSError, ValueError) as e:
-      print(f"error: {e}", file=sys.stderr)
+      print(f"error: --study_csv {_STUDY_CSV.value}: {e}", file=sys.stderr)
       return 1
     print(*paths, sep="\n")
     return 0

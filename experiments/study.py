@@ -18,7 +18,7 @@ import time
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from offpolicy_jax import cli
+from offpolicy_jax import cli, errors
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import report as study_report
@@ -35,6 +35,12 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
   config, path = _CONFIG.value, _WORKDIR.value
+  if "study" not in config:
+    raise errors.ConfigError(
+      f"--config={config_flags.get_config_filename(flags.FLAGS['config'])}: not a study config "
+      "(no `study` block)",
+      "see configs/lag_study.py",
+    )
   begin = time.perf_counter()
   try:
     if _REPORT_ONLY.value:

@@ -27,7 +27,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from offpolicy_jax import cli
+from offpolicy_jax import cli, errors
 from offpolicy_jax.study import launchers
 from offpolicy_jax.study.sweeps import (
   SweepError,
@@ -111,7 +111,7 @@ def main(argv):
     try:
       return _launch(launcher, config_path, sweep)
     except ValueError as e:
-      raise app.UsageError(str(e)) from e
+      raise errors.UserError(str(e)) from e
   try:
     isolation = "inline" if _INLINE.value else "process"
     summary = run_sweep(_CONFIG.value, sweep, _WORKDIR.value, isolation=isolation)

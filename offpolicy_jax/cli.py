@@ -54,9 +54,31 @@ def _override_error(argv: Sequence[str], e: Exception) -> errors.UserError:
   if isinstance(e, SyntaxError):
     return errors.UserError(f"--config: {e.filename}, line {e.lineno}: {e.msg}")
   lines = [ln for ln in text.splitlines() if ln.strip()]
-  return errors.UserError(
-    f"flags: {type(e).__name__}: {lines[0] if lines else ''}", "--helpfull lists the flags"
-  )
+  what = f"{type(e).__name__}: {lines[0] if lines else ''}"
+  files = [
+    a for a in argv if a.startswith("--") and "=" in a and a.split("=", 1)[1].endswith(".py")
+  ]
+  if files:  # not an override: the config file itself failed to run
+    flag = files[0].split(":", 1)[0] if files[0].count(":") else files[0]
+    if "has no attribute 'get_config'" in what:
+      return errors.UserError(f"{flag}: the file has no get_config()", "see configs/default.py")
+    return errors.UserError(f"{flag}: the config file raised {what}", _CONFIG_HINT)
+  return errors.UserError(f"flags: {what}", "--helpfull lists the flags")
+
+
+_CONFIG_HINT = "--verbose shows where in the file"
+
+
+def _flag_error(e: Exception) -> errors.UserError:
+  """absl's flag error; a config file's traceback inside it is cut to its last line."""
+  text = str(e)
+  if "Traceback (most recent call last)" in text:
+    head = text.split(":", 1)[0]  # "flag --config=FILE"
+    last = [ln.strip() for ln in text.splitlines() if ln.strip()][-1]
+    return errors.UserError(
+      f"{head.removeprefix('flag ')}: the config file raised {last}", _CONFIG_HINT
+    )
+  return errors.UserError(text, "--helpfull lists the flags")
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -64,7 +86,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     rest = flags.FLAGS(argv)
   except flags.Error as e:
-    raise errors.UserError(str(e), "--helpfull lists the flags") from e
+    raise _flag_error(e) from e
   except Exception as e:  # config_flags: a field override that does not apply
     raise _override_error(argv, e) from e
   _load_config_files()

@@ -27,6 +27,8 @@ def places(tmp_path_factory):
   metrics.save_config(str(run), config_schema.config_dict())
   (root / "afile").write_text("not a directory")
   (root / "empty").mkdir()
+  (root / "raises.py").write_text('def get_config():\n  raise ValueError("bad thing")\n')
+  (root / "nothing.py").write_text("x = 1\n")
   return root
 
 
@@ -78,6 +80,25 @@ def _cases(root):
     (["export", f"--workdir={run}", f"--out={new}", "--dtype=float7"], ["--dtype float7"], run),
     (["export", f"--workdir={run}", f"--out={new}"], ["nothing to export"], run),
     (["plot", f"--workdirs={root / 'missing'}", f"--out={new}.png"], ["no metrics rows"], empty),
+    (
+      ["train", f"--config={root / 'raises.py'}", f"--workdir={new}"],
+      ["raises.py: the config file raised ValueError: bad thing"],
+      new,
+    ),
+    (
+      ["train", f"--config={root / 'nothing.py'}", f"--workdir={new}"],
+      ["nothing.py: the file has no get_config()"],
+      new,
+    ),
+    (["sweep", "--config=configs/default.py", f"--workdir={new}"], ["no get_sweep()"], new),
+    (["study", "--config=configs/default.py", f"--workdir={new}"], ["not a study config"], new),
+    (
+      ["sweep", "--config=configs/lag_study.py", f"--workdir={new}", "--print_only", "--hosts=0"],
+      ["hosts"],
+      new,
+    ),
+    (["eval", f"--workdir={afile}"], ["is a file"], afile),
+    (["export", f"--workdir={run}", f"--out={afile}", "--merged"], ["--out", "is a file"], afile),
   ]
 
 

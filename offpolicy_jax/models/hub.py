@@ -55,7 +55,8 @@ def _snapshot(repo_id: str) -> str:
         repo_id, allow_patterns=list(FILES), local_files_only=True
       )
     except Exception:
-      reason = " ".join(str(online).split())[:200]
+      reason = " ".join(str(online).split())
+      reason = reason if len(reason) <= 200 else reason[:200].rsplit(" ", 1)[0] + " ..."
       raise errors.ConfigError(
         f"config.model: {repo_id!r} is not a preset or a local directory, and as a "
         f"Hugging Face repo id it could not be downloaded ({reason}) nor found in the "

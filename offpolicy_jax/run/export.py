@@ -98,6 +98,8 @@ def export_checkpoint(
       raise errors.UserError(
         f"--dtype {dtype}: not a dtype", "e.g. bfloat16, float16 or float32"
       ) from None
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise errors.UserError(f"--out {out} is a file", "give a directory to write the export into")
   config = recorded_config(workdir)
   if fmt == "peft" and not config.lora.rank:
     raise errors.UserError(

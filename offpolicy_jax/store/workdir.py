@@ -234,6 +234,8 @@ def require_run(path: str) -> None:
   Raises:
     errors.WorkdirError: naming the path and what it lacks.
   """
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise errors.WorkdirError(f"--workdir {path} is a file", "give a run's workdir")
   if not os.path.isdir(path):
     raise errors.WorkdirError(f"--workdir {path}: no such directory", "give a run's workdir")
   if not os.path.isfile(os.path.join(path, metrics.CONFIG_FILE)):

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from offpolicy_jax import files
+from offpolicy_jax import errors, files
 from offpolicy_jax.study import reports, sweep_runs
 
 ISOLATIONS = ("process", "inline")
@@ -43,7 +43,7 @@ def apply_overrides(config, overrides: dict):
     for p in parents:
       node = node[p]
     if leaf not in node:
-      raise ValueError(f"sweep override {key!r}: no such config field")
+      raise errors.ConfigError(f"sweep override {key!r}: no such config field")
     node[leaf] = value
   return config
 
@@ -53,11 +53,13 @@ def load_sweep(config_path: str) -> list[dict]:
   path = config_path.split(":")[0]
   spec = importlib.util.spec_from_file_location("_sweep_config", path)
   if spec is None or spec.loader is None:
-    raise ValueError(f"cannot load the sweep config {path}")
+    raise errors.ConfigError(f"--config={path}: cannot load the sweep config")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   if not hasattr(module, "get_sweep"):
-    raise ValueError(f"{config_path} has no get_sweep()")
+    raise errors.ConfigError(
+      f"--config={config_path}: the file has no get_sweep()", "see configs/lag_study.py"
+    )
   return list(module.get_sweep())
 
 
@@ -66,7 +68,7 @@ def check_unique_names(sweep: list[dict]) -> None:
   names = [run_name(o) for o in sweep]
   repeated = sorted({n for n in names if names.count(n) > 1})
   if repeated:
-    raise ValueError(f"sweep runs share names {repeated}; give each a distinct 'name'")
+    raise errors.ConfigError(f"sweep runs share names {repeated}; give each a distinct 'name'")
 
 
 class SweepError(RuntimeError):
