@@ -38,8 +38,8 @@ Why this wing: it is the bottom one, so `store.workdir` (below `run`) reads the
 roles too. The study's fields (`config.study.*`, configs/lag_study.py) are
 `STUDY_FIELDS`.
 
-`reference_markdown()` renders every field as the config reference, docs/config.md
-(`python -m offpolicy_jax.config_schema > docs/config.md`).
+`config_reference` renders every field as the config reference, docs/config.md
+(`python -m offpolicy_jax.config_reference > docs/config.md`).
 """
 
 from __future__ import annotations
@@ -272,8 +272,9 @@ RUN_FIELDS: tuple[Field, ...] = (
      "cuDNN flash attention on GPU). The same numbers within float tolerance.",
      Choice(("xla", "dot_product"))),
   _F("rollout.decode_block", 32, PROGRAM,
-     "Decode attention reads each row's own cached keys only up to the current step, in spans "
-     "of this many slots (0 = the whole max_new_tokens cache at every step). Same numbers.",
+     "Decode attention reads each row's own cached keys only up to the current step, this "
+     "many slots at a time (0 = the whole max_new_tokens cache at every step). The same "
+     "numbers within float tolerance (docs/speed.md).",
      Int(0, note=" (0 = whole cache)")),
   _F("rollout.continuous_slots", 0, PROGRAM,
      "Continuous batching (sampling.continuous): this many times group_size rows "
@@ -636,136 +637,3 @@ def check(config: Any, fields: Iterable[Field] = RUN_FIELDS) -> None:
       complaint = f.check(get(config, f.name))
       if complaint:
         raise errors.ConfigError(f"config.{f.name}: {complaint}")
-
-
-# ----------------------------------------------------------------- the reference
-
-# The sections of the config reference (docs/config.md): (title, one line, members). A member
-# is a top-level field or the first part of dotted ones ("loss" holds every loss.* field).
-_SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-  ("Run", "The run's seed and length.", ("seed", "total_steps")),
-  ("Model", "Which model, its dtype and how its forward runs ([models.md](models.md)).",
-   ("model", "model_dtype", "model_scan_layers", "model_attention", "tokenizer")),
-  ("Task and data", "The task, its data and the static shapes of prompts and responses.",
-   ("task", "task_kwargs", "max_prompt_len", "max_new_tokens", "data")),
-  ("Sampling", "The behaviour policy's decoding and the batch: G prompts of K responses a step.",
-   ("temperature", "top_p", "top_k", "group_size", "prompts_per_step")),
-  ("Rollout (`rollout.*`)", "How the sampler produces a step's rows and what it records "
-   "([off_policyness.md](off_policyness.md), [speed.md](speed.md)).", ("rollout",)),
-  ("Host rewards", "The sandboxed verifier workers that score host rewards "
-   "([rewards_and_security.md](rewards_and_security.md)).",
-   ("reward_timeout", "reward_batch_timeout", "reward_workers", "reward_memory_mb",
-    "reward_sandbox")),
-  ("Loss (`loss.*`)", "A loss preset and its overrides; an override left unset (None) keeps "
-   "the preset's value ([losses.md](losses.md)).", ("loss",)),
-  ("Advantage (`advantage.*`)", "The advantage estimator ([losses.md](losses.md)).",
-   ("advantage",)),
-  ("Policy lag (`lag.*`)", "The schedule of the parameter versions that sample "
-   "([science.md](science.md) s5, [lag_and_study.md](lag_and_study.md)).", ("lag",)),
-  ("Replay (`replay.*`)", "The buffer of sampled groups a step trains on.", ("replay",)),
-  ("Train step (`train.*`)", "Optimizer steps per sampled batch and how each runs.",
-   ("train",)),
-  ("Optimizer (`optimizer.*`)", "AdamW and its schedule.", ("optimizer",)),
-  ("LoRA (`lora.*`)", "Low-rank adapters ([lora.md](lora.md)).", ("lora",)),
-  ("Multi-turn (`multiturn.*`)", "Multi-turn episodes ([multiturn.md](multiturn.md)).",
-   ("multiturn",)),
-  ("Mesh (`mesh.*`)", "Device meshes ([scaling_out.md](scaling_out.md)).", ("mesh",)),
-  ("Warm start (`sft.*`)", "The supervised warm start before RL.", ("sft",)),
-  ("Evaluation", "Held-out evaluation during the run.",
-   ("eval_every", "eval_prompts", "eval_samples")),
-  ("Checkpoints and logging", "What the run writes, and how often.",
-   ("checkpoint_every", "log_every", "profile_steps", "keep_checkpoints", "async_checkpoint",
-    "tensorboard", "wandb_project", "progress")),
-  ("Study (`study.*`)", "A study config's own fields (`configs/lag_study.py`; "
-   "[lag_and_study.md](lag_and_study.md)).", ("study",)),
-)  # fmt: skip
-
-_INTRO = """\
-# Config reference
-
-<!-- Generated from offpolicy_jax/config_schema.py; do not edit. Regenerate with:
-python -m offpolicy_jax.config_schema > docs/config.md -->
-
-Every field of a run's config, declared once in `offpolicy_jax/config_schema.py`
-with its default, role, check and doc. The defaults are the main job's
-(`configs/default.py`); the other configs under `configs/` start from them.
-Set a field on the command line, `--config.<name>=<value>`:
-
-    python -m experiments.train --config=configs/default.py --workdir=DIR \\
-      --config.lag.sync_interval=8 --config.loss.name=grpo
-
-or in a config file under `configs/`, whose `get_config()` returns the config
-(`c.lag.sync_interval = 8`). The config is locked: a misspelt name is an
-error. Every value is checked at start-up, before anything compiles, and a
-bad one fails naming the field: "Accepts" below is the check of the value
-alone; checks against registries (loss, advantage, task and model names),
-files and other fields run there too.
-
-## Roles
-
-A field's role says what changing it changes:
-
-| Role | Compiled | Kept on resume | Study cell | Changing it |
-|---|---|---|---|---|
-"""
-
-_ROLES_NOTES = """
-- compiled: the cached compiled part of a run is built from it.
-- kept on resume: resuming a run (the same `--workdir`) with a changed value
-  is refused unless `--allow_config_change` is given (the change is then
-  recorded in the workdir); the fields the checkpointed parameters' shapes
-  follow (`model`, `lora.rank`, `lora.targets`) cannot change even then.
-- study cell: a finished study cell depends on it, so a study that changes it
-  is not resumed.
-"""
-
-
-def _cell(text: str) -> str:
-  """`text` for a markdown table cell: pipes escaped, no `<name>` read as an HTML tag."""
-  text = text.replace("|", "\\|")
-  return "".join(
-    "&lt;" if c == "<" and text[i + 1 : i + 2].isalpha() else c for i, c in enumerate(text)
-  )
-
-
-def _row(f: Field) -> str:
-  accepts = f.check.describe() if f.check is not None else "checked at start-up"
-  default = _cell(f"`{f.default!r}`")
-  return f"| `{f.name}` | {default} | {f.role.name} | {_cell(accepts)} | {_cell(f.doc)} |"
-
-
-def reference_sections(
-  fields: Iterable[Field] = (*RUN_FIELDS, *STUDY_FIELDS),
-) -> list[tuple[str, str, list[Field]]]:
-  """The config reference's sections, `(title, one line, fields)`, in declaration order.
-
-  Raises:
-    ValueError: a field that no section holds (add it to `_SECTIONS`).
-  """
-  fields = list(fields)
-  out = [
-    (title, line, [f for f in fields if f.name.split(".")[0] in members])
-    for title, line, members in _SECTIONS
-  ]
-  placed = {f.name for _, _, held in out for f in held}
-  missing = [f.name for f in fields if f.name not in placed]
-  if missing:
-    raise ValueError(f"fields in no section of the config reference (_SECTIONS): {missing}")
-  return out
-
-
-def reference_markdown() -> str:
-  """The config reference (docs/config.md): the roles, then every field by section."""
-  yes = {True: "yes", False: "no"}
-  lines = [_INTRO.rstrip("\n")]
-  for r in ROLES:
-    lines.append(f"| {r.name} | {yes[r.compiled]} | {yes[r.kept]} | {yes[r.cell]} | {r.doc} |")
-  lines.append(_ROLES_NOTES)
-  for title, line, fields in reference_sections():
-    lines += [f"## {title}", "", line, "", "| Field | Default | Role | Accepts | Description |"]
-    lines += ["|---|---|---|---|---|", *map(_row, fields), ""]
-  return "\n".join(lines)
-
-
-if __name__ == "__main__":
-  print(reference_markdown(), end="")
