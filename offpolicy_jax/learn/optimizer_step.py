@@ -17,7 +17,7 @@ from offpolicy_jax.learn import batch_splits
 from offpolicy_jax.learn.batch_splits import chunks_per_micro_batch
 from offpolicy_jax.learn.batch_splits import split_micro as _split_micro
 from offpolicy_jax.learn.micro_batch_loss import micro_batch_loss
-from offpolicy_jax.learn.train_state import TrainState, all_finite
+from offpolicy_jax.learn.train_state import TrainState, all_finite, keep_if
 from offpolicy_jax.models import lora_ops
 from offpolicy_jax.types import TrainBatch
 
@@ -97,10 +97,10 @@ def optimizer_step(
   loss_value = red.results({"loss": metrics["loss"]})["loss"]
   finite = jnp.isfinite(loss_value) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
   ok = finite & (count > 0)
-  keep = lambda new, old: jnp.where(ok, new, old)
+  params, opt_state = keep_if(ok, (params, opt_state), (state.params, state.opt_state))
   state = TrainState(
-    params=jax.tree.map(keep, params, state.params),
-    opt_state=jax.tree.map(keep, opt_state, state.opt_state),
+    params=params,
+    opt_state=opt_state,
     step=state.step,
     version=state.version + 1,
     num_skipped=state.num_skipped + (~ok).astype(jnp.int32),

@@ -182,9 +182,7 @@ def make_sft_step(graphdef: Any, optimizer: optax.GradientTransformation) -> Cal
     new_params = optax.apply_updates(params, updates)
     ok = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
     ok &= train_state.all_finite((new_params, new_opt_state))
-    keep = lambda new, old: jnp.where(ok, new, old)
-    params = jax.tree.map(keep, new_params, params)
-    opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+    params, opt_state = train_state.keep_if(ok, (new_params, new_opt_state), (params, opt_state))
     return params, opt_state, loss, (~ok).astype(jnp.int32)
 
   return step

@@ -1,0 +1,89 @@
+"""benchmarks/accelerator.py and benchmarks/compile_time.py at tiny sizes, and the programs'
+size: linear in the parameter leaves (train step) and one attention per layer (sampler)."""
+
+import json
+import math
+import os
+import re
+import sys
+
+import jax
+import pytest
+from flax import nnx
+
+from offpolicy_jax import models
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+
+import accelerator  # noqa: E402
+import compile_time  # noqa: E402
+
+TINY = dict(prompts=2, group=2, prompt_len=8, new_tokens=16, micro_batch=2)
+
+
+def test_accelerator_table_at_tiny_sizes(tmp_path, capsys):
+  out = tmp_path / "acc.json"
+  args = ["--presets", "tiny", "--repeats", "1", "--matmul_size", "128", "--json", str(out)]
+  for name, value in TINY.items():
+    args += [f"--{name}", str(value)]
+  (row,) = accelerator.main(args)
+  for name in ("sampler", "scorer", "train"):
+    assert row[f"compile_{name}_s"] > 0
+  for key in (
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
+    "decode_roofline_fraction",
+    "scorer_tokens_per_s",
+    "train_tokens_per_s",
+    "mfu_measured_matmul",
+    "peak_bytes",
+  ):
+    assert math.isfinite(row[key]) and row[key] > 0, key
+  assert row["mfu_nominal"] is None  # a CPU is not in the table of chips
+  saved = json.loads(out.read_text())
+  assert saved["rows"][0]["preset"] == "tiny" and saved["peaks"]["bandwidth_of"] == "measured"
+  table = capsys.readouterr().out
+  assert "| tiny |" in table and "MFU of matmul" in table
+
+
+def test_peaks_and_model_flops():
+  assert accelerator.nominal("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
+  assert accelerator.nominal("TPU v5 lite") == (197e12, 0.82e12)
+  assert accelerator.nominal("cpu") is None
+  c = models.get_config("tiny")
+  # 6 N + 12 L H Q T: the attention term grows with the sequence, the rest does not.
+  short, long = (accelerator.train_flops_per_token(c, t) for t in (10, 20))
+  assert long - short == 12 * c.num_layers * c.num_heads * c.head_dim * 10
+
+
+def _hlo(program) -> str:
+  return program.compiled.as_text()
+
+
+def test_programs_stay_small():
+  """The train step's select of the kept state is one conditional, not a select per leaf that
+  recomputes the all-finite predicate (a term per leaf): the compiled program held about
+  leaves^2 is-finite ops, most of a 24-layer step's compile time. The sampler reads its own
+  keys in a loop over blocks, not one `lax.switch` branch per span: one attention per layer
+  whatever the number of blocks."""
+  config = models.get_config("tiny", scan_layers=True, remat=True)
+  params = nnx.split(nnx.eval_shape(lambda: models.Decoder(config, rngs=nnx.Rngs(0))))[1]
+  leaves = len(jax.tree.leaves(params))
+  progs = compile_time.compile_programs(config, programs=("train", "sampler"), **TINY)
+  assert _hlo(progs["train"]).count("is-finite(") <= 4 * leaves
+  for block, prog in ((0, progs["sampler"]), (2, None)):
+    if prog is None:  # 8 blocks of 2 own slots
+      prog = compile_time.compile_programs(
+        config, programs=("sampler",), decode_block=block, **TINY
+      )["sampler"]
+    dots = len(re.findall(r"= \S+ dot\(", _hlo(prog)))
+    if block == 0:
+      whole = dots
+    else:
+      assert dots <= whole + 4 * config.num_layers, (dots, whole)
+
+
+@pytest.mark.parametrize("program", ["bogus"])
+def test_unknown_program_names_the_flag(program):
+  with pytest.raises(ValueError, match="--programs: unknown program 'bogus'"):
+    compile_time.compile_programs(models.get_config("tiny"), programs=(program,), **TINY)
