@@ -272,9 +272,9 @@ RUN_FIELDS: tuple[Field, ...] = (
      "cuDNN flash attention on GPU). The same numbers within float tolerance.",
      Choice(("xla", "dot_product"))),
   _F("rollout.decode_block", 32, PROGRAM,
-     "Decode attention reads each row's own cached keys only up to the current step, this "
-     "many slots at a time (0 = the whole max_new_tokens cache at every step). The same "
-     "numbers within float tolerance (docs/speed.md).",
+     "Decode attention reads each row's own cached keys only up to the current step, in spans "
+     "of this many slots, at most 3 spans (0 = the whole max_new_tokens cache at every step). "
+     "Same numbers (docs/speed.md).",
      Int(0, note=" (0 = whole cache)")),
   _F("rollout.continuous_slots", 0, PROGRAM,
      "Continuous batching (sampling.continuous): this many times group_size rows "

@@ -159,20 +159,27 @@ def test_log_kept_mass_matches_a_float64_reference_with_ties_and_outsiders():
   assert np.all(np.isfinite(np.asarray(grad)))
 
 
-def test_bf16_sampler_is_an_engine_mismatch_that_bf16_scoring_removes(tiny, prompts):
+@pytest.mark.parametrize("decode_block", [0, 3])
+def test_bf16_sampler_is_an_engine_mismatch_that_bf16_scoring_removes(tiny, prompts, decode_block):
   """A bf16 sampler against the fp32 learner at the same parameters: ratios are not 1.
 
   A learner scoring in the sampler's dtype reproduces mu when it scores as the
   run's train step does, with the prompt shared by its group
   (`train.shared_prefix`, the default): its attention reads the prompt's keys
   and values the way the sampler's shared-prompt decode does. The plain
-  forward over repeated prompts rounds differently in bf16.
+  forward over repeated prompts rounds differently in bf16. Also when decoding reads the
+  filled part of the cache in spans (`decode_block` 3 of N = 8).
   """
   graphdef, params = tiny
   bf16 = dataclasses.replace(models.get_config("tiny"), dtype="bfloat16")
   bf16_graphdef = nnx.split(nnx.eval_shape(lambda: models.Decoder(bf16, rngs=nnx.Rngs(0))))[0]
   sampler = sampling.make_sampler(
-    bf16_graphdef, max_new_tokens=N, group_size=K, temperature=1.0, top_p=0.8
+    bf16_graphdef,
+    max_new_tokens=N,
+    group_size=K,
+    temperature=1.0,
+    top_p=0.8,
+    decode_block=decode_block,
   )
   out = sampler(params, *prompts, jax.random.key(3))
   batch = _batch(prompts, out)

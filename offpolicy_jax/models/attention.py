@@ -142,7 +142,7 @@ class Attention(lora_ops.Adapted):
       index: slot of the new token in the suffix cache (traced): a scalar, or
         int32 [G*K], one per row (rows at different lengths).
       block: 0 attends over all S own slots; else over the filled ones only,
-        `block` slots at a time (`attention_ops.own_blocks`).
+        rounded up to a multiple of `block` (`attention_ops.over_filled`).
 
     Returns:
       (attention output [G*K, 1, D], updated suffix (k, v)).
@@ -163,8 +163,13 @@ class Attention(lora_ops.Adapted):
     index_b = jnp.broadcast_to(index, rows.shape)
     allowed = (jnp.arange(ks.shape[2])[None, :] <= index_b[:, None])[:, None, :]
 
-    filled = jnp.max(index_b) + 1
-    out = self._grouped_attention(q, prefix_kv, (ks, vs), prompt_mask_gp, allowed, filled, block)
+    def attend(own_kv, allowed):
+      return self._grouped_attention(q, prefix_kv, own_kv, prompt_mask_gp, allowed)
+
+    if block:
+      out = ops.over_filled(attend, (ks, vs), allowed, jnp.max(index_b) + 1, block)
+    else:
+      out = attend((ks, vs), allowed)
     return self._out(out), (ks, vs)
 
   def extend_shared(
@@ -204,16 +209,22 @@ class Attention(lora_ops.Adapted):
     )
     allowed = jnp.arange(s)[None, None, :] <= slots[:, :, None]
 
-    filled = jnp.max(index_b + counts_b)
-    out = self._grouped_attention(q, prefix_kv, (ks, vs), prompt_mask_gp, allowed, filled, block)
+    def attend(own_kv, allowed):
+      return self._grouped_attention(q, prefix_kv, own_kv, prompt_mask_gp, allowed)
+
+    if block:
+      out = ops.over_filled(attend, (ks, vs), allowed, jnp.max(index_b + counts_b), block)
+    else:
+      out = attend((ks, vs), allowed)
     return self._out(out), (ks, vs)
 
-  def _grouped_attention(
-    self, q_btnh, prefix_kv, own_kv, prompt_mask_gp, own_allowed_bts, filled=None, block=0
-  ):
+  def _grouped_attention(self, q_btnh, prefix_kv, own_kv, prompt_mask_gp, own_allowed_bts):
     dt = jnp.dtype(self.config.dtype)
-    args = (prefix_kv, own_kv, prompt_mask_gp, own_allowed_bts, dt, filled, block)
     if self.config.attention == "dot_product":
-      return ops.grouped_fused_attention(q_btnh, *args)
-    out = ops.grouped_attention(self._grouped(q_btnh), *args)
+      return ops.grouped_fused_attention(
+        q_btnh, prefix_kv, own_kv, prompt_mask_gp, own_allowed_bts, dt
+      )
+    out = ops.grouped_attention(
+      self._grouped(q_btnh), prefix_kv, own_kv, prompt_mask_gp, own_allowed_bts, dt
+    )
     return out.reshape(q_btnh.shape)

@@ -5,7 +5,7 @@ layout of HF checkpoints with llama3 / linear frequency scaling; positions that
 left padding does not shift; head projections as one 2-D matmul; the grouped
 attention of K continuations to their shared prompt (training with a shared
 prefix, and decoding against a per-group prompt cache); and decode attention
-over the filled part of the cache only (`own_blocks`).
+over the filled part of the cache only (`over_filled`).
 
 Two implementations of the same maths: ours (`grouped_attention` and the
 decoder's einsums), which read head-major keys [B, N_kv, S, H] in place and
@@ -16,7 +16,6 @@ the prompt part and the continuation part merged by their log-sum-exps.
 """
 
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -81,9 +80,7 @@ def default_positions(attention_mask: ArrayLike) -> jax.Array:
   return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
 
 
-def grouped_attention(
-  qg, prefix_kv, own_kv, prompt_mask_gp, own_allowed_ts, dt, filled=None, block: int = 0
-):
+def grouped_attention(qg, prefix_kv, own_kv, prompt_mask_gp, own_allowed_ts, dt):
   """Continuations attending to their group's prompt and to their own keys, one softmax.
 
   Args:
@@ -94,9 +91,6 @@ def grouped_attention(
     prompt_mask_gp: [G, P] real prompt tokens.
     own_allowed_ts: [G*K or 1, T, S] which own keys each query sees.
     dt: compute dtype.
-    filled, block: with `block`, only the own slots below `filled` (traced) are
-      read, `block` at a time (`own_blocks`), each block's softmax merged by its
-      log-sum-exp: the same numbers within float tolerance.
 
   Returns:
     [G*K, T, N_kv, N/N_kv, H] attention outputs.
@@ -110,82 +104,15 @@ def grouped_attention(
     "gctkqh,gksh->gckqts", qg_g, kp.astype(dt), preferred_element_type=jnp.float32
   )
   to_prompt = jnp.where(prompt_mask_gp[:, None, None, None, None, :], to_prompt / root, NEG_INF)
-
-  def self_scores(k_bsh, allowed):
-    scores = jnp.einsum(
-      "btkqh,bksh->bkqts", qg, k_bsh.astype(dt), preferred_element_type=jnp.float32
-    )
-    return jnp.where(allowed[:, None, None], scores / root, NEG_INF)
-
-  blocks = own_blocks(filled, block, ks.shape[2])
-  if blocks is not None:
-    return _grouped_blocked(qg, to_prompt, vp, self_scores, own_kv, own_allowed_ts, dt, blocks)
-  to_self = self_scores(ks, own_allowed_ts).reshape(g, group_size, *qg.shape[2:4], qg.shape[1], -1)
+  to_self = jnp.einsum("btkqh,bksh->bkqts", qg, ks.astype(dt), preferred_element_type=jnp.float32)
+  to_self = jnp.where(own_allowed_ts[:, None, None], to_self / root, NEG_INF)
+  to_self = to_self.reshape(g, group_size, *to_self.shape[1:])
   probs = jax.nn.softmax(jnp.concatenate([to_prompt, to_self], axis=-1), axis=-1).astype(dt)
   vs_g = vs.astype(dt).reshape(g, group_size, *vs.shape[1:])
   out = jnp.einsum("gckqts,gksh->gctkqh", probs[..., :p], vp.astype(dt)) + jnp.einsum(
     "gckqts,gcksh->gctkqh", probs[..., p:], vs_g
   )
   return out.reshape(qg.shape)
-
-
-def _grouped_blocked(qg, to_prompt, vp, self_scores, own_kv, own_allowed_ts, dt, blocks):
-  """`grouped_attention` reading the own keys a block at a time: the prompt's softmax and
-  each block's merge by their log-sum-exps (`_merge`), one loop per layer."""
-  b, t = qg.shape[:2]
-  lse_p = jax.nn.logsumexp(to_prompt, axis=-1, keepdims=True)
-  probs = jnp.exp(to_prompt - lse_p).astype(dt)
-  # Outputs in the compute dtype, as the one-softmax path's (XLA's CPU runtime has no
-  # bfloat16 x bfloat16 -> float32 batched dot).
-  o_p = jnp.einsum("gckqts,gksh->gctkqh", probs, vp.astype(dt)).astype(jnp.float32)
-  # [B, T, N_kv, N/N_kv, H] and [B, T, N_kv, N/N_kv]
-  prompt = (o_p.reshape(qg.shape), jnp.moveaxis(lse_p[..., 0], -1, 2).reshape(qg.shape[:-1]))
-  ks, vs = own_kv
-  allowed = jnp.broadcast_to(own_allowed_ts, (b, *own_allowed_ts.shape[1:]))
-
-  def merge_block(i, acc):
-    start, fresh = blocks.span(i)
-    sees = jax.lax.dynamic_slice_in_dim(allowed, start, blocks.size, axis=-1) & fresh[None, None]
-    k, v = (jax.lax.dynamic_slice_in_dim(x, start, blocks.size, axis=2) for x in (ks, vs))
-    scores = self_scores(k, sees)  # [B, N_kv, N/N_kv, T, block]
-    lse = jax.nn.logsumexp(scores, axis=-1, keepdims=True)
-    pr = jnp.exp(scores - lse).astype(dt)
-    o = jnp.einsum("bkqts,bksh->btkqh", pr, v.astype(dt)).astype(jnp.float32)
-    part = (o, jnp.moveaxis(lse[..., 0], -1, 1))
-    return _merge(acc, part, jnp.any(sees, axis=-1)[:, :, None, None])
-
-  return jax.lax.fori_loop(0, blocks.n, merge_block, prompt)[0].astype(dt)
-
-
-class _Blocks(NamedTuple):
-  """The own-key blocks a decode step reads: `n` (traced) blocks of `size` of `slots`."""
-
-  n: jax.Array
-  size: int
-  slots: int
-
-  def span(self, i):
-    """(start, fresh [size]): block i starts at i * size, moved back to fit in the slots;
-    `fresh` marks its slots that no earlier block covered."""
-    start = jnp.minimum(i * self.size, self.slots - self.size)
-    return start, start + jnp.arange(self.size) >= i * self.size
-
-
-def own_blocks(filled, block: int, slots: int) -> _Blocks | None:
-  """The blocks of `block` own slots that hold slots 0..filled - 1, or None: read all `slots`.
-
-  Decode step i needs own keys 0..i only; attending over all S slots reads
-  (and multiplies by zero) the empty rest of the cache. A loop with a traced
-  trip count over blocks of `block` slots reads only the filled ones, in one
-  program whatever S is (a `lax.switch` over the spans block, 2 block, ..., S
-  compiled S / block copies of the attention per layer: minutes of compile at
-  S = 512). A last block that would run past S starts at S - block instead;
-  the slots it shares with the block before are counted once.
-  """
-  if not block or block >= slots or filled is None:
-    return None
-  count = (jnp.clip(jnp.asarray(filled, jnp.int32), 1, slots) + block - 1) // block
-  return _Blocks(count, block, slots)
 
 
 def fused_attention(q_btnh, k_bksh, v_bksh, mask, dt, residual=False):
@@ -206,16 +133,14 @@ def fused_attention(q_btnh, k_bksh, v_bksh, mask, dt, residual=False):
   return jax.nn.dot_product_attention(q_btnh.astype(dt), k, v, mask=mask, return_residual=residual)
 
 
-def grouped_fused_attention(
-  q_btnh, prefix_kv, own_kv, prompt_mask_gp, own_allowed_bts, dt, filled=None, block: int = 0
-):
+def grouped_fused_attention(q_btnh, prefix_kv, own_kv, prompt_mask_gp, own_allowed_bts, dt):
   """`grouped_attention` through `jax.nn.dot_product_attention`, prompts read once per group.
 
   The K continuations' queries of a group attend to its prompt as one
-  sequence of K * T queries, and each row to its own keys; the partial
-  softmaxes (the prompt's, the own keys' or each block of them) merge exactly
-  by their log-sum-exps l_1, l_2: out = (e^l_1 o_1 + e^l_2 o_2) / (e^l_1 + e^l_2)
-  (Dao, FlashAttention-2, arXiv:2307.08691, section 3.1.1).
+  sequence of K * T queries, and each row to its own keys; the two partial
+  softmaxes merge exactly by their log-sum-exps l_p, l_s:
+  out = (e^l_p o_p + e^l_s o_s) / (e^l_p + e^l_s) (Dao, FlashAttention-2,
+  arXiv:2307.08691, section 3.1.1).
 
   Args:
     q_btnh: [G*K, T, N, H] queries, rows group-major.
@@ -224,42 +149,66 @@ def grouped_fused_attention(
     prompt_mask_gp: [G, P] real prompt tokens.
     own_allowed_bts: [G*K or 1, T, S] which own keys each query sees.
     dt: compute dtype.
-    filled, block: as for `grouped_attention`.
 
   Returns:
     [G*K, T, N, H] attention outputs.
   """
   b, t, n, h = q_btnh.shape
   g = prompt_mask_gp.shape[0]
-  kp, vp = prefix_kv
   o_p, l_p = fused_attention(
-    q_btnh.reshape(g, b // g * t, n, h), kp, vp, prompt_mask_gp[:, None, None, :], dt, True
+    q_btnh.reshape(g, b // g * t, n, h), *prefix_kv, prompt_mask_gp[:, None, None, :], dt, True
   )
-  prompt = (o_p.reshape(b, t, n, h).astype(jnp.float32), l_p.reshape(b, t, n).astype(jnp.float32))
-  ks, vs = own_kv
-  blocks = own_blocks(filled, block, ks.shape[2])
-  if blocks is None:
-    o_s, l_s = fused_attention(q_btnh, ks, vs, own_allowed_bts[:, None], dt, True)
-    return _merge(prompt, (o_s, l_s), jnp.ones((), bool))[0].astype(dt)
-  allowed = jnp.broadcast_to(own_allowed_bts, (b, *own_allowed_bts.shape[1:]))
-
-  def merge_block(i, acc):
-    start, fresh = blocks.span(i)
-    sees = jax.lax.dynamic_slice_in_dim(allowed, start, block, axis=-1) & fresh[None, None]
-    k, v = (jax.lax.dynamic_slice_in_dim(x, start, block, axis=2) for x in (ks, vs))
-    part = fused_attention(q_btnh, k, v, sees[:, None], dt, True)
-    return _merge(acc, part, jnp.any(sees, axis=-1)[..., None])
-
-  return jax.lax.fori_loop(0, blocks.n, merge_block, prompt)[0].astype(dt)
+  o_s, l_s = fused_attention(q_btnh, *own_kv, own_allowed_bts[:, None], dt, True)
+  l_p = l_p.reshape(b, t, n).astype(jnp.float32)
+  l_s = l_s.astype(jnp.float32)
+  top = jnp.maximum(l_p, l_s)
+  w_p, w_s = jnp.exp(l_p - top)[..., None], jnp.exp(l_s - top)[..., None]
+  out = (w_p * o_p.reshape(b, t, n, h) + w_s * o_s) / (w_p + w_s)
+  return out.astype(dt)
 
 
-def _merge(a, b, b_sees):
-  """Two partial attentions `(out [..., H], lse [...])` as one (float32); `b` counts where
-  `b_sees` (broadcastable to lse) holds: a query that sees none of b's keys keeps a."""
-  (o_a, l_a), (o_b, l_b) = a, b
-  l_b = jnp.where(b_sees, l_b.astype(jnp.float32), -jnp.inf)
-  top = jnp.maximum(l_a, l_b)
-  w_a, w_b = jnp.exp(l_a - top), jnp.exp(l_b - top)
-  o_b = jnp.where(b_sees[..., None], o_b.astype(jnp.float32), 0.0)
-  out = (w_a[..., None] * o_a + w_b[..., None] * o_b) / (w_a + w_b)[..., None]
-  return out, top + jnp.log(w_a + w_b)
+# Most branches of `over_filled`'s switch, whatever max_new_tokens / decode_block is: each
+# branch compiles its own copy of every layer's attention, and compile time grew faster than
+# the copies (qwen2.5-0.5b's sampler at N = 512 on CPU: 13.7 s with 1 span, 18.3 s with 2,
+# 35.4 s with 4, unfinished after 540 s with 16; docs/results/compile_time.md).
+MAX_SPANS = 3
+
+
+def over_filled(attend, own_kv, own_allowed_bts, filled, block: int):
+  """`attend(own_kv, own_allowed)` over the first ceil(filled / span) * span own slots only.
+
+  Decode step i needs own keys 0..i only; attending over all S slots reads
+  (and multiplies by zero) the empty rest of the cache. The static spans
+  b, 2 b, ..., S are the branches of one `lax.switch` on the traced `filled`,
+  so each step reads the smallest span that holds its keys; b is `block`,
+  or larger where S / block would give more than `MAX_SPANS` branches. The
+  slots cut off are masked out anyway: the same softmax, so the same
+  numbers within float32 summation order (a blockwise softmax merged by
+  log-sum-exps would compile flat but round differently in bfloat16, and
+  the bf16 learner would no longer reproduce the sampler's log-probs).
+
+  Args:
+    attend: `attend((k, v), allowed) -> out` over own keys [B, N_kv, s, H] and
+      allowed [B or 1, T, s].
+    own_kv: (k, v) [B, N_kv, S, H].
+    own_allowed_bts: [B or 1, T, S].
+    filled: traced int, slots that any row may attend (max index + 1).
+    block: span granularity (>= 1); spans >= S mean one branch, the whole cache.
+
+  Returns:
+    What `attend` returns.
+  """
+  s_max = own_kv[0].shape[2]
+  block = max(block, -(-s_max // MAX_SPANS))
+  spans = [*range(block, s_max, block), s_max]
+  if len(spans) == 1:
+    return attend(own_kv, own_allowed_bts)
+
+  def branch(span):
+    def run(own_kv, allowed):
+      return attend(tuple(x[:, :, :span] for x in own_kv), allowed[..., :span])
+
+    return run
+
+  index = jnp.clip((jnp.asarray(filled) - 1) // block, 0, len(spans) - 1)
+  return jax.lax.switch(index, [branch(s) for s in spans], own_kv, own_allowed_bts)

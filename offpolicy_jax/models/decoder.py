@@ -259,7 +259,7 @@ class Decoder(nnx.Module):
       index: suffix slot of the new tokens (their position is prompt length + index):
         a scalar, or int32 [G*K] per row.
       block: 0 attends over every suffix slot; else over the filled slots only,
-        `block` slots at a time (the same numbers, less of the cache read).
+        in spans of `block` (the same numbers, less of the cache read).
 
     Returns:
       (h [G*K, D], updated suffix cache).
@@ -317,7 +317,7 @@ class Decoder(nnx.Module):
       index_b: int32 [G*K] suffix slot of each row's first new token (its
         filled slots so far); index + counts <= S.
       block: 0 attends over every suffix slot; else over the filled ones
-        only, `block` slots at a time (`attention_ops.own_blocks`).
+        only, in spans of `block` (`attention_ops.over_filled`).
 
     Returns:
       (h [G*K, D] final-norm hidden state at each row's last real new token,

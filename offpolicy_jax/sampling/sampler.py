@@ -214,8 +214,8 @@ def make_sampler(
     behavior_logp: what `logprobs` records: "sampled" (log mu, the truncated
       distribution drawn from) or "full" (the untruncated tempered log-prob).
     decode_block: decode step i attends to its rows' own keys 0..i only, read
-      this many cache slots at a time (0: all N slots at every step; the
-      same numbers either way, `attention_ops.own_blocks`).
+      in spans of this many cache slots (0: all N slots at every step; the
+      same numbers either way; at most `attention_ops.MAX_SPANS` spans).
 
   Returns:
     The jitted sampling function; `params` is the state from `nnx.split(model)`.
