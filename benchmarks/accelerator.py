@@ -29,7 +29,6 @@ import json
 import os
 import resource
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -86,13 +85,7 @@ def train_flops_per_token(config: models.ModelConfig, seq_len: int) -> float:
 
 
 def _median_s(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+  return roofline.median_time(fn, repeats=repeats)
 
 
 def _peak_bytes() -> tuple[int, str]:

@@ -138,30 +138,29 @@ def main():
     config = models.get_config(
       args.preset, dtype=args.dtype, scan_layers=scan, remat=bool(args.remat)
     )
-    sampler_part = tuple(p for p in programs if p == "sampler")
-    learner_part = tuple(p for p in programs if p != "sampler")
+    # The sampler at its own shapes, the scorer and the train step at one batch's.
+    parts = (
+      ((p for p in programs if p == "sampler"), args.prompts, args.prompt_len, args.new_tokens),
+      (
+        (p for p in programs if p != "sampler"),
+        args.train_prompts,
+        args.train_prompt_len,
+        args.train_new_tokens,
+      ),
+    )
     built: dict[str, Program] = {}
-    if sampler_part:
-      built |= compile_programs(
-        config,
-        prompts=args.prompts,
-        group=args.group,
-        prompt_len=args.prompt_len,
-        new_tokens=args.new_tokens,
-        micro_batch=args.micro_batch,
-        programs=sampler_part,
-        decode_block=args.decode_block,
-      )
-    if learner_part:
-      built |= compile_programs(
-        config,
-        prompts=args.train_prompts,
-        group=args.group,
-        prompt_len=args.train_prompt_len,
-        new_tokens=args.train_new_tokens,
-        micro_batch=args.micro_batch,
-        programs=learner_part,
-      )
+    for names, g, p, n in parts:
+      if names := tuple(names):
+        built |= compile_programs(
+          config,
+          prompts=g,
+          group=args.group,
+          prompt_len=p,
+          new_tokens=n,
+          micro_batch=args.micro_batch,
+          programs=names,
+          decode_block=args.decode_block,
+        )
     for name, t in ((name, prog.seconds) for name, prog in built.items()):
       rows.append(dict(preset=args.preset, scan_layers=scan, program=name, **t))
       print(

@@ -30,7 +30,8 @@ import numpy as np
 from offpolicy_jax import models
 
 
-def _median_time(fn, *args, repeats: int) -> float:
+def median_time(fn, *args, repeats: int) -> float:
+  """Median seconds of `fn(*args)` over `repeats` calls after one warm-up (compilation) call."""
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
@@ -43,13 +44,13 @@ def _median_time(fn, *args, repeats: int) -> float:
 def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
   """Median FLOP/s of a jitted float32 [size, size] @ [size, size]."""
   a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-  return 2 * size**3 / _median_time(jax.jit(jnp.dot), a, a, repeats=repeats)
+  return 2 * size**3 / median_time(jax.jit(jnp.dot), a, a, repeats=repeats)
 
 
 def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
   """Median bytes/s read by a jitted sum over a float32 array of `mib` MiB."""
   x = jnp.ones((mib * 2**18,), jnp.float32)
-  return x.nbytes / _median_time(jax.jit(jnp.sum), x, repeats=repeats)
+  return x.nbytes / median_time(jax.jit(jnp.sum), x, repeats=repeats)
 
 
 def matmul_params(config: models.ModelConfig) -> int:

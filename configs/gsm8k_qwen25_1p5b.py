@@ -24,6 +24,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Local Hugging Face directory of Qwen2.5-1.5B-Instruct (config.json + safetensors).
   c.model = "checkpoints/Qwen2.5-1.5B-Instruct"
   c.model_dtype = "bfloat16"
+  # The train step and the scorer run the 28 blocks as one lax.scan: one block compiled,
+  # not 28 (docs/speed.md, "Compile time"); checkpoints keep one leaf per layer either way.
+  c.model_scan_layers = True
   # Same directory: tokenizer.json + chat template.
   c.tokenizer = "checkpoints/Qwen2.5-1.5B-Instruct"
   c.task = "gsm8k"

@@ -86,3 +86,44 @@ def test_programs_stay_small():
 def test_unknown_program_names_the_flag(program):
   with pytest.raises(ValueError, match="--programs: unknown program 'bogus'"):
     compile_time.compile_programs(models.get_config("tiny"), programs=(program,), **TINY)
+
+
+def test_bf16_decode_reads_weights_cast_once_per_call():
+  """Float32 master weights, bfloat16 compute: the casts of the weights to bfloat16 sit outside
+  the decode loop (XLA hoists them), so each decode step reads the bfloat16 copy."""
+  config = models.get_config("tiny", dtype="bfloat16")
+  params = nnx.split(nnx.eval_shape(lambda: models.Decoder(config, rngs=nnx.Rngs(0))))[1]
+  shapes = {x.shape for x in jax.tree.leaves(params) if x.ndim == 2 and min(x.shape) >= 64}
+  txt = _hlo(compile_time.compile_programs(config, programs=("sampler",), **TINY)["sampler"])
+  bodies: dict[str, list[str]] = {}
+  name = None
+  for line in txt.splitlines():
+    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if head:
+      name = head.group(1)
+      bodies[name] = []
+    elif name:
+      bodies[name].append(line)
+
+  def reachable(root, seen):
+    for line in bodies.get(root, []):
+      for callee in re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", line):
+        if callee not in seen:
+          seen.add(callee)
+          reachable(callee, seen)
+    return seen
+
+  def weight_casts(names):
+    pattern = re.compile(r"= bf16\[(\d+),(\d+)\]\{[^}]*\} convert\(")
+    return [
+      line
+      for n in names
+      for line in bodies.get(n, [])
+      if (m := pattern.search(line)) and (int(m.group(1)), int(m.group(2))) in shapes
+    ]
+
+  loops = set()
+  for root in re.findall(r"body=%?([\w.\-]+)", txt):
+    loops |= reachable(root, {root})
+  assert weight_casts(set(bodies) - loops), "no weight cast found: the test lost its target"
+  assert not weight_casts(loops)

@@ -96,17 +96,23 @@ def optimizer_step(
   params = optax.apply_updates(state.params, updates)
   loss_value = red.results({"loss": metrics["loss"]})["loss"]
   finite = jnp.isfinite(loss_value) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
-  ok = finite & (count > 0)
-  params, opt_state = keep_if(ok, (params, opt_state), (state.params, state.opt_state))
+  # The flags leave the conditional as its outputs: each use of `finite` outside it would
+  # get its own fused copy of the predicate's term per leaf (`train_state.keep_if`).
+  new = (params, opt_state, jnp.int32(0), jnp.int32(0))
+  params, opt_state, skipped, nonfinite = keep_if(
+    finite & (count > 0),
+    new,
+    (state.params, state.opt_state, jnp.int32(1), (~finite).astype(jnp.int32)),
+  )
   state = TrainState(
     params=params,
     opt_state=opt_state,
     step=state.step,
     version=state.version + 1,
-    num_skipped=state.num_skipped + (~ok).astype(jnp.int32),
+    num_skipped=state.num_skipped + skipped,
   )
   metrics["loss_count"] = red.mean(count)
   metrics["grad_norm"] = red.mean(grad_norm)
-  metrics["skipped"] = red.Sum((~ok).astype(jnp.int32))
-  metrics["nonfinite"] = red.Sum((~finite).astype(jnp.int32))
+  metrics["skipped"] = red.Sum(skipped)
+  metrics["nonfinite"] = red.Sum(nonfinite)
   return state, metrics
