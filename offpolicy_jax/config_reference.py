@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from offpolicy_jax.config_schema import ROLES, RUN_FIELDS, STUDY_FIELDS, Field
+from offpolicy_jax.config_fields import ROLES, Field
+from offpolicy_jax.config_schema import RUN_FIELDS, STUDY_FIELDS
 
 # The sections of the config reference (docs/config.md): (title, one line, members). A member
 # is a top-level field or the first part of dotted ones ("loss" holds every loss.* field).

@@ -1,6 +1,5 @@
 # size: declaration table: RUN_FIELDS and STUDY_FIELDS declare every config field once
-# (default, role, doc, check), about 310 of its lines; the rest is the roles, checks, readers
-# and the config reference (docs/config.md) rendered from the table.
+# (default, role, doc, check), about 310 of its lines; the rest is the readers.
 """The experiment config: every field once, with its default, role, check and doc.
 
 `configs/default.py` builds its ConfigDict from `RUN_FIELDS` (`config_dict`),
@@ -23,231 +22,43 @@ changing it changes; every reader asks the role instead of keeping a list:
 - study cell: a finished study cell depends on it, so `study.runner` refuses
   to resume a study that changes it.
 
-(a) changes the compiled programs = PROGRAM; (b) changes a run's numbers, not
-what compiles = NUMBERS; (c) run control that may change on resume = CONTROL
-(what a study cell records: length and evaluation) or PLACEMENT (where and how
-the compiled part runs: the mesh, the reward workers it holds); (d) no effect
-on a study cell = NO_CELL_EFFECT.
+CONTROL is run control a study cell records (length, evaluation); PLACEMENT is
+where and how the compiled part runs (the mesh, the reward workers it holds).
 
-Checks that need nothing but the value (type, range, a fixed set of words)
-live beside the field (`Int`, `Float`, `Choice`, `Bool`, `Str`) and run first
-in `run.validation.validate_config`; checks against registries (loss,
-advantage, task and model names), files or other fields stay there.
+The roles, `Field` and the checks of a value alone (`Int`, `Float`, `Choice`,
+`Bool`, `Str`, `Names`) are `config_fields`; they run first in
+`run.validation.validate_config`, and the checks against registries, files or
+other fields stay there.
 
-Why this wing: it is the bottom one, so `store.workdir` (below `run`) reads the
-roles too. The study's fields (`config.study.*`, configs/lag_study.py) are
-`STUDY_FIELDS`.
-
-`config_reference` renders every field as the config reference, docs/config.md
-(`python -m offpolicy_jax.config_reference > docs/config.md`).
+The bottom wing, so `store.workdir` (below `run`) reads the roles too. The study's
+fields (`config.study.*`) are `STUDY_FIELDS`. `python -m offpolicy_jax.config_reference
+> docs/config.md` renders all of them as the config reference.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import ml_collections
-import numpy as np
 from ml_collections import config_dict as _config_dict
 
 from offpolicy_jax import errors
-
-
-class Role(NamedTuple):
-  """What changing a field changes (module docstring)."""
-
-  name: str
-  compiled: bool
-  kept: bool
-  cell: bool
-  doc: str
-
-
-PROGRAM = Role("program", True, True, True, "changes the compiled programs")
-NUMBERS = Role("numbers", False, True, True, "changes a run's numbers, not what compiles")
-CONTROL = Role(
-  "control", False, False, True, "run control a study cell records; may change on resume"
+from offpolicy_jax.config_fields import (
+  CONTROL,
+  NO_CELL_EFFECT,
+  NUMBERS,
+  PLACEMENT,
+  PROGRAM,
+  Bool,
+  Choice,
+  Field,
+  Float,
+  Int,
+  Names,
+  Role,
+  Str,
 )
-PLACEMENT = Role(
-  "placement", True, False, False, "where and how the compiled part runs; may change on resume"
-)
-NO_CELL_EFFECT = Role(
-  "no_cell_effect", False, False, False, "no effect on a study cell; may change on resume"
-)
-ROLES = (PROGRAM, NUMBERS, CONTROL, PLACEMENT, NO_CELL_EFFECT)
-
-
-# ----------------------------------------------------------------- checks
-
-
-def _is_int(v: Any) -> bool:
-  return isinstance(v, int | np.integer) and not isinstance(v, bool)
-
-
-def _is_num(v: Any) -> bool:
-  return isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
-
-
-class Int(NamedTuple):
-  """An int >= lo (and < hi), or one of `also`; `note` is appended to the complaint."""
-
-  lo: int
-  hi: int | None = None
-  note: str = ""
-  also: tuple[int, ...] = ()
-
-  def describe(self) -> str:
-    """What it accepts, in the words of its complaint."""
-    want = f">= {self.lo}" if self.hi is None else f"in [{self.lo}, {self.hi})"
-    return f"an int {want}{self.note}"
-
-  def __call__(self, v: Any) -> str | None:
-    ok = _is_int(v) and (v in self.also or (v >= self.lo and (self.hi is None or v < self.hi)))
-    return None if ok else f"must be {self.describe()}, got {v!r}"
-
-
-class Float(NamedTuple):
-  """A finite number between lo and hi (open or closed ends), or one of `also`.
-
-  `none_ok`: None (a placeholder left unset) passes. `unit` names what it counts.
-  """
-
-  lo: float
-  hi: float = math.inf
-  lo_open: bool = False
-  hi_open: bool = False
-  note: str = ""
-  unit: str = ""
-  also: tuple[float, ...] = ()
-  none_ok: bool = False
-
-  def _number(self) -> str:
-    if self.hi == math.inf:
-      want = f"{'>' if self.lo_open else '>='} {self.lo}"
-    else:
-      want = f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
-    unit = f" of {self.unit}" if self.unit else ""
-    return f"a finite number{unit} {want}{self.note}"
-
-  def describe(self) -> str:
-    """What it accepts, in the words of its complaint (and None with `none_ok`)."""
-    return self._number() + (", or None (unset)" if self.none_ok else "")
-
-  def __call__(self, v: Any) -> str | None:
-    if v is None and self.none_ok:
-      return None
-    ok = _is_num(v) and math.isfinite(v)
-    inside = ok and (v > self.lo if self.lo_open else v >= self.lo)
-    inside = inside and (v < self.hi if self.hi_open else v <= self.hi)
-    if ok and (inside or v in self.also):
-      return None
-    return f"must be {self._number()}, got {v!r}"
-
-
-class Choice(NamedTuple):
-  """One of a fixed set of values."""
-
-  choices: tuple[Any, ...]
-
-  def describe(self) -> str:
-    """What it accepts, in the words of its complaint."""
-    return f"one of {', '.join(map(repr, self.choices))}"
-
-  def __call__(self, v: Any) -> str | None:
-    if v in self.choices:
-      return None
-    return f"must be {self.describe()}, got {v!r}"
-
-
-class Bool(NamedTuple):
-  """True or False."""
-
-  def describe(self) -> str:
-    """What it accepts, in the words of its complaint."""
-    return "True or False"
-
-  def __call__(self, v: Any) -> str | None:
-    return None if isinstance(v, bool | np.bool_) else f"must be {self.describe()}, got {v!r}"
-
-
-class Str(NamedTuple):
-  """A string (None too with `none_ok`)."""
-
-  none_ok: bool = False
-
-  def describe(self) -> str:
-    """What it accepts."""
-    return "a string" + (", or None (unset)" if self.none_ok else "")
-
-  def __call__(self, v: Any) -> str | None:
-    if isinstance(v, str) or (v is None and self.none_ok):
-      return None
-    return f"must be a string, got {v!r}"
-
-
-class Check(Protocol):
-  """`check(value) -> complaint` ("must be ..., got ...") or None when the value is fine.
-
-  `describe()` says what it accepts ("an int >= 1"), for the config reference.
-  """
-
-  def __call__(self, v: Any, /) -> str | None: ...
-
-  def describe(self) -> str: ...
-
-
-# ----------------------------------------------------------------- fields
-
-
-class Field(NamedTuple):
-  """One config field.
-
-  Attributes:
-    name: dotted path in the config, e.g. "lag.sync_interval".
-    default: its value in `configs/default.py` (the main job); a dict is a
-      ConfigDict of free keys (task_kwargs); None is a placeholder of `value_type`.
-    role: what changing it changes (module docstring).
-    doc: its one comment.
-    check: `value -> complaint or None`, for checks that need nothing but the value.
-    value_type: the type a None default accepts from the command line.
-    setting: for a field that is not compiled, its name in `RunSettings`
-      (None: the dotted name with "_" for "."; "": read only through a
-      setting built from several fields, like `RunSettings.replay`).
-  """
-
-  name: str
-  default: Any
-  role: Role
-  doc: str
-  check: Check | None = None
-  value_type: type | None = None
-  setting: str | None = None
-
-  @property
-  def setting_name(self) -> str:
-    """Its attribute in `RunSettings` ("" for none); see `setting`."""
-    if self.role.compiled:
-      return ""
-    return self.name.replace(".", "_") if self.setting is None else self.setting
-
-
-class Names(NamedTuple):
-  """A comma-separated, non-empty list of words from `choices`."""
-
-  choices: tuple[str, ...]
-
-  def describe(self) -> str:
-    """What it accepts, in the words of its complaint."""
-    return f"comma-separated names from {', '.join(self.choices)}"
-
-  def __call__(self, v: Any) -> str | None:
-    words = [w.strip() for w in v.split(",")] if isinstance(v, str) else None
-    if words and all(w in self.choices for w in words):
-      return None
-    return f"must be {self.describe()}, got {v!r}"
-
 
 _F = Field
 _POS = Int(1)

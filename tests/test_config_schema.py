@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import code, default, gsm8k_qwen25_1p5b, lag_study  # noqa: E402
+from offpolicy_jax import config_fields as fields  # noqa: E402
 from offpolicy_jax import config_reference  # noqa: E402
 from offpolicy_jax import config_schema as schema  # noqa: E402
 
@@ -27,7 +28,7 @@ def test_every_field_is_declared_once_with_a_role_and_a_doc():
   names = [f.name for f in ALL]
   assert len(names) == len(set(names))
   for f in ALL:
-    assert f.role in schema.ROLES, f.name
+    assert f.role in fields.ROLES, f.name
     assert f.doc.strip().endswith("."), f.name
 
 
@@ -60,11 +61,11 @@ def test_config_dict_is_the_command_line_surface():
 
 
 def test_roles_of_nested_and_undeclared_fields():
-  assert schema.role_of("task_kwargs.train_path") is schema.PROGRAM
-  assert schema.role_of("lag.sync_interval") is schema.NUMBERS
-  assert schema.role_of("mesh.data") is schema.PLACEMENT
-  assert schema.role_of("study.vmap_seeds") is schema.NO_CELL_EFFECT
-  assert schema.role_of("no_such_field") is schema.PROGRAM  # unknown: taken to change everything
+  assert schema.role_of("task_kwargs.train_path") is fields.PROGRAM
+  assert schema.role_of("lag.sync_interval") is fields.NUMBERS
+  assert schema.role_of("mesh.data") is fields.PLACEMENT
+  assert schema.role_of("study.vmap_seeds") is fields.NO_CELL_EFFECT
+  assert schema.role_of("no_such_field") is fields.PROGRAM  # unknown: taken to change everything
 
 
 def test_check_names_the_field():
@@ -72,11 +73,11 @@ def test_check_names_the_field():
   c.lag.sync_interval = 0
   with pytest.raises(ValueError, match=r"^config.lag.sync_interval: must be an int >= 1, got 0"):
     schema.check(c)
-  assert schema.Float(0, lo_open=True, unit="seconds")(0.0) == (
+  assert fields.Float(0, lo_open=True, unit="seconds")(0.0) == (
     "must be a finite number of seconds > 0, got 0.0"
   )
-  assert schema.Int(1, note=" or -1", also=(-1,))(-1) is None
-  assert schema.Int(0)(True) is not None  # a bool is not an int
+  assert fields.Int(1, note=" or -1", also=(-1,))(-1) is None
+  assert fields.Int(0)(True) is not None  # a bool is not an int
 
 
 def test_docs_config_md_is_the_generated_reference():
@@ -94,19 +95,19 @@ def test_reference_lists_every_field_once_with_what_it_accepts():
   assert sorted(r.split("`")[1] for r in rows) == sorted(f.name for f in ALL)
   row = next(r for r in rows if r.startswith("| `lag.sync_interval` "))
   assert row.startswith("| `lag.sync_interval` | `4` | numbers | an int >= 1 | m: parameters")
-  stray = schema.Field("no_section", 0, schema.NUMBERS, "A field no section holds.")
+  stray = fields.Field("no_section", 0, fields.NUMBERS, "A field no section holds.")
   with pytest.raises(ValueError, match="no_section"):
     config_reference.reference_sections((*ALL, stray))
 
 
 def test_describe_is_what_the_complaint_says():
   for check, bad in [
-    (schema.Int(1, note=" or -1", also=(-1,)), 0),
-    (schema.Float(0, 1, lo_open=True, unit="seconds"), 0.0),
-    (schema.Choice(("sync", "async")), "nope"),
-    (schema.Bool(), 1),
-    (schema.Str(), 1),
-    (schema.Names(("q_proj", "k_proj")), "x"),
+    (fields.Int(1, note=" or -1", also=(-1,)), 0),
+    (fields.Float(0, 1, lo_open=True, unit="seconds"), 0.0),
+    (fields.Choice(("sync", "async")), "nope"),
+    (fields.Bool(), 1),
+    (fields.Str(), 1),
+    (fields.Names(("q_proj", "k_proj")), "x"),
   ]:
     assert check(bad) == f"must be {check.describe()}, got {bad!r}"
-  assert schema.Float(0, none_ok=True).describe() == "a finite number >= 0, or None (unset)"
+  assert fields.Float(0, none_ok=True).describe() == "a finite number >= 0, or None (unset)"

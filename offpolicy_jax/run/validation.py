@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from offpolicy_jax import advantages, config_schema, errors, losses, models
+from offpolicy_jax import advantages, config_fields, config_schema, errors, losses, models
 from offpolicy_jax.learn import replay
 from offpolicy_jax.models import hub
 from offpolicy_jax.rewards import tasks
@@ -100,7 +100,7 @@ def _is_int(v) -> bool:
   return isinstance(v, int | np.integer) and not isinstance(v, bool)
 
 
-def _check(c, field: str, check: config_schema.Check | None = None) -> None:
+def _check(c, field: str, check: config_fields.Check | None = None) -> None:
   """`field` passes `check` (default: the one declared beside it in `config_schema`)."""
   if check is None:
     declared = config_schema.field(field)
@@ -198,7 +198,7 @@ def _validate_loss(c) -> None:
     f"unknown loss {c.loss.name!r}; known: {', '.join(losses.names())}",
   )
   if c.loss.agg is not None:
-    _check(c, "loss.agg", config_schema.Choice(tuple(losses.AGG_MODES)))
+    _check(c, "loss.agg", config_fields.Choice(tuple(losses.AGG_MODES)))
   try:
     losses.get_spec(c.loss.name, **loss_overrides(c))
   except (ValueError, TypeError) as e:
@@ -211,7 +211,7 @@ def _validate_loss(c) -> None:
 
 
 def _validate_replay(c) -> None:
-  _check(c, "replay.policy", config_schema.Choice(tuple(replay.POLICIES)))
+  _check(c, "replay.policy", config_fields.Choice(tuple(replay.POLICIES)))
 
 
 def _validate_train(c) -> None:
@@ -393,5 +393,5 @@ def _validate_multiturn(c) -> None:
 
 def _validate_sft(c) -> None:
   if c.sft.enabled:
-    _check(c, "sft.steps", config_schema.Int(1, note=" when sft.enabled"))
-    _check(c, "sft.batch_size", config_schema.Int(1, note=" when sft.enabled"))
+    _check(c, "sft.steps", config_fields.Int(1, note=" when sft.enabled"))
+    _check(c, "sft.batch_size", config_fields.Int(1, note=" when sft.enabled"))

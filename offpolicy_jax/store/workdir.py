@@ -32,7 +32,7 @@ from typing import Any
 
 import filelock
 
-from offpolicy_jax import config_schema, errors, files
+from offpolicy_jax import config_fields, config_schema, errors, files
 from offpolicy_jax.store import metrics
 
 LOCK_FILE = ".lock"
@@ -146,7 +146,7 @@ def config_changes(
   stored: Mapping[str, Any],
   config: Mapping[str, Any],
   *,
-  matters: Callable[[config_schema.Role], bool] = lambda role: role.kept,
+  matters: Callable[[config_fields.Role], bool] = lambda role: role.kept,
 ) -> dict[str, tuple]:
   """`{field: (stored, new)}` for the fields that differ (added or removed ones too).
 
