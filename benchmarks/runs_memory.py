@@ -42,13 +42,13 @@ def maps() -> int:
     return sum(1 for _ in f)
 
 
-def config(seed: int, steps: int, loss: str | None):
+def config(seed: int, steps: int, loss: str | None, sft_steps: int = 20):
   c = default.get_config()
   c.seed = seed
   if loss:
     c.loss.name = loss
   c.total_steps = steps
-  c.sft.steps = 20
+  c.sft.steps = sft_steps
   c.eval_prompts = 8
   c.eval_every = 0
   c.checkpoint_every = steps
@@ -57,26 +57,40 @@ def config(seed: int, steps: int, loss: str | None):
   return c
 
 
+def measure(runs: int, steps: int, losses: list[str], sft_steps: int = 20, log=print) -> list[dict]:
+  """Trains `runs` runs here one after another; after each: rss (MB), maps, threads, files."""
+  after = []
+  with tempfile.TemporaryDirectory() as root:
+    for i in range(runs):
+      begin = time.perf_counter()
+      loss = losses[i % len(losses)] if losses else None
+      c = config(i, steps, loss, sft_steps)
+      loop.train_and_evaluate(c, os.path.join(root, f"run{i}"))
+      row = dict(
+        rss=rss_mb(),
+        maps=maps(),
+        threads=threading.active_count(),
+        files=len(os.listdir("/proc/self/fd")),
+        seconds=time.perf_counter() - begin,
+      )
+      after.append(row)
+      log(
+        f"run {i + 1:3d}: rss {row['rss']:7.1f} MB, maps {row['maps']:6d}, threads "
+        f"{row['threads']:3d}, open files {row['files']:4d}, {row['seconds']:5.1f} s"
+      )
+  return after
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--runs", type=int, default=20)
   parser.add_argument("--steps", type=int, default=4)
+  parser.add_argument("--sft_steps", type=int, default=20)
   parser.add_argument("--losses", default="", help="Comma-separated loss presets to cycle.")
   args = parser.parse_args()
   losses = [x for x in args.losses.split(",") if x]
-  rss = []
-  with tempfile.TemporaryDirectory() as root:
-    for i in range(args.runs):
-      begin = time.perf_counter()
-      loss = losses[i % len(losses)] if losses else None
-      loop.train_and_evaluate(config(i, args.steps, loss), os.path.join(root, f"run{i}"))
-      rss.append(rss_mb())
-      fds = len(os.listdir("/proc/self/fd"))
-      print(
-        f"run {i + 1:3d}: rss {rss[-1]:7.1f} MB, maps {maps():6d}, threads "
-        f"{threading.active_count():3d}, open files {fds:4d}, {time.perf_counter() - begin:5.1f} s",
-        flush=True,
-      )
+  after = measure(args.runs, args.steps, losses, args.sft_steps, lambda s: print(s, flush=True))
+  rss = [row["rss"] for row in after]
   if len(rss) >= 3:
     per_run = (rss[-1] - rss[1]) / (len(rss) - 2)
     print(

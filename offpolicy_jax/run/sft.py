@@ -14,6 +14,7 @@ instead of handing RL a broken policy.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -188,6 +189,19 @@ def make_sft_step(graphdef: Any, optimizer: optax.GradientTransformation) -> Cal
   return step
 
 
+@functools.lru_cache(maxsize=2)
+def _optimizer_and_step(graphdef: Any, steps: int, learning_rate: float) -> tuple[Any, Callable]:
+  """AdamW (cosine decay to 10%, global-norm clip 1) and its jitted step, built once per setting.
+
+  The runs of a sweep, a study or a test session that warm-start the same
+  model with the same settings (other seeds) share one compiled step instead of
+  compiling it again each (~5 s for the tiny model on CPU); two settings kept.
+  """
+  schedule = optax.cosine_decay_schedule(learning_rate, max(steps, 1), alpha=0.1)
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
+  return optimizer, make_sft_step(graphdef, optimizer)
+
+
 def run(
   graphdef: Any,
   params: Any,
@@ -216,10 +230,8 @@ def run(
   Returns:
     An `SFTResult`: trained params, per-step losses, skipped steps.
   """
-  schedule = optax.cosine_decay_schedule(learning_rate, max(steps, 1), alpha=0.1)
-  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
+  optimizer, step_fn = _optimizer_and_step(graphdef, steps, learning_rate)
   opt_state = optimizer.init(params)
-  step_fn = make_sft_step(graphdef, optimizer)
   losses: list[float] = []
   skipped: list[int] = []
   for i in range(steps):

@@ -136,8 +136,8 @@ def run_in_process(config: Any, workdir: str, sweep_dir: str) -> str | None:
   code = proc.exitcode if proc.exitcode is not None else -signal.SIGKILL
   if received:
     raise errors.Interrupted(
-      f"sweep stopped in run {os.path.basename(workdir)} ({describe_exit(code, log_path)}); "
-      "the same command resumes",
+      f"sweep stopped during run {os.path.basename(workdir)} ({describe_exit(code, log_path)}); "
+      "rerunning the sweep command resumes the sweep",
       128 + received[0],
     )
   if code == 0:
