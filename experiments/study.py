@@ -6,10 +6,15 @@ Writes `workdir/study.md` (final accuracy with 95% bootstrap intervals,
 verdicts against the baseline from Holm-corrected sign-flip permutation tests,
 learning speed, the A/A calibration's false-verdict rate, pass@k, area under
 the training curve, collapses, the bandit), `workdir/study.csv` (one row per run and metric) and
-`workdir/curves_<lag>.png`, `workdir/final.png`. Finished cells are kept in
-`workdir/cells/`; a rerun (after a kill, say) runs only the missing ones, and
-refuses a workdir holding a study with another config. `--report_only`
-rewrites the files from the finished cells without running anything.
+`workdir/curves_<lag>.png`, `workdir/final.png`. Every cell runs in a worker
+process of its own (its output in `workdir/cells/<method>@<lag>.log`;
+`--inline` runs them here, for debugging), so a crash or an OOM kill costs
+that cell only: the others run, the failed ones are listed and the command
+exits 1. Finished cells are kept in `workdir/cells/` and the seeds' warm
+starts in `workdir/warm_starts/`; a rerun (after a kill or a failure) runs
+only the missing cells, and refuses a workdir holding a study with another
+config. `--report_only` rewrites the files from the finished cells without
+running anything.
 """
 
 import sys
@@ -27,6 +32,9 @@ from offpolicy_jax.study import runner as study
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Study config (with a `study` block).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the study's cells and reports.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rewrite the reports.")
+_INLINE = flags.DEFINE_bool(
+  "inline", False, "Run every cell in this process (debugging) instead of one worker per cell."
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -46,8 +54,14 @@ def main(argv):
     if _REPORT_ONLY.value:
       cells = study.load_cells(path, study_grid.grid_from_config(config)[1])
     else:
-      cells = study.run_study(config, path, log=lambda s: print(s, flush=True))
+      isolation = "inline" if _INLINE.value else "process"
+      cells = study.run_study(config, path, log=lambda s: print(s, flush=True), isolation=isolation)
     files = study_report.write_report(config, path, cells)
+  except study.StudyError as e:
+    print(e, file=sys.stderr, flush=True)
+    for name, error in e.failed.items():
+      print(f"  {name}: {error}", file=sys.stderr)
+    return 1
   except (ValueError, workdir.WorkdirLocked) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1

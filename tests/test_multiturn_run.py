@@ -248,7 +248,7 @@ def test_miniature_multi_turn_study_runs_its_seeds_and_reports(tmp_path):
   c.study.aa_lags = ""
   c.study.eval_last = 1
   c.lock()
-  cells = study.run_study(c, str(tmp_path), log=lambda s: None)
+  cells = study.run_study(c, str(tmp_path), log=lambda s: None, isolation="inline")
   runs = cells[("grpo", "onpolicy")]["runs"]
   assert [r["seed"] for r in runs] == [0, 1]
   for r in runs:

@@ -136,7 +136,7 @@ def mini_config(**study_overrides):
 def mini(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("study"))
   config = mini_config()
-  cells = study.run_study(config, path, log=lambda s: None)
+  cells = study.run_study(config, path, log=lambda s: None, isolation="inline")
   files = study_report.write_report(config, path, cells)
   return config, path, cells, files
 
@@ -180,16 +180,22 @@ def test_miniature_study_writes_tables_csv_and_plots(mini):
 
 
 def test_interrupted_study_reruns_only_missing_cells_and_gets_the_same_numbers(mini):
+  """The rerun's cell runs in a worker process, from the warm starts the first run stored."""
   config, path, cells, _ = mini
   victim = study.cell_path(path, "twin", "offline")
   before = {
     f: os.path.getmtime(study.cell_path(path, *f)) for f in cells if f != ("twin", "offline")
   }
+  starts = os.path.join(path, study.STARTS_DIR)
+  assert sorted(x for x in os.listdir(starts) if x.isdigit()) == ["0", "1"]  # the two seeds
+  stored = {x: os.path.getmtime(os.path.join(starts, x)) for x in os.listdir(starts)}
   os.remove(victim)
   logs = []
-  again = study.run_study(config, path, log=logs.append)
+  again = study.run_study(config, path, log=logs.append)  # isolation="process"
   assert "5/6 cells done, 1 to run" in logs[0]
   assert {f: os.path.getmtime(study.cell_path(path, *f)) for f in before} == before
+  assert {x: os.path.getmtime(os.path.join(starts, x)) for x in os.listdir(starts)} == stored
+  assert os.path.exists(os.path.join(path, "cells", "twin@offline.log"))
   old, new = cells["twin", "offline"]["runs"], again["twin", "offline"]["runs"]
   for a, b in zip(old, new, strict=True):
     np.testing.assert_allclose(a["eval_accuracy"], b["eval_accuracy"])
@@ -199,7 +205,7 @@ def test_interrupted_study_reruns_only_missing_cells_and_gets_the_same_numbers(m
 def test_changed_config_is_refused_and_corrupt_cell_is_named(mini):
   _, path, _, _ = mini
   with pytest.raises(workdir.ConfigChanged, match="study.seeds"):
-    study.run_study(mini_config(seeds=3), path, log=lambda s: None)
+    study.run_study(mini_config(seeds=3), path, log=lambda s: None, isolation="inline")
   victim = study.cell_path(path, "grpo", "onpolicy")
   with open(victim, "w") as f:
     f.write("{not json")
@@ -426,3 +432,86 @@ def test_aa_lags_and_reserved_names_are_checked():
       study_grid.grid_from_config(mini_config(aa_lags=spec))
   with pytest.raises(ValueError, match="config.study.methods: 'aa-x'"):
     study_grid.grid_from_config(mini_config(methods="grpo,aa-x=grpo"))
+
+
+STUDY_DRIVER = """
+import json
+import os
+import signal
+
+from offpolicy_jax.study import runner
+
+
+# Stands in for a cell; the worker processes import this file too, so they run it.
+def run_cell(base, grid, method, lag_name, starts=None):
+  path = os.environ["STUDY_DIR"]
+  with open(os.path.join(path, "calls.txt"), "a") as f:
+    f.write(f"{method}@{lag_name}\\n")
+  if not os.path.exists(os.path.join(path, "fixed")):
+    if (method, lag_name) == ("grpo", "offline"):
+      os.kill(os.getpid(), signal.SIGSEGV)  # what XLA did after ~50 cells in one process
+    if (method, lag_name) == ("twin", "onpolicy"):
+      raise FloatingPointError("cell | blew up")
+  runs = [
+    {
+      "seed": s,
+      "eval_steps": [0, 2, 4],
+      "eval_accuracy": [0.25, 0.4, 0.5 + 0.1 * s],
+      "train_reward": [0.5, 0.5, 0.5, 0.5],
+      "staleness_mean": [0.0] * 4,
+      "skipped": 0.0,
+    }
+    for s in grid.seeds
+  ]
+  return {"method": method, "lag": lag_name, "schedule": list(grid.lags[lag_name]), "runs": runs}
+
+
+runner.run_cell = run_cell
+
+if __name__ == "__main__":
+  from experiments import study
+  from offpolicy_jax import cli
+
+  cli.run(study.main)
+"""
+
+
+def test_a_crashed_cell_costs_that_cell_only_and_a_rerun_retries_it(tmp_path):
+  """Worker processes: a segfault and an exception fail their cells; the rest and a rerun go on."""
+  (tmp_path / "driver.py").write_text(STUDY_DRIVER)
+  path = tmp_path / "study"
+  env = {**os.environ, "PYTHONPATH": REPO, "STUDY_DIR": str(path)}
+  cmd = [
+    sys.executable,
+    str(tmp_path / "driver.py"),
+    "--config=configs/lag_study.py",
+    f"--workdir={path}",
+    "--config.study.methods=grpo,twin=grpo",
+    "--config.study.lags=onpolicy=1/0,offline=offline",
+    "--config.study.aa_lags=",
+    "--config.study.seeds=2",
+  ]
+  out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stderr[-3000:]
+  assert "2 of 4 study cells failed: grpo@offline, twin@onpolicy" in out.stderr
+  assert "  grpo@offline: killed by SIGSEGV" in out.stderr
+  assert "  twin@onpolicy: exit status 1: FloatingPointError: cell | blew up" in out.stderr
+  assert "[2/4 cells, 2 failed, 4/8 runs] twin@offline" in out.stdout
+  assert "Traceback" in (path / "cells" / "twin@onpolicy.log").read_text()
+  assert sorted(os.listdir(path / "cells")) == [
+    "grpo@offline.log",
+    "grpo@onpolicy.json",
+    "grpo@onpolicy.log",
+    "twin@offline.json",
+    "twin@offline.log",
+    "twin@onpolicy.error",
+    "twin@onpolicy.log",
+  ]
+
+  (path / "fixed").write_text("")
+  again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  assert "2/4 cells done, 2 to run" in again.stdout, again.stderr[-3000:]
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert (path / "study.md").exists()
+  calls = (path / "calls.txt").read_text().split()
+  assert calls[4:] == ["grpo@offline", "twin@onpolicy"]  # only the failed ones again

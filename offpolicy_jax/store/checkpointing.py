@@ -105,14 +105,19 @@ class Checkpointer:
 
   Args:
     directory: where step directories go (created if missing).
-    max_to_keep: number of most recent checkpoints kept.
+    max_to_keep: number of most recent checkpoints kept (None: every one).
     async_save: write in a background thread after the device-to-host copy.
     create: make `directory` if it is missing; False (readers: eval, export)
       raises `MissingCheckpoint` instead.
   """
 
   def __init__(
-    self, directory: str, *, max_to_keep: int = 2, async_save: bool = True, create: bool = True
+    self,
+    directory: str,
+    *,
+    max_to_keep: int | None = 2,
+    async_save: bool = True,
+    create: bool = True,
   ):
     self.directory = os.path.abspath(directory)
     if not create and not any(name.isdigit() for name in _listdir(self.directory)):

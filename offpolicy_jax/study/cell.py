@@ -20,9 +20,10 @@ import ml_collections
 import numpy as np
 
 from offpolicy_jax.rollout import host_step, pipeline, programs, rl_step
-from offpolicy_jax.run import components, evaluation, sft
+from offpolicy_jax.run import components, evaluation
 from offpolicy_jax.study import sweeps
 from offpolicy_jax.study.grid import AA_STREAM_OFFSET, Grid, grid_snapshot_slots
+from offpolicy_jax.study.warm_starts import Starts
 
 # Off-policy diagnostics a run's record keeps (means over its steps; docs/off_policyness.md).
 OFF_POLICY_METRICS = (
@@ -79,12 +80,13 @@ def run_cell(
   grid: Grid,
   method: str,
   lag_name: str,
-  starts: dict[int, Any] | None = None,
+  starts: Starts | None = None,
 ) -> dict[str, Any]:
   """Runs every seed of one cell; returns its record (curves per seed, JSON-ready).
 
   Seeds run `grid.vmap_seeds` at a time under one `vmap` (0: all at once).
-  `starts` keeps the warm-started parameters of each seed between cells (filled here).
+  `starts` gives each seed's warm start, computed once per study (`Starts`; a
+  fresh one, kept in memory only, when None).
   The A/A twin (`grid.aa_method`) runs the baseline method with its random
   streams drawn from seed + `AA_STREAM_OFFSET`.
   """
@@ -98,15 +100,13 @@ def run_cell(
     "lag.sync_offset": n,
   }
   comps = components.build_components(sweeps.apply_overrides(base, overrides))
-  starts = {} if starts is None else starts
-  for s in grid.seeds:
-    if s not in starts:
-      starts[s] = warm_start(comps, s, base_seed=grid.seeds[0])
+  starts = Starts() if starts is None else starts
+  start_of = {s: starts.get(comps, s, base_seed=grid.seeds[0]) for s in grid.seeds}
   size = grid.vmap_seeds or len(grid.seeds)
   runs = []
   for lo in range(0, len(grid.seeds), size):
     seeds = grid.seeds[lo : lo + size]
-    runs += _run_seeds(comps, grid, seeds, [starts[s] for s in seeds], (m, n), offset)
+    runs += _run_seeds(comps, grid, seeds, [start_of[s] for s in seeds], (m, n), offset)
   if any(r.pop("snapshot_missing") for r in runs):
     raise RuntimeError(f"{method}@{lag_name}: a behaviour snapshot was missing (a bug)")
   record: dict[str, Any] = {"method": method, "lag": lag_name, "schedule": [m, n], "runs": runs}
@@ -174,29 +174,3 @@ def _run_seeds(
     }
     for i, seed in enumerate(seeds)
   ]
-
-
-def warm_start(comps: components.Components, seed: int, base_seed: int | None = None):
-  """Seed `seed`'s warm start `(base, params)` (shared by every cell through the sft cache).
-
-  Without adapters `base` is None and `params` the whole warm-started model.
-  With adapters every seed of a study shares the base of `base_seed` (its
-  warm start), and `params` is seed `seed`'s fresh adapter.
-  """
-  fns, run = comps.fns, comps.run
-  base, params = fns.split(fns.init_params(seed))
-  kw: dict[str, Any] = dict(
-    steps=run.sft_steps,
-    batch_size=run.sft_batch_size,
-    learning_rate=run.sft_learning_rate,
-    distractor=run.sft_distractor,
-    log_fn=lambda *_: None,
-  )
-  if base is None:
-    return None, sft.warm_start(fns, params, seed=seed, **kw) if run.sft_enabled else params
-  base_seed = seed if base_seed is None else base_seed
-  if base_seed != seed:
-    base = fns.split(fns.init_params(base_seed))[0]
-  if run.sft_enabled:  # any adapter with B = 0 leaves the warm start of the base unchanged
-    base = sft.warm_start(fns, base, seed=base_seed, frozen=params, **kw)
-  return base, params

@@ -9,17 +9,22 @@ prompt stream, so they are paired (`study.stats`). The lag schedule is a traced
 argument and every cell has the same number of snapshot slots, so the lags of
 one method share one compiled program.
 
-Finished cells go to `workdir/cells/<method>@<lag>.json` (atomically); a rerun
-skips them, so an interrupted study resumes (`study.report` makes the tables),
-unless a field a finished cell depends on has changed (`config_schema`: every
-field whose role reaches a study cell; not how seeds are batched, the report's
-settings, checkpoints, logging, the mesh or the reward workers).
+Each cell runs in a worker process of its own (`isolation="process"`; a
+crash costs that cell only, which the next run of the same command retries)
+or here (`"inline"`), from the seeds' warm starts kept in
+`workdir/warm_starts/` (`study.warm_starts`). Finished cells go to
+`workdir/cells/<method>@<lag>.json` (atomically); a rerun skips them, so an
+interrupted study resumes (`study.report` makes the tables), unless a field
+a finished cell depends on has changed (`config_schema`: every field whose
+role reaches a study cell; not how seeds are batched, the report's settings,
+checkpoints, logging, the mesh or the reward workers).
 
 A/A calibration: for every lag of `config.study.aa_lags` the baseline method
 runs a second time as the cell `aa-<method>@<lag>` (`study.grid`).
 
 The pieces: `study.grid` (the grid of `config.study`: methods, lags, seeds,
-A/A lags) and `study.cell` (one cell's seeds under one `jax.vmap`).
+A/A lags), `study.cell` (one cell's seeds under one `jax.vmap`) and
+`study.warm_starts`.
 """
 
 from __future__ import annotations
@@ -34,10 +39,13 @@ from typing import Any
 import ml_collections
 
 from offpolicy_jax.store import workdir
+from offpolicy_jax.study import sweep_runs, sweeps
 from offpolicy_jax.study.cell import run_cell
 from offpolicy_jax.study.grid import AA_STREAM_OFFSET, Grid, grid_from_config
+from offpolicy_jax.study.warm_starts import Starts
 
 CELLS_DIR = "cells"
+STARTS_DIR = "warm_starts"
 CONFIG_FILE = "study_config.json"
 
 
@@ -47,23 +55,27 @@ def cell_path(path: str, method: str, lag_name: str) -> str:
 
 def load_cells(path: str, grid: Grid) -> dict[tuple[str, str], dict]:
   """The finished cells of the grid in `path` (a corrupt cell file raises, naming it)."""
-  cells = {}
-  for method, lag_name in grid.cells():
-    file = cell_path(path, method, lag_name)
-    if not os.path.exists(file):
-      continue
-    try:
-      with open(file) as f:
-        cell = json.load(f)
-      seeds = [r["seed"] for r in cell["runs"]]
-      if (cell["method"], cell["lag"]) != (method, lag_name) or seeds != list(grid.seeds):
-        raise ValueError(f"holds {cell['method']}@{cell['lag']} seeds {seeds}")
-      if method == grid.aa_method and cell.get("stream_offset") != AA_STREAM_OFFSET:
-        raise ValueError(f"an A/A cell with stream offset {cell.get('stream_offset')!r}")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      raise ValueError(f"{file}: unreadable cell record ({e}); delete it to rerun the cell") from e
-    cells[method, lag_name] = cell
-  return cells
+  return {
+    (method, lag_name): read_cell(path, grid, method, lag_name)
+    for method, lag_name in grid.cells()
+    if os.path.exists(cell_path(path, method, lag_name))
+  }
+
+
+def read_cell(path: str, grid: Grid, method: str, lag_name: str) -> dict:
+  """The record of one finished cell, checked against the grid (ValueError naming the file)."""
+  file = cell_path(path, method, lag_name)
+  try:
+    with open(file) as f:
+      cell = json.load(f)
+    seeds = [r["seed"] for r in cell["runs"]]
+    if (cell["method"], cell["lag"]) != (method, lag_name) or seeds != list(grid.seeds):
+      raise ValueError(f"holds {cell['method']}@{cell['lag']} seeds {seeds}")
+    if method == grid.aa_method and cell.get("stream_offset") != AA_STREAM_OFFSET:
+      raise ValueError(f"an A/A cell with stream offset {cell.get('stream_offset')!r}")
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ValueError(f"{file}: unreadable cell record ({e}); delete it to rerun the cell") from e
+  return cell
 
 
 def _write_json(file: str, record: Any) -> None:
@@ -93,11 +105,66 @@ def _check_config(path: str, config: ml_collections.ConfigDict) -> None:
     )
 
 
-def run_study(
-  config: ml_collections.ConfigDict, path: str, *, log: Callable[[str], None] = print
-) -> dict[tuple[str, str], dict]:
-  """Runs the cells of `config`'s grid not yet in `path`; returns every cell's record."""
+class StudyError(RuntimeError):
+  """Some cells of a study failed (their worker crashed or raised); every other cell ran.
+
+  Attributes:
+    failed: cell name `method@lag` -> how it failed (one line), in grid order.
+  """
+
+  def __init__(self, failed: dict[str, str], num_cells: int):
+    self.failed = dict(failed)
+    super().__init__(
+      f"{len(failed)} of {num_cells} study cells failed: {', '.join(failed)}; "
+      "rerunning the same command runs them again (and skips the finished ones)"
+    )
+
+
+def _log_path(path: str, method: str, lag_name: str) -> str:
+  return os.path.splitext(cell_path(path, method, lag_name))[0] + ".log"
+
+
+def _run_and_write(config, path: str, method: str, lag_name: str, starts: Starts) -> dict:
+  """Runs one cell and writes its record (atomically) to `cells/<method>@<lag>.json`."""
   base, grid = grid_from_config(config)
+  begin = time.perf_counter()
+  record = run_cell(base, grid, method, lag_name, starts)
+  record["seconds"] = time.perf_counter() - begin
+  _write_json(cell_path(path, method, lag_name), record)
+  return record
+
+
+def _cell_in_worker(config, path: str, method: str, lag_name: str) -> None:
+  """A worker process's cell: the seeds' warm starts read from (or first written to) disk."""
+  starts = Starts(os.path.join(path, STARTS_DIR))
+  try:
+    _run_and_write(config, path, method, lag_name, starts)
+  finally:
+    starts.close()
+
+
+def run_study(
+  config: ml_collections.ConfigDict,
+  path: str,
+  *,
+  log: Callable[[str], None] = print,
+  isolation: str = "process",
+) -> dict[tuple[str, str], dict]:
+  """Runs the cells of `config`'s grid not yet in `path`; returns every cell's record.
+
+  With `isolation="process"` every cell runs in a worker process of its own
+  (`sweep_runs.in_worker`; its output in `cells/<method>@<lag>.log`), so a
+  crash, an OOM kill or a hung compile ends that cell only and what it
+  compiled leaves with it; `"inline"` runs the cells here (debugging). Either
+  way the seeds' warm starts are trained once and kept in `warm_starts/`.
+
+  Raises:
+    StudyError: after every other cell ran, if any cell failed.
+    errors.Interrupted: SIGINT or SIGTERM; the current cell was stopped.
+  """
+  if isolation not in sweeps.ISOLATIONS:
+    raise ValueError(f"isolation must be one of {sweeps.ISOLATIONS}, got {isolation!r}")
+  _, grid = grid_from_config(config)
   os.makedirs(os.path.join(path, CELLS_DIR), exist_ok=True)
   with workdir.lock(path):
     _check_config(path, config)
@@ -105,17 +172,35 @@ def run_study(
     todo = [c for c in grid.cells() if c not in cells]
     total, seeds, begin = len(grid.cells()), len(grid.seeds), time.perf_counter()
     log(f"study: {len(cells)}/{total} cells done, {len(todo)} to run ({seeds} seeds each)")
-    starts: dict[int, Any] = {}  # every cell of a seed starts from the same parameters
-    for i, (method, lag_name) in enumerate(todo, start=1):
-      cell_begin = time.perf_counter()
-      record = run_cell(base, grid, method, lag_name, starts)
-      record["seconds"] = time.perf_counter() - cell_begin
-      _write_json(cell_path(path, method, lag_name), record)
-      cells[method, lag_name] = record
-      elapsed = time.perf_counter() - begin
-      eta = elapsed / i * (len(todo) - i)
-      log(
-        f"[{len(cells)}/{total} cells, {len(cells) * seeds}/{total * seeds} runs] "
-        f"{method}@{lag_name}: {elapsed:.0f}s elapsed, ETA {math.ceil(eta / 60)} min"
-      )
+    starts = Starts(os.path.join(path, STARTS_DIR))
+    failed: dict[str, str] = {}
+    try:
+      for i, (method, lag_name) in enumerate(todo, start=1):
+        name = f"{method}@{lag_name}"
+        if isolation == "inline":
+          cells[method, lag_name] = _run_and_write(config, path, method, lag_name, starts)
+        else:
+          error = sweep_runs.in_worker(
+            _cell_in_worker,
+            (config, path, method, lag_name),
+            log_path=_log_path(path, method, lag_name),
+            cache_dir=os.path.join(path, sweep_runs.CACHE_DIR),
+            what=f"study stopped during cell {name}",
+          )
+          if error:
+            failed[name] = error
+            log(f"study cell {name} failed: {error}")
+          else:
+            cells[method, lag_name] = read_cell(path, grid, method, lag_name)
+        elapsed = time.perf_counter() - begin
+        eta = elapsed / i * (len(todo) - i)
+        failures = f", {len(failed)} failed" if failed else ""
+        log(
+          f"[{len(cells)}/{total} cells{failures}, {len(cells) * seeds}/{total * seeds} runs] "
+          f"{name}: {elapsed:.0f}s elapsed, ETA {math.ceil(eta / 60)} min"
+        )
+    finally:
+      starts.close()
+  if failed:
+    raise StudyError(failed, total)
   return cells

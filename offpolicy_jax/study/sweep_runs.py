@@ -1,4 +1,4 @@
-"""How a sweep runs each of its runs: in a worker process of its own, or here.
+"""How a sweep runs each of its runs (a study each of its cells): in a worker process, or here.
 
 `run_in_process(config, workdir)` trains one run in a fresh (spawned) Python
 process whose stdout and stderr go to `workdir/sweep_run.log`. Whatever ends
@@ -8,7 +8,8 @@ process held (compiled programs, device buffers, threads) goes with it, so a
 sweep of hundreds of runs keeps a flat memory. Runs sharing compiled shapes
 still share compilations, through a persistent compilation cache under the
 sweep's workdir. `run_inline` trains in this process (for debugging: one
-traceback, pdb, no start-up cost).
+traceback, pdb, no start-up cost). `in_worker(target, args, ...)` is the
+same for any module-level function: the study runs its cells with it.
 
 Signals: the worker runs in its own process group, so Ctrl-C at a terminal
 reaches this process only, which passes SIGINT or SIGTERM on to the worker
@@ -25,12 +26,12 @@ import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from offpolicy_jax import errors
 
 LOG_FILE = "sweep_run.log"
-ERROR_FILE = "sweep_run.error"  # the exception that ended a worker, on one line
 CACHE_DIR = ".jax_cache"  # under the sweep's workdir, shared by its workers
 
 
@@ -53,8 +54,19 @@ def run_inline(config: Any, workdir: str) -> str | None:
   return None
 
 
-def _worker(config: Any, workdir: str, log_path: str, cache_dir: str) -> None:
-  """The worker process: its own process group, output to the log, then the run."""
+def _train(config: Any, workdir: str) -> None:
+  from offpolicy_jax.run import loop
+
+  loop.train_and_evaluate(config, workdir)
+
+
+def error_path(log_path: str) -> str:
+  """Where a worker writes the exception that ended it: the log's name with `.error`."""
+  return os.path.splitext(log_path)[0] + ".error"
+
+
+def _worker(target: Callable, args: tuple, log_path: str, cache_dir: str) -> None:
+  """The worker process: its own process group, output to the log, then `target(*args)`."""
   os.setpgrp()
   log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
   os.dup2(log, 1)
@@ -63,10 +75,8 @@ def _worker(config: Any, workdir: str, log_path: str, cache_dir: str) -> None:
   import jax
 
   jax.config.update("jax_compilation_cache_dir", cache_dir)
-  from offpolicy_jax.run import loop
-
   try:
-    loop.train_and_evaluate(config, workdir)
+    target(*args)
   except errors.Interrupted as e:
     print(e, file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -74,7 +84,7 @@ def _worker(config: Any, workdir: str, log_path: str, cache_dir: str) -> None:
   except Exception as e:
     traceback.print_exc()
     sys.stderr.flush()
-    with open(os.path.join(workdir, ERROR_FILE), "w") as f:
+    with open(error_path(log_path), "w") as f:
       f.write(_error_line(e))
     os._exit(1)
 
@@ -97,7 +107,7 @@ def _last_line(path: str) -> str:
 def describe_exit(code: int, log_path: str) -> str:
   """One line for a worker's exit status: how it ended, and its error or its log's last line."""
   how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-  error = os.path.join(os.path.dirname(log_path), ERROR_FILE)
+  error = error_path(log_path)
   last = _last_line(error) if os.path.exists(error) else _last_line(log_path)
   return f"{how}: {last}" if last else how
 
@@ -110,12 +120,32 @@ def run_in_process(config: Any, workdir: str, sweep_dir: str) -> str | None:
       asked to save and stop, and did.
   """
   os.makedirs(workdir, exist_ok=True)
-  log_path = os.path.join(workdir, LOG_FILE)
+  return in_worker(
+    _train,
+    (config, workdir),
+    log_path=os.path.join(workdir, LOG_FILE),
+    cache_dir=os.path.join(sweep_dir, CACHE_DIR),
+    what=f"sweep stopped during run {os.path.basename(workdir)}",
+  )
+
+
+def in_worker(target: Callable, args: tuple, *, log_path: str, cache_dir: str, what: str):
+  """Calls `target(*args)` in a spawned worker process; returns None, or how it failed.
+
+  `target` is a module-level function (the worker imports it); its output goes
+  to `log_path`, the exception that ends it to `error_path(log_path)` on one
+  line, and its compilations to the persistent cache `cache_dir`. On failure
+  the log's last lines go to stderr and the return value is one line: how
+  the process ended and its error (or its log's last line).
+
+  Raises:
+    errors.Interrupted: this process got SIGINT or SIGTERM, passed it on to the
+      worker once and waited for it (`what` starts the message).
+  """
   with contextlib.suppress(FileNotFoundError):
-    os.remove(os.path.join(workdir, ERROR_FILE))  # a previous attempt's
-  cache = os.path.join(sweep_dir, CACHE_DIR)
+    os.remove(error_path(log_path))  # a previous attempt's
   proc = multiprocessing.get_context("spawn").Process(
-    target=_worker, args=(config, workdir, log_path, cache), daemon=False
+    target=_worker, args=(target, args, log_path, cache_dir), daemon=False
   )
   received: list[int] = []
 
@@ -136,8 +166,7 @@ def run_in_process(config: Any, workdir: str, sweep_dir: str) -> str | None:
   code = proc.exitcode if proc.exitcode is not None else -signal.SIGKILL
   if received:
     raise errors.Interrupted(
-      f"sweep stopped during run {os.path.basename(workdir)} ({describe_exit(code, log_path)}); "
-      "rerunning the sweep command resumes the sweep",
+      f"{what} ({describe_exit(code, log_path)}); rerunning the same command resumes it",
       128 + received[0],
     )
   if code == 0:

@@ -1,0 +1,108 @@
+"""Every seed's warm start, computed once per study and kept in its workdir.
+
+All cells of a study start a seed from the same supervised warm start (the
+runs are paired). `Starts.get` computes a seed's the first time a cell needs
+it and keeps it in memory and, given a directory, on disk
+(`<study>/warm_starts`: one checkpoint per seed, its step number the seed,
+written through `store.checkpointing` with its digests). Cells that run in
+worker processes of their own, and a study resumed after a kill, read it
+instead of training it again. The study refuses to resume with a config
+that changes a field a cell depends on (`runner`), so a stored warm start is
+always the one the config asks for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from offpolicy_jax.run import components, sft
+from offpolicy_jax.store import checkpointing
+
+
+def warm_start(comps: components.Components, seed: int, base_seed: int | None = None):
+  """Seed `seed`'s warm start `(base, params)`.
+
+  Without adapters `base` is None and `params` the whole warm-started model.
+  With adapters every seed of a study shares the base of `base_seed` (its
+  warm start), and `params` is seed `seed`'s fresh adapter.
+  """
+  fns, run = comps.fns, comps.run
+  base, params = fns.split(fns.init_params(seed))
+  kw: dict[str, Any] = dict(
+    steps=run.sft_steps,
+    batch_size=run.sft_batch_size,
+    learning_rate=run.sft_learning_rate,
+    distractor=run.sft_distractor,
+    log_fn=lambda *_: None,
+  )
+  if base is None:
+    return None, sft.warm_start(fns, params, seed=seed, **kw) if run.sft_enabled else params
+  base_seed = seed if base_seed is None else base_seed
+  if base_seed != seed:
+    base = fns.split(fns.init_params(base_seed))[0]
+  if run.sft_enabled:  # any adapter with B = 0 leaves the warm start of the base unchanged
+    base = sft.warm_start(fns, base, seed=base_seed, frozen=params, **kw)
+  return base, params
+
+
+class Starts:
+  """The warm starts `(base, params)` of a study's seeds: in memory, and on disk if given one.
+
+  Args:
+    directory: where the seeds' checkpoints go (None: memory only).
+  """
+
+  def __init__(self, directory: str | None = None):
+    self.directory = directory
+    self._memory: dict[int, tuple[Any, Any]] = {}
+    self._store: checkpointing.Checkpointer | None = None
+
+  def get(self, comps: components.Components, seed: int, base_seed: int) -> tuple[Any, Any]:
+    """Seed `seed`'s warm start: from memory, from disk, or trained (and then stored)."""
+    if seed not in self._memory:
+      start = self._read(comps, seed)
+      if start is None:
+        start = warm_start(comps, seed, base_seed)
+        self._write(seed, start)
+      self._memory[seed] = start
+    return self._memory[seed]
+
+  def close(self) -> None:
+    """Waits for and releases the checkpointer (its threads); the memory copies stay."""
+    if self._store is not None:
+      self._store.close()
+      self._store = None
+
+  def _checkpointer(self) -> checkpointing.Checkpointer | None:
+    if self.directory is not None and self._store is None:
+      self._store = checkpointing.Checkpointer(self.directory, max_to_keep=None, async_save=False)
+    return self._store
+
+  def _read(self, comps: components.Components, seed: int) -> tuple[Any, Any] | None:
+    store = self._checkpointer()
+    if store is None or seed not in store.all_steps():
+      return None
+    fns = comps.fns
+    base, params = jax.eval_shape(lambda: fns.split(fns.init_params(seed)))
+    try:
+      items, meta = store.restore({"base": base, "params": params}, step=seed)
+    except checkpointing.CheckpointError as e:
+      raise checkpointing.CheckpointError(
+        f"{self.directory}: the stored warm start of seed {seed} is unreadable ({e}); "
+        f"delete {self.directory}/{seed} to train it again",
+        e.failures,
+      ) from e
+    if meta.get("seed") != seed:
+      raise checkpointing.CheckpointError(
+        f"{self.directory}/{seed}: holds the warm start of seed {meta.get('seed')!r}", []
+      )
+    return items["base"], items["params"]
+
+  def _write(self, seed: int, start: tuple[Any, Any]) -> None:
+    store = self._checkpointer()
+    if store is not None:
+      base, params = start
+      store.save(seed, {"base": base, "params": params}, {"seed": seed})
+      store.wait()
