@@ -3,9 +3,11 @@
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -515,3 +517,39 @@ def test_a_crashed_cell_costs_that_cell_only_and_a_rerun_retries_it(tmp_path):
   assert (path / "study.md").exists()
   calls = (path / "calls.txt").read_text().split()
   assert calls[4:] == ["grpo@offline", "twin@onpolicy"]  # only the failed ones again
+
+
+def test_stored_warm_starts_are_read_not_trained_and_a_corrupt_one_is_named(
+  mini, tmp_path, monkeypatch
+):
+  config, path, _, _ = mini
+  from offpolicy_jax.store import checkpointing
+  from offpolicy_jax.study import warm_starts
+
+  base, grid = study_grid.grid_from_config(config)
+  comps = components.build_components(base)
+  trained = warm_starts.warm_start(comps, 1, base_seed=0)  # the sft cache: no training here
+  copy = tmp_path / "warm_starts"
+  shutil.copytree(os.path.join(path, study.STARTS_DIR), copy)
+
+  def no_training(*args, **kwargs):
+    raise AssertionError("trained again")
+
+  monkeypatch.setattr(warm_starts, "warm_start", no_training)
+  starts = warm_starts.Starts(str(copy))
+  try:
+    got_base, got = starts.get(comps, 1, base_seed=0)
+  finally:
+    starts.close()
+  assert got_base is None
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(trained[1]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  victim = max((p for p in (copy / "1").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+  victim.write_bytes(b"\0" * victim.stat().st_size)
+  starts = warm_starts.Starts(str(copy))
+  try:
+    with pytest.raises(checkpointing.CheckpointError, match=r"warm start of seed 1 is unreadable"):
+      starts.get(comps, 1, base_seed=0)
+  finally:
+    starts.close()

@@ -60,14 +60,23 @@ class Starts:
     self._store: checkpointing.Checkpointer | None = None
 
   def get(self, comps: components.Components, seed: int, base_seed: int) -> tuple[Any, Any]:
-    """Seed `seed`'s warm start: from memory, from disk, or trained (and then stored)."""
-    if seed not in self._memory:
-      start = self._read(comps, seed)
-      if start is None:
-        start = warm_start(comps, seed, base_seed)
-        self._write(seed, start)
-      self._memory[seed] = start
-    return self._memory[seed]
+    """Seed `seed`'s warm start: from memory, from disk, or trained (and then stored).
+
+    Without a supervised phase the start is the initial parameters, rebuilt
+    rather than stored. With adapters every seed's fresh adapters sit on the
+    warm start of `base_seed`'s base, stored once (with `base_seed`).
+    """
+    if seed in self._memory:
+      return self._memory[seed]
+    fns = comps.fns
+    if fns.lora is not None and seed != base_seed:
+      start = (self.get(comps, base_seed, base_seed)[0], fns.split(fns.init_params(seed))[1])
+    elif not comps.run.sft_enabled:
+      start = warm_start(comps, seed, base_seed)
+    else:
+      start = self._read(comps, seed) or self._write(seed, warm_start(comps, seed, base_seed))
+    self._memory[seed] = start
+    return start
 
   def close(self) -> None:
     """Waits for and releases the checkpointer (its threads); the memory copies stay."""
@@ -100,9 +109,9 @@ class Starts:
       )
     return items["base"], items["params"]
 
-  def _write(self, seed: int, start: tuple[Any, Any]) -> None:
+  def _write(self, seed: int, start: tuple[Any, Any]) -> tuple[Any, Any]:
     store = self._checkpointer()
     if store is not None:
-      base, params = start
-      store.save(seed, {"base": base, "params": params}, {"seed": seed})
+      store.save(seed, {"base": start[0], "params": start[1]}, {"seed": seed})
       store.wait()
+    return start
