@@ -345,7 +345,7 @@ STUDY_FIELDS: tuple[Field, ...] = (
      "name=offline, comma-separated.", Str()),
   _F("study.seeds", 5, NUMBERS,
      "Seeds per cell (seed, seed + 1, ...): each has its own warm start and prompt order.",
-     Int(2, note=" (bootstrap intervals need two)")),
+     Int(2, note=" (intervals need two)")),
   _F("study.vmap_seeds", 0, NO_CELL_EFFECT,
      "Seeds per vmapped program (0: every seed of a cell at once; 1 for large models).",
      _NONNEG),
@@ -360,6 +360,10 @@ STUDY_FIELDS: tuple[Field, ...] = (
      "Level of the report's verdicts: `better`/`worse` when the Holm-adjusted (over the "
      "grid's comparisons) paired sign-flip permutation p-value is <= alpha (study.stats).",
      Float(0, 1, lo_open=True, hi_open=True)),
+  _F("study.equivalence_margin", 0.03, NO_CELL_EFFECT,
+     "Declared in advance: a difference in accuracy shown (two one-sided t tests, "
+     "Holm-adjusted) to lie within +-margin is marked equivalent in the report (0: no "
+     "equivalence verdicts).", Float(0)),
   _F("study.aa_lags", "all", NO_CELL_EFFECT,
      "A/A calibration: lags at which the baseline method runs a second time with other "
      "random streams on the same warm starts and prompts ('all', '' for none, or lag "

@@ -169,9 +169,9 @@ def test_miniature_study_writes_tables_csv_and_plots(mini):
     "threshold_reached",
   }
   text = open(os.path.join(path, "study.md")).read()
-  # The twin's runs equal grpo's: marked indistinguishable, difference exactly 0.
+  # The twin's runs equal grpo's: difference exactly 0, marked equivalent (within 0.03).
   line = next(x for x in text.splitlines() if x.startswith("| twin |"))
-  assert line.count(" ~ ") == 2
+  assert line.count(" ≈ ") == 2
   assert "+0.000 [+0.000, +0.000]" in text.split("## Paired difference")[1].split("##")[0]
   assert "## Bandit" in text
   for cell in cells.values():

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import scipy.stats
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,7 +76,7 @@ def test_verdicts_reject_by_the_adjusted_p_and_the_sign():
   assert at05["up"] == (pytest.approx(6 / 64), stats.SAME)
   assert at10["up"][1] == stats.BETTER and at10["down"][1] == stats.WORSE
   assert at10["flat"][1] == stats.SAME
-  assert comps["up"].bootstrap_verdict == stats.BETTER  # the bootstrap rule has no such brake
+  assert comps["up"].interval_verdict == stats.BETTER  # one t test alone has no such brake
   with pytest.raises(ValueError, match="alpha"):
     stats.verdicts(comps, 1.0)
 
@@ -142,7 +143,7 @@ def test_report_verdicts_holm_power_note_and_aa_rate(tmp_path):
   tests = text.split("## Tests against the baseline")[1].split("\n## ")[0]
   row = next(x for x in tests.splitlines() if x.startswith("| grpo | lag |"))
   # 12 negative differences: p = 2/4096; Holm over 3 comparisons: 3 * 2/4096.
-  assert f"| {2 / 4096:.3g} | {6 / 4096:.3g} | worse |" in row
+  assert f"| {2 / 4096:.3g} | {6 / 4096:.3g} | - | worse |" in row  # no margin: no TOST
   assert "No verdict is attainable" not in text
   speed_steps = text.split("### Steps to reach")[1].split("### ")[0]
   assert "| -10.0 [-10.0, -10.0] p=0.00049 faster |" in speed_steps
@@ -153,9 +154,13 @@ def test_report_verdicts_holm_power_note_and_aa_rate(tmp_path):
   # A/A: 1 of the 2 final-accuracy pairs is called different: 1/2 [0.013, 0.987].
   assert "permutation test at alpha = 0.05): 1/2 = 0.500 [0.013, 0.987]; nominal 0.05." in text
   assert "aa-grpo" not in text.split("## Final greedy accuracy")[1].split("## Paired")[0]
-  # Pooled: the shifted pair is false on all 3 metrics (its twin reaches the threshold at
-  # step 10); at `lag` no run reaches it, those differences are all 0 and left out: 3/5.
-  assert "permutation test: 3/5 = 0.600 [0.147, 0.947]" in text
+  # Per metric, never pooled: the shifted pair is false on all 3 metrics (its twin reaches
+  # the threshold at step 10); at `lag` no run reaches it, those differences are all 0 and
+  # left out of the steps' rate.
+  assert "- final_accuracy: permutation test 1/2 = 0.500 [0.013, 0.987] (nominal 0.05)" in text
+  assert "- accuracy_auc: permutation test 1/2 = 0.500 [0.013, 0.987] (nominal 0.05)" in text
+  assert "- steps_to_threshold: permutation test 1/1 = 1.000 [0.025, 1.000]" in text
+  assert "pooled" not in text
   assert "left out of the rates: 1 comparisons whose per-seed differences are all 0" in text
   few = {k: v[:5] for k, v in cells.items() if not k[0].startswith("aa-")}
   path = report_tables.write_tables(
@@ -164,3 +169,61 @@ def test_report_verdicts_holm_power_note_and_aa_rate(tmp_path):
   text = open(path).read()
   assert "No verdict is attainable here**: that needs >= 7 seeds" in text
   assert "## A/A calibration" not in text
+
+
+def test_t_interval_known_values_and_edges():
+  x = [0.1, 0.4, 0.2, 0.5, 0.3]  # mean 0.3, sd sqrt(0.025); t_{4, 0.975} = 2.7764
+  iv = stats.t_interval(x)
+  half = 2.7764451 * np.sqrt(0.025) / np.sqrt(5)
+  assert iv.mean == pytest.approx(0.3)
+  assert (iv.low, iv.high) == (pytest.approx(0.3 - half), pytest.approx(0.3 + half))
+  assert stats.t_interval(x, level=0.9).high < iv.high
+  same = stats.t_interval([0.25] * 4)
+  assert same.low == same.high == pytest.approx(0.25)
+  one = stats.t_interval([0.7])
+  assert one.mean == 0.7 and np.isnan(one.low) and np.isnan(one.high)
+  assert stats.interval is stats.t_interval  # what the tables print
+
+
+def test_equivalence_pvalue_is_two_one_sided_t_tests():
+  rng = np.random.default_rng(3)
+  for _ in range(20):
+    d = rng.normal(rng.uniform(-0.05, 0.05), 0.03, size=8)
+    margin = 0.03
+    p = stats.equivalence_pvalue(d, margin)
+    # p <= 0.05 exactly when the 90% t interval lies inside the margin (Schuirmann).
+    iv = stats.t_interval(d, level=0.90)
+    assert (p <= 0.05) == (-margin < iv.low and iv.high < margin)
+    # Independent: the larger of the two one-sided t-test p-values.
+    lo = scipy.stats.ttest_1samp(d + margin, 0.0, alternative="greater").pvalue
+    hi = scipy.stats.ttest_1samp(d - margin, 0.0, alternative="less").pvalue
+    assert p == pytest.approx(max(lo, hi))
+  assert stats.equivalence_pvalue([0.01] * 5, 0.03) == 0.0
+  assert stats.equivalence_pvalue([0.05] * 5, 0.03) == 1.0
+  with pytest.raises(ValueError, match="margin"):
+    stats.equivalence_pvalue([0.1, 0.2], 0.0)
+
+
+def test_verdicts_mark_equivalence_only_where_shown_and_differences_first():
+  rng = np.random.default_rng(0)
+  base = rng.uniform(0.3, 0.6, size=12)
+  close = base + rng.normal(0.0, 0.005, size=12)  # within 0.03, tightly
+  far = base + 0.2 + rng.normal(0.0, 0.01, size=12)  # clearly better
+  noisy = base + rng.normal(0.0, 0.2, size=12)  # neither shown
+  comps = {
+    k: stats.compare(x, base, margin=0.03)
+    for k, x in {"close": close, "far": far, "noisy": noisy}.items()
+  }
+  got = {k: v[1] for k, v in stats.verdicts(comps, 0.05).items()}
+  assert got == {"close": stats.EQUIVALENT, "far": stats.BETTER, "noisy": stats.SAME}
+  # Without a margin nothing is called equivalent.
+  plain = {k: stats.compare(x, base) for k, x in {"close": close}.items()}
+  assert stats.verdicts(plain, 0.05)["close"][1] == stats.SAME
+  # Holm over the equivalence p-values: a borderline one alone passes, among many it does not.
+  z = np.array([1.0, -1.0] * 6)  # mean 0, sd (ddof 1) sqrt(12 / 11)
+  edge = base + 0.0446 * z / z.std(ddof=1)  # se 0.0129: 0.03 / se = 2.33, p about 0.02
+  one = stats.compare(edge, base, margin=0.03)
+  assert one.p_equivalent is not None and 0.01 < one.p_equivalent < 0.05, one.p_equivalent
+  assert stats.verdicts({"edge": one}, 0.05)["edge"][1] == stats.EQUIVALENT
+  many = {i: one for i in range(10)}
+  assert {v[1] for v in stats.verdicts(many, 0.05).values()} == {stats.SAME}

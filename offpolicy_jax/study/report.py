@@ -117,7 +117,7 @@ def plot_study(rows: list[dict], out_dir: str, *, baseline: tuple[str, str]) -> 
       if not points:
         continue
       steps = sorted(points)
-      ivs = [study_stats.bootstrap(list(points[s].values())) for s in steps]
+      ivs = [study_stats.interval(list(points[s].values())) for s in steps]
       ax.plot(steps, [iv.mean for iv in ivs], color=color, label=m)
       ax.fill_between(
         steps, [iv.low for iv in ivs], [iv.high for iv in ivs], color=color, alpha=0.15
@@ -134,7 +134,7 @@ def plot_study(rows: list[dict], out_dir: str, *, baseline: tuple[str, str]) -> 
     for y, m in enumerate(methods):
       got = values.get((m, g, "final_accuracy"))
       if got:
-        iv = study_stats.bootstrap(list(got.values()))
+        iv = study_stats.interval(list(got.values()))
         ax.errorbar(iv.mean, y, xerr=[[iv.mean - iv.low], [iv.high - iv.mean]], fmt="o", ms=3)
     if ref:
       ax.axvline(float(np.mean(list(ref.values()))), color="grey", ls="--", lw=0.8)
@@ -165,6 +165,7 @@ def write_report(config, path: str, cells: Mapping) -> list[str]:
     f"{len(grid.seeds)} seeds, {config.task}, {config.total_steps} steps",
     extra=extra,
     alpha=st.alpha,
+    margin=st.equivalence_margin,
   )
   plots = plot_study(rows, path, baseline=grid.baseline)
   return [csv_path, md, *plots]

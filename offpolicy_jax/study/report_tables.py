@@ -1,9 +1,10 @@
 """`study.md`: a study's tables, read from its CSV rows (`study.report`) with `study.stats`.
 
-Accuracy with bootstrap intervals and Holm-corrected permutation verdicts
-against a baseline cell, learning speed within a lag, the A/A calibration's
-measured false-verdict rate, pass@k, training reward, collapsed runs and the
-off-policy diagnostics.
+Accuracy with t intervals, Holm-corrected permutation verdicts and
+equivalence verdicts (against a margin declared in the config) against a
+baseline cell, learning speed within a lag, the A/A calibration's measured
+false-verdict rate per metric, pass@k, training reward, collapsed runs and
+the off-policy diagnostics.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ import numpy as np
 from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import stats as study_stats
 
-MARK = {study_stats.WORSE: "worse", study_stats.BETTER: "better", study_stats.SAME: "~"}
+MARK = {
+  study_stats.WORSE: "worse",
+  study_stats.BETTER: "better",
+  study_stats.SAME: "~",
+  study_stats.EQUIVALENT: "≈",
+}
 # Marks of a difference in steps to the threshold (more steps: slower).
 FASTER = {study_stats.WORSE: "faster", study_stats.BETTER: "slower", study_stats.SAME: "~"}
 
@@ -58,7 +64,7 @@ SPEED_METRICS = (
   ("accuracy_auc", "Area under the held-out accuracy curve, divided by the steps"),
   ("final_accuracy", "Final greedy accuracy"),
 )
-# The metrics an A/A pair is tested on (the false-verdict rate counts all of them).
+# The metrics an A/A pair is tested on (a false-verdict rate per metric).
 AA_METRICS = ("final_accuracy", "accuracy_auc", "steps_to_threshold")
 
 
@@ -66,11 +72,11 @@ def _signed(iv: study_stats.Interval, fmt: str = "+.3f") -> str:
   return f"{iv.mean:{fmt}} [{iv.low:{fmt}}, {iv.high:{fmt}}]"
 
 
-def _final_accuracy_tests(values, main, lags, baseline, seeds, alpha):
+def _final_accuracy_tests(values, main, lags, baseline, seeds, alpha, margin):
   """{(method, lag): (Comparison, Holm-adjusted p, verdict)} against the baseline cell."""
   ref = _by_seed(values[baseline[0], baseline[1], "final_accuracy"], seeds)
   comps = {
-    (m, g): study_stats.compare(_by_seed(values[m, g, "final_accuracy"], seeds), ref)
+    (m, g): study_stats.compare(_by_seed(values[m, g, "final_accuracy"], seeds), ref, margin=margin)
     for m in main
     for g in lags
     if values.get((m, g, "final_accuracy")) and (m, g) != tuple(baseline)
@@ -95,7 +101,7 @@ def _power_note(n: int, m: int, alpha: float) -> str:
   return note
 
 
-def _speed_section(values, main, lags, baseline_method, seeds, alpha) -> list[str]:
+def _speed_section(values, main, lags, baseline_method, seeds, alpha, margin) -> list[str]:
   """Learning speed per cell and paired differences to the baseline method in the same lag."""
   lines = [
     "",
@@ -106,10 +112,16 @@ def _speed_section(values, main, lags, baseline_method, seeds, alpha) -> list[st
     "budget: it counts as the last evaluated step, so a mean with unreached runs is a lower "
     "bound; `k/n` counts the runs that reached it); the area under the held-out accuracy "
     "curve divided by the steps (the run's time-averaged accuracy); the final accuracy. Each "
-    "cell: mean over seeds [95% bootstrap interval]. The differences compare with "
-    f"**{baseline_method}** in the same lag on the same seeds: mean [95% paired bootstrap], "
+    "cell: mean over seeds [95% t interval]. The differences compare with "
+    f"**{baseline_method}** in the same lag on the same seeds: mean [95% paired t interval], "
     "the sign-flip permutation p-value, and the verdict from the Holm-adjusted p-values over "
-    f"the table's comparisons at alpha = {alpha:g} (`faster` / `slower` for the steps).",
+    f"the table's comparisons at alpha = {alpha:g} (`faster` / `slower` for the steps)"
+    + (
+      f"; for the accuracy metrics `≈` marks a difference shown to lie within +-{margin:g} "
+      "(two one-sided t tests, Holm-adjusted)."
+      if margin
+      else "."
+    ),
   ]
   for metric, title in SPEED_METRICS:
     if not any(values.get((m, g, metric)) for m in main for g in lags):
@@ -121,7 +133,7 @@ def _speed_section(values, main, lags, baseline_method, seeds, alpha) -> list[st
       got = values.get((m, g, metric))
       if not got:
         return "-"
-      iv = study_stats.bootstrap(_by_seed(got, seeds))
+      iv = study_stats.interval(_by_seed(got, seeds))
       if not steps:
         return str(iv)
       reached = values.get((m, g, "threshold_reached"), {})
@@ -130,7 +142,9 @@ def _speed_section(values, main, lags, baseline_method, seeds, alpha) -> list[st
 
     comps = {
       (m, g): study_stats.compare(
-        _by_seed(values[m, g, metric], seeds), _by_seed(values[baseline_method, g, metric], seeds)
+        _by_seed(values[m, g, metric], seeds),
+        _by_seed(values[baseline_method, g, metric], seeds),
+        margin=None if steps else margin,
       )
       for m in main
       for g in lags
@@ -176,23 +190,26 @@ def aa_tests(
 def _aa_section(tests, alpha) -> tuple[list[str], str]:
   """(the A/A section, its one-line false-verdict rate of final accuracy).
 
-  The rates leave out pairs whose differences are all 0 (e.g. steps to the
-  threshold when no run reached it): no test can call those different.
+  Rates are per metric, never pooled (a pair's metrics are correlated, and
+  one of them, the steps to the threshold, is often all ties). They leave out
+  pairs whose differences are all 0 (e.g. steps to the threshold when no run
+  reached it): no test can call those different.
   """
   skipped = sum(t[3].diff.low == t[3].diff.high == 0 for t in tests)
   shown, tests = tests, [t for t in tests if not t[3].diff.low == t[3].diff.high == 0]
-  final = [t for t in tests if t[2] == "final_accuracy"]
-  perm = sum(t[4] != study_stats.SAME for t in final)
-  boot = sum(t[3].bootstrap_verdict != study_stats.SAME for t in final)
-  perm_all = sum(t[4] != study_stats.SAME for t in tests)
-  boot_all = sum(t[3].bootstrap_verdict != study_stats.SAME for t in tests)
 
   def rate(k, n):
     return study_stats.rate(k, n) if n else "no informative pair"
 
+  def rates(metric):
+    of = [t for t in tests if t[2] == metric]
+    perm = sum(t[4] != study_stats.SAME for t in of)
+    rule = sum(t[3].interval_verdict != study_stats.SAME for t in of)
+    return rate(perm, len(of)), rate(rule, len(of))
+
   headline = (
     f"A/A false-verdict rate (final accuracy, permutation test at alpha = {alpha:g}): "
-    f"{rate(perm, len(final))}; nominal {alpha:g}."
+    f"{rates('final_accuracy')[0]}; nominal {alpha:g}."
   )
   lines = [
     "",
@@ -202,27 +219,26 @@ def _aa_section(tests, alpha) -> tuple[list[str], str]:
     "random streams (sampling, advantages, replay, training; `study.grid.AA_STREAM_OFFSET`): "
     "nothing differs but chance, so every `better`/`worse` here is a false verdict. Each pair "
     f"is tested alone (no Holm correction, which only lowers the rate) at alpha = {alpha:g} "
-    "with the sign-flip permutation test, and by the bootstrap rule (95% interval excludes 0). "
-    "Rates: false verdicts / comparisons with a 95% Clopper-Pearson interval.",
+    "with the sign-flip permutation test, and by the interval rule (the 95% paired t "
+    "interval excludes 0). Rates per metric: false verdicts / comparisons with a 95% "
+    "Clopper-Pearson interval.",
     "",
   ]
   rows = []
   for a, g, metric, c, verdict in shown:
     fmt = "+.1f" if metric == "steps_to_threshold" else "+.3f"
     rows.append(
-      [a, g, metric, _signed(c.diff, fmt), f"{c.p:.3g}", MARK[verdict], MARK[c.bootstrap_verdict]]
+      [a, g, metric, _signed(c.diff, fmt), f"{c.p:.3g}", MARK[verdict], MARK[c.interval_verdict]]
     )
-  lines += _md(
-    ["A/A", "lag", "metric", "difference [95%]", "p", "verdict", "bootstrap verdict"], rows
-  )
-  lines += [
-    "",
-    f"- final accuracy, permutation test: {rate(perm, len(final))} (nominal {alpha:g})",
-    f"- final accuracy, bootstrap rule: {rate(boot, len(final))} (nominal 0.05)",
-    f"- all {len(AA_METRICS)} metrics pooled (correlated within a pair), permutation test: "
-    f"{rate(perm_all, len(tests))}; bootstrap rule: {rate(boot_all, len(tests))}",
-    f"- left out of the rates: {skipped} comparisons whose per-seed differences are all 0",
-  ]
+  lines += _md(["A/A", "lag", "metric", "difference [95%]", "p", "verdict", "interval rule"], rows)
+  lines += [""]
+  for metric in AA_METRICS:
+    perm, rule = rates(metric)
+    lines += [
+      f"- {metric}: permutation test {perm} (nominal {alpha:g}); interval rule {rule} "
+      "(nominal 0.05)"
+    ]
+  lines += [f"- left out of the rates: {skipped} comparisons whose per-seed differences are all 0"]
   return lines, headline
 
 
@@ -234,11 +250,13 @@ def write_tables(
   title: str,
   extra: Sequence[str] = (),
   alpha: float = 0.05,
+  margin: float = 0.0,
 ) -> str:
   """`study.md`: accuracy with intervals and tested verdicts, learning speed, the A/A rate, ...
 
   Rows of methods named `study.grid.AA_PREFIX + method` are A/A twins: they
   are left out of the grid's tables and tested against their method instead.
+  `margin` > 0 adds equivalence verdicts (`≈`) for differences in accuracy.
   """
   methods, lags, values = summary_table(rows)
   main = [m for m in methods if not m.startswith(study_grid.AA_PREFIX)]
@@ -247,11 +265,14 @@ def write_tables(
   if not ref:
     raise ValueError(f"the baseline {baseline[0]}@{baseline[1]} has no finished runs")
   seeds = sorted(ref)
-  tests = _final_accuracy_tests(values, main, lags, baseline, seeds, alpha)
+  margin_or_none = margin if margin > 0 else None
+  tests = _final_accuracy_tests(values, main, lags, baseline, seeds, alpha, margin_or_none)
   aa = aa_tests(values, aa_methods, lags, seeds, alpha)
   aa_lines, aa_headline = _aa_section(aa, alpha) if aa else ([], "")
-  lines = _accuracy_sections(values, main, lags, baseline, seeds, tests, alpha, title, aa_headline)
-  lines += _speed_section(values, main, lags, baseline[0], seeds, alpha)
+  lines = _accuracy_sections(
+    values, main, lags, baseline, seeds, tests, (alpha, margin_or_none), title, aa_headline
+  )
+  lines += _speed_section(values, main, lags, baseline[0], seeds, alpha, margin_or_none)
   lines += aa_lines
   lines += _run_sections(values, main, lags, seeds)
   lines += ["", *extra] if extra else []
@@ -275,8 +296,9 @@ def _summary(values, seeds, metric, fmt):
   return cell
 
 
-def _accuracy_sections(values, main, lags, baseline, seeds, tests, alpha, title, aa_headline):
+def _accuracy_sections(values, main, lags, baseline, seeds, tests, levels, title, aa_headline):
   """The title, final accuracy, its paired differences and the tests against the baseline."""
+  alpha, margin = levels
   acc_cells, diff_cells = {}, {}
   for m in main:
     for g in lags:
@@ -284,10 +306,10 @@ def _accuracy_sections(values, main, lags, baseline, seeds, tests, alpha, title,
       if not got:
         continue
       mark = MARK[tests[m, g][2]] if (m, g) in tests else "(baseline)"
-      acc_cells[m, g] = f"{study_stats.bootstrap(_by_seed(got, seeds))} {mark}"
+      acc_cells[m, g] = f"{study_stats.interval(_by_seed(got, seeds))} {mark}"
       if (m, g) in tests:
         diff_cells[m, g] = _signed(tests[m, g][0].diff)
-  start = study_stats.bootstrap(_by_seed(values[baseline[0], baseline[1], "start_accuracy"], seeds))
+  start = study_stats.interval(_by_seed(values[baseline[0], baseline[1], "start_accuracy"], seeds))
   start_sd = float(np.std(_by_seed(values[baseline[0], baseline[1], "start_accuracy"], seeds)))
   lines = [f"# {title}", ""]
   lines += [
@@ -298,11 +320,19 @@ def _accuracy_sections(values, main, lags, baseline, seeds, tests, alpha, title,
     "## Final greedy accuracy",
     "",
     "Mean over seeds of each run's final accuracy (the mean of its last evaluations), with a "
-    "95% percentile bootstrap interval over seeds. The mark compares with the baseline "
+    "95% t interval over seeds. The mark compares with the baseline "
     f"**{baseline[0]}@{baseline[1]}** on the same seeds: a paired sign-flip permutation test "
     f"of the mean per-seed difference, Holm-corrected over the {len(tests)} comparisons of "
     f"the grid, at alpha = {alpha:g}: `worse` / `better` when the adjusted p-value is <= "
-    "alpha, `~` otherwise (read `~` as 'no evidence of a difference', not as equality). "
+    "alpha; "
+    + (
+      f"otherwise `≈` (equivalent within +-{margin:g}, the margin declared in the config) "
+      "when two one-sided t tests, Holm-corrected over the grid, show the mean difference "
+      f"inside (-{margin:g}, +{margin:g}) at alpha; `~` when neither is shown "
+      "(not shown either way). "
+      if margin
+      else "`~` otherwise (read `~` as 'no evidence of a difference', not as equality). "
+    )
     + _power_note(len(seeds), len(tests), alpha),
     "",
   ]
@@ -314,23 +344,34 @@ def _accuracy_sections(values, main, lags, baseline, seeds, tests, alpha, title,
     "## Tests against the baseline",
     "",
     "Each comparison of the final accuracy: the mean per-seed difference with its 95% paired "
-    "bootstrap interval and the bootstrap rule's verdict (interval excludes 0; no known "
-    "error rate), the two-sided sign-flip permutation p-value, its Holm-adjusted value over "
-    f"the grid and the verdict at alpha = {alpha:g} (the mark of the tables above).",
+    "t interval and the interval rule's verdict (interval excludes 0: a paired t test), the "
+    "two-sided sign-flip permutation p-value, its Holm-adjusted value over the grid, the "
+    "equivalence test's p-value (two one-sided t tests against the margin, before Holm) and "
+    f"the verdict at alpha = {alpha:g} (the mark of the tables above).",
     "",
   ]
   body = [
-    [m, g, _signed(c.diff), MARK[c.bootstrap_verdict], f"{c.p:.3g}", f"{adj:.3g}", MARK[v]]
+    [
+      m,
+      g,
+      _signed(c.diff),
+      MARK[c.interval_verdict],
+      f"{c.p:.3g}",
+      f"{adj:.3g}",
+      "-" if c.p_equivalent is None else f"{c.p_equivalent:.3g}",
+      MARK[v],
+    ]
     for (m, g), (c, adj, v) in tests.items()
   ]
-  lines += _md(["method", "lag", "difference [95%]", "bootstrap", "p", "Holm p", "verdict"], body)
+  header = ["method", "lag", "difference [95%]", "interval rule", "p", "Holm p", "TOST p"]
+  lines += _md([*header, "verdict"], body)
   return lines
 
 
 def _run_sections(values, main, lags, seeds) -> list[str]:
   """pass@k, the training reward, collapsed runs and the off-policy diagnostics."""
   grid = lambda metric, fmt: _grid(main, lags, _summary(values, seeds, metric, fmt))
-  interval = lambda x: str(study_stats.bootstrap(x))
+  interval = lambda x: str(study_stats.interval(x))
   lines: list[str] = []
   pass_metric = next((m for (_, _, m) in values if m.startswith("pass@")), None)
   if pass_metric:
