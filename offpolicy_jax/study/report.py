@@ -4,7 +4,7 @@
 `study.stats`: intervals, verdicts from Holm-corrected permutation tests,
 learning speed within a lag, and the A/A calibration's measured false-verdict rate.
 
-The CSV is the source of everything else: `write_tables` and `plot_study`
+The CSV is the source of everything else: `tables` and `plot_study`
 read rows, so `experiments.plot --study_csv=...` redraws the figures from it.
 Rows are `method, lag, seed, metric, step, value`; summaries have an empty
 `step`, curves (`eval_accuracy`, `train_reward`) one row per step.
@@ -23,7 +23,8 @@ import numpy as np
 from offpolicy_jax.study import bandit
 from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import stats as study_stats
-from offpolicy_jax.study.report_tables import summary_table, write_tables
+from offpolicy_jax.study import report_tables
+from offpolicy_jax.study.report_tables import summary_table
 
 FIELDS = ("method", "lag", "seed", "metric", "step", "value")
 CURVES = ("eval_accuracy", "train_reward")
@@ -147,25 +148,31 @@ def plot_study(rows: list[dict], out_dir: str, *, baseline: tuple[str, str]) -> 
   return paths
 
 
+def tables(config, rows: list[dict]) -> list[str]:
+  """`study.md`'s tables (without the bandit) from a study's config and its CSV rows."""
+  base, grid = study_grid.grid_from_config(config)
+  return report_tables.tables(
+    rows,
+    baseline=grid.baseline,
+    title=f"Lag study: {len(grid.methods)} methods x {len(grid.lags)} lags x "
+    f"{len(grid.seeds)} seeds, {base.task}, {base.total_steps} steps",
+    alpha=config.study.alpha,
+    margin=config.study.equivalence_margin,
+  )
+
+
 def write_report(config, path: str, cells: Mapping) -> list[str]:
-  """study.csv, study.md (with the bandit) and the plots of the finished `cells`."""
+  """study.csv, study.md (the tables, then the bandit) and the plots of the finished `cells`."""
   _, grid = study_grid.grid_from_config(config)
   rows = [r for c in cells.values() for r in cell_rows(c, grid.eval_last)]
   csv_path = write_csv(os.path.join(path, "study.csv"), rows)
   st = config.study
   kw = dict(steps=st.bandit_steps, group_size=st.bandit_group_size)
   results = bandit.run_bandit(grid.methods, grid.seeds, lr=st.bandit_lr, **kw)
-  extra = bandit.table(results, seeds=len(grid.seeds), **kw)
   rows = read_csv(csv_path)  # what `experiments.plot --study_csv` redraws from
-  md = write_tables(
-    rows,
-    os.path.join(path, "study.md"),
-    baseline=grid.baseline,
-    title=f"Lag study: {len(grid.methods)} methods x {len(grid.lags)} lags x "
-    f"{len(grid.seeds)} seeds, {config.task}, {config.total_steps} steps",
-    extra=extra,
-    alpha=st.alpha,
-    margin=st.equivalence_margin,
-  )
+  lines = [*tables(config, rows), "", *bandit.table(results, seeds=len(grid.seeds), **kw)]
+  md = os.path.join(path, "study.md")
+  with open(md, "w") as f:
+    f.write("\n".join(lines) + "\n")
   plots = plot_study(rows, path, baseline=grid.baseline)
   return [csv_path, md, *plots]

@@ -252,11 +252,29 @@ def write_tables(
   alpha: float = 0.05,
   margin: float = 0.0,
 ) -> str:
-  """`study.md`: accuracy with intervals and tested verdicts, learning speed, the A/A rate, ...
+  """Writes `tables(...)`, then the `extra` lines, to `path` (`study.md`); returns `path`."""
+  lines = tables(rows, baseline=baseline, title=title, alpha=alpha, margin=margin)
+  lines += ["", *extra] if extra else []
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  return path
 
-  Rows of methods named `study.grid.AA_PREFIX + method` are A/A twins: they
-  are left out of the grid's tables and tested against their method instead.
-  `margin` > 0 adds equivalence verdicts (`≈`) for differences in accuracy.
+
+def tables(
+  rows: list[dict],
+  *,
+  baseline: tuple[str, str],
+  title: str,
+  alpha: float = 0.05,
+  margin: float = 0.0,
+) -> list[str]:
+  """`study.md`'s lines: accuracy with intervals and verdicts, learning speed, the A/A rate, ...
+
+  Everything here is computed from the CSV rows alone (a committed study's
+  tables are rebuilt from its `study.csv`). Rows of methods named
+  `study.grid.AA_PREFIX + method` are A/A twins: they are left out of the
+  grid's tables and tested against their method instead. `margin` > 0 adds
+  equivalence verdicts (`≈`) for differences in accuracy.
   """
   methods, lags, values = summary_table(rows)
   main = [m for m in methods if not m.startswith(study_grid.AA_PREFIX)]
@@ -275,10 +293,7 @@ def write_tables(
   lines += _speed_section(values, main, lags, baseline[0], seeds, alpha, margin_or_none)
   lines += aa_lines
   lines += _run_sections(values, main, lags, seeds)
-  lines += ["", *extra] if extra else []
-  with open(path, "w") as f:
-    f.write("\n".join(lines) + "\n")
-  return path
+  return lines
 
 
 def _grid(main, lags, fn) -> list[list[str]]:

@@ -38,6 +38,7 @@ from typing import Any
 
 import ml_collections
 
+from offpolicy_jax import config_schema
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweep_runs, sweeps
 from offpolicy_jax.study.cell import run_cell
@@ -85,6 +86,33 @@ def _write_json(file: str, record: Any) -> None:
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, file)
+
+
+def stored_config(path: str) -> ml_collections.ConfigDict:
+  """The config the study in `path` ran with (its `study_config.json`), over the schema defaults.
+
+  Fields added to the schema after the study ran take their defaults; the
+  report's tables depend only on the grid, `study.alpha` and
+  `study.equivalence_margin`.
+  """
+  file = os.path.join(path, CONFIG_FILE)
+  try:
+    with open(file) as f:
+      stored = json.load(f)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{file}: unreadable study config ({e})") from e
+  config = config_schema.config_dict()
+  config_schema.config_dict(config_schema.STUDY_FIELDS, into=config)
+
+  def overlay(node: ml_collections.ConfigDict, values: dict) -> None:
+    for key, value in values.items():
+      if isinstance(value, dict) and isinstance(node.get(key), ml_collections.ConfigDict):
+        overlay(node[key], value)
+      else:
+        node[key] = value
+
+  overlay(config, stored)
+  return config
 
 
 def _check_config(path: str, config: ml_collections.ConfigDict) -> None:
