@@ -80,10 +80,32 @@ ALL_METHODS = ",".join(
 # a "+engine" suffix adds an engine-mismatch setting (study.grid.ENGINES: bf16, topk5, topp8).
 LAGS = "onpolicy=1/0,interval20=20/0,offset10=1/10,stale32=1/32,offline=offline"
 
+# `deep`: the staleness axis to 256 updates (M2PO, arXiv 2510.01161, reports stable training
+# at 256 stale updates) over 600 steps, so that 256 is under half the run. Sync intervals of
+# 64 and 256 (the behaviour parameters lag up to 63 / 255 updates) and offline (every batch
+# from the warm start); a constant lag of 256 would hold 257 snapshots per seed. The methods
+# of the paper's claims, M2PO, decoupled PPO and the two corrections that held up best in the
+# mismatch study (tis_old, icepop_old: docs/results/off_policyness.md).
+DEEP_METHODS = "grpo,reinforce,rec_oneside_nois,m2po,decoupled_ppo,tis_old,icepop_old"
+DEEP_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,interval256=256/0,offline=offline"
+# `lr`: learning-rate sensitivity of the REINFORCE collapse and of wide vs narrow clipping.
+LR_METHODS = ",".join(
+  f"{name}_lr{tag}={preset};optimizer.learning_rate={lr}"
+  for name, preset in (
+    ("reinforce", "reinforce"),
+    ("narrow", "rec_oneside_nois"),
+    ("wide", "rec_oneside_nois_wide"),
+  )
+  for tag, lr in (("1e-4", "1e-4"), ("3e-4", "3e-4"), ("1e-3", "1e-3"))
+)
+
+
+TOY_SCALES = ("toy", "toy_full", "deep", "lr")
+
 
 def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   """The shared base of every run plus the grid (`study`)."""
-  if scale in ("toy", "toy_full"):  # toy_full: every method (ALL_METHODS), same setting
+  if scale in TOY_SCALES:  # toy_full: every method (ALL_METHODS); deep, lr: below
     c = default.base_config()
     c.total_steps = 200
     # A warm start on imperfect demonstrations, so that learning shows within 200 steps:
@@ -119,7 +141,8 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.unlock()
   else:
     raise ValueError(
-      f"configs/lag_study.py: unknown scale {scale!r} (toy, toy_full, gsm8k, code or calculator)"
+      f"configs/lag_study.py: unknown scale {scale!r} "
+      "(toy, toy_full, deep, lr, gsm8k, code or calculator)"
     )
   c.eval_every = 50
   # pass@k of the final parameters, k samples per prompt at the training temperature.
@@ -149,13 +172,25 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   # same warm starts; study.md reports how often the tests call the two different.
   c.study.aa_lags = "all"
   # One seed per vmapped program and 64 held-out prompts per sampler call for large models.
-  c.study.vmap_seeds = 0 if scale in ("toy", "toy_full", "code") else 1
-  c.study.eval_batch = 0 if scale in ("toy", "toy_full", "code") else 64
+  c.study.vmap_seeds = 0 if scale in (*TOY_SCALES, "code") else 1
+  c.study.eval_batch = 0 if scale in (*TOY_SCALES, "code") else 64
   # 9 cells x 5 seeds in under an hour on a 2-core CPU (docs/results/lag_study.md).
   if scale == "code":
     c.study.seeds = 5
     c.study.aa_lags = ""
     c.eval_samples = 1  # greedy only: every sampled program is one more sandboxed process
+  if scale == "deep":
+    c.total_steps = 600
+    c.eval_every = 20  # learning-speed claims need the curve, not five points
+    c.rollout.score_old = True  # the *_old corrections weigh by pi_old / mu
+    c.study.methods = DEEP_METHODS
+    c.study.lags = DEEP_LAGS
+  if scale == "lr":
+    c.eval_every = 20
+    c.study.methods = LR_METHODS
+    c.study.lags = "onpolicy=1/0,interval20=20/0,offline=offline"
+    c.study.baseline = "narrow_lr3e-4@onpolicy"
+    c.study.aa_lags = ""
   c.lock()
   return c
 

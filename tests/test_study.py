@@ -82,6 +82,14 @@ def test_grid_parsing_names_the_bad_field():
   _, grid = study_grid.grid_from_config(c)
   assert len(grid.methods) >= 8 and len(grid.lags) >= 5 and len(grid.seeds) >= 10
   assert len(study_grid.grid_from_config(lag_study.get_config("toy_full"))[1].methods) >= 16
+  # The staleness axis to 256 updates, half a run or less; learning rates as methods.
+  base, deep = study_grid.grid_from_config(lag_study.get_config("deep"))
+  assert max(m for m, _ in deep.lags.values() if m <= base.total_steps) == 256
+  assert base.total_steps >= 2 * 256 and base.total_steps // base.eval_every >= 30
+  assert {"grpo", "reinforce", "rec_oneside_nois", "m2po", "decoupled_ppo"} <= set(deep.methods)
+  _, lr = study_grid.grid_from_config(lag_study.get_config("lr"))
+  rates = {m["optimizer.learning_rate"] for m in lr.methods.values()}
+  assert rates == {1e-4, 3e-4, 1e-3} and len(lr.methods) == 9
   c.unlock()
   c.study.baseline = "grpo@nowhere"
   with pytest.raises(ValueError, match="config.study.baseline"):
@@ -553,3 +561,25 @@ def test_stored_warm_starts_are_read_not_trained_and_a_corrupt_one_is_named(
       starts.get(comps, 1, base_seed=0)
   finally:
     starts.close()
+
+
+def test_a_method_entry_can_set_how_the_rl_phase_learns_and_nothing_shared():
+  methods = study_grid.parse_methods(
+    "grpo,red_drop=reinforce+red_drop,"
+    "reinforce_lr1e3=reinforce;optimizer.learning_rate=1e-3,"
+    "wide=rec_oneside_nois;loss.eps_low=0.6;loss.eps_high=2.0"
+  )
+  assert methods["reinforce_lr1e3"] == {"loss.name": "reinforce", "optimizer.learning_rate": 1e-3}
+  assert methods["wide"] == {
+    "loss.name": "rec_oneside_nois",
+    "loss.eps_low": 0.6,
+    "loss.eps_high": 2.0,
+  }
+  with pytest.raises(ValueError, match=r"x: 'sft.steps=3' is not field=value"):
+    study_grid.parse_methods("x=grpo;sft.steps=3")  # the warm start is shared by a seed's cells
+  with pytest.raises(ValueError, match=r"config.study.methods: bad: .*no such config field"):
+    study_grid.grid_from_config(mini_config(methods="grpo,bad=grpo;optimizer.no_such=1"))
+  with pytest.raises(
+    ValueError, match=r"config.study.methods: neg: config.optimizer.learning_rate"
+  ):
+    study_grid.grid_from_config(mini_config(methods="grpo,neg=grpo;optimizer.learning_rate=-1.0"))

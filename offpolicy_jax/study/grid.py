@@ -14,6 +14,7 @@ call them different (`study.stats`).
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,7 @@ import ml_collections
 
 from offpolicy_jax import advantages, config_schema, lag, losses
 from offpolicy_jax.run import components
+from offpolicy_jax.study import sweeps
 
 # The A/A twin of the baseline method is the method `AA_PREFIX + method`.
 AA_PREFIX = "aa-"
@@ -73,12 +75,41 @@ def _parse_pairs(field: str, spec: str) -> list[tuple[str, str]]:
   return pairs
 
 
-def parse_methods(spec: str) -> dict[str, dict[str, str]]:
-  """`"grpo,red_drop=reinforce+red_drop"` -> {name: {loss.name, advantage.name}} overrides."""
+# Fields a method entry may set besides its loss and advantage: how the RL phase learns.
+# Not the warm start, the task, the model, the lag or the evaluation, which every cell of
+# a seed shares (the runs are paired).
+METHOD_FIELDS = ("optimizer.", "loss.", "advantage.", "replay.", "rollout.", "train.")
+
+
+def _literal(text: str) -> Any:
+  """A method field's value: a Python literal (3e-4, 2, True) or else the text itself."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def parse_methods(spec: str) -> dict[str, dict[str, Any]]:
+  """Methods as overrides: `name=loss[+advantage][;field=value...]`, comma-separated.
+
+  `"grpo,red_drop=reinforce+red_drop,reinforce_lr1e3=reinforce;optimizer.learning_rate=1e-3"`
+  -> {name: {"loss.name": ..., "advantage.name": ..., field: value}}; the
+  fields must start with one of `METHOD_FIELDS`.
+  """
   out = {}
   for name, value in _parse_pairs("methods", spec):
-    loss, _, adv = value.partition("+")
+    head, *fields = value.split(";")
+    loss, _, adv = head.partition("+")
     out[name] = {"loss.name": loss} | ({"advantage.name": adv} if adv else {})
+    for item in fields:
+      field, eq, text = item.partition("=")
+      if not eq or not field.startswith(METHOD_FIELDS):
+        raise ValueError(
+          f"config.study.methods: {name}: {item!r} is not field=value with a field of "
+          f"{', '.join(p + '*' for p in METHOD_FIELDS)} (what the RL phase does; the warm "
+          "start, task, model, lag and evaluation are shared by a seed's cells)"
+        )
+      out[name][field] = _literal(text)
   return out
 
 
@@ -193,6 +224,10 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
       raise ValueError(
         f"config.study.methods: {name!r}: names starting with {AA_PREFIX!r} are the A/A twins"
       )
+    try:
+      config_schema.check(sweeps.apply_overrides(base, overrides))
+    except ValueError as e:
+      raise ValueError(f"config.study.methods: {name}: {e}") from e
   lags = parse_lags(st.lags, run.total_steps)
   method, _, lag_name = st.baseline.partition("@")
   if method not in methods or lag_name not in lags:

@@ -20,10 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from offpolicy_jax.study import bandit
+from offpolicy_jax.study import bandit, report_tables
 from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import stats as study_stats
-from offpolicy_jax.study import report_tables
 from offpolicy_jax.study.report_tables import summary_table
 
 FIELDS = ("method", "lag", "seed", "metric", "step", "value")
