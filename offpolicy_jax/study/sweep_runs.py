@@ -7,9 +7,10 @@ killer, a hung compile stopped by a signal) ends that run only, and what the
 process held (compiled programs, device buffers, threads) goes with it, so a
 sweep of hundreds of runs keeps a flat memory. Runs sharing compiled shapes
 still share compilations, through a persistent compilation cache under the
-sweep's workdir. `run_inline` trains in this process (for debugging: one
-traceback, pdb, no start-up cost). `in_worker(target, args, ...)` is the
-same for any module-level function: the study runs its cells with it.
+sweep's workdir (or the one `JAX_COMPILATION_CACHE_DIR` names). `run_inline`
+trains in this process (for debugging: one traceback, pdb, no start-up cost).
+`in_worker(target, args, ...)` is the same for any module-level function: the
+study runs its cells with it.
 
 Signals: the worker runs in its own process group, so Ctrl-C at a terminal
 reaches this process only, which passes SIGINT or SIGTERM on to the worker
@@ -74,7 +75,8 @@ def _worker(target: Callable, args: tuple, log_path: str, cache_dir: str) -> Non
   os.close(log)
   import jax
 
-  jax.config.update("jax_compilation_cache_dir", cache_dir)
+  if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # a cache the user chose wins
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
   try:
     target(*args)
   except errors.Interrupted as e:
