@@ -256,6 +256,10 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("optimizer.b2", 0.99, PROGRAM, "AdamW beta2.", Float(0, 1, hi_open=True)),
   _F("optimizer.weight_decay", 0.0, PROGRAM, "AdamW decoupled weight decay.", Float(0)),
   _F("optimizer.grad_clip", 1.0, PROGRAM, "Global gradient-norm clip (0 = off).", Float(0)),
+  _F("optimizer.moment_dtype", "float32", PROGRAM,
+     "Dtype of both Adam moments between steps (bfloat16: half the optimizer memory; the "
+     "update is computed in float32; keep b2 <= 0.99, whose increments bfloat16 resolves).",
+     Choice(("float32", "bfloat16"))),
   _F("lora.rank", 0, PROGRAM,
      "Rank r of low-rank adapters on the decoder's projections (0 = off: full fine-tuning). "
      "With r > 0 only the adapters train; snapshots, the reference and proximal policies and "

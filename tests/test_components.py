@@ -110,3 +110,22 @@ def test_a_dropped_step_fns_is_freed_with_what_was_built_from_it():
   components.clear_cache()
   gc.collect()
   assert [ref() for ref in gone] == [None, None, None]
+
+
+def test_bfloat16_moments_reach_the_run_state():
+  import jax
+  import jax.numpy as jnp
+
+  from offpolicy_jax.rollout import rl_step
+
+  comps = components.build_components(small_config(**{"optimizer.moment_dtype": "bfloat16"}))
+  fns = comps.fns
+  state = rl_step.init_state(fns, fns.init_params(0), capacity_batches=1, snapshots=1)
+  floats = [
+    x for x in jax.tree.leaves(state.train.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)
+  ]
+  params = jax.tree.leaves(state.train.params)
+  assert floats and {x.dtype for x in floats} == {jnp.dtype(jnp.bfloat16)}
+  assert sum(x.size for x in floats) == 2 * sum(x.size for x in params)  # mu and nu
+  with pytest.raises(ValueError, match="config.optimizer.moment_dtype"):
+    components.build_components(small_config(**{"optimizer.moment_dtype": "float16"}))

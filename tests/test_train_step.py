@@ -240,6 +240,33 @@ def test_make_optimizer_schedule_clip_and_decay():
   np.testing.assert_allclose(lrs[2]["b"], np.full(2, 0.1), rtol=1e-6)
 
 
+def test_bfloat16_moments_halve_the_state_and_track_float32_adam():
+  """Both Adam moments stored in bfloat16 between steps; the updates follow float32 Adam."""
+  rng = np.random.default_rng(0)
+  target = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
+  params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}
+
+  def loss(p):
+    return jnp.mean((p["w"] - target) ** 2) + jnp.mean((p["b"] - 1.0) ** 2)
+
+  runs = {}
+  for dtype in ("float32", "bfloat16"):
+    opt = train_state.make_optimizer(1e-2, b2=0.99, moment_dtype=dtype)
+    p, state = params, opt.init(params)
+    for _ in range(200):
+      updates, state = opt.update(jax.grad(loss)(p), state, p)
+      p = optax.apply_updates(p, updates)
+    floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    runs[dtype] = p, floats, float(loss(p))
+  f32, bf16 = runs["float32"], runs["bfloat16"]
+  assert {x.dtype for x in bf16[1]} == {jnp.dtype(jnp.bfloat16)}  # mu and nu
+  assert sum(x.nbytes for x in bf16[1]) * 2 == sum(x.nbytes for x in f32[1])
+  assert bf16[2] < 0.05 * float(loss(params)), bf16[2]  # it learns
+  np.testing.assert_allclose(bf16[0]["w"], f32[0]["w"], rtol=0.02, atol=0.01)
+  with pytest.raises(ValueError, match="moment_dtype"):
+    train_state.make_optimizer(1e-3, moment_dtype="float16")
+
+
 def test_proximal_params_minibatches_and_epochs(setup):
   """decoupled_ppo with prox = params and lr = 0: the trust-region ratio is exactly 1.
 

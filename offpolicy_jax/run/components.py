@@ -206,6 +206,7 @@ def optimizer(config):
     max_grad_norm=opt.grad_clip or None,
     b1=opt.b1,
     b2=opt.b2,
+    moment_dtype=opt.moment_dtype,
   )
 
 
