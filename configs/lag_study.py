@@ -2,8 +2,9 @@
 
   python -m experiments.study --config=configs/lag_study.py --workdir=/tmp/lag_study
 
-writes `study.md` (tables with 95% bootstrap intervals, verdicts against GRPO
-on-policy from paired sign-flip permutation tests with Holm's correction,
+writes `study.md` (tables with 95% t intervals, verdicts against GRPO
+on-policy from paired sign-flip permutation tests with Holm's correction and
+equivalence tests against `study.equivalence_margin`,
 learning speed within each lag, the A/A calibration's false-verdict rate;
 docs/lag_and_study.md), `study.csv` (one row per run and metric) and plots
 (`curves_<lag>.png`, `final.png`); killed and rerun, it runs the missing cells

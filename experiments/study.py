@@ -2,8 +2,9 @@ r"""Runs a seeded study (methods x lags x seeds) and writes its tables and plots
 
   python -m experiments.study --config=configs/lag_study.py --workdir=/tmp/lag_study
 
-Writes `workdir/study.md` (final accuracy with 95% bootstrap intervals,
-verdicts against the baseline from Holm-corrected sign-flip permutation tests,
+Writes `workdir/study.md` (final accuracy with 95% t intervals, verdicts
+against the baseline from Holm-corrected sign-flip permutation tests and
+equivalence tests against `study.equivalence_margin`,
 learning speed, the A/A calibration's false-verdict rate, pass@k, area under
 the training curve, collapses, the bandit), `workdir/study.csv` (one row per run and metric) and
 `workdir/curves_<lag>.png`, `workdir/final.png`. Every cell runs in a worker
@@ -52,11 +53,16 @@ def main(argv):
   begin = time.perf_counter()
   try:
     if _REPORT_ONLY.value:
-      cells = study.load_cells(path, study_grid.grid_from_config(config)[1])
+      with workdir.lock(path):
+        study.check_report_config(path, config)
+        cells = study.load_cells(path, study_grid.grid_from_config(config)[1])
+        if not cells:
+          raise errors.WorkdirError(f"{path}: no finished cell to report on")
+        files = study_report.write_report(config, path, cells)
     else:
       isolation = "inline" if _INLINE.value else "process"
       cells = study.run_study(config, path, log=lambda s: print(s, flush=True), isolation=isolation)
-    files = study_report.write_report(config, path, cells)
+      files = study_report.write_report(config, path, cells)
   except study.StudyError as e:
     print(e, file=sys.stderr, flush=True)
     for name, error in e.failed.items():

@@ -232,11 +232,17 @@ def test_a_study_resumes_after_changes_no_cell_depends_on(tmp_path):
   free.unlock()
   free.checkpoint_every, free.log_every, free.mesh.data, free.reward_workers = 5, 1, 2, 3
   study._check_config(path, free)
+  # The stored config follows the report's fields, so the tables rebuild from it.
+  assert study.stored_config(path).study.baseline == "twin@offline"
   for overrides in ({"total_steps": 6}, {"eval_prompts": 8}, {"lag.sync_offset": 1}):
     changed = mini_config()
     changed.update_from_flattened_dict(overrides)
     with pytest.raises(workdir.ConfigChanged, match=next(iter(overrides))):
       study._check_config(path, changed)
+    with pytest.raises(workdir.ConfigChanged, match=next(iter(overrides))):
+      study.check_report_config(path, changed)  # --report_only
+  with pytest.raises(ValueError, match="no study here"):
+    study.check_report_config(str(tmp_path / "nothing"), mini_config())
 
 
 def test_plot_binary_redraws_from_the_csv(mini, tmp_path):
@@ -429,7 +435,7 @@ def test_aa_twin_runs_the_baseline_with_other_streams_and_the_report_counts_it(m
   assert sum(x.startswith("| aa-grpo |") for x in section.splitlines()) == 6
   # The twin is no method of the grid's tables.
   grid_table = text.split("## Final greedy accuracy")[1].split("## Paired")[0]
-  assert "aa-grpo" not in grid_table and "No verdict is attainable" in grid_table
+  assert "aa-grpo" not in grid_table and "verdict is attainable here" in grid_table
 
 
 def test_aa_lags_and_reserved_names_are_checked():
@@ -575,8 +581,19 @@ def test_a_method_entry_can_set_how_the_rl_phase_learns_and_nothing_shared():
     "loss.eps_low": 0.6,
     "loss.eps_high": 2.0,
   }
-  with pytest.raises(ValueError, match=r"x: 'sft.steps=3' is not field=value"):
+  with pytest.raises(ValueError, match=r"x: sft.steps cannot differ between methods"):
     study_grid.parse_methods("x=grpo;sft.steps=3")  # the warm start is shared by a seed's cells
+  with pytest.raises(ValueError, match=r"x: 'foo' is not field=value"):
+    study_grid.parse_methods("x=grpo;foo")
+  with pytest.raises(ValueError, match=r"name it first"):
+    study_grid.parse_methods("grpo;optimizer.learning_rate=1e-3")
+  for bad, match in (
+    ("optimizer.learning_rate=abc", r"optimizer.learning_rate='abc'"),
+    ("optimizer.foo.bar=1", r"'optimizer.foo.bar': no such config field"),
+    ("rollout.continuous_auto_steps=2", r"config.rollout.continuous_auto_steps"),
+  ):
+    with pytest.raises(ValueError, match=rf"config.study.methods: m: .*{match}"):
+      study_grid.grid_from_config(mini_config(methods=f"grpo,m=grpo;{bad}"))
   with pytest.raises(ValueError, match=r"config.study.methods: bad: .*no such config field"):
     study_grid.grid_from_config(mini_config(methods="grpo,bad=grpo;optimizer.no_such=1"))
   with pytest.raises(

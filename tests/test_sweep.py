@@ -83,6 +83,16 @@ def test_bad_override_fails_before_any_run(tmp_path, monkeypatch):
       isolation="inline",
     )
   assert calls == [] and not os.listdir(tmp_path)
+  bad_values = [{"name": "ok"}, {"name": "neg", "total_steps": -5}, {"lr": "x", "name": "t"}]
+  with pytest.raises(ValueError, match="sweep run neg: config.total_steps"):
+    sweep.run_sweep(default.get_config(), bad_values[:2], workdir, isolation="inline")
+  with pytest.raises(ValueError, match=r"override 'lr': no such config field"):
+    sweep.run_sweep(default.get_config(), bad_values[2:], workdir, isolation="inline")
+  with pytest.raises(ValueError, match=r"override optimizer.learning_rate='abc'"):
+    sweep.run_sweep(
+      default.get_config(), [{"optimizer.learning_rate": "abc"}], workdir, isolation="inline"
+    )
+  assert calls == [] and not os.listdir(tmp_path)
 
 
 DRIVER = """

@@ -64,6 +64,8 @@ def _parse_pairs(field: str, spec: str) -> list[tuple[str, str]]:
     if not item:
       continue
     name, _, value = item.partition("=")
+    if ";" in name:
+      raise ValueError(f"config.study.{field}: {item!r}: name it first, name=value;field=...")
     if not name.isidentifier() and not name.replace("-", "_").isidentifier():
       raise ValueError(f"config.study.{field}: {name!r} is not a name (letters, digits, _ and -)")
     pairs.append((name, value or name))
@@ -103,11 +105,13 @@ def parse_methods(spec: str) -> dict[str, dict[str, Any]]:
     out[name] = {"loss.name": loss} | ({"advantage.name": adv} if adv else {})
     for item in fields:
       field, eq, text = item.partition("=")
-      if not eq or not field.startswith(METHOD_FIELDS):
+      if not eq:
+        raise ValueError(f"config.study.methods: {name}: {item!r} is not field=value")
+      if not field.startswith(METHOD_FIELDS):
         raise ValueError(
-          f"config.study.methods: {name}: {item!r} is not field=value with a field of "
-          f"{', '.join(p + '*' for p in METHOD_FIELDS)} (what the RL phase does; the warm "
-          "start, task, model, lag and evaluation are shared by a seed's cells)"
+          f"config.study.methods: {name}: {field} cannot differ between methods: a method "
+          f"sets fields of {', '.join(p + '*' for p in METHOD_FIELDS)} (what the RL phase "
+          "does; the warm start, task, model, lag and evaluation are shared by a seed's cells)"
         )
       out[name][field] = _literal(text)
   return out
@@ -202,16 +206,7 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
       "config.mesh.sampler_devices: a study runs every seed's step as one program on one "
       "mesh; it must be 0"
     )
-  if base.multiturn.max_turns and base.rollout.partial_budget:
-    raise ValueError(
-      "config.rollout.partial_budget: a study plays every seed's episodes to their end within "
-      "the step; episodes in flight across steps (rollout.episode_pool) run in single runs only"
-    )
-  if base.rollout.continuous_auto_steps:
-    raise ValueError(
-      "config.rollout.continuous_auto_steps: a study runs one sampler for every seed and "
-      "cell; it must be 0 (choose with rollout.continuous_slots)"
-    )
+  _check_cell_config(base)
   methods = parse_methods(st.methods)
   for name, overrides in methods.items():
     loss, adv = overrides["loss.name"], overrides.get("advantage.name")
@@ -225,7 +220,9 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
         f"config.study.methods: {name!r}: names starting with {AA_PREFIX!r} are the A/A twins"
       )
     try:
-      config_schema.check(sweeps.apply_overrides(base, overrides))
+      method_config = sweeps.apply_overrides(base, overrides)
+      config_schema.check(method_config)
+      _check_cell_config(method_config)
     except ValueError as e:
       raise ValueError(f"config.study.methods: {name}: {e}") from e
   lags = parse_lags(st.lags, run.total_steps)
@@ -248,6 +245,20 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     parse_aa_lags(st.aa_lags, lags),
   )
   return base, grid
+
+
+def _check_cell_config(config: ml_collections.ConfigDict) -> None:
+  """What every cell's config (the base, or a method's) must allow for seeds run together."""
+  if config.multiturn.max_turns and config.rollout.partial_budget:
+    raise ValueError(
+      "config.rollout.partial_budget: a study plays every seed's episodes to their end within "
+      "the step; episodes in flight across steps (rollout.episode_pool) run in single runs only"
+    )
+  if config.rollout.continuous_auto_steps:
+    raise ValueError(
+      "config.rollout.continuous_auto_steps: a study runs one sampler for every seed and "
+      "cell; it must be 0 (choose with rollout.continuous_slots)"
+    )
 
 
 def grid_snapshot_slots(grid: Grid) -> int:

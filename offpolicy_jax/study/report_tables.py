@@ -95,7 +95,7 @@ def _power_note(n: int, m: int, alpha: float) -> str:
   )
   if floor > alpha / max(m, 1):
     note += (
-      f" **No verdict is attainable here**: that needs >= "
+      f" **No `better`/`worse` verdict is attainable here**: that needs >= "
       f"{study_stats.needed_seeds(m, alpha)} seeds (`--config.study.seeds`)."
     )
   return note

@@ -38,7 +38,7 @@ from typing import Any
 
 import ml_collections
 
-from offpolicy_jax import config_schema
+from offpolicy_jax import config_schema, errors
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweep_runs, sweeps
 from offpolicy_jax.study.cell import run_cell
@@ -131,6 +131,20 @@ def _check_config(path: str, config: ml_collections.ConfigDict) -> None:
       f"{path} holds a study started with another config ({file}): {listed}. "
       "Use a new --workdir or restore the old values."
     )
+  if stored != cfg:  # fields no cell depends on (baseline, A/A lags, ...): the report's
+    _write_json(file, cfg)
+
+
+def check_report_config(path: str, config: ml_collections.ConfigDict) -> None:
+  """Refuses to report on `path` unless it holds a study of `config` (cell fields equal).
+
+  Raises:
+    errors.WorkdirError: no study in `path`.
+    workdir.ConfigChanged: the study ran with other values of fields its cells depend on.
+  """
+  if not os.path.exists(os.path.join(path, CONFIG_FILE)):
+    raise errors.WorkdirError(f"{path}: no study here (no {CONFIG_FILE}); run the study first")
+  _check_config(path, config)
 
 
 class StudyError(RuntimeError):
@@ -144,7 +158,8 @@ class StudyError(RuntimeError):
     self.failed = dict(failed)
     super().__init__(
       f"{len(failed)} of {num_cells} study cells failed: {', '.join(failed)}; "
-      "rerunning the same command runs them again (and skips the finished ones)"
+      "rerunning the same command runs them again and skips the finished ones (fix first "
+      "what their errors name)"
     )
 
 
@@ -164,11 +179,13 @@ def _run_and_write(config, path: str, method: str, lag_name: str, starts: Starts
 
 def _cell_in_worker(config, path: str, method: str, lag_name: str) -> None:
   """A worker process's cell: the seeds' warm starts read from (or first written to) disk."""
+  print(f"=== cell {method}@{lag_name}, started {time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
   starts = Starts(os.path.join(path, STARTS_DIR))
   try:
-    _run_and_write(config, path, method, lag_name, starts)
+    record = _run_and_write(config, path, method, lag_name, starts)
   finally:
     starts.close()
+  print(f"cell {method}@{lag_name} done in {record['seconds']:.0f} s", flush=True)
 
 
 def run_study(
@@ -205,6 +222,8 @@ def run_study(
     try:
       for i, (method, lag_name) in enumerate(todo, start=1):
         name = f"{method}@{lag_name}"
+        if i == 1 and not os.path.exists(os.path.join(path, STARTS_DIR)):
+          log(f"study: the first cell trains the {seeds} seeds' warm starts first")
         if isolation == "inline":
           cells[method, lag_name] = _run_and_write(config, path, method, lag_name, starts)
         else:

@@ -17,7 +17,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from offpolicy_jax import errors, files
+import ml_collections
+
+from offpolicy_jax import config_schema, errors, files
 from offpolicy_jax.study import reports, sweep_runs
 
 ISOLATIONS = ("process", "inline")
@@ -41,10 +43,15 @@ def apply_overrides(config, overrides: dict):
     node = config
     *parents, leaf = key.split(".")
     for p in parents:
+      if not isinstance(node, ml_collections.ConfigDict) or p not in node:
+        raise errors.ConfigError(f"override {key!r}: no such config field")
       node = node[p]
-    if leaf not in node:
-      raise errors.ConfigError(f"sweep override {key!r}: no such config field")
-    node[leaf] = value
+    if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
+      raise errors.ConfigError(f"override {key!r}: no such config field")
+    try:
+      node[leaf] = value
+    except (TypeError, ValueError) as e:
+      raise errors.ConfigError(f"override {key}={value!r}: {' '.join(str(e).split())}") from e
   return config
 
 
@@ -177,6 +184,11 @@ def run_sweep(
     raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
   check_unique_names(sweep)
   configs = {run_name(o): apply_overrides(config, o) for o in sweep}
+  for name, run_config in configs.items():  # every run's values, before any worker starts
+    try:
+      config_schema.check(run_config)
+    except errors.ConfigError as e:
+      raise errors.ConfigError(f"sweep run {name}: {e}") from e
   os.makedirs(workdir, exist_ok=True)
   status = _read_status(workdir)
   progress = _Progress(len(configs), log)
