@@ -114,6 +114,7 @@ BAD = [
   ("optimizer.b2", 1.0, "optimizer.b2"),
   ("optimizer.weight_decay", -0.01, "optimizer.weight_decay"),
   ("optimizer.grad_clip", -1.0, "optimizer.grad_clip"),
+  ("optimizer.moment_dtype", "float16", "optimizer.moment_dtype"),
   ("optimizer.grad_clip", INF, "optimizer.grad_clip"),
   ("mesh.data", 0, "mesh.data"),
   ("mesh.data", -2, "mesh.data"),
@@ -196,6 +197,8 @@ STUDY_BAD = [
   ("study.aa_lags", 3, "study.aa_lags"),
   ("study.aa_lags", "nowhere", "study.aa_lags"),
   ("study.aa_lags", "onpolicy,onpolicy", "study.aa_lags"),
+  ("study.equivalence_margin", -0.01, "study.equivalence_margin"),
+  ("study.equivalence_margin", NAN, "study.equivalence_margin"),
 ]
 
 
