@@ -15,7 +15,8 @@ exits 1. Finished cells are kept in `workdir/cells/` and the seeds' warm
 starts in `workdir/warm_starts/`; a rerun (after a kill or a failure) runs
 only the missing cells, and refuses a workdir holding a study with another
 config. `--report_only` rewrites the files from the finished cells without
-running anything.
+running anything (it too refuses a workdir whose study ran with other values
+of the fields its cells depend on).
 """
 
 import sys
