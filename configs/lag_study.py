@@ -82,13 +82,18 @@ ALL_METHODS = ",".join(
 LAGS = "onpolicy=1/0,interval20=20/0,offset10=1/10,stale32=1/32,offline=offline"
 
 # `deep`: the staleness axis to 256 updates (M2PO, arXiv 2510.01161, reports stable training
-# at 256 stale updates) over 600 steps, so that 256 is under half the run. Sync intervals of
-# 64 and 256 (the behaviour parameters lag up to 63 / 255 updates) and offline (every batch
-# from the warm start); a constant lag of 256 would hold 257 snapshots per seed. The methods
-# of the paper's claims, M2PO, decoupled PPO and the two corrections that held up best in the
-# mismatch study (tis_old, icepop_old: docs/results/off_policyness.md).
-DEEP_METHODS = "grpo,reinforce,rec_oneside_nois,m2po,decoupled_ppo,tis_old,icepop_old"
-DEEP_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,interval256=256/0,offline=offline"
+# at 256 stale updates) over 600 steps, so that 256 is under half the run: sync interval 256
+# (the behaviour parameters lag up to 255 updates; they are refreshed at steps 256 and 512)
+# against on-policy. A cell of 12 seeds x 600 steps takes about 6 minutes here, so the grid
+# that fits the 60-minute budget is 4 methods x 2 lags; `deep_full` is the whole axis (sync
+# intervals 20 / 64 / 256 and offline, every batch from the warm start; a constant lag of 256
+# would hold 257 snapshots per seed) with decoupled PPO and the two corrections that held up
+# best in the mismatch study (tis_old, icepop_old: docs/results/off_policyness.md), 35 cells,
+# about 3.5 hours here (docs/results/lag_study.md).
+DEEP_METHODS = "grpo,reinforce,rec_oneside_nois,m2po"
+DEEP_LAGS = "onpolicy=1/0,interval256=256/0"
+DEEP_FULL_METHODS = f"{DEEP_METHODS},decoupled_ppo,tis_old,icepop_old"
+DEEP_FULL_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,interval256=256/0,offline=offline"
 # `lr`: learning-rate sensitivity of the REINFORCE collapse and of wide vs narrow clipping.
 LR_METHODS = ",".join(
   f"{name}_lr{tag}={preset};optimizer.learning_rate={lr}"
@@ -101,7 +106,7 @@ LR_METHODS = ",".join(
 )
 
 
-TOY_SCALES = ("toy", "toy_full", "deep", "lr")
+TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "lr")
 
 
 def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
@@ -143,7 +148,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   else:
     raise ValueError(
       f"configs/lag_study.py: unknown scale {scale!r} "
-      "(toy, toy_full, deep, lr, gsm8k, code or calculator)"
+      "(toy, toy_full, deep, deep_full, lr, gsm8k, code or calculator)"
     )
   c.eval_every = 50
   # pass@k of the final parameters, k samples per prompt at the training temperature.
@@ -180,12 +185,14 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.study.seeds = 5
     c.study.aa_lags = ""
     c.eval_samples = 1  # greedy only: every sampled program is one more sandboxed process
-  if scale == "deep":
+  if scale in ("deep", "deep_full"):
     c.total_steps = 600
     c.eval_every = 20  # learning-speed claims need the curve, not five points
     c.rollout.score_old = True  # the *_old corrections weigh by pi_old / mu
-    c.study.methods = DEEP_METHODS
-    c.study.lags = DEEP_LAGS
+    c.study.methods = DEEP_METHODS if scale == "deep" else DEEP_FULL_METHODS
+    c.study.lags = DEEP_LAGS if scale == "deep" else DEEP_FULL_LAGS
+    # The A/A calibration at 12 seeds is the default grid's (docs/results/lag_study.md).
+    c.study.aa_lags = ""
   if scale == "lr":
     c.eval_every = 20
     c.study.methods = LR_METHODS

@@ -104,6 +104,23 @@ def test_procedural_prompts_identify_the_hidden_function():
     assert [code._PROGRAM.format(e) for e in fits] == [ex["answer"]]
 
 
+def test_procedural_distractor_is_the_other_template_that_fits_most_shown_calls():
+  task = code.make_task("code", seed=2, num_eval=8)
+  assert pickle.loads(pickle.dumps(task.distractor)) is task.distractor
+  # f(5,8)=6 f(8,1)=4 f(4,7)=5 is (a+b)//2; a//(b+1) fits f(8,1)=4 only, the most of the others.
+  ex = {"prompt": "f(5,8)=6 f(8,1)=4 f(4,7)=5\n", "answer": "def f(a,b):return (a+b)//2"}
+  assert task.distractor(ex) == "def f(a,b):return a//(b+1)"
+  for i in range(200):
+    ex = task.train_source[i]
+    wrong = task.distractor(ex)
+    shown = [tuple(map(int, m)) for m in re.findall(r"f\((\d+),(\d+)\)=(-?\d+)", ex["prompt"])]
+    fits = {
+      code._PROGRAM.format(e): sum(fn(a, b) == y for a, b, y in shown) for e, fn in code._TEMPLATES
+    }
+    assert wrong != ex["answer"] and wrong in fits
+    assert fits[wrong] == max(n for p, n in fits.items() if p != ex["answer"]) < len(shown)
+
+
 def test_procedural_determinism_and_heldout_split():
   task = code.make_task("code", seed=3, num_eval=64)
   again = code.make_task("code", seed=3, num_eval=64)

@@ -83,10 +83,14 @@ def test_grid_parsing_names_the_bad_field():
   assert len(grid.methods) >= 8 and len(grid.lags) >= 5 and len(grid.seeds) >= 10
   assert len(study_grid.grid_from_config(lag_study.get_config("toy_full"))[1].methods) >= 16
   # The staleness axis to 256 updates, half a run or less; learning rates as methods.
-  base, deep = study_grid.grid_from_config(lag_study.get_config("deep"))
-  assert max(m for m, _ in deep.lags.values() if m <= base.total_steps) == 256
-  assert base.total_steps >= 2 * 256 and base.total_steps // base.eval_every >= 30
-  assert {"grpo", "reinforce", "rec_oneside_nois", "m2po", "decoupled_ppo"} <= set(deep.methods)
+  for scale, methods in (
+    ("deep", {"grpo", "reinforce", "rec_oneside_nois", "m2po"}),
+    ("deep_full", {"grpo", "reinforce", "rec_oneside_nois", "m2po", "decoupled_ppo", "tis_old"}),
+  ):
+    base, deep = study_grid.grid_from_config(lag_study.get_config(scale))
+    assert max(m for m, _ in deep.lags.values() if m <= base.total_steps) == 256
+    assert base.total_steps >= 2 * 256 and base.total_steps // base.eval_every >= 30
+    assert methods <= set(deep.methods) and "onpolicy" in deep.lags
   _, lr = study_grid.grid_from_config(lag_study.get_config("lr"))
   rates = {m["optimizer.learning_rate"] for m in lr.methods.values()}
   assert rates == {1e-4, 3e-4, 1e-3} and len(lr.methods) == 9

@@ -27,6 +27,7 @@ all-or-nothing, and 0 if the program does not compile or raises.
 
 import functools
 import operator
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -65,6 +66,21 @@ _TEMPLATES: tuple[tuple[str, Callable[[int, int], int]], ...] = (
   ("max(a-b,0)", lambda a, b: max(a - b, 0)),
   ("a-b*2", lambda a, b: a - 2 * b),
 )
+
+
+_CALL = re.compile(r"f\((\d+),(\d+)\)=(-?\d+)")
+
+
+def _distractor_program(example: Example) -> str:
+  """A plausible wrong program (`Task.distractor`): of the templates other than the answer's,
+  the one that fits the most shown calls (the first such in `_TEMPLATES`)."""
+  calls = [(int(a), int(b), int(y)) for a, b, y in _CALL.findall(example["prompt"])]
+  fits = [
+    (sum(fn(a, b) == y for a, b, y in calls), -i, expr)
+    for i, (expr, fn) in enumerate(_TEMPLATES)
+    if _PROGRAM.format(expr) != example["answer"]
+  ]
+  return _PROGRAM.format(max(fits)[2])
 
 
 def _gen_program(rng: np.random.Generator, num_shown: int, num_hidden: int, max_value: int):
@@ -121,9 +137,10 @@ def make_task(
 
   Returns:
     The Task. "code": raw prompts for the character tokenizer, reference
-    programs as answers, no device reward. MBPP / HumanEval: chat-templated
-    prompts, the fenced reference programs as answers (`max_answer_len` in UTF-8
-    bytes, an upper bound on tokens).
+    programs as answers, no device reward; its distractor (`sft.distractor`)
+    is the program of the other template that fits the most shown calls.
+    MBPP / HumanEval: chat-templated prompts, the fenced reference programs
+    as answers (`max_answer_len` in UTF-8 bytes, an upper bound on tokens).
 
   Raises:
     ValueError: unknown kind, bad arguments, or a missing or malformed data file.
@@ -164,6 +181,7 @@ def _procedural_task(
     answer=operator.itemgetter("answer"),
     max_answer_len=max(len(_PROGRAM.format(expr)) for expr, _ in _TEMPLATES),
     device_reward=None,
+    distractor=_distractor_program,
   )
 
 
