@@ -1,6 +1,7 @@
 """Tests for experiments.sweep: a failing run is recorded, the others run, the exit code is 1."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -59,6 +60,25 @@ def test_failing_run_is_recorded_and_the_others_run(tmp_path, monkeypatch):
   assert md[3].startswith("| broken | 0 |") and md[3].endswith(f"| failed | {error} |")
   assert len({line.count("|") for line in md}) == 1  # every row has every column
   assert os.path.getsize(tmp_path / "curves.png") > 1000
+
+
+def test_a_run_directory_with_other_values_names_the_sweeps_remedy(tmp_path, monkeypatch):
+  from offpolicy_jax.store import workdir
+
+  def train_and_evaluate(config, run_dir):
+    first = default.get_config().to_dict()
+    os.makedirs(run_dir, exist_ok=True)
+    first["seed"] = 1  # what the directory's first run recorded
+    with open(os.path.join(run_dir, metrics.CONFIG_FILE), "w") as f:
+      json.dump(first, f)
+    workdir.check_config(run_dir, default.get_config(), step=0)
+
+  monkeypatch.setattr(loop, "train_and_evaluate", train_and_evaluate)
+  with pytest.raises(sweep.SweepError) as info:
+    sweep.run_sweep(default.get_config(), [{"name": "a"}], str(tmp_path), isolation="inline")
+  error = info.value.failed["a"]
+  assert "seed: 1 -> 0" in error and "Delete that directory" in error, error
+  assert "allow_config_change" not in error
 
 
 def test_all_runs_ok_returns_the_summary(tmp_path, monkeypatch):

@@ -49,7 +49,15 @@ class WorkdirLocked(errors.UserError, RuntimeError):
 
 
 class ConfigChanged(errors.UserError, ValueError):
-  """A resume's config differs from the run's record in fields that change its meaning."""
+  """A resume's config differs from the run's record in fields that change its meaning.
+
+  `changes` lists them (`field: old -> new; ...`), so that a caller with its own remedy
+  (a sweep, whose runs take no `--allow_config_change`) can word the error itself.
+  """
+
+  def __init__(self, message: str, changes: str = ""):
+    super().__init__(message)
+    self.changes = changes
 
 
 def _holder_record() -> dict[str, Any]:
@@ -212,13 +220,15 @@ def check_config(path: str, config: Any, *, step: int, allow_change: bool = Fals
     raise ConfigChanged(
       f"workdir {path} holds checkpoints whose parameter shapes follow "
       f"{', '.join(fixed)}: {listed}. No resume can change them; use a new --workdir "
-      "or restore the old values."
+      "or restore the old values.",
+      listed,
     )
   if not allow_change:
     raise ConfigChanged(
       f"workdir {path} holds a run started with another config ({record}): {listed}. "
       "Use a new --workdir, restore the old values, or pass --allow_config_change to "
-      f"resume with the change (recorded in {HISTORY_FILE})."
+      f"resume with the change (recorded in {HISTORY_FILE}).",
+      listed,
     )
   entry = {"step": int(step), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "changes": changes}
   with open(os.path.join(path, HISTORY_FILE), "a") as f:

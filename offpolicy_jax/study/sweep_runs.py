@@ -41,24 +41,35 @@ def _error_line(e: BaseException) -> str:
   return " ".join(f"{type(e).__name__}: {e}".split())
 
 
-def run_inline(config: Any, workdir: str) -> str | None:
-  """Trains here; returns None, or the run's error on one line (its traceback printed)."""
+def _train_run(config: Any, workdir: str) -> None:
+  """Trains one sweep run; a run directory holding another config is named with the
+  sweep's remedy (a sweep has no `--allow_config_change`)."""
   from offpolicy_jax.run import loop
+  from offpolicy_jax.store import workdir as workdir_lib
 
   try:
     loop.train_and_evaluate(config, workdir)
+  except workdir_lib.ConfigChanged as e:
+    if not e.changes:
+      raise
+    raise workdir_lib.ConfigChanged(
+      f"run directory {workdir} holds a run started with other values ({e.changes}). "
+      "Delete that directory to rerun it with the sweep's values, or give the sweep a new "
+      "--workdir.",
+      e.changes,
+    ) from None
+
+
+def run_inline(config: Any, workdir: str) -> str | None:
+  """Trains here; returns None, or the run's error on one line (its traceback printed)."""
+  try:
+    _train_run(config, workdir)
   except errors.Interrupted:
     raise
   except Exception as e:
     traceback.print_exc()
     return _error_line(e)
   return None
-
-
-def _train(config: Any, workdir: str) -> None:
-  from offpolicy_jax.run import loop
-
-  loop.train_and_evaluate(config, workdir)
 
 
 def error_path(log_path: str) -> str:
@@ -123,7 +134,7 @@ def run_in_process(config: Any, workdir: str, sweep_dir: str) -> str | None:
   """
   os.makedirs(workdir, exist_ok=True)
   return in_worker(
-    _train,
+    _train_run,
     (config, workdir),
     log_path=os.path.join(workdir, LOG_FILE),
     cache_dir=os.path.join(sweep_dir, CACHE_DIR),
