@@ -54,6 +54,7 @@ def main(argv):
   begin = time.perf_counter()
   try:
     if _REPORT_ONLY.value:
+      study.require_study(path)  # before the lock, which would create a mistyped workdir
       with workdir.lock(path):
         study.check_report_config(path, config)
         cells = study.load_cells(path, study_grid.grid_from_config(config)[1])

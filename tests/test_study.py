@@ -247,6 +247,24 @@ def test_a_study_resumes_after_changes_no_cell_depends_on(tmp_path):
       study.check_report_config(path, changed)  # --report_only
   with pytest.raises(ValueError, match="no study here"):
     study.check_report_config(str(tmp_path / "nothing"), mini_config())
+  # The binary refuses a mistyped workdir without creating it.
+  missing = tmp_path / "typo"
+  out = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "experiments.study",
+      "--config=configs/lag_study.py",
+      f"--workdir={missing}",
+      "--report_only",
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert out.returncode == 1 and "no study here" in out.stderr, out.stderr
+  assert not missing.exists()
 
 
 def test_plot_binary_redraws_from_the_csv(mini, tmp_path):

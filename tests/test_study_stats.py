@@ -200,6 +200,7 @@ def test_equivalence_pvalue_is_two_one_sided_t_tests():
     assert p == pytest.approx(max(lo, hi))
   assert stats.equivalence_pvalue([0.01] * 5, 0.03) == 0.0
   assert stats.equivalence_pvalue([0.05] * 5, 0.03) == 1.0
+  assert stats.equivalence_pvalue([0.0], 0.03) == 1.0  # one seed shows nothing
   with pytest.raises(ValueError, match="margin"):
     stats.equivalence_pvalue([0.1, 0.2], 0.0)
 

@@ -135,15 +135,27 @@ def _check_config(path: str, config: ml_collections.ConfigDict) -> None:
     _write_json(file, cfg)
 
 
+def require_study(path: str) -> None:
+  """Refuses a `path` that holds no study (checked before anything is created there).
+
+  Raises:
+    errors.WorkdirError: no study in `path`.
+  """
+  if not os.path.exists(os.path.join(path, CONFIG_FILE)):
+    raise errors.WorkdirError(f"{path}: no study here (no {CONFIG_FILE}); run the study first")
+
+
 def check_report_config(path: str, config: ml_collections.ConfigDict) -> None:
   """Refuses to report on `path` unless it holds a study of `config` (cell fields equal).
+
+  Fields no cell depends on may differ: the study's record (`study_config.json`) then
+  takes `config`'s values, so the tables rebuild from it as reported.
 
   Raises:
     errors.WorkdirError: no study in `path`.
     workdir.ConfigChanged: the study ran with other values of fields its cells depend on.
   """
-  if not os.path.exists(os.path.join(path, CONFIG_FILE)):
-    raise errors.WorkdirError(f"{path}: no study here (no {CONFIG_FILE}); run the study first")
+  require_study(path)
   _check_config(path, config)
 
 
@@ -209,7 +221,7 @@ def run_study(
   """
   if isolation not in sweeps.ISOLATIONS:
     raise ValueError(f"isolation must be one of {sweeps.ISOLATIONS}, got {isolation!r}")
-  _, grid = grid_from_config(config)
+  base, grid = grid_from_config(config)
   os.makedirs(os.path.join(path, CELLS_DIR), exist_ok=True)
   with workdir.lock(path):
     _check_config(path, config)
@@ -222,7 +234,7 @@ def run_study(
     try:
       for i, (method, lag_name) in enumerate(todo, start=1):
         name = f"{method}@{lag_name}"
-        if i == 1 and not os.path.exists(os.path.join(path, STARTS_DIR)):
+        if i == 1 and base.sft.enabled and not os.path.exists(os.path.join(path, STARTS_DIR)):
           log(f"study: the first cell trains the {seeds} seeds' warm starts first")
         if isolation == "inline":
           cells[method, lag_name] = _run_and_write(config, path, method, lag_name, starts)

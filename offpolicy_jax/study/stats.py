@@ -130,13 +130,16 @@ def equivalence_pvalue(diff: Sequence[float] | np.ndarray, margin: float) -> flo
   p = max(P[T >= (mean + margin) / se], P[T <= (mean - margin) / se]) with T
   Student's t with n - 1 degrees of freedom and se = sd / sqrt(n); p <= alpha
   exactly when the (1 - 2 alpha) t interval lies inside the margin. With no
-  spread (every difference equal) p is 0 inside the margin and 1 outside.
+  spread (every difference equal, n >= 2) p is 0 inside the margin and 1
+  outside; one difference shows nothing (p = 1).
   """
   d = _sample(diff, "equivalence_pvalue")
   if not margin > 0:
     raise ValueError(f"equivalence margin must be > 0, got {margin!r}")
   mean, n = float(d.mean()), d.size
-  se = float(d.std(ddof=1)) / math.sqrt(n) if n > 1 else 0.0
+  if n < 2:
+    return 1.0
+  se = float(d.std(ddof=1)) / math.sqrt(n)
   if se < _EPS:
     return 0.0 if abs(mean) < margin else 1.0
   lower = float(scipy.stats.t.sf((mean + margin) / se, n - 1))
