@@ -345,7 +345,7 @@ def test_plots_need_summaries_and_accept_rows_before_and_after_the_csv(mini, tmp
 
 
 def test_unknown_loss_and_wrong_shape_cells_are_refused_naming_them(mini, tmp_path):
-  with pytest.raises(ValueError, match="config.study.methods: foo=nosuchloss"):
+  with pytest.raises(ValueError, match="config.study.methods: foo: config.loss.name: unknown"):
     study_grid.grid_from_config(mini_config(methods="grpo,foo=nosuchloss"))
   config, path, cells, _ = mini
   _, grid = study_grid.grid_from_config(config)
@@ -616,6 +616,15 @@ def test_a_method_entry_can_set_how_the_rl_phase_learns_and_nothing_shared():
   ):
     with pytest.raises(ValueError, match=rf"config.study.methods: m: .*{match}"):
       study_grid.grid_from_config(mini_config(methods=f"grpo,m=grpo;{bad}"))
+  # How the fields fit together is checked per method (a run's validate_config), and a bad
+  # shared value is named as itself, not as the first method's.
+  with pytest.raises(ValueError, match=r"config.study.methods: m: config.train.num_minibatches"):
+    study_grid.grid_from_config(mini_config(methods="grpo,m=grpo;train.num_minibatches=7"))
+  shared = mini_config()
+  shared.unlock()
+  shared.optimizer.b2 = 1.5
+  with pytest.raises(ValueError, match=r"^config.optimizer.b2"):
+    study_grid.grid_from_config(shared)
   with pytest.raises(ValueError, match=r"config.study.methods: bad: .*no such config field"):
     study_grid.grid_from_config(mini_config(methods="grpo,bad=grpo;optimizer.no_such=1"))
   with pytest.raises(

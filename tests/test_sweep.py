@@ -111,6 +111,10 @@ def test_bad_override_fails_before_any_run(tmp_path, monkeypatch):
     sweep.run_sweep(
       default.get_config(), [{"optimizer.learning_rate": "abc"}], workdir, isolation="inline"
     )
+  # Fields that do not fit together (a batch that does not split), also before any run.
+  split = [{"name": "ok"}, {"name": "split", "train.num_minibatches": 7}]
+  with pytest.raises(ValueError, match="sweep run split: config.train.num_minibatches"):
+    sweep.run_sweep(default.get_config(), split, workdir, isolation="inline")
   assert calls == [] and not os.listdir(tmp_path)
 
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import ml_collections
 
-from offpolicy_jax import advantages, config_schema, lag, losses
-from offpolicy_jax.run import components
+from offpolicy_jax import config_schema, lag
+from offpolicy_jax.run import components, validation
 from offpolicy_jax.study import sweeps
 
 # The A/A twin of the baseline method is the method `AA_PREFIX + method`.
@@ -206,22 +206,17 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
       "config.mesh.sampler_devices: a study runs every seed's step as one program on one "
       "mesh; it must be 0"
     )
+  validation.validate_config(base)  # a bad shared value is named as itself, not as a method's
   _check_cell_config(base)
   methods = parse_methods(st.methods)
   for name, overrides in methods.items():
-    loss, adv = overrides["loss.name"], overrides.get("advantage.name")
-    if loss not in losses.names() or (adv and adv not in advantages.names()):
-      raise ValueError(
-        f"config.study.methods: {name}={loss}{'+' + adv if adv else ''} names an unknown "
-        f"loss or advantage (losses.names(), advantages.names())"
-      )
     if name.startswith(AA_PREFIX):
       raise ValueError(
         f"config.study.methods: {name!r}: names starting with {AA_PREFIX!r} are the A/A twins"
       )
     try:
       method_config = sweeps.apply_overrides(base, overrides)
-      config_schema.check(method_config)
+      validation.validate_config(method_config)  # values and how the fields fit together
       _check_cell_config(method_config)
     except ValueError as e:
       raise ValueError(f"config.study.methods: {name}: {e}") from e

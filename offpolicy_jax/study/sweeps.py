@@ -19,7 +19,7 @@ from typing import Any
 
 import ml_collections
 
-from offpolicy_jax import config_schema, errors, files
+from offpolicy_jax import errors, files
 from offpolicy_jax.study import reports, sweep_runs
 
 ISOLATIONS = ("process", "inline")
@@ -176,7 +176,8 @@ def run_sweep(
 
   Raises:
     ValueError: before any run, for repeated run names, an override that
-      names no config field, or an unknown `isolation`.
+      names no config field, a run config that `validation.validate_config`
+      refuses, or an unknown `isolation`.
     SweepError: after every run and the summary, if any run failed.
     errors.Interrupted: SIGINT or SIGTERM; the current run saved and stopped.
   """
@@ -184,10 +185,12 @@ def run_sweep(
     raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
   check_unique_names(sweep)
   configs = {run_name(o): apply_overrides(config, o) for o in sweep}
-  for name, run_config in configs.items():  # every run's values, before any worker starts
+  from offpolicy_jax.run import validation  # here, as `sweep_runs` imports the loop: it loads JAX
+
+  for name, run_config in configs.items():  # every run's config, before any worker starts
     try:
-      config_schema.check(run_config)
-    except errors.ConfigError as e:
+      validation.validate_config(run_config)
+    except ValueError as e:
       raise errors.ConfigError(f"sweep run {name}: {e}") from e
   os.makedirs(workdir, exist_ok=True)
   status = _read_status(workdir)
