@@ -74,7 +74,7 @@ def run_bandit(
     steps, group_size, lr: SGD steps, arms drawn per step, learning rate.
 
   Returns:
-    One dict per (method, setting): `pi_best` and `pi_trap` (bootstrap
+    One dict per (method, setting): `pi_best` and `pi_trap` (95% t
     intervals of the final probabilities of arms 2 and 1) and the fraction of
     seeds whose most likely arm is the best / the trap.
   """
@@ -92,8 +92,8 @@ def run_bandit(
         {
           "method": name,
           "setting": setting,
-          "pi_best": study_stats.bootstrap(pi[:, BEST_ARM]),
-          "pi_trap": study_stats.bootstrap(pi[:, TRAP_ARM]),
+          "pi_best": study_stats.interval(pi[:, BEST_ARM]),
+          "pi_trap": study_stats.interval(pi[:, TRAP_ARM]),
           "best_frac": float((top == BEST_ARM).mean()),
           "trap_frac": float((top == TRAP_ARM).mean()),
           "finite": bool(np.isfinite(pi).all()),
@@ -110,7 +110,7 @@ def table(results: list[dict], *, steps: int, group_size: int, seeds: int) -> li
     f"Rewards {list(REWARDS)}, behaviour {list(BEHAVIOUR)}; {steps} SGD steps of "
     f"{group_size} sampled arms, {seeds} seeds. `fixed`: samples always from the behaviour; "
     "`onpolicy`: from the current policy. Final probability of the best arm (2) and of the "
-    "trap (arm 1), mean [95% bootstrap interval]; the share of seeds whose most likely arm "
+    "trap (arm 1), mean [95% t interval over seeds]; the share of seeds whose most likely arm "
     "is each.",
     "",
     "| method | setting | pi(best) | pi(trap) | best is argmax | trap is argmax |",

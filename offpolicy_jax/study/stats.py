@@ -14,7 +14,9 @@ per-seed differences d_i = method_i - baseline_i. Three instruments read them:
   difference" every d_i is as likely to be -d_i, so the two-sided p-value is
   the fraction of the 2^n sign patterns whose |mean| reaches the observed one
   (exact up to `EXACT_MAX_SEEDS` seeds, Monte Carlo with a fixed key above).
-  Its false-positive rate is at most alpha whatever the distribution of d;
+  Its false-positive rate is at most alpha when the signs of d are exchangeable
+  under the null (as for an A/A pair); strong skew breaks that
+  (docs/results/lag_study.md, the coverage simulation);
 - an **equivalence test** against a margin declared in advance
   (`equivalence_pvalue`, two one-sided t tests, Schuirmann 1987): a small p
   says the mean difference lies within (-margin, +margin). "No evidence of a
@@ -26,8 +28,9 @@ most alpha, and separately of any false `equivalent`. Verdicts (`verdicts`)
 come from the Holm-adjusted p-values. With n
 seeds the smallest two-sided p-value is 2 / 2^n (n = 5: 0.0625, never below
 0.05), and Holm needs the smallest of m p-values below alpha / m: a grid of m
-comparisons can only give a verdict when 2 / 2^n <= alpha / m
-(`smallest_p`). The study's A/A calibration (`study.grid`) measures the
+comparisons can only give a `better`/`worse` verdict when 2 / 2^n <= alpha / m
+(`smallest_p`); the equivalence verdicts come from t tests, which have no
+such floor. The study's A/A calibration (`study.grid`) measures the
 false-verdict rate these tests give when nothing differs.
 
 Learning speed per run (`run_summary`): the first evaluated step at which
