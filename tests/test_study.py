@@ -117,6 +117,14 @@ def test_lag_entries_carry_engine_mismatch_settings():
   assert engines["stale_topk"]["rollout.behavior_logp"] == "mismatched"
   with pytest.raises(ValueError, match="config.study.lags: x=.*unknown engine"):
     study_grid.parse_engines("x=1/0+fp8")
+  # A method may not set what a lag's engine sets (the engine would overwrite it in the cell).
+  c = lag_study.get_config()
+  c.unlock()
+  c.study.methods = "grpo,own=grpo;rollout.score_old=False"
+  c.study.lags = spec
+  c.study.aa_lags = ""
+  with pytest.raises(ValueError, match=r"own sets rollout.score_old, which the engine of lag"):
+    study_grid.grid_from_config(c)
 
 
 def mini_config(**study_overrides):

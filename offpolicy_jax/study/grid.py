@@ -221,6 +221,14 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     except ValueError as e:
       raise ValueError(f"config.study.methods: {name}: {e}") from e
   lags = parse_lags(st.lags, run.total_steps)
+  engines = parse_engines(st.lags)
+  for lag_name, engine in engines.items():  # a lag's engine would silently overwrite them
+    for name, overrides in methods.items():
+      if both := sorted(set(engine) & set(overrides)):
+        raise ValueError(
+          f"config.study.methods: {name} sets {', '.join(both)}, which the engine of lag "
+          f"{lag_name!r} sets too (study.grid.ENGINES); set it in one place"
+        )
   method, _, lag_name = st.baseline.partition("@")
   if method not in methods or lag_name not in lags:
     raise ValueError(
@@ -236,7 +244,7 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     (method, lag_name),
     st.vmap_seeds,
     st.eval_batch,
-    parse_engines(st.lags),
+    engines,
     parse_aa_lags(st.aa_lags, lags),
   )
   return base, grid
