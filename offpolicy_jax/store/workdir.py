@@ -178,6 +178,11 @@ def config_changes(
   return changes
 
 
+def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
+  """`field: old -> new; ...`, the listing every ConfigChanged gives."""
+  return "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+
+
 def check_config(path: str, config: Any, *, step: int, allow_change: bool = False) -> None:
   """Compares a resume's `config` with the run's `config.json`.
 
@@ -214,7 +219,7 @@ def check_config(path: str, config: Any, *, step: int, allow_change: bool = Fals
   changes = config_changes(stored, cfg)
   if not changes:
     return
-  listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in changes.items()))
+  listed = describe_changes(changes)
   fixed = [k for k in changes if k in PARAMETER_SHAPE_FIELDS]
   if fixed:
     raise ConfigChanged(

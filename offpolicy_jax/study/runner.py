@@ -126,10 +126,11 @@ def _check_config(path: str, config: ml_collections.ConfigDict) -> None:
     stored = json.load(f)
   changes = workdir.config_changes(stored, cfg, matters=lambda role: role.cell)
   if changes:
-    listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+    listed = workdir.describe_changes(changes)
     raise workdir.ConfigChanged(
       f"{path} holds a study started with another config ({file}): {listed}. "
-      "Use a new --workdir or restore the old values."
+      "Use a new --workdir or restore the old values.",
+      listed,
     )
   if stored != cfg:  # fields no cell depends on (baseline, A/A lags, ...): the report's
     _write_json(file, cfg)
