@@ -147,17 +147,21 @@ def plot_study(rows: list[dict], out_dir: str, *, baseline: tuple[str, str]) -> 
   return paths
 
 
-def tables(config, rows: list[dict]) -> list[str]:
-  """`study.md`'s tables (without the bandit) from a study's config and its CSV rows."""
+def _table_options(config) -> dict:
+  """What `report_tables` takes from a study's config: baseline, title, alpha and margin."""
   base, grid = study_grid.grid_from_config(config)
-  return report_tables.tables(
-    rows,
+  return dict(
     baseline=grid.baseline,
     title=f"Lag study: {len(grid.methods)} methods x {len(grid.lags)} lags x "
     f"{len(grid.seeds)} seeds, {base.task}, {base.total_steps} steps",
     alpha=config.study.alpha,
     margin=config.study.equivalence_margin,
   )
+
+
+def tables(config, rows: list[dict]) -> list[str]:
+  """`study.md`'s tables (without the bandit) from a study's config and its CSV rows."""
+  return report_tables.tables(rows, **_table_options(config))
 
 
 def write_report(config, path: str, cells: Mapping) -> list[str]:
@@ -169,9 +173,11 @@ def write_report(config, path: str, cells: Mapping) -> list[str]:
   kw = dict(steps=st.bandit_steps, group_size=st.bandit_group_size)
   results = bandit.run_bandit(grid.methods, grid.seeds, lr=st.bandit_lr, **kw)
   rows = read_csv(csv_path)  # what `experiments.plot --study_csv` redraws from
-  lines = [*tables(config, rows), "", *bandit.table(results, seeds=len(grid.seeds), **kw)]
-  md = os.path.join(path, "study.md")
-  with open(md, "w") as f:
-    f.write("\n".join(lines) + "\n")
+  md = report_tables.write_tables(
+    rows,
+    os.path.join(path, "study.md"),
+    extra=bandit.table(results, seeds=len(grid.seeds), **kw),
+    **_table_options(config),
+  )
   plots = plot_study(rows, path, baseline=grid.baseline)
   return [csv_path, md, *plots]
