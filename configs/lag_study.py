@@ -197,8 +197,8 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   if scale == "lr":
     c.eval_every = 20
     c.study.methods = LR_METHODS
-    # On-policy and offline (the strongest lag): with interval 20 as well, 27 cells take
-    # about 80 minutes here, over the hour's budget.
+    # On-policy and offline (the strongest lag): with interval 20 as well, its first cells
+    # (167-249 s each beside other work) put the 27 cells at 80-90 minutes, over the hour.
     c.study.lags = "onpolicy=1/0,offline=offline"
     c.study.baseline = "narrow_lr3e-4@onpolicy"
     c.study.aa_lags = ""
