@@ -19,6 +19,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from offpolicy_jax import cli
+from offpolicy_jax.store import workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
@@ -36,10 +37,13 @@ flags.register_multi_flags_validator(
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  if _WORKDIR.value:  # the run's record, checked before JAX is imported
+    config = workdir.eval_config(config, _WORKDIR.value)
   from offpolicy_jax.run import start
 
   logging.set_verbosity(logging.WARNING)
-  result = start.evaluate_checkpoint(_CONFIG.value, _WORKDIR.value, _STEP.value)
+  result = start.evaluate_checkpoint(config, _WORKDIR.value, _STEP.value)
   text = json.dumps(result, indent=2)
   print(text)
   if _OUT.value:

@@ -27,9 +27,6 @@ from ml_collections import config_flags
 
 from offpolicy_jax import cli, errors
 from offpolicy_jax.store import workdir
-from offpolicy_jax.study import grid as study_grid
-from offpolicy_jax.study import report as study_report
-from offpolicy_jax.study import runner as study
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Study config (with a `study` block).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the study's cells and reports.")
@@ -51,6 +48,11 @@ def main(argv):
       "(no `study` block)",
       "see configs/lag_study.py",
     )
+  # After the checks above: a wrong config is refused before JAX and the models are imported.
+  from offpolicy_jax.study import grid as study_grid
+  from offpolicy_jax.study import report as study_report
+  from offpolicy_jax.study import runner as study
+
   begin = time.perf_counter()
   try:
     if _REPORT_ONLY.value:

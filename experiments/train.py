@@ -69,6 +69,7 @@ def _distributed_kwargs() -> dict | None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  cli.early_checks(_CONFIG.value, workdir=_WORKDIR.value)
   import jax
 
   distributed = _distributed_kwargs()

@@ -110,6 +110,24 @@ def _load_config_files() -> None:
       ) from e
 
 
+def early_checks(config: Any = None, *, workdir: str | None = None) -> None:
+  """The checks of a run config and a new run's workdir that need no JAX.
+
+  A binary calls this before it imports JAX: a field out of range or a workdir
+  that is a file then ends the command at once, not after the seconds JAX,
+  orbax and the models take to import. The full validation
+  (`run.validation.validate_config`) still runs after.
+  """
+  from offpolicy_jax import config_schema
+  from offpolicy_jax.store import workdir as workdir_lib
+
+  if config is not None:
+    with errors.as_user_error():
+      config_schema.check(config)
+  if workdir is not None:
+    workdir_lib.refuse_file(workdir, "give a directory")
+
+
 def run(main: Callable[[list[str]], Any], argv: list[str] | None = None) -> None:
   """`absl.app.run(main)`, printing a `UserError` as one line (see the module doc)."""
   argv = list(sys.argv if argv is None else argv)

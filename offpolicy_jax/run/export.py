@@ -51,8 +51,6 @@ def _restore(workdir: str, comps, step: int | None):
       items, meta = ckpt.restore({"params": params}, step)
     finally:
       ckpt.close()
-  except checkpointing.MissingCheckpoint as e:
-    raise checkpointing.MissingCheckpoint(f"{workdir}: nothing to export: {e}") from None
   except checkpointing.CheckpointError as e:
     raise checkpointing.CheckpointError(
       f"{workdir}: cannot export: {e}; pass --step for an older intact step", e.failures
@@ -106,6 +104,10 @@ def export_checkpoint(
       f"{workdir}: the run has no adapters (lora.rank = 0), so there is no PEFT adapter",
       "export the whole model with --merged",
     )
+  try:
+    start.require_step(workdir, step)  # before the model is built (and warm-started)
+  except checkpointing.MissingCheckpoint as e:
+    raise checkpointing.MissingCheckpoint(f"{workdir}: nothing to export: {e}") from None
   comps = components.build_components(config)
   base, params, meta = _restore(workdir, comps, step)
   model = nnx.merge(comps.fns.graphdef, models.lora.join(base, params))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from offpolicy_jax import errors, models
+from offpolicy_jax import models
 from offpolicy_jax.rollout.pipeline import EVAL, step_key
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.rollout.rl_step import RunState, init_state, state_from_items, state_items
@@ -119,35 +119,17 @@ def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str
   return fresh_state(comps, params, base), 0, None, base_record(base, model), None
 
 
-_IDENTITY = ("task", "task_kwargs", "model", "loss")
-
-
-def eval_config(config, workdir: str):
-  """The config to evaluate a run's checkpoint with: the run's own, or `config` if it agrees.
-
-  `config` may change how evaluation runs (eval prompts, samples, mesh: the
-  run-control fields), not what the run is: a different task, model, loss or
-  any other field a resume must keep is refused by name, since scoring a
-  checkpoint on another task's prompts gives a number that means nothing.
+def require_step(workdir: str, step: int | None) -> None:
+  """Reads checkpoint `step`'s (None: the latest's) metadata: before anything is built.
 
   Raises:
-    errors.WorkdirError: `workdir` is not a run directory.
-    errors.ConfigError: `config` differs from the run's record in such fields.
+    checkpointing.MissingCheckpoint: the run has no checkpoint, or not that step.
   """
-  recorded = workdir_lib.recorded_config(workdir)
-  if config is None:
-    return recorded
-  changes = workdir_lib.config_changes(recorded.to_dict(), config.to_dict())
-  if changes:
-    # What a run is about first: a task, model or loss change explains the rest.
-    names = sorted(changes, key=lambda k: (k.split(".")[0] not in _IDENTITY, k))
-    shown = "; ".join(f"{k}: run {changes[k][0]!r}, given {changes[k][1]!r}" for k in names[:4])
-    more = f" and {len(changes) - 4} more" if len(changes) > 4 else ""
-    raise errors.ConfigError(
-      f"--config differs from the run in {workdir} ({shown}{more})",
-      "omit --config to evaluate with the run's own config",
-    )
-  return config
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), create=False)
+  try:
+    ckpt.restore_meta(step)
+  finally:
+    ckpt.close()
 
 
 def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = None):
@@ -157,7 +139,7 @@ def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = N
 
   Args:
     config: the config to evaluate with; with `workdir`, None means the run's
-      recorded config, and a given one must agree with it (`eval_config`).
+      recorded config, and a given one must agree with it (`workdir.eval_config`).
     workdir: a run directory with checkpoints; None evaluates the model of
       `config.model` (a preset at its seed's initialisation, or an HF directory).
     step: checkpoint step; None for the latest.
@@ -170,12 +152,8 @@ def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = N
       or a config the run does not agree with.
   """
   if workdir is not None:
-    config = eval_config(config, workdir)
-    ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), create=False)
-    try:
-      ckpt.restore_meta(step)  # before anything is built: a missing step fails at once
-    finally:
-      ckpt.close()
+    config = workdir_lib.eval_config(config, workdir)
+    require_step(workdir, step)
   comps = build_components(config)
   fns, run = comps.fns, comps.run
   # Without adapters the checkpoint holds the whole model: no warm start needed.

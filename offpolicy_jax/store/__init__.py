@@ -10,6 +10,17 @@
 May import: the maths modules.
 """
 
-from offpolicy_jax.store import checkpointing, integrity, items, metrics, metrics_files, workdir
+import importlib
+from typing import Any
 
 __all__ = ["checkpointing", "integrity", "items", "metrics", "metrics_files", "workdir"]
+
+
+# The modules load on first use: `workdir` and `metrics` need no JAX, so a binary refuses a
+# mistyped workdir before it pays for importing JAX and orbax (`checkpointing`, `items`).
+def __getattr__(name: str) -> Any:
+  if name not in __all__:
+    raise AttributeError(f"module 'offpolicy_jax.store' has no attribute {name!r}")
+  module = importlib.import_module(f"offpolicy_jax.store.{name}")
+  globals()[name] = module
+  return module

@@ -82,14 +82,19 @@ def _describe(holder: Any) -> str:
   return f"pid {holder.get('pid')} on {holder.get('host')} since {holder.get('started')}"
 
 
+def refuse_file(path: str, hint: str) -> None:
+  """Raises `WorkdirError` if `path` exists and is not a directory."""
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise errors.WorkdirError(f"--workdir {path} is a file", hint)
+
+
 def create(path: str) -> bool:
   """Makes the workdir `path` if it is missing; returns whether this call made it.
 
   Raises:
     WorkdirError: `path` is a file, or cannot be created or written.
   """
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise errors.WorkdirError(f"--workdir {path} is a file", "give a directory")
+  refuse_file(path, "give a directory")
   existed = os.path.isdir(path)
   try:
     os.makedirs(path, exist_ok=True)
@@ -249,8 +254,7 @@ def require_run(path: str) -> None:
   Raises:
     errors.WorkdirError: naming the path and what it lacks.
   """
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise errors.WorkdirError(f"--workdir {path} is a file", "give a run's workdir")
+  refuse_file(path, "give a run's workdir")
   if not os.path.isdir(path):
     raise errors.WorkdirError(f"--workdir {path}: no such directory", "give a run's workdir")
   if not os.path.isfile(os.path.join(path, metrics.CONFIG_FILE)):
@@ -291,4 +295,35 @@ def recorded_config(workdir: str) -> Any:
     for p in parents:
       node = node[p]
     node[leaf] = value
+  return config
+
+
+_IDENTITY = ("task", "task_kwargs", "model", "loss")
+
+
+def eval_config(config: Any, workdir: str) -> Any:
+  """The config to evaluate a run's checkpoint with: the run's own, or `config` if it agrees.
+
+  `config` may change how evaluation runs (eval prompts, samples, mesh: the
+  run-control fields), not what the run is: a different task, model, loss or
+  any other field a resume must keep is refused by name, since scoring a
+  checkpoint on another task's prompts gives a number that means nothing.
+
+  Raises:
+    errors.WorkdirError: `workdir` is not a run directory.
+    errors.ConfigError: `config` differs from the run's record in such fields.
+  """
+  recorded = recorded_config(workdir)
+  if config is None:
+    return recorded
+  changes = config_changes(recorded.to_dict(), config.to_dict())
+  if changes:
+    # What a run is about first: a task, model or loss change explains the rest.
+    names = sorted(changes, key=lambda k: (k.split(".")[0] not in _IDENTITY, k))
+    shown = "; ".join(f"{k}: run {changes[k][0]!r}, given {changes[k][1]!r}" for k in names[:4])
+    more = f" and {len(changes) - 4} more" if len(changes) > 4 else ""
+    raise errors.ConfigError(
+      f"--config differs from the run in {workdir} ({shown}{more})",
+      "omit --config to evaluate with the run's own config",
+    )
   return config

@@ -16,20 +16,8 @@
 May import: every other wing.
 """
 
-from offpolicy_jax.study import (
-  bandit,
-  cell,
-  grid,
-  launchers,
-  report,
-  report_tables,
-  reports,
-  runner,
-  stats,
-  sweep_runs,
-  sweeps,
-  warm_starts,
-)
+import importlib
+from typing import Any
 
 __all__ = [
   "bandit",
@@ -45,3 +33,13 @@ __all__ = [
   "sweeps",
   "warm_starts",
 ]
+
+
+# The modules load on first use: the sweep and study binaries read their config (and refuse
+# a wrong one) before they pay for importing JAX and the models.
+def __getattr__(name: str) -> Any:
+  if name not in __all__:
+    raise AttributeError(f"module 'offpolicy_jax.study' has no attribute {name!r}")
+  module = importlib.import_module(f"offpolicy_jax.study.{name}")
+  globals()[name] = module
+  return module
