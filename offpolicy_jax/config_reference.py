@@ -1,12 +1,16 @@
-"""The config reference, docs/config.md: every field of `config_schema`, by section.
+"""What the schema generates: the config reference (docs/config.md) and the typed spec.
 
   python -m offpolicy_jax.config_reference > docs/config.md
+  python -m offpolicy_jax.config_reference --spec > offpolicy_jax/config_spec.py
 
-`tests/test_config_schema.py` checks that docs/config.md is this module's output.
+`tests/test_config_schema.py` checks that both files are this module's output.
 """
 
 from __future__ import annotations
 
+import keyword
+import sys
+import textwrap
 from collections.abc import Iterable
 
 from offpolicy_jax.config_fields import ROLES, Field
@@ -139,5 +143,117 @@ def reference_markdown() -> str:
   return "\n".join(lines)
 
 
+# ----------------------------------------------------------------- the typed spec
+
+_SPEC_HEAD = '''\
+# size: declaration table: one typed attribute per config field, generated from config_schema.
+# Generated from offpolicy_jax/config_schema.py; do not edit. Regenerate with:
+# python -m offpolicy_jax.config_reference --spec > offpolicy_jax/config_spec.py
+"""The config as frozen, typed records: `RunSpec.from_config(config)`, `StudySpec`.
+
+One attribute per declared field at its dotted path (`spec.lag.sync_interval`),
+typed from its default, with the field's doc above it. A reader that takes a
+spec instead of the ConfigDict has every name it reads checked by mypy, and
+cannot change the run's config. `task_kwargs` is a read-only mapping.
+Values are taken as the config holds them: `config_schema.check` (and
+`run.validation.validate_config`) check them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from typing import Any
+'''
+
+_SPEC_TAIL = '''
+
+def _build(cls: Any, node: Any) -> Any:
+  """`cls` from the config node `node`, nested blocks (`_BLOCKS`) recursively."""
+  values: dict[str, Any] = {}
+  for f in dataclasses.fields(cls):
+    value = node[f.name]
+    block = _BLOCKS.get((cls.__name__, f.name))
+    if block is not None:
+      value = _build(block, value)
+    elif isinstance(value, Mapping) or hasattr(value, "to_dict"):
+      value = types.MappingProxyType(dict(value.to_dict() if hasattr(value, "to_dict") else value))
+    values[f.name] = value
+  return cls(**values)
+'''
+
+
+def _type_name(f: Field) -> str:
+  if isinstance(f.default, dict):
+    return "Mapping[str, Any]"
+  if f.default is None:
+    return f"{f.value_type.__name__ if f.value_type else 'Any'} | None"
+  return type(f.default).__name__
+
+
+def _class_name(block: str) -> str:
+  return "".join(part.capitalize() for part in block.split("_")) + "Spec"
+
+
+def _spec_class(
+  name: str, doc: str, fields: list[tuple[str, Field]], blocks: list[str]
+) -> list[str]:
+  lines = ["", "", "@dataclasses.dataclass(frozen=True)", f"class {name}:", f'  """{doc}"""']
+  for attr, f in fields:
+    if keyword.iskeyword(attr):
+      raise ValueError(f"config field {f.name!r}: {attr!r} is a Python keyword")
+    lines.append("")
+    lines += textwrap.wrap(f.doc, 96, initial_indent="  #: ", subsequent_indent="  #: ")
+    lines.append(f"  {attr}: {_type_name(f)}")
+  for block in blocks:
+    lines += ["", f"  {block}: {_class_name(block)}"]
+  return lines
+
+
+def spec_module() -> str:
+  """The source of `offpolicy_jax/config_spec.py`: one frozen dataclass per config block."""
+  out = _SPEC_HEAD.rstrip("\n").split("\n")
+  top: dict[str, list[tuple[str, Field]]] = {"": [], "study": []}
+  nested: dict[str, list[tuple[str, Field]]] = {}
+  for f in (*RUN_FIELDS, *STUDY_FIELDS):
+    *parents, leaf = f.name.split(".")
+    if len(parents) > 1:
+      raise ValueError(f"config field {f.name!r}: the spec holds blocks one level deep")
+    if f.name.startswith("study."):
+      top["study"].append((leaf, f))
+    else:
+      nested.setdefault(parents[0], []).append((leaf, f)) if parents else top[""].append((leaf, f))
+  for block, fields in nested.items():
+    out += _spec_class(_class_name(block), f"`config.{block}.*`.", fields, [])
+  out += _spec_class(
+    "RunSpec", "A run's config (`config_schema.RUN_FIELDS`).", top[""], list(nested)
+  )
+  out += [
+    "",
+    "  @classmethod",
+    "  def from_config(cls, config: Any) -> RunSpec:",
+    '    """The spec of a run config (a ConfigDict or nested dict with every declared field)."""',
+    "    return _build(cls, config)",
+  ]
+  out += _spec_class(
+    "StudySpec", "A study's own fields, `config.study.*` (`STUDY_FIELDS`).", top["study"], []
+  )
+  out += [
+    "",
+    "  @classmethod",
+    "  def from_config(cls, config: Any) -> StudySpec:",
+    '    """The spec of the `study` block of a study config."""',
+    '    return _build(cls, config.study if hasattr(config, "study") else config["study"])',
+    "",
+    "",
+    "# (class, attribute) -> the record of a nested block.",
+    "_BLOCKS: dict[tuple[str, str], Any] = {",
+    *(f'  ("RunSpec", "{b}"): {_class_name(b)},' for b in nested),
+    "}",
+  ]
+  return "\n".join(out) + "\n" + _SPEC_TAIL
+
+
 if __name__ == "__main__":
-  print(reference_markdown(), end="")
+  print(spec_module() if "--spec" in sys.argv[1:] else reference_markdown(), end="")

@@ -111,3 +111,40 @@ def test_describe_is_what_the_complaint_says():
   ]:
     assert check(bad) == f"must be {check.describe()}, got {bad!r}"
   assert fields.Float(0, none_ok=True).describe() == "a finite number >= 0, or None (unset)"
+
+
+def test_config_spec_is_the_generated_module():
+  from offpolicy_jax import config_spec
+
+  with open(config_spec.__file__) as f:
+    written = f.read()
+  assert written == config_reference.spec_module(), (
+    "offpolicy_jax/config_spec.py differs from config_reference.spec_module(); regenerate it "
+    "with `python -m offpolicy_jax.config_reference --spec > offpolicy_jax/config_spec.py`"
+  )
+
+
+@pytest.mark.parametrize("make", [default.get_config, code.get_config, lag_study.get_config])
+def test_run_spec_holds_every_field_of_a_config_at_its_dotted_path(make):
+  import dataclasses
+
+  from offpolicy_jax import config_spec
+
+  config = make()
+  spec = config_spec.RunSpec.from_config(config)
+  for f in schema.RUN_FIELDS:
+    got = spec
+    for part in f.name.split("."):
+      got = getattr(got, part)
+    want = schema.get(config, f.name)
+    assert (dict(got) if f.name == "task_kwargs" else got) == (
+      want.to_dict() if f.name == "task_kwargs" else want
+    ), f.name
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    spec.lag.sync_interval = 2  # type: ignore[misc]
+  with pytest.raises(TypeError):
+    spec.task_kwargs["x"] = 1  # type: ignore[index]
+  if "study" in config:
+    study = config_spec.StudySpec.from_config(config)
+    assert study.seeds == config.study.seeds and study.methods == config.study.methods
+    assert study.equivalence_margin == config.study.equivalence_margin

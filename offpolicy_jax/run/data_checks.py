@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from offpolicy_jax import files, models
+from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.models import hub
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rollout import data
@@ -41,7 +42,7 @@ def _need(ok: bool, field: str, msg: str) -> None:
     raise ValueError(f"config.{field}: {msg}")
 
 
-def get_model_config(config, tokenizer) -> models.ModelConfig:
+def get_model_config(config: RunSpec, tokenizer) -> models.ModelConfig:
   """The `ModelConfig` the run builds: the HF directory's config.json, or the preset.
 
   Presets are sized to the tokenizer's vocabulary, as `build_components` builds them.
@@ -60,7 +61,7 @@ def get_model_config(config, tokenizer) -> models.ModelConfig:
 
 
 def validate_data(
-  config,
+  config: Any,
   task: tasks.Task,
   tokenizer,
   model_config: models.ModelConfig | None = None,
@@ -82,7 +83,8 @@ def validate_data(
   examples only.
 
   Args:
-    config: the experiment config (already through `validate_config`).
+    config: the experiment config (already through `validate_config`): its
+      `RunSpec`, or the ConfigDict, read through `RunSpec.from_config`.
     task: the run's task (`tasks.get_task(config.task, **config.task_kwargs)`).
     tokenizer: the run's tokenizer.
     model_config: the model's config; default `get_model_config(config, tokenizer)`.
@@ -93,7 +95,7 @@ def validate_data(
     `{"train": PromptStats, "eval": PromptStats}`; `stats.scanned < stats.size`
     marks a sampled split.
   """
-  c = config
+  c = config if isinstance(config, RunSpec) else RunSpec.from_config(config)
   mcfg = get_model_config(c, tokenizer) if model_config is None else model_config
   _validate_model_fit(c, tokenizer, mcfg)
   _need(
@@ -112,7 +114,7 @@ def validate_data(
   return stats
 
 
-def _validate_model_fit(c, tokenizer, mcfg: models.ModelConfig) -> None:
+def _validate_model_fit(c: RunSpec, tokenizer, mcfg: models.ModelConfig) -> None:
   v = mcfg.vocab_size
   tok_field = "tokenizer" if c.tokenizer else "model"
   _need(
@@ -139,7 +141,7 @@ def _validate_model_fit(c, tokenizer, mcfg: models.ModelConfig) -> None:
   )
 
 
-def _data_file(c, split: str) -> tuple[str, str | None]:
+def _data_file(c: RunSpec, split: str) -> tuple[str, str | None]:
   """(config field, path) of the file a split is read from; ("task", None) for built-in data."""
   kwargs = c.task_kwargs
   for k in (f"{split}_path", "train_path"):  # text tasks evaluate on train_path without eval_path
@@ -148,7 +150,7 @@ def _data_file(c, split: str) -> tuple[str, str | None]:
   return "task", None
 
 
-def _check_split(c, task: tasks.Task, s: data.PromptStats, vocab: int) -> None:
+def _check_split(c: RunSpec, task: tasks.Task, s: data.PromptStats, vocab: int) -> None:
   field, path = _data_file(c, s.split)
   where = f"{s.split} split of task {task.name!r}" + (f" ({path})" if path else "")
   if s.scanned < s.size:
@@ -203,7 +205,9 @@ def _check_split(c, task: tasks.Task, s: data.PromptStats, vocab: int) -> None:
 _SCAN_CACHE: dict[str, data.PromptStats] = {}
 
 
-def _scan(c, task: tasks.Task, tokenizer, split: str, cache_dir: str | None) -> data.PromptStats:
+def _scan(
+  c: RunSpec, task: tasks.Task, tokenizer, split: str, cache_dir: str | None
+) -> data.PromptStats:
   """`data.scan_prompts` of a split, through the in-process and on-disk caches."""
   source = task.train_source if split == "train" else task.eval_source
   size = len(source)
@@ -229,7 +233,7 @@ def _scan(c, task: tasks.Task, tokenizer, split: str, cache_dir: str | None) -> 
   return stats
 
 
-def _scan_key(c, task, tokenizer, split: str, size: int, limit: int | None) -> str:
+def _scan_key(c: RunSpec, task, tokenizer, split: str, size: int, limit: int | None) -> str:
   """Everything a scan depends on: task, data files, tokenizer files, a probe of the data."""
   tok_dir = c.tokenizer or hub.model_dir(c.model) or ""
   files = [v for v in c.task_kwargs.values() if isinstance(v, str) and os.path.isfile(v)]
@@ -249,7 +253,7 @@ def _scan_key(c, task, tokenizer, split: str, size: int, limit: int | None) -> s
   parts = [
     _SCAN_VERSION,
     task.name,
-    c.task_kwargs.to_dict(),
+    dict(c.task_kwargs),
     split,
     size,
     limit,
