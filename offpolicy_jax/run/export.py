@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from offpolicy_jax import errors, models
+from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.models import hub
 from offpolicy_jax.run import components, start
 from offpolicy_jax.store import checkpointing
@@ -99,7 +100,7 @@ def export_checkpoint(
   if os.path.exists(out) and not os.path.isdir(out):
     raise errors.UserError(f"--out {out} is a file", "give a directory to write the export into")
   config = recorded_config(workdir)
-  if fmt == "peft" and not config.lora.rank:
+  if fmt == "peft" and not RunSpec.from_config(config).lora.rank:
     raise errors.UserError(
       f"{workdir}: the run has no adapters (lora.rank = 0), so there is no PEFT adapter",
       "export the whole model with --merged",
@@ -126,8 +127,9 @@ def export_checkpoint(
 
 def _base_path(config, model, out: str, dtype) -> str:
   """The HF directory of the adapter's base: `config.model`, or the base written to OUT/base."""
-  local = hub.model_dir(config.model)
-  if local is not None and not config.sft.enabled:
+  spec = RunSpec.from_config(config)
+  local = hub.model_dir(spec.model)
+  if local is not None and not spec.sft.enabled:
     return os.path.abspath(local)
   path = os.path.join(out, BASE_DIR)
   models.save_pretrained(models.lora.without_adapters(_zeroed(model)), path, dtype)

@@ -64,6 +64,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from offpolicy_jax import models
+from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import batch_splits, replay, train_state, train_step
 from offpolicy_jax.models.tokenizers import CharTokenizer
 from offpolicy_jax.rollout import pipeline
@@ -151,10 +152,11 @@ def model_config(config) -> tuple[models.ModelConfig, str]:
   path to a config.json, or an absent checkpoint directory whose name starts
   with a preset name (e.g. "Qwen2.5-1.5B-Instruct" -> "qwen2.5-1.5b").
   """
-  m = config.model
+  spec = RunSpec.from_config(config)
+  m = spec.model
   kw = dict(
-    dtype=config.model_dtype,
-    scan_layers=config.model_scan_layers,
+    dtype=spec.model_dtype,
+    scan_layers=spec.model_scan_layers,
     lora=components.lora_config(config),
   )
   path = os.path.join(m, "config.json") if os.path.isdir(m) else m
@@ -167,7 +169,7 @@ def model_config(config) -> tuple[models.ModelConfig, str]:
     raise ValueError(f"model: {m!r} is neither a preset, an HF directory nor a config.json")
   preset = max(match, key=len)
   vocab = models.get_config(preset).vocab_size
-  if preset == m and not config.tokenizer:  # a fresh preset takes the tokenizer's vocabulary
+  if preset == m and not spec.tokenizer:  # a fresh preset takes the tokenizer's vocabulary
     vocab = CharTokenizer().vocab_size
   note = "" if preset == m else f"architecture of preset {preset!r} ({m!r} is not on disk)"
   return models.get_config(preset, vocab_size=vocab, **kw), note
@@ -257,7 +259,7 @@ def sampler_caches(config) -> tuple[tuple[int, int], ...]:
   positions plus b new ones.
   """
   g, k, p, n = components.sizes(config)[:4]
-  budget = config.rollout.partial_budget
+  budget = RunSpec.from_config(config).rollout.partial_budget
   if not budget:
     return ((g, p), (g * k, n))
   b = min(budget, n)
@@ -282,7 +284,7 @@ def _sampler_side(config, params, trainer_sizes: tuple[int, int, int]):
   The trainer's mesh, or with `mesh.sampler_devices = k` the runtime's own
   sampler mesh (`disagg.sampler_shape`) holding a copy of the parameters.
   """
-  k = config.mesh.sampler_devices
+  k = RunSpec.from_config(config).mesh.sampler_devices
   if not k:
     return trainer_sizes, None, 0
   sizes = disagg.sampler_shape(k)

@@ -22,6 +22,7 @@ from typing import Any
 import ml_collections
 
 from offpolicy_jax import config_schema, lag
+from offpolicy_jax.config_spec import RunSpec, StudySpec
 from offpolicy_jax.run import components, validation
 from offpolicy_jax.study import sweeps
 
@@ -187,7 +188,7 @@ def parse_aa_lags(spec: str, lags: Mapping[str, Any]) -> tuple[str, ...]:
 def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, Grid]:
   """(the base run config without `study`, the grid of `config.study`)."""
   config_schema.check(config, config_schema.STUDY_FIELDS)
-  st = config.study
+  st = StudySpec.from_config(config)
   base = ml_collections.ConfigDict({k: v for k, v in config.items() if k != "study"})
   run = components.run_settings(base)
   if run.eval_every < 1 or run.total_steps % run.eval_every:
@@ -201,7 +202,7 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     )
   if run.lag_mode != "sync":
     raise ValueError("config.lag.mode: a study simulates lag exactly; it must be 'sync'")
-  if base.mesh.sampler_devices:
+  if RunSpec.from_config(base).mesh.sampler_devices:
     raise ValueError(
       "config.mesh.sampler_devices: a study runs every seed's step as one program on one "
       "mesh; it must be 0"
@@ -252,12 +253,13 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
 
 def _check_cell_config(config: ml_collections.ConfigDict) -> None:
   """What every cell's config (the base, or a method's) must allow for seeds run together."""
-  if config.multiturn.max_turns and config.rollout.partial_budget:
+  spec = RunSpec.from_config(config)
+  if spec.multiturn.max_turns and spec.rollout.partial_budget:
     raise ValueError(
       "config.rollout.partial_budget: a study plays every seed's episodes to their end within "
       "the step; episodes in flight across steps (rollout.episode_pool) run in single runs only"
     )
-  if config.rollout.continuous_auto_steps:
+  if spec.rollout.continuous_auto_steps:
     raise ValueError(
       "config.rollout.continuous_auto_steps: a study runs one sampler for every seed and "
       "cell; it must be 0 (choose with rollout.continuous_slots)"

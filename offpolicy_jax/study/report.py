@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from offpolicy_jax.config_spec import RunSpec, StudySpec
 from offpolicy_jax.study import bandit, report_tables
 from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import stats as study_stats
@@ -150,12 +151,13 @@ def plot_study(rows: list[dict], out_dir: str, *, baseline: tuple[str, str]) -> 
 def _table_options(config) -> dict:
   """What `report_tables` takes from a study's config: baseline, title, alpha and margin."""
   base, grid = study_grid.grid_from_config(config)
+  run, st = RunSpec.from_config(base), StudySpec.from_config(config)
   return dict(
     baseline=grid.baseline,
     title=f"Lag study: {len(grid.methods)} methods x {len(grid.lags)} lags x "
-    f"{len(grid.seeds)} seeds, {base.task}, {base.total_steps} steps",
-    alpha=config.study.alpha,
-    margin=config.study.equivalence_margin,
+    f"{len(grid.seeds)} seeds, {run.task}, {run.total_steps} steps",
+    alpha=st.alpha,
+    margin=st.equivalence_margin,
   )
 
 
@@ -169,7 +171,7 @@ def write_report(config, path: str, cells: Mapping) -> list[str]:
   _, grid = study_grid.grid_from_config(config)
   rows = [r for c in cells.values() for r in cell_rows(c, grid.eval_last)]
   csv_path = write_csv(os.path.join(path, "study.csv"), rows)
-  st = config.study
+  st = StudySpec.from_config(config)
   kw = dict(steps=st.bandit_steps, group_size=st.bandit_group_size)
   results = bandit.run_bandit(grid.methods, grid.seeds, lr=st.bandit_lr, **kw)
   rows = read_csv(csv_path)  # what `experiments.plot --study_csv` redraws from

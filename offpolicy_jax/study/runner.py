@@ -39,6 +39,7 @@ from typing import Any
 import ml_collections
 
 from offpolicy_jax import config_schema, errors
+from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweep_runs, sweeps
 from offpolicy_jax.study.cell import run_cell
@@ -235,7 +236,11 @@ def run_study(
     try:
       for i, (method, lag_name) in enumerate(todo, start=1):
         name = f"{method}@{lag_name}"
-        if i == 1 and base.sft.enabled and not os.path.exists(os.path.join(path, STARTS_DIR)):
+        if (
+          i == 1
+          and RunSpec.from_config(base).sft.enabled
+          and not os.path.exists(os.path.join(path, STARTS_DIR))
+        ):
           log(f"study: the first cell trains the {seeds} seeds' warm starts first")
         if isolation == "inline":
           cells[method, lag_name] = _run_and_write(config, path, method, lag_name, starts)
