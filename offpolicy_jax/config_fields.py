@@ -166,9 +166,6 @@ class Field(NamedTuple):
     doc: its one comment.
     check: `value -> complaint or None`, for checks that need nothing but the value.
     value_type: the type a None default accepts from the command line.
-    setting: for a field that is not compiled, its name in `RunSettings`
-      (None: the dotted name with "_" for "."; "": read only through a
-      setting built from several fields, like `RunSettings.replay`).
   """
 
   name: str
@@ -177,14 +174,6 @@ class Field(NamedTuple):
   doc: str
   check: Check | None = None
   value_type: type | None = None
-  setting: str | None = None
-
-  @property
-  def setting_name(self) -> str:
-    """Its attribute in `RunSettings` ("" for none); see `setting`."""
-    if self.role.compiled:
-      return ""
-    return self.name.replace(".", "_") if self.setting is None else self.setting
 
 
 class Names(NamedTuple):

@@ -17,7 +17,7 @@ changing it changes; every reader asks the role instead of keeping a list:
 
 - compiled: the cached compiled part of a run (`run.components.compile_key`)
   is built from it; the fields that are not compiled are the run's plain
-  settings (`run.components.RunSettings`, each under its `Field.setting`).
+  settings (`Components.run`, a `config_spec.RunSpec`, at their dotted names).
 - kept on resume: `store.workdir.check_config` refuses a resume that changes it.
 - study cell: a finished study cell depends on it, so `study.runner` refuses
   to resume a study that changes it.
@@ -211,27 +211,26 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("lag.sync_interval", 4, NUMBERS,
      "m: parameters reach the sampler every m loop steps (batches), i.e. every "
      "m * train.num_minibatches * train.num_epochs optimizer steps (1 = on-policy).",
-     _POS, setting="sync_interval"),
+     _POS),
   _F("lag.sync_offset", 0, NUMBERS,
-     "n: the first n steps use version 0; afterwards a constant extra lag of n.", _NONNEG,
-     setting="sync_offset"),
+     "n: the first n steps use version 0; afterwards a constant extra lag of n.", _NONNEG),
   _F("lag.max_staleness", 0, NUMBERS,
      "Async mode: batches more than this many loop steps old are dropped (0 = no bound).",
-     Int(0, note=" (0 = no bound)"), setting="max_staleness"),
+     Int(0, note=" (0 = no bound)")),
   _F("replay.capacity_batches", 2, NUMBERS,
      "Buffer capacity in batches of G groups of K responses (the capacity is G * this groups; "
      "at least ceil(max_new_tokens / rollout.partial_budget) with partial rollouts).",
-     _POS, setting=""),
+     _POS),
   _F("replay.policy", "fifo", NUMBERS,
      "Which groups a step trains on: fifo (oldest first; with max_reuse=1 each group once, the "
      "paper's one-pass setting), uniform, staleness (prefers fresh groups) or reward (prefers "
-     "high mean reward); see offpolicy_jax.learn.replay.", setting=""),
+     "high mean reward); see offpolicy_jax.learn.replay."),
   _F("replay.max_reuse", 1, NUMBERS,
      "Times a group may be trained on before it is retired (0 = unlimited).",
-     Int(0, note=" (0 = unlimited)"), setting=""),
+     Int(0, note=" (0 = unlimited)")),
   _F("replay.temperature", 1.0, NUMBERS,
      "Softness of the staleness / reward policies: P(group) ~ exp(score / temperature).",
-     Float(0, lo_open=True), setting=""),
+     Float(0, lo_open=True)),
   _F("train.num_minibatches", 1, PROGRAM,
      "Optimizer steps per epoch over each sampled batch (divides G*K). The parameter version "
      "counts optimizer steps: with U = num_minibatches * num_epochs a loop step advances it by "

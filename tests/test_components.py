@@ -10,7 +10,6 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from offpolicy_jax import config_schema  # noqa: E402
 from offpolicy_jax.run import components  # noqa: E402
 from tests.test_loop import small_config  # noqa: E402
 
@@ -38,8 +37,8 @@ def test_components_hold_no_config_and_share_compiled_parts():
   assert not _holds_config(a)
   # Run fields differ: the compiled part is shared, the settings are each run's own.
   assert a.fns is b.fns
-  assert (a.run.seed, a.run.total_steps, a.run.sync_interval) == (1, 9, 4)
-  assert (b.run.seed, b.run.total_steps, b.run.sync_interval) == (2, 6, 5)
+  assert (a.run.seed, a.run.total_steps, a.run.lag.sync_interval) == (1, 9, 4)
+  assert (b.run.seed, b.run.total_steps, b.run.lag.sync_interval) == (2, 6, 5)
   # A field that changes what compiles gives its own compiled part.
   c = components.build_components(small_config(temperature=0.7))
   assert c.fns is not a.fns and c.fns.options.temperature == 0.7
@@ -64,14 +63,8 @@ def test_every_config_field_is_either_compiled_or_a_run_setting():
   assert not {"seed", "total_steps", "lag.sync_interval", "eval_every"} & compiled
   same = small_config(**{"seed": 7, "lag.sync_interval": 9, "eval_every": 3, "sft.steps": 1})
   assert components.compile_key(same) == key
-  # Every field that is not compiled is a run setting, under its declared name.
-  run = components.run_settings(base)
-  names = {f.name for f in dataclasses.fields(components.RunSettings)}
-  declared = {f.setting_name for f in components.SETTING_FIELDS} - {""}
-  assert names == declared | {"replay", "replay_capacity_batches"}
-  for f in components.SETTING_FIELDS:
-    assert f.setting_name == "" or getattr(run, f.setting_name) == config_schema.get(base, f.name)
-  assert run.replay.policy == base.replay.policy
+  # The replay options are built from the replay.* settings.
+  assert components.replay_options(base).policy == base.replay.policy
 
 
 def test_bad_config_fails_before_anything_is_built():
@@ -100,8 +93,8 @@ def test_a_dropped_step_fns_is_freed_with_what_was_built_from_it():
   )
   fns = comps.fns
   state = rl_step.init_state(fns, fns.init_params(0), capacity_batches=1, snapshots=2)
-  built = programs.programs(fns, comps.run.replay, state)
-  assert programs.programs(fns, comps.run.replay, state) is built  # built once, shared
+  built = programs.programs(fns, comps.replay, state)
+  assert programs.programs(fns, comps.replay, state) is built  # built once, shared
   assert evaluation.eval_prompts(fns, 4)
   switched = sampler_choice.continuous_fns(fns)
   assert sampler_choice.continuous_fns(fns) is switched and switched.memo == {}

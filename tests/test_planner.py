@@ -119,13 +119,13 @@ def test_plan_sizes_replay_snapshots_and_kv_cache_as_the_run_does(overrides, mon
   comps = components.build_components(config)
   fns, run = comps.fns, comps.run
   params = fns.init_params(0)
-  slots = components.snapshot_slots(run.lag_mode, run.sync_interval, run.sync_offset)
+  slots = components.snapshot_slots(run.lag.mode, run.lag.sync_interval, run.lag.sync_offset)
   state = rl_step.init_state(
-    fns, params, capacity_batches=run.replay_capacity_batches, snapshots=slots
+    fns, params, capacity_batches=comps.replay_capacity_batches, snapshots=slots
   )
   got = planner.plan(config, devices=8, bytes_per_device=None, activations="analytic")
   # Replay buffer (partial rollouts: L = ceil(8 / 3) = 3 batches > capacity_batches) and snapshots.
-  assert run.replay_capacity_batches == (3 if config.rollout.partial_budget else 2)
+  assert comps.replay_capacity_batches == (3 if config.rollout.partial_budget else 2)
   trainer_device = fns.mesh.devices.flat[0]
   assert abs(got.bytes["replay buffer"] - _device_bytes(state.replay, trainer_device)) <= 64
   assert got.bytes["lag snapshots"] == _device_bytes(state.snapshots.params, trainer_device)

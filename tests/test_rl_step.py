@@ -31,8 +31,8 @@ def built():
   comps = components.build_components(cfg)
   fns = comps.fns
   schedule = rl_step.LagSchedule(jnp.int32(2), jnp.int32(0))
-  single = jax.jit(functools.partial(rl_step.rl_step, fns, comps.run.replay))
-  return fns, comps.run.replay, schedule, single
+  single = jax.jit(functools.partial(rl_step.rl_step, fns, comps.replay))
+  return fns, comps.replay, schedule, single
 
 
 STEPS = 3

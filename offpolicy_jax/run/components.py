@@ -1,22 +1,22 @@
 """What a run is built from: `build_components(config) -> Components`.
 
 `build_components` is the one function that reads the experiment ConfigDict
-(with its cheap parts, which the planner and the study call too: `run_settings`,
-`sizes`, `step_options`, `replay_capacity`, `snapshot_slots`). It validates the
+(with its cheap parts, which the planner and the study call too: `sizes`,
+`step_options`, `replay_options`, `replay_capacity`, `snapshot_slots`). It validates the
 config (and, once per workdir, the data), then returns a frozen `Components`
 record: the mesh, the model's graph, tokenizer, task, loss, optimizer and the
-jitted functions of the hot path (`rl_step.StepFns`), plus the run's plain
-settings (`RunSettings`). Nothing in it points back to the config, and it
-holds no run state.
+jitted functions of the hot path (`rl_step.StepFns`), plus the run's config
+as typed records (`config_spec.RunSpec`, generated from the schema). Nothing
+in it points back to the ConfigDict, and it holds no run state.
 
 Compiled functions are shared: the part of a `Components` that compiles
 (`StepFns` and the eval prompt batches) is cached under exactly the config
 fields it is built from (those whose `config_schema` role is compiled), so
 runs of a sweep, a notebook or the tests that differ only in seed, length,
 lag, replay policy, warm start or logging compile once. The other fields are
-the run's settings (`RunSettings`, one attribute per field under its
-`Field.setting` name); the cached part holds nothing built from them, so it
-cannot go stale.
+the run's settings, read from `Components.run` at their dotted names
+(`run.lag.sync_interval`); the cached part holds nothing built from them, so
+it cannot go stale.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from offpolicy_jax import config_schema, errors, lag, losses, models
+from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import scorer, train_state
 from offpolicy_jax.learn.step_options import StepOptions
 from offpolicy_jax.models import hub, tokenizers
@@ -44,45 +45,6 @@ from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.scale import disagg, sharding
 
-# The config fields a run reads as settings (`RunSettings`): those that do not change what compiles.
-SETTING_FIELDS = tuple(f for f in config_schema.RUN_FIELDS if not f.role.compiled)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSettings:
-  """The run's plain settings (seed, length, lag, replay, warm start, evaluation, logging).
-
-  One attribute per field of `SETTING_FIELDS` (its `Field.setting_name`; `run_settings`
-  fails if the two drift apart), plus `replay` and `replay_capacity_batches`, built
-  from the `replay.*` fields (and the partial-rollout budget).
-  """
-
-  seed: int
-  total_steps: int
-  lag_mode: str
-  sync_interval: int
-  sync_offset: int
-  max_staleness: int
-  replay: rl_step.ReplayOptions
-  replay_capacity_batches: int
-  sft_enabled: bool
-  sft_steps: int
-  sft_batch_size: int
-  sft_learning_rate: float
-  sft_distractor: float
-  eval_every: int
-  eval_prompts: int
-  eval_samples: int
-  checkpoint_every: int
-  keep_checkpoints: int
-  async_checkpoint: bool
-  tensorboard: bool
-  wandb_project: str
-  progress: bool
-  log_every: int
-  profile_steps: int
-  rollout_continuous_waste_threshold: float
-
 
 @dataclasses.dataclass(frozen=True)
 class Components:
@@ -90,11 +52,16 @@ class Components:
 
   Attributes:
     fns: the model, task, loss and jitted functions (`rl_step.StepFns`).
-    run: the run's settings.
+    run: the run's config as typed records (`config_spec.RunSpec`); the fields
+      that are not compiled (`config_schema` roles) are its settings.
+    replay: how the buffer samples (`replay.*`).
+    replay_capacity_batches: the buffer's capacity in batches (`replay_capacity`).
   """
 
   fns: rl_step.StepFns
-  run: RunSettings
+  run: RunSpec
+  replay: rl_step.ReplayOptions
+  replay_capacity_batches: int
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
@@ -352,17 +319,10 @@ def _build_fns(config) -> rl_step.StepFns:
   )
 
 
-def run_settings(config) -> RunSettings:
-  """The run's settings: each field of `SETTING_FIELDS` under its setting name (no compiling)."""
-  c = config
-  plain = {f.setting_name: config_schema.get(c, f.name) for f in SETTING_FIELDS if f.setting_name}
-  return RunSettings(
-    **plain,
-    replay=rl_step.ReplayOptions(
-      c.replay.policy, c.replay.max_reuse or None, float(c.replay.temperature)
-    ),
-    replay_capacity_batches=replay_capacity(c),
-  )
+def replay_options(config) -> rl_step.ReplayOptions:
+  """How the replay buffer samples, from the `replay.*` fields."""
+  c = config.replay
+  return rl_step.ReplayOptions(c.policy, c.max_reuse or None, float(c.temperature))
 
 
 _FNS_CACHE: dict[str, rl_step.StepFns] = {}
@@ -399,7 +359,12 @@ def build_components(config, *, data_cache_dir: str | None = None) -> Components
   # Every prompt checked once (cached under `data_cache_dir`), before anything compiles.
   with errors.as_user_error():
     data_checks.validate_data(config, fns.task, fns.tokenizer, cache_dir=data_cache_dir)
-  return Components(fns=fns, run=run_settings(config))
+  return Components(
+    fns=fns,
+    run=RunSpec.from_config(config),
+    replay=replay_options(config),
+    replay_capacity_batches=replay_capacity(config),
+  )
 
 
 def clear_cache() -> None:

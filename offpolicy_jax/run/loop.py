@@ -140,7 +140,7 @@ def _run(comps, ckpt, writer, data_iter, begin, workdir: str, on_step, stop) -> 
     if not start:
       start_accuracy = loop.evaluate(state, 0).get("eval/accuracy")
       if start_accuracy is not None:
-        warm = "after the warm start" if comps.run.sft_enabled else "(no warm start)"
+        warm = "after the warm start" if comps.run.sft.enabled else "(no warm start)"
         writer.log_text(f"starting accuracy {warm}: {start_accuracy:.3f}")
     loop.start_accuracy = start_accuracy
     loop.run(state, start)
@@ -188,7 +188,7 @@ class _Loop:
     rep = jax.sharding.NamedSharding(comps.mesh, jax.sharding.PartitionSpec())
     put = lambda v: jax.device_put(jnp.int32(v), rep)
     self._rep = rep
-    self.schedule = LagSchedule(put(run.sync_interval), put(run.sync_offset))
+    self.schedule = LagSchedule(put(run.lag.sync_interval), put(run.lag.sync_offset))
     self.seed = put(run.seed)
     self.compiles = observability.CompileCounter()
     self.profiler = observability.Profiler(os.path.join(workdir, "profile"), run.profile_steps)
@@ -196,15 +196,15 @@ class _Loop:
     # async producer places its own copy).
     fns = comps.fns
     self.rollout: Rollout = fns.rollout
-    if fns.sampler_mesh is not None and run.lag_mode == "sync":
+    if fns.sampler_mesh is not None and run.lag.mode == "sync":
       self.rollout = sampler_mesh.OnSamplerMesh(fns.rollout, fns.sampler_mesh, fns.mesh, fns.split)
-    self.choice = sampler_choice.SamplerChoice(comps.fns, run.rollout_continuous_waste_threshold)
-    self.host = host_step.Stepper(fns, self.rollout, run.replay, run.seed, self.schedule)
+    self.choice = sampler_choice.SamplerChoice(comps.fns, run.rollout.continuous_waste_threshold)
+    self.host = host_step.Stepper(fns, self.rollout, comps.replay, run.seed, self.schedule)
 
   def resume_choice(self, saved: dict[str, Any] | None) -> None:
     """Takes up the automatic sampler choice saved in the checkpoint the run resumes from."""
     self.choice = sampler_choice.SamplerChoice(
-      self.comps.fns, self.run_cfg.rollout_continuous_waste_threshold, saved
+      self.comps.fns, self.run_cfg.rollout.continuous_waste_threshold, saved
     )
     self._sample_with(self.choice.fns(self.comps.fns))
 
@@ -242,7 +242,7 @@ class _Loop:
     program serves every chunk (only a shorter last chunk compiles another).
     """
     run = self.run_cfg
-    if run.lag_mode == "async" or not self._on_device():
+    if run.lag.mode == "async" or not self._on_device():
       return 1
     length = math.gcd(run.log_every, run.eval_every, run.checkpoint_every)
     return self.choice.chunk(step, min(length, run.total_steps - step))
@@ -254,9 +254,9 @@ class _Loop:
   def run(self, state: RunState, start: int) -> None:
     run = self.run_cfg
     prod = None
-    if run.lag_mode == "async":
+    if run.lag.mode == "async":
       prod = producer.AsyncProducer(
-        self.fns, state.train.params, start, self.data, run.seed, run.max_staleness, state.base
+        self.fns, state.train.params, start, self.data, run.seed, run.lag.max_staleness, state.base
       )
     step = start
     # A step's wall time runs from the end of the previous chunk's row writing
@@ -361,7 +361,7 @@ class _Loop:
     stacked = {k: np.stack([p[k] for p in local]) for k in pipeline.DEVICE_FIELDS}
     prompts = pipeline.assemble_global(self.comps.mesh, stacked, leading_axes=1)
     steps = jax.device_put(np.arange(step + 1, step + n + 1, dtype=np.int32), self._rep)
-    fn = programs(self.fns, self.run_cfg.replay, state).rl_steps
+    fn = programs(self.fns, self.comps.replay, state).rl_steps
     begin = time.perf_counter()
     state, out = fn(state, prompts, steps, self.seed, self.schedule)
     out = jax.device_get(out)
@@ -392,7 +392,7 @@ class _Loop:
       return False
     if self.choice.pending(step) and step == self.choice.steps:  # step + 1 may switch
       return False
-    return lag.behavior_version(step + 1, run.sync_interval, run.sync_offset) < step
+    return lag.behavior_version(step + 1, run.lag.sync_interval, run.lag.sync_offset) < step
 
   def _host_step(self, state: RunState, step: int):
     """One step whose rollout or reward leaves the device (`host_step.Stepper`).
@@ -409,7 +409,7 @@ class _Loop:
     t0 = time.perf_counter()
     batch, info = prod.get(step)
     t1 = time.perf_counter()
-    fn = programs(self.fns, self.run_cfg.replay, state).learn
+    fn = programs(self.fns, self.comps.replay, state).learn
     step_a = jax.device_put(np.int32(step), self._rep)
     state, row = fn(state, batch, step_a, self.seed, self.schedule)
     published = prod.publish(state.train.params, step)

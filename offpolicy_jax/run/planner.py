@@ -16,7 +16,7 @@ the rules of `sharding.py`, and sums the shard shapes one device holds:
                               and heads over tensor of the sampler's mesh
   activations                 the train step's temporaries (below)
 
-The sizes are the runtime's own (`components.run_settings`, `components.sizes`,
+The sizes are the runtime's own (`components.replay_capacity`, `components.sizes`,
 `components.step_options`, `validation.micro_batch_rows`, `disagg.sampler_shape`),
 so the plan cannot drift from what runs (tests/test_planner.py compares them).
 The sampler and the train step do not overlap: peak = state + max(KV cache,
@@ -219,7 +219,7 @@ def _abstract_run(config, mc: models.ModelConfig):
     base, params = models.lora.split(params)
   optimizer = components.optimizer(config)
   sizes = components.sizes(config)
-  cap = sizes.prompts_per_step * components.run_settings(config).replay_capacity_batches
+  cap = sizes.prompts_per_step * components.replay_capacity(config)
   init = lambda: replay.init(cap, pipeline.empty_batch(sizes), sizes.group_size)
   opt_state = jax.eval_shape(optimizer.init, params)
   return graphdef, params, opt_state, jax.eval_shape(init), optimizer, base
@@ -340,8 +340,8 @@ def plan(
     act, source = _analytic_activations(config, mc, mesh, p_bytes), "analytic"
   options = components.step_options(config)
   needs_ref = options.spec.needs_ref
-  run = components.run_settings(config)
-  slots = components.snapshot_slots(run.lag_mode, run.sync_interval, run.sync_offset)
+  run = RunSpec.from_config(config)
+  slots = components.snapshot_slots(run.lag.mode, run.lag.sync_interval, run.lag.sync_offset)
   whole = models.lora.join(base, params)
   sampler_sizes, sampler, sampler_params = _sampler_side(config, whole, sizes)
   row_bytes = {

@@ -24,9 +24,9 @@ from offpolicy_jax.store import workdir as workdir_lib
 
 def fresh_state(comps: Components, params, base=None) -> RunState:
   run = comps.run
-  slots = snapshot_slots(run.lag_mode, run.sync_interval, run.sync_offset)
+  slots = snapshot_slots(run.lag.mode, run.lag.sync_interval, run.lag.sync_offset)
   return init_state(
-    comps.fns, params, capacity_batches=run.replay_capacity_batches, snapshots=slots, base=base
+    comps.fns, params, capacity_batches=comps.replay_capacity_batches, snapshots=slots, base=base
   )
 
 
@@ -38,12 +38,12 @@ def initial_weights(comps: Components, *, warm_start: bool = True, log_fn=print)
   """
   fns, run = comps.fns, comps.run
   base, params = fns.split(fns.init_params(run.seed))
-  if warm_start and run.sft_enabled:
+  if warm_start and run.sft.enabled:
     kw = dict(
-      steps=run.sft_steps,
-      batch_size=run.sft_batch_size,
-      learning_rate=run.sft_learning_rate,
-      distractor=run.sft_distractor,
+      steps=run.sft.steps,
+      batch_size=run.sft.batch_size,
+      learning_rate=run.sft.learning_rate,
+      distractor=run.sft.distractor,
       seed=run.seed,
       log_fn=log_fn,
     )

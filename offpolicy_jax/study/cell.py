@@ -131,7 +131,7 @@ def _run_seeds(
   slots = grid_snapshot_slots(grid)
   state = _stack(
     [
-      rl_step.init_state(fns, p, capacity_batches=run.replay_capacity_batches, snapshots=slots)
+      rl_step.init_state(fns, p, capacity_batches=comps.replay_capacity_batches, snapshots=slots)
       for _, p in starts
     ]
   )._replace(base=starts[0][0])
@@ -146,7 +146,7 @@ def _run_seeds(
   for start in range(0, run.total_steps, run.eval_every):
     prompts = _prompt_chunk(iters, run.eval_every, not device)
     steps = jnp.arange(start + 1, start + run.eval_every + 1, dtype=jnp.int32)
-    progs = programs.programs(fns, run.replay, state, over_seeds=True)
+    progs = programs.programs(fns, comps.replay, state, over_seeds=True)
     if fns.rollout.traced and device:  # every step one program, scanned and vmapped
       state, out = progs.rl_steps(state, prompts, steps, seeds_a, schedule)
     else:

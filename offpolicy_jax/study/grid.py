@@ -23,7 +23,7 @@ import ml_collections
 
 from offpolicy_jax import config_schema, lag
 from offpolicy_jax.config_spec import RunSpec, StudySpec
-from offpolicy_jax.run import components, validation
+from offpolicy_jax.run import validation
 from offpolicy_jax.study import sweeps
 
 # The A/A twin of the baseline method is the method `AA_PREFIX + method`.
@@ -190,7 +190,7 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
   config_schema.check(config, config_schema.STUDY_FIELDS)
   st = StudySpec.from_config(config)
   base = ml_collections.ConfigDict({k: v for k, v in config.items() if k != "study"})
-  run = components.run_settings(base)
+  run = RunSpec.from_config(base)
   if run.eval_every < 1 or run.total_steps % run.eval_every:
     raise ValueError(
       f"config.eval_every: {run.eval_every} must be >= 1 and divide total_steps {run.total_steps}"
@@ -200,7 +200,7 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
       f"config.study.eval_last: {st.eval_last} evaluations, the run has "
       f"{run.total_steps // run.eval_every}"
     )
-  if run.lag_mode != "sync":
+  if run.lag.mode != "sync":
     raise ValueError("config.lag.mode: a study simulates lag exactly; it must be 'sync'")
   if RunSpec.from_config(base).mesh.sampler_devices:
     raise ValueError(

@@ -31,18 +31,18 @@ def warm_start(comps: components.Components, seed: int, base_seed: int | None = 
   fns, run = comps.fns, comps.run
   base, params = fns.split(fns.init_params(seed))
   kw: dict[str, Any] = dict(
-    steps=run.sft_steps,
-    batch_size=run.sft_batch_size,
-    learning_rate=run.sft_learning_rate,
-    distractor=run.sft_distractor,
+    steps=run.sft.steps,
+    batch_size=run.sft.batch_size,
+    learning_rate=run.sft.learning_rate,
+    distractor=run.sft.distractor,
     log_fn=lambda *_: None,
   )
   if base is None:
-    return None, sft.warm_start(fns, params, seed=seed, **kw) if run.sft_enabled else params
+    return None, sft.warm_start(fns, params, seed=seed, **kw) if run.sft.enabled else params
   base_seed = seed if base_seed is None else base_seed
   if base_seed != seed:
     base = fns.split(fns.init_params(base_seed))[0]
-  if run.sft_enabled:  # any adapter with B = 0 leaves the warm start of the base unchanged
+  if run.sft.enabled:  # any adapter with B = 0 leaves the warm start of the base unchanged
     base = sft.warm_start(fns, base, seed=base_seed, frozen=params, **kw)
   return base, params
 
@@ -71,7 +71,7 @@ class Starts:
     fns = comps.fns
     if fns.lora is not None and seed != base_seed:
       start = (self.get(comps, base_seed, base_seed)[0], fns.split(fns.init_params(seed))[1])
-    elif not comps.run.sft_enabled:
+    elif not comps.run.sft.enabled:
       start = warm_start(comps, seed, base_seed)
     else:
       start = self._read(comps, seed) or self._write(seed, warm_start(comps, seed, base_seed))
