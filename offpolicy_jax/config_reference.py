@@ -75,7 +75,9 @@ or in a config file under `configs/`, whose `get_config()` returns the config
 error. Every value is checked at start-up, before anything compiles, and a
 bad one fails naming the field: "Accepts" below is the check of the value
 alone; checks against registries (loss, advantage, task and model names),
-files and other fields run there too.
+files and other fields run there too. In code, the same fields are frozen,
+typed records: `offpolicy_jax.config_spec.RunSpec.from_config(config)`
+(`spec.lag.sync_interval`), generated from the same declarations.
 
 ## Roles
 
