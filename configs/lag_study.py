@@ -43,7 +43,6 @@ import ml_collections
 
 from configs import default
 from offpolicy_jax import config_schema
-from offpolicy_jax.study import grid as study_grid
 
 # Methods: name=loss_preset[+advantage] (no value: the preset of that name with its default
 # advantage). RED-Drop is REINFORCE with the red_drop advantage.
@@ -209,6 +208,8 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
 def get_sweep() -> list[dict]:
   """Single runs of the grid (`experiments.sweep`): one seed, `name` names the subdirectory."""
   c = get_config()
+  from offpolicy_jax.study import grid as study_grid  # here: reading the config needs no JAX
+
   lags = study_grid.parse_lags(c.study.lags, c.total_steps)
   engines = study_grid.parse_engines(c.study.lags)
   runs = []

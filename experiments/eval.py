@@ -38,6 +38,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = _CONFIG.value
+  cli.early_checks(config)
   if _WORKDIR.value:  # the run's record, checked before JAX is imported
     config = workdir.eval_config(config, _WORKDIR.value)
   from offpolicy_jax.run import start

@@ -13,6 +13,7 @@ import json
 from absl import app, flags, logging
 
 from offpolicy_jax import cli
+from offpolicy_jax.store import workdir
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (config.json, checkpoints/).")
 _OUT = flags.DEFINE_string("out", None, "Output directory.")
@@ -30,11 +31,12 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   if _MERGED.value and _PEFT.value:
     raise app.UsageError("--peft and --merged exclude each other")
+  recorded = workdir.recorded_config(_WORKDIR.value)  # a run's workdir, before JAX is imported
   from offpolicy_jax.run import export
 
   logging.set_verbosity(logging.WARNING)
   fmt = "merged" if _MERGED.value else "peft"
-  if not _PEFT.value and not _MERGED.value and not export.recorded_config(_WORKDIR.value).lora.rank:
+  if not _PEFT.value and not _MERGED.value and not recorded.lora.rank:
     fmt = "merged"  # a run without adapters exports the whole model
   result = export.export_checkpoint(
     _WORKDIR.value, _OUT.value, fmt=fmt, step=_STEP.value, dtype=_DTYPE.value

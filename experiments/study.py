@@ -48,6 +48,7 @@ def main(argv):
       "(no `study` block)",
       "see configs/lag_study.py",
     )
+  cli.early_checks(config, workdir=path, study=True)
   # After the checks above: a wrong config is refused before JAX and the models are imported.
   from offpolicy_jax.study import grid as study_grid
   from offpolicy_jax.study import report as study_report

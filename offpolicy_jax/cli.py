@@ -110,8 +110,8 @@ def _load_config_files() -> None:
       ) from e
 
 
-def early_checks(config: Any = None, *, workdir: str | None = None) -> None:
-  """The checks of a run config and a new run's workdir that need no JAX.
+def early_checks(config: Any = None, *, workdir: str | None = None, study: bool = False) -> None:
+  """The checks of a run (or, with `study`, a study) config and a new workdir that need no JAX.
 
   A binary calls this before it imports JAX: a field out of range or a workdir
   that is a file then ends the command at once, not after the seconds JAX,
@@ -124,6 +124,8 @@ def early_checks(config: Any = None, *, workdir: str | None = None) -> None:
   if config is not None:
     with errors.as_user_error():
       config_schema.check(config)
+      if study:
+        config_schema.check(config, config_schema.STUDY_FIELDS)
   if workdir is not None:
     workdir_lib.refuse_file(workdir, "give a directory")
 

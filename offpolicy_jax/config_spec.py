@@ -6,7 +6,8 @@
 One attribute per declared field at its dotted path (`spec.lag.sync_interval`),
 typed from its default, with the field's doc above it. A reader that takes a
 spec instead of the ConfigDict has every name it reads checked by mypy, and
-cannot change the run's config. `task_kwargs` is a read-only mapping.
+cannot change the run's config. `task_kwargs` is a read-only mapping
+(`FrozenMapping`: it hashes and pickles, so a spec does too).
 Values are taken as the config holds them: `config_schema.check` (and
 `run.validation.validate_config`) check them.
 """
@@ -14,8 +15,8 @@ Values are taken as the config holds them: `config_schema.check` (and
 from __future__ import annotations
 
 import dataclasses
-import types
-from collections.abc import Mapping
+import json
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 
@@ -530,6 +531,28 @@ _BLOCKS: dict[tuple[str, str], Any] = {
 }
 
 
+class FrozenMapping(Mapping[str, Any]):
+  """A read-only mapping of free keys (`task_kwargs`) that hashes and pickles."""
+
+  def __init__(self, items: Mapping[str, Any]):
+    self._items = dict(items)
+
+  def __getitem__(self, key: str) -> Any:
+    return self._items[key]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._items)
+
+  def __len__(self) -> int:
+    return len(self._items)
+
+  def __hash__(self) -> int:
+    return hash(json.dumps(self._items, sort_keys=True, default=str))
+
+  def __repr__(self) -> str:
+    return f"FrozenMapping({self._items!r})"
+
+
 def _build(cls: Any, node: Any) -> Any:
   """`cls` from the config node `node`, nested blocks (`_BLOCKS`) recursively."""
   values: dict[str, Any] = {}
@@ -539,6 +562,6 @@ def _build(cls: Any, node: Any) -> Any:
     if block is not None:
       value = _build(block, value)
     elif isinstance(value, Mapping) or hasattr(value, "to_dict"):
-      value = types.MappingProxyType(dict(value.to_dict() if hasattr(value, "to_dict") else value))
+      value = FrozenMapping(value.to_dict() if hasattr(value, "to_dict") else value)
     values[f.name] = value
   return cls(**values)

@@ -92,6 +92,7 @@ def _cases(root):
     ),
     (["sweep", "--config=configs/default.py", f"--workdir={new}"], ["no get_sweep()"], new),
     (["study", "--config=configs/default.py", f"--workdir={new}"], ["not a study config"], new),
+    (["study", "--config=configs/lag_study.py", f"--workdir={afile}"], ["is a file"], afile),
     (
       ["sweep", "--config=configs/lag_study.py", f"--workdir={new}", "--print_only", "--hosts=0"],
       ["hosts"],

@@ -1,6 +1,8 @@
 """Tests for offpolicy_jax.config_schema: one declaration per field, read by every reader."""
 
+import copy
 import os
+import pickle
 import sys
 
 import ml_collections
@@ -144,6 +146,8 @@ def test_run_spec_holds_every_field_of_a_config_at_its_dotted_path(make):
     spec.lag.sync_interval = 2  # type: ignore[misc]
   with pytest.raises(TypeError):
     spec.task_kwargs["x"] = 1  # type: ignore[index]
+  # A record: it hashes, pickles and copies (a worker process can receive it).
+  assert pickle.loads(pickle.dumps(spec)) == spec and hash(copy.deepcopy(spec)) == hash(spec)
   if "study" in config:
     study = config_spec.StudySpec.from_config(config)
     assert study.seeds == config.study.seeds and study.methods == config.study.methods

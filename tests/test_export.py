@@ -127,3 +127,12 @@ def test_errors_name_what_is_wrong(lora_run, tmp_path):
     f.write(b"\xff\xff\xff\xff")
   with pytest.raises(checkpointing.CheckpointError, match="cannot export.*corrupt"):
     export.export_checkpoint(corrupt, str(tmp_path / "out"))
+  # A corrupt meta is found before the model is built, with the same advice.
+  shutil.rmtree(corrupt)
+  shutil.copytree(workdir, corrupt)
+  meta_dir = os.path.join(corrupt, "checkpoints", "2", "meta")
+  victim = next(os.path.join(d, f) for d, _, fs in os.walk(meta_dir) for f in fs)
+  with open(victim, "r+b") as f:
+    f.write(b"\xff\xff\xff\xff")
+  with pytest.raises(checkpointing.CheckpointError, match="cannot export.*corrupt.*--step"):
+    export.export_checkpoint(corrupt, str(tmp_path / "out"))

@@ -43,6 +43,12 @@ FORMATS = ("peft", "merged")
 BASE_DIR = "base"
 
 
+def _cannot_export(workdir: str, e: checkpointing.CheckpointError) -> checkpointing.CheckpointError:
+  return checkpointing.CheckpointError(
+    f"{workdir}: cannot export: {e}; pass --step for an older intact step", e.failures
+  )
+
+
 def _restore(workdir: str, comps, step: int | None):
   """`(base, params, meta)` of checkpoint `step`, the base checked against its record."""
   base, params = start.initial_weights(comps, warm_start=comps.fns.lora is not None)
@@ -53,9 +59,7 @@ def _restore(workdir: str, comps, step: int | None):
     finally:
       ckpt.close()
   except checkpointing.CheckpointError as e:
-    raise checkpointing.CheckpointError(
-      f"{workdir}: cannot export: {e}; pass --step for an older intact step", e.failures
-    ) from None
+    raise _cannot_export(workdir, e) from None
   if base is not None:
     want = meta.get("base") or {}
     got = models.lora.fingerprint(base)
@@ -109,6 +113,8 @@ def export_checkpoint(
     start.require_step(workdir, step)  # before the model is built (and warm-started)
   except checkpointing.MissingCheckpoint as e:
     raise checkpointing.MissingCheckpoint(f"{workdir}: nothing to export: {e}") from None
+  except checkpointing.CheckpointError as e:
+    raise _cannot_export(workdir, e) from None
   comps = components.build_components(config)
   base, params, meta = _restore(workdir, comps, step)
   model = nnx.merge(comps.fns.graphdef, models.lora.join(base, params))

@@ -41,7 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import errors, lag
-from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.rollout import host_step, pipeline, producer, sampler_choice, sampler_mesh
 from offpolicy_jax.rollout.pipeline import EVAL, step_key
 from offpolicy_jax.rollout.programs import programs
@@ -121,7 +120,7 @@ def _start(config, workdir: str, allow_config_change: bool):
       workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
     data_iter = producer.LockedIterator(pipeline.prompt_iterator(comps.fns, comps.run.seed))
     state, start, start_accuracy, base, choice = start_lib.restore_or_init(
-      comps, ckpt, data_iter, workdir, RunSpec.from_config(config).model
+      comps, ckpt, data_iter, workdir, comps.run.model
     )
     writer = _make_writer(comps, config, workdir, start)
   except BaseException:

@@ -24,3 +24,7 @@ def __getattr__(name: str) -> Any:
   module = importlib.import_module(f"offpolicy_jax.store.{name}")
   globals()[name] = module
   return module
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))

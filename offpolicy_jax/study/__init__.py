@@ -43,3 +43,7 @@ def __getattr__(name: str) -> Any:
   module = importlib.import_module(f"offpolicy_jax.study.{name}")
   globals()[name] = module
   return module
+
+
+def __dir__() -> list[str]:
+  return sorted(set(globals()) | set(__all__))

@@ -202,7 +202,7 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     )
   if run.lag.mode != "sync":
     raise ValueError("config.lag.mode: a study simulates lag exactly; it must be 'sync'")
-  if RunSpec.from_config(base).mesh.sampler_devices:
+  if run.mesh.sampler_devices:
     raise ValueError(
       "config.mesh.sampler_devices: a study runs every seed's step as one program on one "
       "mesh; it must be 0"

@@ -224,6 +224,7 @@ def run_study(
   if isolation not in sweeps.ISOLATIONS:
     raise ValueError(f"isolation must be one of {sweeps.ISOLATIONS}, got {isolation!r}")
   base, grid = grid_from_config(config)
+  workdir.refuse_file(path, "give a directory")
   os.makedirs(os.path.join(path, CELLS_DIR), exist_ok=True)
   with workdir.lock(path):
     _check_config(path, config)
