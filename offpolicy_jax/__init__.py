@@ -21,8 +21,7 @@ The names of the public contract: `losses`, `advantages`, `models`, `sampling`,
 `lag`, `tasks`, `rewards`, `loop`.
 """
 
-import importlib
-from typing import Any
+from offpolicy_jax import lazy
 
 # The wings load on first use (`offpolicy_jax.losses`, `from offpolicy_jax import loop`):
 # a binary that only reads its config, or refuses it, does not pay for JAX and the
@@ -56,13 +55,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-  if name not in __all__:
-    raise AttributeError(f"module 'offpolicy_jax' has no attribute {name!r}")
-  module = importlib.import_module(_LAZY.get(name, f"offpolicy_jax.{name}"))
-  globals()[name] = module
-  return module
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy.modules(__name__, __all__, _LAZY)

@@ -9,7 +9,10 @@ before the checks against registries, files and other fields.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -190,3 +193,50 @@ class Names(NamedTuple):
     if words and all(w in self.choices for w in words):
       return None
     return f"must be {self.describe()}, got {v!r}"
+
+
+# ----------------------------------------------------------------- the typed records
+
+
+class FrozenMapping(Mapping[str, Any]):
+  """A read-only mapping of free keys (`task_kwargs`) that hashes and pickles.
+
+  (`types.MappingProxyType` is read-only too, but neither hashes nor pickles,
+  so a record holding one could not go to a worker process.)
+  """
+
+  def __init__(self, items: Mapping[str, Any]):
+    self._items = dict(items)
+
+  def __getitem__(self, key: str) -> Any:
+    return self._items[key]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._items)
+
+  def __len__(self) -> int:
+    return len(self._items)
+
+  def __hash__(self) -> int:
+    return hash(json.dumps(self._items, sort_keys=True, default=str))
+
+  def __repr__(self) -> str:
+    return f"FrozenMapping({self._items!r})"
+
+
+def build_record(cls: Any, node: Any, blocks: Mapping[tuple[str, str], Any]) -> Any:
+  """The frozen dataclass `cls` (of `config_spec`) from a config node (ConfigDict or dict).
+
+  `blocks[(class name, attribute)]` is the record of a nested block, built
+  recursively; a mapping value (free keys) becomes a `FrozenMapping`.
+  """
+  values: dict[str, Any] = {}
+  for f in dataclasses.fields(cls):
+    value = node[f.name]
+    block = blocks.get((cls.__name__, f.name))
+    if block is not None:
+      value = build_record(block, value, blocks)
+    elif isinstance(value, Mapping) or hasattr(value, "to_dict"):
+      value = FrozenMapping(value.to_dict() if hasattr(value, "to_dict") else value)
+    values[f.name] = value
+  return cls(**values)

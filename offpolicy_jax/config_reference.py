@@ -165,47 +165,12 @@ Values are taken as the config holds them: `config_schema.check` (and
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
-'''
 
-_SPEC_TAIL = '''
+from offpolicy_jax.config_fields import FrozenMapping, build_record
 
-class FrozenMapping(Mapping[str, Any]):
-  """A read-only mapping of free keys (`task_kwargs`) that hashes and pickles."""
-
-  def __init__(self, items: Mapping[str, Any]):
-    self._items = dict(items)
-
-  def __getitem__(self, key: str) -> Any:
-    return self._items[key]
-
-  def __iter__(self) -> Iterator[str]:
-    return iter(self._items)
-
-  def __len__(self) -> int:
-    return len(self._items)
-
-  def __hash__(self) -> int:
-    return hash(json.dumps(self._items, sort_keys=True, default=str))
-
-  def __repr__(self) -> str:
-    return f"FrozenMapping({self._items!r})"
-
-
-def _build(cls: Any, node: Any) -> Any:
-  """`cls` from the config node `node`, nested blocks (`_BLOCKS`) recursively."""
-  values: dict[str, Any] = {}
-  for f in dataclasses.fields(cls):
-    value = node[f.name]
-    block = _BLOCKS.get((cls.__name__, f.name))
-    if block is not None:
-      value = _build(block, value)
-    elif isinstance(value, Mapping) or hasattr(value, "to_dict"):
-      value = FrozenMapping(value.to_dict() if hasattr(value, "to_dict") else value)
-    values[f.name] = value
-  return cls(**values)
+__all__ = ["FrozenMapping", "RunSpec", "StudySpec"]
 '''
 
 
@@ -259,7 +224,7 @@ def spec_module() -> str:
     "  @classmethod",
     "  def from_config(cls, config: Any) -> RunSpec:",
     '    """The spec of a run config (a ConfigDict or nested dict with every declared field)."""',
-    "    return _build(cls, config)",
+    "    return build_record(cls, config, _BLOCKS)",
   ]
   out += _spec_class(
     "StudySpec", "A study's own fields, `config.study.*` (`STUDY_FIELDS`).", top["study"], []
@@ -269,7 +234,8 @@ def spec_module() -> str:
     "  @classmethod",
     "  def from_config(cls, config: Any) -> StudySpec:",
     '    """The spec of the `study` block of a study config."""',
-    '    return _build(cls, config.study if hasattr(config, "study") else config["study"])',
+    '    study = config.study if hasattr(config, "study") else config["study"]',
+    "    return build_record(cls, study, _BLOCKS)",
     "",
     "",
     "# (class, attribute) -> the record of a nested block.",
@@ -277,7 +243,7 @@ def spec_module() -> str:
     *(f'  ("RunSpec", "{b}"): {_class_name(b)},' for b in nested),
     "}",
   ]
-  return "\n".join(out) + "\n" + _SPEC_TAIL
+  return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":

@@ -10,21 +10,10 @@
 May import: the maths modules.
 """
 
-import importlib
-from typing import Any
+from offpolicy_jax import lazy
 
 __all__ = ["checkpointing", "integrity", "items", "metrics", "metrics_files", "workdir"]
 
-
-# The modules load on first use: `workdir` and `metrics` need no JAX, so a binary refuses a
-# mistyped workdir before it pays for importing JAX and orbax (`checkpointing`, `items`).
-def __getattr__(name: str) -> Any:
-  if name not in __all__:
-    raise AttributeError(f"module 'offpolicy_jax.store' has no attribute {name!r}")
-  module = importlib.import_module(f"offpolicy_jax.store.{name}")
-  globals()[name] = module
-  return module
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(__all__))
+# The modules load on first use: a binary refuses a wrong config or workdir before it pays
+# for importing JAX, orbax and the models.
+__getattr__, __dir__ = lazy.modules(__name__, __all__)

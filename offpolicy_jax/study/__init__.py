@@ -16,8 +16,7 @@
 May import: every other wing.
 """
 
-import importlib
-from typing import Any
+from offpolicy_jax import lazy
 
 __all__ = [
   "bandit",
@@ -34,16 +33,6 @@ __all__ = [
   "warm_starts",
 ]
 
-
-# The modules load on first use: the sweep and study binaries read their config (and refuse
-# a wrong one) before they pay for importing JAX and the models.
-def __getattr__(name: str) -> Any:
-  if name not in __all__:
-    raise AttributeError(f"module 'offpolicy_jax.study' has no attribute {name!r}")
-  module = importlib.import_module(f"offpolicy_jax.study.{name}")
-  globals()[name] = module
-  return module
-
-
-def __dir__() -> list[str]:
-  return sorted(set(globals()) | set(__all__))
+# The modules load on first use: a binary refuses a wrong config or workdir before it pays
+# for importing JAX, orbax and the models.
+__getattr__, __dir__ = lazy.modules(__name__, __all__)
