@@ -647,7 +647,6 @@ WITHOUT_CSV = {
   "lag_study",
   "lag_study_calculator",
   "lag_study_code",
-  "lag_study_default",
   "lag_study_full",
   "mismatch_study",
 }
