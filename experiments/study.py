@@ -7,16 +7,16 @@ against the baseline from Holm-corrected sign-flip permutation tests and
 equivalence tests against `study.equivalence_margin`,
 learning speed, the A/A calibration's false-verdict rate, pass@k, area under
 the training curve, collapses, the bandit), `workdir/study.csv` (one row per run and metric) and
-`workdir/curves_<lag>.png`, `workdir/final.png`. Every cell runs in a worker
-process of its own (its output in `workdir/cells/<method>@<lag>.log`;
-`--inline` runs them here, for debugging), so a crash or an OOM kill costs
-that cell only: the others run, the failed ones are listed and the command
-exits 1. Finished cells are kept in `workdir/cells/` and the seeds' warm
-starts in `workdir/warm_starts/`; a rerun (after a kill or a failure) runs
-only the missing cells, and refuses a workdir holding a study with another
-config. `--report_only` rewrites the files from the finished cells without
-running anything (it too refuses a workdir whose study ran with other values
-of the fields its cells depend on).
+`workdir/curves_<lag>.png`, `workdir/final.png`. Each method's cells run in a
+worker process of their own (each cell's output in
+`workdir/cells/<method>@<lag>.log`; `--inline` runs them here, for debugging),
+so a crash or an OOM kill costs the cell it hit only: the others run, the
+failed ones are listed and the command exits 1. Finished cells are kept in
+`workdir/cells/` and the seeds' warm starts in `workdir/warm_starts/`; a rerun
+(after a kill or a failure) runs only the missing cells, and refuses a workdir
+holding a study with another config. `--report_only` rewrites the files from
+the finished cells without running anything (it too refuses a workdir whose
+study ran with other values of the fields its cells depend on).
 """
 
 import sys
@@ -32,7 +32,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Study config (with a 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the study's cells and reports.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rewrite the reports.")
 _INLINE = flags.DEFINE_bool(
-  "inline", False, "Run every cell in this process (debugging) instead of one worker per cell."
+  "inline", False, "Run every cell in this process (debugging) instead of one worker per method."
 )
 flags.mark_flags_as_required(["config", "workdir"])
 

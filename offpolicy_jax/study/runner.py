@@ -9,10 +9,10 @@ prompt stream, so they are paired (`study.stats`). The lag schedule is a traced
 argument and every cell has the same number of snapshot slots, so the lags of
 one method share one compiled program.
 
-Each cell runs in a worker process of its own (`isolation="process"`; a
-crash costs that cell only, which the next run of the same command retries)
-or here (`"inline"`), from the seeds' warm starts kept in
-`workdir/warm_starts/` (`study.warm_starts`). Finished cells go to
+Each method's cells run in a worker process of their own (`isolation="process"`:
+they share its compiled programs; a crash costs the cell it hit only, which the
+next run of the same command retries) or here (`"inline"`), from the seeds'
+warm starts kept in `workdir/warm_starts/` (`study.warm_starts`). Finished cells go to
 `workdir/cells/<method>@<lag>.json` (atomically); a rerun skips them, so an
 interrupted study resumes (`study.report` makes the tables), unless a field
 a finished cell depends on has changed (`config_schema`: every field whose
@@ -29,6 +29,7 @@ A/A lags), `study.cell` (one cell's seeds under one `jax.vmap`) and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -191,15 +192,88 @@ def _run_and_write(config, path: str, method: str, lag_name: str, starts: Starts
   return record
 
 
-def _cell_in_worker(config, path: str, method: str, lag_name: str) -> None:
-  """A worker process's cell: the seeds' warm starts read from (or first written to) disk."""
-  print(f"=== cell {method}@{lag_name}, started {time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
+def _cells_in_worker(config, path: str, cells: list[tuple[str, str]]) -> None:
+  """A worker process's cells, one after another, each logged to its own file.
+
+  The cells are one method's (`_groups`), so they share its compiled programs
+  (`components.build_components` keeps them per model and method). A cell that
+  raises leaves its error in `cells/<method>@<lag>.error` and the next one runs;
+  the seeds' warm starts are read from (or first written to) disk.
+  """
   starts = Starts(os.path.join(path, STARTS_DIR))
   try:
-    record = _run_and_write(config, path, method, lag_name, starts)
+    for method, lag_name in cells:
+      log_path = _log_path(path, method, lag_name)
+      sweep_runs.redirect_output(log_path)
+      started = time.strftime("%Y-%m-%d %H:%M:%S")
+      print(f"=== cell {method}@{lag_name}, started {started}", flush=True)
+      try:
+        record = _run_and_write(config, path, method, lag_name, starts)
+      except errors.Interrupted:
+        raise
+      except Exception as e:
+        sweep_runs.record_error(e, log_path)
+        continue
+      print(f"cell {method}@{lag_name} done in {record['seconds']:.0f} s", flush=True)
   finally:
     starts.close()
-  print(f"cell {method}@{lag_name} done in {record['seconds']:.0f} s", flush=True)
+
+
+def _groups(grid: Grid, todo: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+  """The cells to run in one worker each: a method's lags, the A/A twin's with the baseline's.
+
+  A cell's program depends on its method, not on its lag (the schedule is a traced
+  argument), so one worker per method traces and compiles it once; a few cells per
+  process also keep the crash that XLA showed after ~50 cells in one process away.
+  """
+  groups: dict[str, list[tuple[str, str]]] = {}
+  for method, lag_name in todo:
+    key = grid.baseline[0] if method == grid.aa_method else method
+    groups.setdefault(key, []).append((method, lag_name))
+  return list(groups.values())
+
+
+def _run_group(config, path: str, group: list[tuple[str, str]]) -> dict[str, str]:
+  """Runs `group`'s cells in worker processes; returns the failed ones: `method@lag` -> how.
+
+  A worker that dies (a segfault, the OOM killer) fails the cell it was running; a
+  new worker runs the cells after it.
+
+  Raises:
+    errors.Interrupted: SIGINT or SIGTERM; the current cell was stopped.
+  """
+  failed: dict[str, str] = {}
+  remaining = list(group)
+  while remaining:
+    logs = [_log_path(path, m, g) for m, g in remaining]
+    for log_path in logs:
+      with contextlib.suppress(FileNotFoundError):
+        os.remove(sweep_runs.error_path(log_path))  # a previous attempt's
+    names = ", ".join(f"{m}@{g}" for m, g in remaining)
+    code = sweep_runs.run_worker(
+      _cells_in_worker,
+      (config, path, remaining),
+      log_path=logs[0],
+      cache_dir=os.path.join(path, sweep_runs.CACHE_DIR),
+      what=f"study stopped during one of the cells {names}",
+    )
+    rest: list[tuple[str, str]] = []
+    for i, ((method, lag_name), log_path) in enumerate(zip(remaining, logs, strict=True)):
+      if os.path.exists(cell_path(path, method, lag_name)):
+        continue
+      error = sweep_runs.error_path(log_path)
+      sweep_runs.print_tail(log_path)
+      if os.path.exists(error):
+        with open(error) as f:
+          failed[f"{method}@{lag_name}"] = f.read().strip()
+      else:  # the worker ended during this cell
+        failed[f"{method}@{lag_name}"] = (
+          sweep_runs.describe_exit(code, log_path) if code else "its worker ended before it did"
+        )
+        rest = remaining[i + 1 :]
+        break
+    remaining = rest
+  return failed
 
 
 def run_study(
@@ -211,11 +285,12 @@ def run_study(
 ) -> dict[tuple[str, str], dict]:
   """Runs the cells of `config`'s grid not yet in `path`; returns every cell's record.
 
-  With `isolation="process"` every cell runs in a worker process of its own
-  (`sweep_runs.in_worker`; its output in `cells/<method>@<lag>.log`), so a
-  crash, an OOM kill or a hung compile ends that cell only and what it
-  compiled leaves with it; `"inline"` runs the cells here (debugging). Either
-  way the seeds' warm starts are trained once and kept in `warm_starts/`.
+  With `isolation="process"` each method's cells run in a worker process of
+  their own (`sweep_runs.run_worker`; each cell's output in
+  `cells/<method>@<lag>.log`), so a crash, an OOM kill or a hung compile ends
+  the cell it hit only, and what the method compiled leaves with its worker;
+  `"inline"` runs the cells here (debugging). Either way the seeds' warm starts
+  are trained once and kept in `warm_starts/`.
 
   Raises:
     StudyError: after every other cell ran, if any cell failed.
@@ -235,36 +310,35 @@ def run_study(
     starts = Starts(os.path.join(path, STARTS_DIR))
     failed: dict[str, str] = {}
     try:
-      for i, (method, lag_name) in enumerate(todo, start=1):
-        name = f"{method}@{lag_name}"
-        if (
-          i == 1
-          and RunSpec.from_config(base).sft.enabled
-          and not os.path.exists(os.path.join(path, STARTS_DIR))
-        ):
-          log(f"study: the first cell trains the {seeds} seeds' warm starts first")
+      if (
+        todo
+        and RunSpec.from_config(base).sft.enabled
+        and not os.path.exists(os.path.join(path, STARTS_DIR))
+      ):
+        log(f"study: the first cell trains the {seeds} seeds' warm starts first")
+      i = 0
+      for group in _groups(grid, todo) if isolation == "process" else [[c] for c in todo]:
         if isolation == "inline":
+          ((method, lag_name),) = group
           cells[method, lag_name] = _run_and_write(config, path, method, lag_name, starts)
+          group_failed = {}
         else:
-          error = sweep_runs.in_worker(
-            _cell_in_worker,
-            (config, path, method, lag_name),
-            log_path=_log_path(path, method, lag_name),
-            cache_dir=os.path.join(path, sweep_runs.CACHE_DIR),
-            what=f"study stopped during cell {name}",
-          )
-          if error:
-            failed[name] = error
-            log(f"study cell {name} failed: {error}")
-          else:
+          group_failed = _run_group(config, path, group)
+        for method, lag_name in group:
+          i += 1
+          name = f"{method}@{lag_name}"
+          if name in group_failed:
+            failed[name] = group_failed[name]
+            log(f"study cell {name} failed: {failed[name]}")
+          elif (method, lag_name) not in cells:
             cells[method, lag_name] = read_cell(path, grid, method, lag_name)
-        elapsed = time.perf_counter() - begin
-        eta = elapsed / i * (len(todo) - i)
-        failures = f", {len(failed)} failed" if failed else ""
-        log(
-          f"[{len(cells)}/{total} cells{failures}, {len(cells) * seeds}/{total * seeds} runs] "
-          f"{name}: {elapsed:.0f}s elapsed, ETA {math.ceil(eta / 60)} min"
-        )
+          elapsed = time.perf_counter() - begin
+          eta = elapsed / i * (len(todo) - i)
+          failures = f", {len(failed)} failed" if failed else ""
+          log(
+            f"[{len(cells)}/{total} cells{failures}, {len(cells) * seeds}/{total * seeds} runs] "
+            f"{name}: {elapsed:.0f}s elapsed, ETA {math.ceil(eta / 60)} min"
+          )
     finally:
       starts.close()
   if failed:

@@ -77,13 +77,28 @@ def error_path(log_path: str) -> str:
   return os.path.splitext(log_path)[0] + ".error"
 
 
-def _worker(target: Callable, args: tuple, log_path: str, cache_dir: str) -> None:
-  """The worker process: its own process group, output to the log, then `target(*args)`."""
-  os.setpgrp()
+def redirect_output(log_path: str) -> None:
+  """This process's stdout and stderr (file descriptors 1 and 2) append to `log_path`."""
+  sys.stdout.flush()
+  sys.stderr.flush()
   log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
   os.dup2(log, 1)
   os.dup2(log, 2)
   os.close(log)
+
+
+def record_error(e: BaseException, log_path: str) -> None:
+  """The traceback of `e` to stderr, its one-line error to `error_path(log_path)`."""
+  traceback.print_exc()
+  sys.stderr.flush()
+  with open(error_path(log_path), "w") as f:
+    f.write(_error_line(e))
+
+
+def _worker(target: Callable, args: tuple, log_path: str, cache_dir: str) -> None:
+  """The worker process: its own process group, output to the log, then `target(*args)`."""
+  os.setpgrp()
+  redirect_output(log_path)
   import jax
 
   if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # a cache the user chose wins
@@ -95,10 +110,7 @@ def _worker(target: Callable, args: tuple, log_path: str, cache_dir: str) -> Non
     sys.stdout.flush()
     os._exit(e.exit_code)
   except Exception as e:
-    traceback.print_exc()
-    sys.stderr.flush()
-    with open(error_path(log_path), "w") as f:
-      f.write(_error_line(e))
+    record_error(e, log_path)
     os._exit(1)
 
 
@@ -155,6 +167,26 @@ def in_worker(target: Callable, args: tuple, *, log_path: str, cache_dir: str, w
     errors.Interrupted: this process got SIGINT or SIGTERM, passed it on to the
       worker once and waited for it (`what` starts the message).
   """
+  code = run_worker(target, args, log_path=log_path, cache_dir=cache_dir, what=what)
+  if code == 0:
+    return None
+  print_tail(log_path)
+  return describe_exit(code, log_path)
+
+
+def print_tail(log_path: str) -> None:
+  """The last lines of a failed worker's log, to stderr."""
+  tail = _tail(log_path, 12)
+  print(f"--- the last lines of {log_path}:", *tail, "---", sep="\n", file=sys.stderr, flush=True)
+
+
+def run_worker(target: Callable, args: tuple, *, log_path: str, cache_dir: str, what: str) -> int:
+  """`in_worker`'s process: returns the worker's exit status (negative: the signal that ended it).
+
+  Raises:
+    errors.Interrupted: this process got SIGINT or SIGTERM, passed it on to the
+      worker once and waited for it (`what` starts the message).
+  """
   with contextlib.suppress(FileNotFoundError):
     os.remove(error_path(log_path))  # a previous attempt's
   proc = multiprocessing.get_context("spawn").Process(
@@ -182,8 +214,4 @@ def in_worker(target: Callable, args: tuple, *, log_path: str, cache_dir: str, w
       f"{what} ({describe_exit(code, log_path)}); rerunning the same command resumes it",
       128 + received[0],
     )
-  if code == 0:
-    return None
-  tail = _tail(log_path, 12)
-  print(f"--- the last lines of {log_path}:", *tail, "---", sep="\n", file=sys.stderr, flush=True)
-  return describe_exit(code, log_path)
+  return code
