@@ -169,6 +169,8 @@ class Field(NamedTuple):
     doc: its one comment.
     check: `value -> complaint or None`, for checks that need nothing but the value.
     value_type: the type a None default accepts from the command line.
+    warm_start: the supervised warm start depends on it (`StepFns.model_key`:
+      runs that agree on these fields share a warm start of the same seed).
   """
 
   name: str
@@ -177,6 +179,7 @@ class Field(NamedTuple):
   doc: str
   check: Check | None = None
   value_type: type | None = None
+  warm_start: bool = False
 
 
 class Names(NamedTuple):

@@ -71,9 +71,10 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("total_steps", 1000, CONTROL,
      "Number of loop steps (one batch of prompts is sampled and trained on per step).", _POS),
   _F("model", "tiny", PROGRAM,
-     "Model: a preset name (models.preset_names()) or a local Hugging Face directory.", Str()),
+     "Model: a preset name (models.preset_names()) or a local Hugging Face directory.", Str(),
+     warm_start=True),
   _F("model_dtype", "float32", PROGRAM, 'Compute dtype of the model ("float32" or "bfloat16").',
-     Choice(("float32", "bfloat16"))),
+     Choice(("float32", "bfloat16")), warm_start=True),
   _F("model_scan_layers", False, PROGRAM,
      "Run the decoder blocks as one lax.scan in the training forward (compile time flat in "
      "depth; same numbers, same checkpoint layout).", Bool()),
@@ -111,18 +112,20 @@ RUN_FIELDS: tuple[Field, ...] = (
      Float(0.0, 1.0, lo_open=True, hi_open=True)),
   _F("tokenizer", "", PROGRAM,
      "Tokenizer: \"\" uses the task's built-in character tokenizer; else a local HF directory.",
-     Str()),
-  _F("task", "reverse", PROGRAM, "Task name for tasks.get_task.", Str()),
+     Str(), warm_start=True),
+  _F("task", "reverse", PROGRAM, "Task name for tasks.get_task.", Str(), warm_start=True),
   _F("task_kwargs", {}, PROGRAM,
-     "Keyword arguments for tasks.get_task (e.g. data file paths for text tasks)."),
+     "Keyword arguments for tasks.get_task (e.g. data file paths for text tasks).",
+     warm_start=True),
   _F("max_prompt_len", 16, PROGRAM,
-     "Prompts are left-padded to this many tokens (static shape).", _POS),
+     "Prompts are left-padded to this many tokens (static shape).", _POS, warm_start=True),
   _F("max_new_tokens", 8, PROGRAM,
-     "Responses are sampled up to this many tokens (static shape).", _POS),
+     "Responses are sampled up to this many tokens (static shape).", _POS, warm_start=True),
   _F("data.truncate_prompts", False, PROGRAM,
      "Prompts longer than max_prompt_len: False fails at start-up naming the row "
      "(data_checks.validate_data); True keeps their last max_prompt_len tokens (the question "
-     "and the generation prompt) and counts them in the prompts_truncated metric.", Bool()),
+     "and the generation prompt) and counts them in the prompts_truncated metric.", Bool(),
+     warm_start=True),
   _F("rollout.partial_budget", 0, PROGRAM,
      "Partial rollouts (APRIL): decode at most this many tokens per response per loop step; "
      "unfinished responses continue at the next step under the newer parameters (re-prefilled), "
@@ -152,7 +155,7 @@ RUN_FIELDS: tuple[Field, ...] = (
      "Compute dtype of the sampler (\"\" = model_dtype). \"bfloat16\" with an float32 learner "
      "is the engine mismatch of a bf16 inference engine: the same parameters, other numerics, "
      "so the learner's ratios at the behaviour's parameters are not 1 (behavior_ratio_*, "
-     "docs/science.md s7).", Choice(("", "float32", "bfloat16"))),
+     "docs/science.md s7).", Choice(("", "float32", "bfloat16")), warm_start=True),
   _F("rollout.score_old", False, PROGRAM,
      "The learner also scores every sampled token at the sampling parameters (log pi_old: one "
      "more forward pass of each batch), so pi / mu factors into staleness pi / pi_old and "
@@ -263,13 +266,14 @@ RUN_FIELDS: tuple[Field, ...] = (
      "Rank r of low-rank adapters on the decoder's projections (0 = off: full fine-tuning). "
      "With r > 0 only the adapters train; snapshots, the reference and proximal policies and "
      "the sampler's copies hold adapters, the frozen base is held once (docs/lora.md).",
-     Int(0, note=" (0 = off)")),
+     Int(0, note=" (0 = off)"), warm_start=True),
   _F("lora.alpha", 32.0, PROGRAM,
      "Adapter scale numerator: the update is (alpha / r) x A B (PEFT's lora_alpha).",
-     Float(0, lo_open=True)),
+     Float(0, lo_open=True), warm_start=True),
   _F("lora.targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", PROGRAM,
      "Comma-separated projections that get adapters.",
-     Names(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))),
+     Names(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+     warm_start=True),
   _F("lora.dropout", 0.0, PROGRAM,
      "Dropout p on each adapter's input, (alpha / r) dropout(x) A B (PEFT's lora_dropout), in "
      "the train step's current-policy forward only (never the sampler, the old / behaviour "
@@ -293,16 +297,16 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("multiturn.gamma", 1.0, PROGRAM,
      "Per-turn discount of multiturn.credit = 'turn'.", Float(0, 1)),
   _F("mesh.data", 1, PLACEMENT, "Data-parallel mesh axis size (-1 fills the remaining devices).",
-     Int(1, note=" or -1", also=(-1,))),
+     Int(1, note=" or -1", also=(-1,)), warm_start=True),
   _F("mesh.fsdp", 1, PLACEMENT, "Fully-sharded (parameter) axis size.",
-     Int(1, note=" or -1", also=(-1,))),
+     Int(1, note=" or -1", also=(-1,)), warm_start=True),
   _F("mesh.tensor", 1, PLACEMENT, "Tensor-parallel axis size.",
-     Int(1, note=" or -1", also=(-1,))),
+     Int(1, note=" or -1", also=(-1,)), warm_start=True),
   _F("mesh.sampler_devices", 0, PLACEMENT,
      "Disaggregated mode: devices of the sampler's own mesh (0 = sampler and trainer share the "
      "mesh). Each process gives its first sampler_devices / processes local devices to the "
      "sampler; data * fsdp * tensor above must then use all the others.",
-     Int(0, note=" (0 = the sampler shares the trainer's mesh)")),
+     Int(0, note=" (0 = the sampler shares the trainer's mesh)"), warm_start=True),
   _F("sft.enabled", True, NUMBERS,
      "Supervised warm start on the task's reference answers before RL.", Bool()),
   _F("sft.steps", 150, NUMBERS, "Supervised steps."),

@@ -44,6 +44,27 @@ def test_components_hold_no_config_and_share_compiled_parts():
   assert c.fns is not a.fns and c.fns.options.temperature == 0.7
 
 
+def test_warm_start_key_follows_the_fields_marked_warm_start():
+  """Runs share a warm start when the fields it depends on agree (`Field.warm_start`)."""
+  key = components.warm_start_key(small_config())
+  for name, value in (
+    ("max_prompt_len", 14),
+    ("task_kwargs", {"digits": 3}),
+    ("lora.rank", 4),
+    ("mesh.data", 2),
+    ("rollout.sampler_dtype", "bfloat16"),
+  ):
+    assert components.warm_start_key(small_config(**{name: value})) != key, name
+  for name, value in (
+    ("seed", 3),
+    ("lag.sync_interval", 5),
+    ("lora.dropout", 0.1),
+    ("optimizer.learning_rate", 1e-3),
+    ("sft.steps", 7),  # the warm start's own settings are the cache key's other parts
+  ):
+    assert components.warm_start_key(small_config(**{name: value})) == key, name
+
+
 def test_components_are_frozen():
   comps = components.build_components(small_config())
   with pytest.raises(dataclasses.FrozenInstanceError):

@@ -92,7 +92,7 @@ class StepFns:
   greedy: Callable
   reward: pipeline.Reward
   truncate_prompts: bool
-  model_key: str  # what the warm start depends on: model, task, shapes, mesh
+  model_key: str  # what the warm start depends on (components.warm_start_key)
   # How the run samples (`protocol.Rollout`; the kind is chosen once, in `components`).
   rollout: Rollout
   # The sampler's own mesh in a disaggregated run (`disagg`); None: it shares `mesh`.

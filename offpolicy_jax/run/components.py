@@ -303,19 +303,7 @@ def _build_fns(config) -> rl_step.StepFns:
     truncate_prompts=c.data.truncate_prompts,
     sampler_mesh=sampler_mesh,
     lora=lora_config(c),
-    model_key=json.dumps(
-      [
-        {f: c[f] for f in ("model", "model_dtype", "tokenizer", "task", "max_prompt_len")},
-        c.rollout.sampler_dtype,
-        c.max_new_tokens,
-        c.task_kwargs.to_dict(),
-        c.mesh.to_dict(),
-        c.data.to_dict(),
-        {k: v for k, v in c.lora.to_dict().items() if k != "dropout"},  # SFT runs none
-      ],
-      sort_keys=True,
-      default=str,
-    ),
+    model_key=warm_start_key(c),
   )
 
 
@@ -334,6 +322,18 @@ def compile_key(config) -> str:
   leaves = config_schema.flatten(config.to_dict())
   kept = {k: v for k, v in leaves.items() if config_schema.role_of(k).compiled}
   return json.dumps(kept, sort_keys=True, default=str)
+
+
+def warm_start_key(config) -> str:
+  """The config fields a supervised warm start depends on (`Field.warm_start`), as JSON."""
+  leaves = config_schema.flatten(config.to_dict())
+  kept = {k: v for k, v in leaves.items() if _warm_start(k)}
+  return json.dumps(kept, sort_keys=True, default=str)
+
+
+def _warm_start(name: str) -> bool:
+  f = config_schema.field(name)
+  return True if f is None else f.warm_start  # an undeclared field: taken to matter
 
 
 def build_components(config, *, data_cache_dir: str | None = None) -> Components:
