@@ -141,6 +141,34 @@ def test_reasoning_gym_task():
   assert task.reward(ex, "<answer>not a number</answer>") == 0.0
   with pytest.raises(ValueError, match="no_such_dataset"):
     tasks.get_task("reasoning_gym:no_such_dataset", train_size=2, eval_size=2)
+  assert task.answer(ex) == str(ex["answer"]) and task.max_answer_len >= len(str(ex["answer"]))
+
+
+def test_reasoning_gym_task_with_a_compact_prompt_for_the_character_tokenizer():
+  """spell_backward's word alone, raw after BOS: a prompt and answers the char tokenizer reads."""
+  task = tasks.get_task(
+    "reasoning_gym:spell_backward",
+    train_size=20,
+    eval_size=5,
+    prompt_format="{metadata[word]}",
+    instruction="",
+    chat=False,
+    distractor_format="{metadata[word]}",
+    lowercase=True,  # some words are names; the verifier ignores case
+  )
+  assert not task.use_chat_template
+  for ex in (task.train_source[i] for i in range(20)):
+    word = ex["metadata"]["word"].lower()
+    assert task.prompt(ex) == word and task.answer(ex) == word[::-1] == ex["answer"].lower()
+    assert task.distractor(ex) == word
+    assert len(task.answer(ex)) <= task.max_answer_len
+    assert TOK.decode(TOK.encode(task.prompt(ex) + task.answer(ex))) == word + word[::-1]
+  assert task.reward(ex, task.answer(ex)) == 1.0
+  assert task.reward(ex, task.distractor(ex)) < 1.0
+  with pytest.raises(ValueError, match=r"prompt_format: '\{metadata\[nope\]\}' does not fit"):
+    tasks.get_task(
+      "reasoning_gym:spell_backward", train_size=2, eval_size=2, prompt_format="{metadata[nope]}"
+    )
 
 
 # --------------------------------------------------------------- gsm8k/math

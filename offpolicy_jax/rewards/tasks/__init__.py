@@ -49,7 +49,8 @@ def get_task(name: str, **kwargs) -> Task:
     name: one of `task_names()`.
     **kwargs: synthetic: seed, num_eval, partial_credit, max_digits, min_len,
       max_len; reasoning_gym: seed, train_size, eval_size, instruction,
-      max_attempts, attempt_penalty, dataset config fields; gsm8k/math:
+      max_attempts, attempt_penalty, prompt_format, chat, distractor_format,
+      lowercase, dataset config fields; gsm8k/math:
       train_path, eval_path, format_coef, instruction; code: seed, num_eval,
       partial_credit, num_shown, num_hidden, max_value; mbpp/humaneval:
       train_path, eval_path, partial_credit, instruction; guess_number: seed,

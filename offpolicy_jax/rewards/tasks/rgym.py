@@ -108,6 +108,10 @@ def make_task(
   instruction: str = INSTRUCTION,
   max_attempts: int = 1,
   attempt_penalty: float = 0.1,
+  prompt_format: str = "{question}",
+  chat: bool = True,
+  distractor_format: str = "",
+  lowercase: bool = False,
   **dataset_kwargs,
 ) -> Task:
   """`reasoning_gym.create_dataset(dataset_name, seed=, size=, **dataset_kwargs)`.
@@ -127,11 +131,23 @@ def make_task(
     max_attempts: answers per episode; > 1 makes the task multi-turn (`Retry`).
     attempt_penalty: reward lost per attempt after the first, in
       [0, 1 / (max_attempts - 1)).
+    prompt_format: the prompt before `instruction`, a `str.format` template over
+      the example's fields (`"{metadata[word]}"`: spell_backward's word alone,
+      a prompt a character tokenizer can read).
+    chat: wrap the prompt in the tokenizer's chat template (False: raw text
+      after BOS, as the synthetic tasks).
+    distractor_format: a plausible wrong answer, a template like
+      `prompt_format` (`"{metadata[word]}"`: the word not reversed), which a
+      warm start with `sft.distractor` > 0 imitates; "" for none.
+    lowercase: prompts, answers and distractors in lower case (for the character
+      tokenizer, whose alphabet has no capitals; only for a dataset whose
+      verifier ignores case, as spell_backward's).
     **dataset_kwargs: the dataset's own config fields.
 
   Returns:
-    The Task (chat-templated prompts, host reward only; with `max_attempts > 1`
-    an `environment` and a one-turn `demonstration` with the true answer).
+    The Task (host reward only; `answer` is the dataset's answer, for a
+    supervised warm start; with `max_attempts > 1` an `environment` and a
+    one-turn `demonstration` with the true answer).
   """
   import reasoning_gym
 
@@ -149,6 +165,11 @@ def make_task(
     )
   except (KeyError, ValueError, TypeError) as e:
     raise ValueError(f"reasoning_gym dataset {dataset_name!r}: {e}") from e
+  examples = [train[i] for i in range(len(train))], [evals[i] for i in range(len(evals))]
+  templates = {"prompt_format": prompt_format, "distractor_format": distractor_format}
+  for name, template in templates.items():
+    if template:
+      _fill(template, examples[0][0], f"reasoning_gym:{dataset_name}: {name}")  # fails here
 
   reward = functools.partial(
     score,
@@ -158,17 +179,34 @@ def make_task(
     kwargs_json=json.dumps(dataset_kwargs, sort_keys=True),
   )
   multi = max_attempts > 1
+  case = str.lower if lowercase else str
+
+  def answer(ex: Example) -> str:
+    return case(str(ex["answer"]))  # what the verifier scores 1
+
   return Task(
     name=f"reasoning_gym:{dataset_name}",
-    train_source=ListSource([train[i] for i in range(len(train))]),
-    eval_source=ListSource([evals[i] for i in range(len(evals))]),
-    prompt=lambda ex: ex["question"] + instruction,
+    train_source=ListSource(examples[0]),
+    eval_source=ListSource(examples[1]),
+    prompt=lambda ex: case(_fill(prompt_format, ex) + instruction),
     reward=reward,
-    use_chat_template=True,
+    use_chat_template=chat,
+    answer=None if multi else answer,
+    # In bytes: no more tokens than that with a byte-level tokenizer or characters.
+    max_answer_len=0 if multi else max(len(answer(ex).encode()) for xs in examples for ex in xs),
     environment=Retry(reward, max_attempts, float(attempt_penalty)) if multi else None,
     demonstration=_demonstration if multi else None,
+    distractor=(lambda ex: case(_fill(distractor_format, ex))) if distractor_format else None,
     max_turns=max_attempts if multi else 0,
   )
+
+
+def _fill(template: str, example: Example, where: str = "reasoning_gym") -> str:
+  """`template.format(**example)`; a field the example lacks is a ValueError naming it."""
+  try:
+    return template.format(**example)
+  except (KeyError, IndexError, AttributeError, ValueError) as e:
+    raise ValueError(f"{where}: {template!r} does not fit the examples ({e!r})") from e
 
 
 def _demonstration(example: Example) -> list[tuple[str, str]]:
