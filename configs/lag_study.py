@@ -140,6 +140,29 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.sft.steps = 300
     c.total_steps = 200
     c.eval_prompts = 256  # the whole held-out set of the task
+  elif scale == "spell":  # a reasoning-gym task, scored by its verifier in the sandboxed workers
+    c = default.base_config()
+    c.task = "reasoning_gym:spell_backward"
+    # The word alone as a raw prompt in the character alphabet (docs/rewards_and_security.md);
+    # the verifier ignores case and gives partial credit (the matching leading letters).
+    c.task_kwargs = {
+      "prompt_format": "{metadata[word]}",
+      "instruction": "",
+      "chat": False,
+      "lowercase": True,
+      "distractor_format": "{metadata[word]}",
+      "eval_size": 640,
+      # Words of 3-5 letters: with up to 10 the warm start's greedy accuracy is 0.045 and
+      # on-policy GRPO trades exact answers for the partial credit of leading letters
+      # (0.007 at step 200, 4 seeds); with up to 5, 0.37 -> 0.58 (4 seeds).
+      "max_word_len": 5,
+    }
+    c.max_prompt_len = 8  # BOS + the longest word
+    c.max_new_tokens = 8  # the reversed word + EOS
+    c.total_steps = 200
+    c.sft.steps = 300
+    c.sft.distractor = 0.4  # as the toy grid: some warm-start answers are the word unreversed
+    c.eval_prompts = 640
   elif scale == "calculator":  # multi-turn tool use (configs/calculator.py, docs/multiturn.md)
     from configs import calculator
 
@@ -148,7 +171,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   else:
     raise ValueError(
       f"configs/lag_study.py: unknown scale {scale!r} "
-      "(toy, toy_full, deep, deep_full, lr, gsm8k, code or calculator)"
+      "(toy, toy_full, deep, deep_full, lr, gsm8k, code, spell or calculator)"
     )
   c.eval_every = 50
   # pass@k of the final parameters, k samples per prompt at the training temperature.
@@ -160,7 +183,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   config_schema.config_dict(config_schema.STUDY_FIELDS, into=c)
   c.study.methods = METHODS if scale == "toy" else ALL_METHODS
   c.study.lags = LAGS
-  if scale in ("calculator", "code"):  # host-side rewards cost more per step: a small grid
+  if scale in ("calculator", "code", "spell"):  # host rewards cost more per step: a small grid
     c.study.methods = "grpo,rec_oneside_nois,reinforce"
     c.study.lags = "onpolicy=1/0,interval20=20/0,offline=offline"
   # 12 seeds: enough for the report's verdicts (sign-flip permutation tests, Holm-corrected
@@ -178,9 +201,11 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   # same warm starts; study.md reports how often the tests call the two different.
   c.study.aa_lags = "all"
   # One seed per vmapped program and 64 held-out prompts per sampler call for large models.
-  c.study.vmap_seeds = 0 if scale in (*TOY_SCALES, "code") else 1
-  c.study.eval_batch = 0 if scale in (*TOY_SCALES, "code") else 64
+  c.study.vmap_seeds = 0 if scale in (*TOY_SCALES, "code", "spell") else 1
+  c.study.eval_batch = 0 if scale in (*TOY_SCALES, "code", "spell") else 64
   # 9 cells x 5 seeds in under an hour on a 2-core CPU (docs/results/lag_study.md).
+  if scale == "spell":
+    c.study.aa_lags = ""  # the A/A calibration at 12 seeds is the default grid's
   if scale == "code":
     c.study.seeds = 5
     c.study.aa_lags = ""
