@@ -233,17 +233,44 @@ def _groups(grid: Grid, todo: list[tuple[str, str]]) -> list[list[tuple[str, str
   return list(groups.values())
 
 
-def _run_group(config, path: str, group: list[tuple[str, str]]) -> dict[str, str]:
-  """Runs `group`'s cells in worker processes; returns the failed ones: `method@lag` -> how.
+Outcome = Callable[[tuple[str, str], "str | None"], None]
 
-  A worker that dies (a segfault, the OOM killer) fails the cell it was running; a
-  new worker runs the cells after it.
+
+def _run_group(config, path: str, group: list[tuple[str, str]], outcome: Outcome) -> None:
+  """Runs `group`'s cells in worker processes, reporting each as it ends, in the group's order.
+
+  `outcome(cell, None)` for a finished cell, `outcome(cell, how it failed)` for a
+  failed one. A worker that dies (a segfault, the OOM killer) fails the cell it
+  was running; a new worker runs the cells after it.
 
   Raises:
     errors.Interrupted: SIGINT or SIGTERM; the current cell was stopped.
   """
-  failed: dict[str, str] = {}
   remaining = list(group)
+
+  def resolve(code: int | None) -> None:
+    """Reports the leading cells that ended (`code`: the worker's exit status; None: running)."""
+    while remaining:
+      cell = remaining[0]
+      log_path = _log_path(path, *cell)
+      error = sweep_runs.error_path(log_path)  # written atomically by the worker
+      if os.path.exists(cell_path(path, *cell)):
+        how = None
+      elif os.path.exists(error):
+        sweep_runs.print_tail(log_path)
+        with open(error) as f:
+          how = f.read().strip()
+      elif code is None:
+        return
+      else:  # the worker ended during this cell; a new one runs the rest
+        sweep_runs.print_tail(log_path)
+        how = sweep_runs.describe_exit(code, log_path) if code else "its worker ended before it"
+        remaining.pop(0)
+        outcome(cell, how)
+        return
+      remaining.pop(0)
+      outcome(cell, how)
+
   while remaining:
     logs = [_log_path(path, m, g) for m, g in remaining]
     for log_path in logs:
@@ -252,28 +279,13 @@ def _run_group(config, path: str, group: list[tuple[str, str]]) -> dict[str, str
     names = ", ".join(f"{m}@{g}" for m, g in remaining)
     code = sweep_runs.run_worker(
       _cells_in_worker,
-      (config, path, remaining),
+      (config, path, list(remaining)),
       log_path=logs[0],
       cache_dir=os.path.join(path, sweep_runs.CACHE_DIR),
       what=f"study stopped during one of the cells {names}",
+      poll=lambda: resolve(None),
     )
-    rest: list[tuple[str, str]] = []
-    for i, ((method, lag_name), log_path) in enumerate(zip(remaining, logs, strict=True)):
-      if os.path.exists(cell_path(path, method, lag_name)):
-        continue
-      error = sweep_runs.error_path(log_path)
-      sweep_runs.print_tail(log_path)
-      if os.path.exists(error):
-        with open(error) as f:
-          failed[f"{method}@{lag_name}"] = f.read().strip()
-      else:  # the worker ended during this cell
-        failed[f"{method}@{lag_name}"] = (
-          sweep_runs.describe_exit(code, log_path) if code else "its worker ended before it did"
-        )
-        rest = remaining[i + 1 :]
-        break
-    remaining = rest
-  return failed
+    resolve(code)
 
 
 def run_study(
@@ -316,29 +328,32 @@ def run_study(
         and not os.path.exists(os.path.join(path, STARTS_DIR))
       ):
         log(f"study: the first cell trains the {seeds} seeds' warm starts first")
-      i = 0
-      for group in _groups(grid, todo) if isolation == "process" else [[c] for c in todo]:
-        if isolation == "inline":
-          ((method, lag_name),) = group
-          cells[method, lag_name] = _run_and_write(config, path, method, lag_name, starts)
-          group_failed = {}
+      done = 0
+
+      def outcome(cell: tuple[str, str], how: str | None) -> None:
+        nonlocal done
+        done += 1
+        name = f"{cell[0]}@{cell[1]}"
+        if how is None:
+          cells[cell] = read_cell(path, grid, *cell)
         else:
-          group_failed = _run_group(config, path, group)
-        for method, lag_name in group:
-          i += 1
-          name = f"{method}@{lag_name}"
-          if name in group_failed:
-            failed[name] = group_failed[name]
-            log(f"study cell {name} failed: {failed[name]}")
-          elif (method, lag_name) not in cells:
-            cells[method, lag_name] = read_cell(path, grid, method, lag_name)
-          elapsed = time.perf_counter() - begin
-          eta = elapsed / i * (len(todo) - i)
-          failures = f", {len(failed)} failed" if failed else ""
-          log(
-            f"[{len(cells)}/{total} cells{failures}, {len(cells) * seeds}/{total * seeds} runs] "
-            f"{name}: {elapsed:.0f}s elapsed, ETA {math.ceil(eta / 60)} min"
-          )
+          failed[name] = how
+          log(f"study cell {name} failed: {how}")
+        elapsed = time.perf_counter() - begin
+        eta = elapsed / done * (len(todo) - done)
+        failures = f", {len(failed)} failed" if failed else ""
+        log(
+          f"[{len(cells)}/{total} cells{failures}, {len(cells) * seeds}/{total * seeds} runs] "
+          f"{name}: {elapsed:.0f}s elapsed, ETA {math.ceil(eta / 60)} min"
+        )
+
+      if isolation == "inline":
+        for cell in todo:
+          _run_and_write(config, path, *cell, starts)
+          outcome(cell, None)
+      else:
+        for group in _groups(grid, todo):
+          _run_group(config, path, group, outcome)
     finally:
       starts.close()
   if failed:

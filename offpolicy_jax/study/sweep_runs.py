@@ -34,6 +34,7 @@ from offpolicy_jax import errors
 
 LOG_FILE = "sweep_run.log"
 CACHE_DIR = ".jax_cache"  # under the sweep's workdir, shared by its workers
+POLL_S = 2.0  # how often `run_worker` polls a running worker's progress
 
 
 def _error_line(e: BaseException) -> str:
@@ -91,8 +92,10 @@ def record_error(e: BaseException, log_path: str) -> None:
   """The traceback of `e` to stderr, its one-line error to `error_path(log_path)`."""
   traceback.print_exc()
   sys.stderr.flush()
-  with open(error_path(log_path), "w") as f:
+  path = error_path(log_path)
+  with open(path + ".tmp", "w") as f:
     f.write(_error_line(e))
+  os.replace(path + ".tmp", path)  # whole, for a parent reading it while this process runs
 
 
 def _worker(target: Callable, args: tuple, log_path: str, cache_dir: str) -> None:
@@ -180,8 +183,19 @@ def print_tail(log_path: str) -> None:
   print(f"--- the last lines of {log_path}:", *tail, "---", sep="\n", file=sys.stderr, flush=True)
 
 
-def run_worker(target: Callable, args: tuple, *, log_path: str, cache_dir: str, what: str) -> int:
+def run_worker(
+  target: Callable,
+  args: tuple,
+  *,
+  log_path: str,
+  cache_dir: str,
+  what: str,
+  poll: Callable[[], None] | None = None,
+) -> int:
   """`in_worker`'s process: returns the worker's exit status (negative: the signal that ended it).
+
+  `poll()`, if given, is called every `POLL_S` seconds while the worker runs (to
+  report its progress).
 
   Raises:
     errors.Interrupted: this process got SIGINT or SIGTERM, passed it on to the
@@ -204,7 +218,10 @@ def run_worker(target: Callable, args: tuple, *, log_path: str, cache_dir: str, 
   previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM) if main}
   try:
     proc.start()
-    proc.join()
+    while proc.exitcode is None:
+      proc.join(POLL_S if poll is not None else None)
+      if poll is not None and proc.exitcode is None:
+        poll()
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
