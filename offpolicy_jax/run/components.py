@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -319,16 +320,17 @@ _FNS_CACHE_SIZE = 4
 
 def compile_key(config) -> str:
   """The config fields the compiled part is built from (role compiled), as canonical JSON."""
-  leaves = config_schema.flatten(config.to_dict())
-  kept = {k: v for k, v in leaves.items() if config_schema.role_of(k).compiled}
-  return json.dumps(kept, sort_keys=True, default=str)
+  return _key(config, lambda name: config_schema.role_of(name).compiled)
 
 
 def warm_start_key(config) -> str:
   """The config fields a supervised warm start depends on (`Field.warm_start`), as JSON."""
+  return _key(config, _warm_start)
+
+
+def _key(config, keeps: Callable[[str], bool]) -> str:
   leaves = config_schema.flatten(config.to_dict())
-  kept = {k: v for k, v in leaves.items() if _warm_start(k)}
-  return json.dumps(kept, sort_keys=True, default=str)
+  return json.dumps({k: v for k, v in leaves.items() if keeps(k)}, sort_keys=True, default=str)
 
 
 def _warm_start(name: str) -> bool:
