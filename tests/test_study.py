@@ -648,7 +648,6 @@ RESULTS = os.path.join(REPO, "experiments", "results")
 # Studies committed before every study kept its per-run data: only their study.md is here.
 WITHOUT_CSV = {
   "lag_study",
-  "lag_study_calculator",
   "lag_study_code",
   "lag_study_full",
   "mismatch_study",
