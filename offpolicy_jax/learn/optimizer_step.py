@@ -34,7 +34,7 @@ def _gradients(
   micro = _split_micro(batch, m, options.unit)
   grad_fn = jax.grad(micro_batch_loss, has_aux=True)
   args = (graphdef, options, ref_params, anchor, base)
-  init = _zero_accumulators(grad_fn, params, micro, args)
+  init = _zero_accumulators(params, micro, args)
 
   def body(acc, xs):
     g, metrics = grad_fn(params, xs[0], *args, xs[1])
@@ -44,9 +44,15 @@ def _gradients(
   return grads, metrics
 
 
-def _zero_accumulators(grad_fn, params, micro: TrainBatch, args):
+def _zero_accumulators(params, micro: TrainBatch, args):
+  """Zero gradients and the identity of each metric, the scan's starting carry.
+
+  The metrics' shapes come from the loss's forward alone: the gradient's aux
+  output is the loss's, and tracing the backward pass here as well doubled
+  the train step's trace time.
+  """
   first = jax.tree.map(lambda x: x[0], micro)
-  shapes = jax.eval_shape(lambda: grad_fn(params, first, *args)[1])
+  shapes = jax.eval_shape(lambda: micro_batch_loss(params, first, *args)[1])
   return jax.tree.map(jnp.zeros_like, params), red.identity(shapes)
 
 
@@ -63,7 +69,7 @@ def _gradients_skipping(
   chunks = m * chunks_per_micro_batch(options, micro_rows, batch_splits.batch_shards())
   return batch_splits.gradients(
     lambda p, mb, i: grad_fn(p, mb, *args, lora_ops.fold(key, i)),
-    lambda micro: _zero_accumulators(grad_fn, params, micro, args),
+    lambda micro: _zero_accumulators(params, micro, args),
     params,
     batch,
     chunks=chunks,
