@@ -81,7 +81,7 @@ def _sampler(fns: StepFns, k: int, over_seeds: bool) -> Callable:
 
 
 def evaluate_seeds(
-  fns,
+  fns: StepFns,
   params,
   keys: jax.Array,
   num_prompts: int,

@@ -48,6 +48,7 @@ from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.rollout.rl_step import (
   LagSchedule,
   RunState,
+  StepFns,
   state_items,
   state_meta,
   weights,
@@ -207,7 +208,7 @@ class _Loop:
     )
     self._sample_with(self.choice.fns(self.comps.fns))
 
-  def _sample_with(self, fns) -> None:
+  def _sample_with(self, fns: StepFns) -> None:
     self.fns = fns
     if isinstance(self.rollout, sampler_mesh.OnSamplerMesh):
       self.rollout.inner = fns.rollout

@@ -30,6 +30,7 @@ from offpolicy_jax import models, types
 from offpolicy_jax.learn import train_state
 from offpolicy_jax.rewards import text_episodes
 from offpolicy_jax.rollout import data, pipeline
+from offpolicy_jax.rollout.rl_step import StepFns
 
 
 class SFTBatch(NamedTuple):
@@ -269,7 +270,7 @@ _WARM_START_CACHE: dict[str, Any] = {}
 
 
 def warm_start(
-  fns: Any,
+  fns: StepFns,
   params: Any,
   *,
   steps: int,
