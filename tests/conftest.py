@@ -80,3 +80,68 @@ def no_compile_cache():
   finally:
     jax.config.update("jax_enable_compilation_cache", before)
     compilation_cache.reset_cache()
+
+
+# `--jax-times`: where the suite's time goes. Per test (its setup, call and teardown), the
+# seconds JAX spent tracing, lowering and compiling (XLA's backend), from JAX's own
+# monitoring events; the 30 tests with the most compile time and the totals are printed at
+# the end (xdist workers send theirs with their reports).
+_JAX_EVENTS = {
+  "/jax/core/compile/jaxpr_trace_duration": "trace",
+  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+  "/jax/core/compile/backend_compile_duration": "compile",
+}
+_JAX_SPENT: dict[str, float] = {}  # since the last report, in this process
+_TIMES: dict[str, dict[str, float]] = {}  # per test id, summed over its phases
+
+
+def pytest_addoption(parser):
+  parser.addoption(
+    "--jax-times",
+    action="store_true",
+    help="print the seconds each test spent tracing, lowering and compiling JAX programs",
+  )
+
+
+def pytest_configure(config):
+  if config.getoption("--jax-times"):
+    import jax
+
+    def listen(event, seconds, **_):
+      if event in _JAX_EVENTS:
+        _JAX_SPENT[_JAX_EVENTS[event]] = _JAX_SPENT.get(_JAX_EVENTS[event], 0.0) + seconds
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  outcome = yield
+  if item.config.getoption("--jax-times"):
+    outcome.get_result().user_properties.append(("jax_times", dict(_JAX_SPENT)))
+    _JAX_SPENT.clear()
+
+
+def pytest_runtest_logreport(report):
+  spent = dict(report.user_properties).get("jax_times")
+  if spent is None:
+    return
+  times = _TIMES.setdefault(report.nodeid, {"wall": 0.0})
+  times["wall"] += report.duration
+  for k, v in spent.items():
+    times[k] = times.get(k, 0.0) + v
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  if not _TIMES:
+    return
+  write = terminalreporter.write_line
+  write("JAX time per test (s): wall, trace, lower, compile; the 30 with the most compile")
+  order = sorted(_TIMES.items(), key=lambda kv: -kv[1].get("compile", 0.0))
+  for nodeid, t in order[:30]:
+    parts = (t["wall"], t.get("trace", 0), t.get("lower", 0), t.get("compile", 0))
+    write(" ".join(f"{x:8.1f}" for x in parts) + f"  {nodeid}")
+  total = {
+    k: sum(t.get(k, 0.0) for t in _TIMES.values()) for k in ("wall", "trace", "lower", "compile")
+  }
+  write("total: " + ", ".join(f"{k} {v:.1f}" for k, v in total.items()))
