@@ -236,6 +236,16 @@ def test_changed_config_is_refused_and_corrupt_cell_is_named(mini):
     study.load_cells(path, grid)
 
 
+def test_a_study_takes_more_methods_but_not_a_changed_or_dropped_one(tmp_path):
+  path = str(tmp_path)
+  study._check_config(path, mini_config())  # methods "grpo,twin=grpo"
+  for methods in ("grpo,twin=reinforce", "grpo", "grpo,twin=grpo;optimizer.learning_rate=1.0"):
+    with pytest.raises(workdir.ConfigChanged, match="study.methods"):
+      study._check_config(path, mini_config(methods=methods))
+  study._check_config(path, mini_config(methods="grpo,wide=rec_oneside_nois_wide,twin=grpo"))
+  assert study.stored_config(path).study.methods == "grpo,wide=rec_oneside_nois_wide,twin=grpo"
+
+
 def test_a_study_resumes_after_changes_no_cell_depends_on(tmp_path):
   """The cell key is read from the schema roles (no cells run here)."""
   path = str(tmp_path)

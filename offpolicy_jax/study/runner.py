@@ -17,7 +17,8 @@ warm starts kept in `workdir/warm_starts/` (`study.warm_starts`). Finished cells
 interrupted study resumes (`study.report` makes the tables), unless a field
 a finished cell depends on has changed (`config_schema`: every field whose
 role reaches a study cell; not how seeds are batched, the report's settings,
-checkpoints, logging, the mesh or the reward workers).
+checkpoints, logging, the mesh or the reward workers). Methods may be added
+to `study.methods` (the others as they were): the rerun runs the new ones.
 
 A/A calibration: for every lag of `config.study.aa_lags` the baseline method
 runs a second time as the cell `aa-<method>@<lag>` (`study.grid`).
@@ -44,7 +45,7 @@ from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweep_runs, sweeps
 from offpolicy_jax.study.cell import run_cell
-from offpolicy_jax.study.grid import AA_STREAM_OFFSET, Grid, grid_from_config
+from offpolicy_jax.study.grid import AA_STREAM_OFFSET, Grid, grid_from_config, parse_methods
 from offpolicy_jax.study.warm_starts import Starts
 
 CELLS_DIR = "cells"
@@ -127,6 +128,8 @@ def _check_config(path: str, config: ml_collections.ConfigDict) -> None:
   with open(file) as f:
     stored = json.load(f)
   changes = workdir.config_changes(stored, cfg, matters=lambda role: role.cell)
+  if "study.methods" in changes and _only_added(*changes["study.methods"]):
+    del changes["study.methods"]  # the finished cells' methods are as they ran
   if changes:
     listed = workdir.describe_changes(changes)
     raise workdir.ConfigChanged(
@@ -136,6 +139,16 @@ def _check_config(path: str, config: ml_collections.ConfigDict) -> None:
     )
   if stored != cfg:  # fields no cell depends on (baseline, A/A lags, ...): the report's
     _write_json(file, cfg)
+
+
+def _only_added(old: str, new: str) -> bool:
+  """Whether the methods `new` keep every method of `old` as it was (and may add others).
+
+  A study extended with more methods runs only the new methods' cells; a
+  method whose definition changed would leave its finished cells stale.
+  """
+  before, after = parse_methods(old), parse_methods(new)
+  return all(after.get(name) == spec for name, spec in before.items())
 
 
 def require_study(path: str) -> None:
