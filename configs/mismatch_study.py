@@ -15,8 +15,9 @@ verdicts, resumable) on a grid of GRPO and the rollout-correction family
 
 Every run scores pi_old (`rollout.score_old`), so the study records both
 factors (`mismatch_kl_k3`, `staleness_kl_k3`) and what each correction
-masked. Sized to run in about half an hour on a 2-core CPU: 100 steps, 3
-seeds, 256 held-out prompts. Results: docs/results/off_policyness.md.
+masked. 100 steps, 3 seeds, 256 held-out prompts, 60 cells with the A/A
+twins: 30 minutes on the first 2-core CPU it ran on, 100 minutes on a slower
+one beside test runs. Results: docs/results/off_policyness.md.
 """
 
 from configs import lag_study

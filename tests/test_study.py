@@ -660,7 +660,6 @@ WITHOUT_CSV = {
   "lag_study",
   "lag_study_code",
   "lag_study_full",
-  "mismatch_study",
 }
 
 
