@@ -172,37 +172,3 @@ def test_a_reward_the_workers_cannot_import_raises(pool, tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="cannot run in a sandboxed verifier worker"):
     rewards.score_batch(opj_vanishing_module.reward, [{}] * 3, ["x"] * 3, pool=pool)
   assert rewards.score_batch(_verifier, [{"v": 2.0}], ["ok"], pool=pool).scores.tolist() == [2.0]
-
-
-class _Constant:
-  """A reward whose unpickling in a worker takes longer than its calls' timeout."""
-
-  def __init__(self, value):
-    self.value = value
-
-  def __call__(self, example, text):
-    return self.value
-
-  def __reduce__(self):
-    return (_slowly, (self.value,))
-
-
-def _slowly(value):
-  time.sleep(1.5)  # as a task or environment importing heavy modules on a loaded machine
-  return _Constant(value)
-
-
-def test_a_call_is_timed_from_its_start_not_from_loading_its_reward(pool):
-  """Loading (1.5 s per worker, in parallel) is not charged to the calls (1 s each); the
-  batch's own limit (here 30 s) still counts it."""
-  res = rewards.score_batch(
-    _Constant(3.0), [{}] * 4, ["x"] * 4, timeout_s=1.0, batch_timeout_s=30.0, pool=pool
-  )
-  assert res.scores.tolist() == [3.0] * 4 and not res.timed_out.any(), res.errors
-  victim = pool.pids()[0]
-  os.kill(victim, 9)  # its replacement loads the reward again, outside the calls' time
-  time.sleep(0.2)
-  res = rewards.score_batch(
-    _Constant(3.0), [{}] * 4, ["x"] * 4, timeout_s=1.0, batch_timeout_s=30.0, pool=pool
-  )
-  assert res.scores.tolist() == [3.0] * 4 and not res.timed_out.any(), res.errors

@@ -81,11 +81,6 @@ from offpolicy_jax.rewards.worker import MAX_REPLY_BYTES, Rebuild, RebuildReward
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-# How long a worker may take to load a callable (unpickle it, import its modules) before its
-# first call; the call's own `timeout_s` starts after that.
-LOAD_TIMEOUT_S = 60.0
-
-
 class VerifierPool:
   """`num_workers` sandboxed verifier processes (see the module docstring).
 
@@ -137,7 +132,7 @@ class VerifierPool:
       raise ValueError(_unreachable(name or getattr(fn, "name", ""), fn, e)) from e
     return self._fn_ids.setdefault(data, len(self._fn_ids)), data
 
-  def check(self, fn, name: str = "", timeout_s: float = LOAD_TIMEOUT_S) -> None:
+  def check(self, fn, name: str = "", timeout_s: float = 60.0) -> None:
     """Makes a worker load `fn`; raises ValueError naming `name` if it cannot."""
     fn_id, data = self._fn_id(fn, name)
     with self._lock:
@@ -192,8 +187,7 @@ class VerifierPool:
       fn: host reward `fn(example, text) -> float` that pickles (see module docstring).
       examples: B examples (picklable).
       texts: B responses.
-      timeout_s: limit of one call, from the moment a worker starts it (after the worker
-        has loaded `fn`, `LOAD_TIMEOUT_S`).
+      timeout_s: limit of one call, from the moment a worker starts it.
       batch_timeout_s: limit of the whole batch (default `2 * timeout_s`).
 
     Returns:
@@ -241,8 +235,7 @@ class VerifierPool:
     Args:
       fn: `fn(*row) -> JSON data` that pickles (see the module docstring).
       args: B argument tuples (picklable).
-      timeout_s: limit of one call, from the moment a worker starts it (after the worker
-        has loaded `fn`, `LOAD_TIMEOUT_S`).
+      timeout_s: limit of one call, from the moment a worker starts it.
       batch_timeout_s: limit of the whole batch (default `2 * timeout_s`).
 
     Returns:
@@ -296,47 +289,11 @@ class _Batch:
       self.errors.append(f"row {i}: {why}")
 
   def _dispatch(self, w: WorkerProcess, i: int) -> None:
-    if self.fn_id not in w.known:  # a new worker: it loads the callable first
-      slot = self.pool._workers.index(w)
-      self._preload([w])
-      w = self.pool._workers[slot]
     # A random id, not the row: a call that writes to its pipe cannot answer for later calls.
     call_id = secrets.randbits(62)
     msg = (self.kind, call_id, self.fn_id, self.args[i], self.timeout_s)
     w = self.pool._send(w, self.fn_id, self.data, msg)
     w.busy, w.call_id = (i, time.monotonic()), call_id
-
-  def _preload(self, workers: Sequence[WorkerProcess]) -> None:
-    """The `workers` that lack the callable load it, all at once, before a call starts there.
-
-    A call's `timeout_s` then covers the call alone, not the unpickling of a
-    task or an environment and the imports it brings (seconds on a loaded
-    machine). A worker that dies, or is still loading after `LOAD_TIMEOUT_S`,
-    is replaced (a call then loads in the new one, within its time).
-    """
-    pool, waiting = self.pool, {}
-    msg = ("load", -1, self.fn_id, (), LOAD_TIMEOUT_S)
-    for w in list(workers):
-      if self.fn_id not in w.known:
-        w = pool._send(w, self.fn_id, self.data, msg)
-        waiting[w.replies] = w
-    end = time.monotonic() + LOAD_TIMEOUT_S
-    while waiting and time.monotonic() < end:
-      for conn in mp_connection.wait(list(waiting), timeout=max(0.0, end - time.monotonic())):
-        w = waiting.pop(conn)
-        try:
-          reply = parse_reply(w.replies.recv_bytes(MAX_REPLY_BYTES))
-        except (EOFError, OSError, ValueError):  # died while loading: a new worker
-          pool._replace(w)
-          continue
-        if "load_error" in reply:
-          for other in waiting.values():  # their replies must not meet a later call
-            pool._replace(other)
-          raise _LoadError(str(reply["load_error"]))
-        if reply.get("recycle"):
-          pool._replace(w)
-    for w in waiting.values():  # still loading after LOAD_TIMEOUT_S
-      pool._replace(w)
 
   def _receive(self, w: WorkerProcess) -> None:
     i = w.busy[0] if w.busy else -1
@@ -366,7 +323,6 @@ class _Batch:
     pool = self.pool
     pool._replace_dead()
     try:
-      self._preload(pool._workers)  # within the batch's time, outside any call's
       self._loop()
     except _LoadError:
       for w in list(pool._workers):  # drop the calls still in flight
