@@ -1,6 +1,7 @@
-"""Reading the small JSON files a run depends on, with errors that name the file."""
+"""Reading the small JSON files a run depends on, with errors that name the file; writing whole."""
 
 import json
+import os
 from typing import Any
 
 
@@ -23,3 +24,17 @@ def read_json_object(path: str) -> dict[str, Any]:
   if not isinstance(obj, dict):
     raise ValueError(f"{path}: expected a JSON object, got {type(obj).__name__}")
   return obj
+
+
+def write_text_atomic(path: str, text: str, *, sync: bool = False) -> None:
+  """Writes `text` to `path` whole: a reader (or a crash) sees the old file or the new one.
+
+  `sync`: flush it to disk before it replaces the old one (records a resume trusts).
+  """
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+    if sync:
+      f.flush()
+      os.fsync(f.fileno())
+  os.replace(tmp, path)

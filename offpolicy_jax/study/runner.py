@@ -40,7 +40,7 @@ from typing import Any
 
 import ml_collections
 
-from offpolicy_jax import config_schema, errors
+from offpolicy_jax import config_schema, errors, files
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweep_runs, sweeps
@@ -83,12 +83,7 @@ def read_cell(path: str, grid: Grid, method: str, lag_name: str) -> dict:
 
 
 def _write_json(file: str, record: Any) -> None:
-  tmp = file + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(record, f)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, file)
+  files.write_text_atomic(file, json.dumps(record), sync=True)
 
 
 def stored_config(path: str) -> ml_collections.ConfigDict:

@@ -30,7 +30,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from offpolicy_jax import errors
+from offpolicy_jax import errors, files
 
 LOG_FILE = "sweep_run.log"
 CACHE_DIR = ".jax_cache"  # under the sweep's workdir, shared by its workers
@@ -92,10 +92,8 @@ def record_error(e: BaseException, log_path: str) -> None:
   """The traceback of `e` to stderr, its one-line error to `error_path(log_path)`."""
   traceback.print_exc()
   sys.stderr.flush()
-  path = error_path(log_path)
-  with open(path + ".tmp", "w") as f:
-    f.write(_error_line(e))
-  os.replace(path + ".tmp", path)  # whole, for a parent reading it while this process runs
+  # Whole, for a parent reading it while this process runs.
+  files.write_text_atomic(error_path(log_path), _error_line(e))
 
 
 def _worker(target: Callable, args: tuple, log_path: str, cache_dir: str) -> None:

@@ -145,10 +145,8 @@ def _read_status(workdir: str) -> dict[str, dict[str, Any]]:
 
 
 def _write_status(workdir: str, status: Mapping[str, Any]) -> None:
-  path = os.path.join(workdir, STATUS_FILE)
-  with open(path + ".tmp", "w") as f:
-    json.dump(status, f, indent=1, sort_keys=True)
-  os.replace(path + ".tmp", path)
+  text = json.dumps(status, indent=1, sort_keys=True)
+  files.write_text_atomic(os.path.join(workdir, STATUS_FILE), text)
 
 
 def run_sweep(
