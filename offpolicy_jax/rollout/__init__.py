@@ -10,6 +10,7 @@
   pipeline      prompt batches across processes, score (device or sandboxed host), pack
   rl_step       RunState and one pure RL step (rollout -> score -> pack -> learn)
   host_step     the same step where it leaves the device, and over the study's seeds
+  drivers       the loop's one step driver: scanned chunks, split host steps, or async
   programs      a run's named compiled programs
   producer      the async-mode sampler thread
   sampler_choice static or continuous batching, chosen from the measured decode waste
@@ -20,6 +21,7 @@ May import: every wing below it (maths, scale, models, sampling, rewards, store,
 
 from offpolicy_jax.rollout import (
   data,
+  drivers,
   episode_pool,
   episodes,
   host_step,
@@ -36,6 +38,7 @@ from offpolicy_jax.rollout import (
 
 __all__ = [
   "data",
+  "drivers",
   "episode_pool",
   "episodes",
   "host_step",

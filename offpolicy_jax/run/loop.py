@@ -37,22 +37,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from offpolicy_jax import errors, lag
-from offpolicy_jax.rollout import host_step, pipeline, producer, sampler_choice, sampler_mesh
+from offpolicy_jax import errors
+from offpolicy_jax.rollout import drivers, pipeline, producer, sampler_choice
 from offpolicy_jax.rollout.pipeline import EVAL, step_key
-from offpolicy_jax.rollout.programs import programs
-from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.rollout.rl_step import (
-  LagSchedule,
-  RunState,
-  StepFns,
-  state_items,
-  state_meta,
-  weights,
-)
+from offpolicy_jax.rollout.rl_step import RunState, state_items, state_meta, weights
 from offpolicy_jax.run import evaluation, observability, stopping, validation
 from offpolicy_jax.run import start as start_lib
 from offpolicy_jax.run.components import Components, build_components
@@ -168,12 +157,12 @@ def _make_writer(comps: Components, config, workdir: str, start: int) -> metrics
 # ------------------------------------------------------------------ the loop
 
 
-def _rows_of(stacked: dict[str, np.ndarray], n: int) -> list[dict[str, Any]]:
-  return [{k: metrics.to_python(v[i]) for k, v in stacked.items()} for i in range(n)]
-
-
 class _Loop:
-  """Iterates chunks of loop steps, writing rows, evaluating and checkpointing at boundaries."""
+  """Iterates chunks of loop steps, writing rows, evaluating and checkpointing at boundaries.
+
+  How the steps themselves run (one scanned program, two halves around the
+  host, or an async sampler thread) is the driver's (`rollout.drivers`).
+  """
 
   def __init__(self, comps: Components, ckpt, writer, data_iter, workdir: str, on_step, stop):
     self.comps, self.fns, self.run_cfg = comps, comps.fns, comps.run
@@ -184,39 +173,25 @@ class _Loop:
     self.rows: list[dict[str, Any]] = []
     self.start_accuracy = None
     self.base_record: dict[str, str] | None = None  # a LoRA run's base (checkpoint meta)
-    run = comps.run
-    rep = jax.sharding.NamedSharding(comps.mesh, jax.sharding.PartitionSpec())
-    put = lambda v: jax.device_put(jnp.int32(v), rep)
-    self._rep = rep
-    self.schedule = LagSchedule(put(run.lag.sync_interval), put(run.lag.sync_offset))
-    self.seed = put(run.seed)
     self.compiles = observability.CompileCounter()
-    self.profiler = observability.Profiler(os.path.join(workdir, "profile"), run.profile_steps)
-    # The rollout; a disaggregated sync-mode run samples on its own mesh (`disagg`; the
-    # async producer places its own copy).
-    fns = comps.fns
-    self.rollout: Rollout = fns.rollout
-    if fns.sampler_mesh is not None and run.lag.mode == "sync":
-      self.rollout = sampler_mesh.OnSamplerMesh(fns.rollout, fns.sampler_mesh, fns.mesh, fns.split)
-    self.choice = sampler_choice.SamplerChoice(comps.fns, run.rollout.continuous_waste_threshold)
-    self.host = host_step.Stepper(fns, self.rollout, comps.replay, run.seed, self.schedule)
+    self.profiler = observability.Profiler(
+      os.path.join(workdir, "profile"), comps.run.profile_steps
+    )
+    self.choice = sampler_choice.SamplerChoice(
+      comps.fns, comps.run.rollout.continuous_waste_threshold
+    )
+    self.driver: drivers.Driver | None = None
 
   def resume_choice(self, saved: dict[str, Any] | None) -> None:
     """Takes up the automatic sampler choice saved in the checkpoint the run resumes from."""
     self.choice = sampler_choice.SamplerChoice(
       self.comps.fns, self.run_cfg.rollout.continuous_waste_threshold, saved
     )
-    self._sample_with(self.choice.fns(self.comps.fns))
-
-  def _sample_with(self, fns: StepFns) -> None:
-    self.fns = fns
-    if isinstance(self.rollout, sampler_mesh.OnSamplerMesh):
-      self.rollout.inner = fns.rollout
-    else:
-      self.rollout = fns.rollout
-    self.host.fns, self.host.rollout = fns, self.rollout
+    self.fns = self.choice.fns(self.comps.fns)
 
   def close(self) -> None:
+    if self.driver is not None:
+      self.driver.close()
     self.profiler.stop()
     self.compiles.close()
 
@@ -234,61 +209,56 @@ class _Loop:
       self.writer.log_text(f"eval at step {step}: {text}")
     return ev
 
-  def _chunk(self, step: int) -> int:
+  def _chunk(self, step: int, driver: drivers.Driver) -> int:
     """Steps in the chunk after `step`.
 
     One length for the whole run, `gcd(log_every, eval_every, checkpoint_every)`,
     so that evaluations and checkpoints fall on chunk ends and one scan
-    program serves every chunk (only a shorter last chunk compiles another).
+    program serves every chunk (only a shorter last chunk compiles another);
+    at most the driver's `max_chunk`.
     """
     run = self.run_cfg
-    if run.lag.mode == "async" or not self._on_device():
-      return 1
     length = math.gcd(run.log_every, run.eval_every, run.checkpoint_every)
-    return self.choice.chunk(step, min(length, run.total_steps - step))
-
-  def _on_device(self) -> bool:
-    """Whether a whole step is one jitted program: a traced rollout and a device reward."""
-    return self.rollout.traced and self.fns.reward.device is not None
+    return self.choice.chunk(step, min(driver.max_chunk, length, run.total_steps - step))
 
   def run(self, state: RunState, start: int) -> None:
     run = self.run_cfg
-    prod = None
-    if run.lag.mode == "async":
-      prod = producer.AsyncProducer(
-        self.fns, state.train.params, start, self.data, run.seed, run.lag.max_staleness, state.base
-      )
+    self.driver = driver = drivers.make(
+      self.fns,
+      lag_mode=run.lag.mode,
+      replay=self.comps.replay,
+      read=self._prompts,
+      seed=run.seed,
+      sync=(run.lag.sync_interval, run.lag.sync_offset),
+      may_prefetch=self._may_prefetch,
+      state=state,
+      step=start,
+      data=self.data,
+      max_staleness=run.lag.max_staleness,
+    )
     step = start
     # A step's wall time runs from the end of the previous chunk's row writing
     # (evaluations and checkpoints excluded) to the end of its own jitted work.
     begin = time.perf_counter()
-    try:
-      while step < run.total_steps:
-        n = self._chunk(step)
-        self.profiler.before(step + 1, n, first=step == start)
-        if prod is not None:
-          state, rows = self._async_step(state, step + 1, prod)
-        elif self._on_device():
-          state, rows = self._device_chunk(state, step, n)
-        else:
-          state, rows = self._host_step(state, step + 1)
-        self.profiler.after(step + n)
-        done = time.perf_counter()
-        per_step = (done - begin) / n
-        continuous = int(sampler_choice.is_continuous(self.fns))
-        for i, row in enumerate(rows):
-          row["sampler/continuous"] = continuous
-          if self.choice.observe(step + i + 1, row):
-            self._sample_with(self.choice.fns(self.comps.fns))
-          self._write(step + i + 1, row, per_step)
-        step += n
-        writing = time.perf_counter() - done  # charged to the next chunk
-        self._boundary(state, step)
-        self._maybe_stop(state, step)
-        begin = time.perf_counter() - writing
-    finally:
-      if prod is not None:
-        prod.close()
+    while step < run.total_steps:
+      n = self._chunk(step, driver)
+      self.profiler.before(step + 1, n, first=step == start)
+      state, rows = driver.steps(state, step, n)
+      self.profiler.after(step + n)
+      done = time.perf_counter()
+      per_step = (done - begin) / n
+      continuous = int(sampler_choice.is_continuous(self.fns))
+      for i, row in enumerate(rows):
+        row["sampler/continuous"] = continuous
+        if self.choice.observe(step + i + 1, row):
+          self.fns = self.choice.fns(self.comps.fns)
+          driver.switch(self.fns)
+        self._write(step + i + 1, row, per_step)
+      step += n
+      writing = time.perf_counter() - done  # charged to the next chunk
+      self._boundary(state, step)
+      self._maybe_stop(state, step)
+      begin = time.perf_counter() - writing
 
   def _write(self, step: int, row: dict[str, Any], per_step: float) -> None:
     if row.pop("snapshot_missing", 0):
@@ -324,7 +294,8 @@ class _Loop:
     """
     if self.stopping is None:
       self.stopping = self.stop.agreed()
-    if self.stopping is None or step >= self.run_cfg.total_steps or self.host.prefetched:
+    prefetched = self.driver is not None and self.driver.prefetched
+    if self.stopping is None or step >= self.run_cfg.total_steps or prefetched:
       return
     if not self._checkpoints(step):
       self._save(state, step)
@@ -347,80 +318,26 @@ class _Loop:
       meta["base"] = self.base_record
     if self.choice.auto:
       meta["sampler_choice"] = self.choice.state()
-    meta |= state_meta(state, self.rollout)
-    self.ckpt.save(step, state_items(state, self.rollout), meta)
+    rollout = self.driver.rollout if self.driver is not None else self.fns.rollout
+    meta |= state_meta(state, rollout)
+    self.ckpt.save(step, state_items(state, rollout), meta)
 
   def _prompts(self, n: int) -> tuple[list[dict], list[int]]:
+    """The local prompt batches of the next `n` steps and how many of each were truncated."""
     local = [next(self.data) for _ in range(n)]
     truncated = [int((p["truncated"] & p["valid"]).sum()) for p in local]
     return local, truncated
 
-  def _device_chunk(self, state: RunState, step: int, n: int):
-    """Steps `step + 1 .. step + n` as one jitted scan; one host transfer of metrics."""
-    local, truncated = self._prompts(n)
-    stacked = {k: np.stack([p[k] for p in local]) for k in pipeline.DEVICE_FIELDS}
-    prompts = pipeline.assemble_global(self.comps.mesh, stacked, leading_axes=1)
-    steps = jax.device_put(np.arange(step + 1, step + n + 1, dtype=np.int32), self._rep)
-    fn = programs(self.fns, self.comps.replay, state).rl_steps
-    begin = time.perf_counter()
-    state, out = fn(state, prompts, steps, self.seed, self.schedule)
-    out = jax.device_get(out)
-    device = (time.perf_counter() - begin) / n
-    rows = _rows_of(out, n)
-    for row, t in zip(rows, truncated, strict=True):
-      row.update(pipeline.no_reward_stats(), prompts_truncated=t)
-      row["time/device_s"] = device
-    return state, rows
+  def _may_prefetch(self, step: int) -> bool:
+    """Whether the loop allows step `step + 1` to sample before step `step` has trained.
 
-  def _read(self) -> tuple[dict[str, Any], int]:
-    """The next step's prompts (global arrays) and how many of them were truncated."""
-    (local,), (truncated,) = self._prompts(1)
-    return pipeline.assemble_global(self.comps.mesh, local), truncated
-
-  def _can_prefetch(self, step: int) -> bool:
-    """Whether step `step + 1` may sample before step `step` has trained.
-
-    The rollout must allow it (nothing carried, nothing on the host), its
-    behaviour parameters must not be the ones `step` produces, and `step`
-    must not end in a checkpoint (the checkpoint's data state must not include
-    a prefetched batch).
+    Not after a signal, not when `step` ends in a checkpoint (the checkpoint's
+    data state must not include a prefetched batch), and not into the step
+    where the sampler choice may switch.
     """
     run = self.run_cfg
-    if not self.rollout.prefetch or self.stopping is not None:
+    if self.stopping is not None:
       return False
     if step >= run.total_steps or (run.checkpoint_every and step % run.checkpoint_every == 0):
       return False
-    if self.choice.pending(step) and step == self.choice.steps:  # step + 1 may switch
-      return False
-    return lag.behavior_version(step + 1, run.lag.sync_interval, run.lag.sync_offset) < step
-
-  def _host_step(self, state: RunState, step: int):
-    """One step whose rollout or reward leaves the device (`host_step.Stepper`).
-
-    Host-reward runs, host rollouts (episodes, the episode pool) and
-    disaggregated runs take this path; the next step's rollout is dispatched
-    ahead when `_can_prefetch` allows.
-    """
-    state, row = self.host.step(state, step, self._read, self._can_prefetch(step))
-    row["prompts_truncated"] = row.pop("read_info")
-    return state, [row]
-
-  def _async_step(self, state: RunState, step: int, prod: producer.AsyncProducer):
-    t0 = time.perf_counter()
-    batch, info = prod.get(step)
-    t1 = time.perf_counter()
-    fn = programs(self.fns, self.comps.replay, state).learn
-    step_a = jax.device_put(np.int32(step), self._rep)
-    state, row = fn(state, batch, step_a, self.seed, self.schedule)
-    published = prod.publish(state.train.params, step)
-    big = jnp.iinfo(jnp.int32).max
-    oldest_a = jnp.min(jnp.where(batch.mask > 0, batch.versions, big))
-    row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
-    oldest = int(oldest_a)
-    row["behavior_version"] = oldest if oldest != big else self.fns.version(step - 1)
-    row.update(info)
-    row.update(published)
-    row["time/sample_s"] = row.pop("sample_time_s")
-    row["time/wait_s"] = t1 - t0
-    row["time/train_s"] = time.perf_counter() - t1
-    return state, [row]
+    return not (self.choice.pending(step) and step == self.choice.steps)

@@ -1,0 +1,254 @@
+"""The loop's one step driver: how a run goes from loop step t to t + n.
+
+A run advances in one of three ways, chosen once by `make` from the step
+functions and the lag mode (and kept when the sampler choice switches the
+sampler, `switch`):
+
+  Scanned  every step is one jitted program (a traced rollout and a device
+           reward): a chunk of n steps runs as one `lax.scan`
+           (`Programs.rl_steps`), and its metrics reach the host once.
+  Split    the step leaves the device (a host reward, a host rollout, a
+           rollout placed on a disaggregated sampler mesh): `host_step.Stepper`
+           runs its rollout and learning halves, with the next step's
+           rollout dispatched ahead where the loop allows it.
+  Async    a sampler thread produces scored batches ahead
+           (`producer.AsyncProducer`); the trainer learns each and publishes
+           its parameters.
+
+Each takes the loop's prompts from `read(n)` (the local prompt batches of n
+steps and how many prompts of each were truncated) and returns the run state
+and one metrics row per step. The loop keeps the lifecycle (restore,
+evaluations, checkpoints, signals, rows) and calls `Driver.steps` alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from offpolicy_jax import lag
+from offpolicy_jax.rollout import host_step, pipeline, producer, sampler_mesh
+from offpolicy_jax.rollout.programs import programs
+from offpolicy_jax.rollout.protocol import Rollout
+from offpolicy_jax.rollout.rl_step import LagSchedule, ReplayOptions, StepFns
+from offpolicy_jax.scale import sharding
+from offpolicy_jax.store import metrics
+
+# `read(n)`: the local prompt batches of the next n loop steps, and per batch how many of its
+# prompts were truncated.
+Read = Callable[[int], tuple[list[dict[str, Any]], list[int]]]
+
+
+class Driver(Protocol):
+  """How a run advances (module docstring)."""
+
+  fns: StepFns
+  rollout: Rollout  # the rollout whose carried state the checkpoints hold (placed or not)
+  max_chunk: int  # loop steps one call of `steps` may take
+
+  @property
+  def prefetched(self) -> bool:
+    """Whether the next step's rollout was sampled ahead (its prompts already read)."""
+    ...
+
+  def steps(self, state, step: int, n: int) -> tuple[Any, list[dict[str, Any]]]:
+    """Loop steps `step + 1 .. step + n`: `(state, one metrics row per step)`."""
+    ...
+
+  def switch(self, fns: StepFns) -> None:
+    """Samples with `fns` (the same run, its sampler switched) from the next step on."""
+    ...
+
+  def close(self) -> None: ...
+
+
+def one_program(fns: StepFns) -> bool:
+  """Whether a whole step of `fns` is one jitted program (a traced rollout, a device reward)."""
+  return fns.rollout.traced and fns.reward.device is not None
+
+
+def make(
+  fns: StepFns,
+  *,
+  lag_mode: str,
+  replay: ReplayOptions,
+  read: Read,
+  seed: int,
+  sync: tuple[int, int],
+  may_prefetch: Callable[[int], bool],
+  state=None,
+  step: int = 0,
+  data=None,
+  max_staleness: int = 0,
+) -> Driver:
+  """The run's driver: `Async` in lag mode async, else `Scanned` or `Split` (module docstring).
+
+  Args:
+    fns: the run's step functions (as the sampler choice has them now).
+    lag_mode: `lag.mode`.
+    replay: the replay options (which compiled programs to use).
+    read: the loop's prompt reader (`Read`).
+    seed: the run's seed; `sync`: its `(lag.sync_interval, lag.sync_offset)`.
+    may_prefetch: whether the loop allows step t + 1's rollout before step t learns
+      (no signal, no checkpoint after t, no pending sampler choice at t).
+    state, step, data, max_staleness: the async producer's start (`lag_mode="async"`):
+      the run state and loop step it starts from, the shared prompt iterator and
+      `lag.max_staleness`.
+  """
+  run = _Run(fns, replay, seed, sync)
+  if lag_mode == "async":
+    return Async(run, state, step, data, max_staleness)
+  if fns.sampler_mesh is not None:  # a sync run samples on its own mesh
+    placed = sampler_mesh.OnSamplerMesh(fns.rollout, fns.sampler_mesh, fns.mesh, fns.split)
+    return Split(run, placed, read, may_prefetch)
+  if one_program(fns):
+    return Scanned(run, read)
+  return Split(run, fns.rollout, read, may_prefetch)
+
+
+class _Run:
+  """What every driver uses of the run: its programs' inputs as replicated device scalars."""
+
+  def __init__(self, fns: StepFns, replay: ReplayOptions, seed: int, sync: tuple[int, int]):
+    self.fns, self.replay, self.seed_int, self.sync = fns, replay, seed, sync
+    self.rep = sharding.replicated(fns.mesh)
+    put = lambda v: jax.device_put(jnp.int32(v), self.rep)
+    self.seed = put(seed)
+    self.schedule = LagSchedule(*map(put, sync))
+
+
+def _rows_of(stacked: dict[str, np.ndarray], n: int) -> list[dict[str, Any]]:
+  return [{k: metrics.to_python(v[i]) for k, v in stacked.items()} for i in range(n)]
+
+
+class Scanned:
+  """Chunks of steps, each chunk one jitted scan (module docstring)."""
+
+  max_chunk = 2**31 - 1
+
+  def __init__(self, run: _Run, read: Read):
+    self.fns, self.rollout, self._run, self._read = run.fns, run.fns.rollout, run, read
+
+  @property
+  def prefetched(self) -> bool:
+    return False
+
+  def steps(self, state, step: int, n: int):
+    run = self._run
+    local, truncated = self._read(n)
+    stacked = {k: np.stack([p[k] for p in local]) for k in pipeline.DEVICE_FIELDS}
+    prompts = pipeline.assemble_global(self.fns.mesh, stacked, leading_axes=1)
+    steps = jax.device_put(np.arange(step + 1, step + n + 1, dtype=np.int32), run.rep)
+    fn = programs(self.fns, run.replay, state).rl_steps
+    begin = time.perf_counter()
+    state, out = fn(state, prompts, steps, run.seed, run.schedule)
+    out = jax.device_get(out)
+    device = (time.perf_counter() - begin) / n
+    rows = _rows_of(out, n)
+    for row, t in zip(rows, truncated, strict=True):
+      row.update(pipeline.no_reward_stats(), prompts_truncated=t)
+      row["time/device_s"] = device
+    return state, rows
+
+  def switch(self, fns: StepFns) -> None:
+    self.fns, self.rollout = fns, fns.rollout
+
+  def close(self) -> None:
+    pass
+
+
+class Split:
+  """One step at a time in two halves around the host part (module docstring)."""
+
+  max_chunk = 1
+
+  def __init__(self, run: _Run, rollout: Rollout, read: Read, may_prefetch: Callable[[int], bool]):
+    self.fns, self.rollout, self._run = run.fns, rollout, run
+    self._read, self._may_prefetch = read, may_prefetch
+    self._host = host_step.Stepper(run.fns, rollout, run.replay, run.seed_int, run.schedule)
+
+  @property
+  def prefetched(self) -> bool:
+    return self._host.prefetched
+
+  def _prefetch(self, step: int) -> bool:
+    """Whether step `step + 1` may sample before step `step` has trained.
+
+    The rollout must allow it (nothing carried, nothing on the host), its
+    behaviour parameters must not be the ones `step` produces, and the loop
+    must allow it (`may_prefetch`).
+    """
+    if not self.rollout.prefetch or not self._may_prefetch(step):
+      return False
+    return lag.behavior_version(step + 1, *self._run.sync) < step
+
+  def _read_one(self) -> tuple[dict[str, Any], int]:
+    (local,), (truncated,) = self._read(1)
+    return pipeline.assemble_global(self.fns.mesh, local), truncated
+
+  def steps(self, state, step: int, n: int):
+    assert n == 1, n
+    state, row = self._host.step(state, step + 1, self._read_one, self._prefetch(step + 1))
+    row["prompts_truncated"] = row.pop("read_info")
+    return state, [row]
+
+  def switch(self, fns: StepFns) -> None:
+    self.fns = fns
+    if isinstance(self.rollout, sampler_mesh.OnSamplerMesh):  # the same placement and copy
+      self.rollout.inner = fns.rollout
+    else:
+      self.rollout = fns.rollout
+    self._host.fns, self._host.rollout = fns, self.rollout
+
+  def close(self) -> None:
+    pass
+
+
+class Async:
+  """The trainer's half of lag mode async: learn each produced batch, publish (module docstring)."""
+
+  max_chunk = 1
+
+  def __init__(self, run: _Run, state, step: int, data, max_staleness: int):
+    self.fns, self.rollout, self._run = run.fns, run.fns.rollout, run
+    self._prod = producer.AsyncProducer(
+      run.fns, state.train.params, step, data, run.seed_int, max_staleness, state.base
+    )
+
+  @property
+  def prefetched(self) -> bool:
+    return False
+
+  def steps(self, state, step: int, n: int):
+    assert n == 1, n
+    step += 1
+    t0 = time.perf_counter()
+    batch, info = self._prod.get(step)
+    t1 = time.perf_counter()
+    run = self._run
+    fn = programs(self.fns, run.replay, state).learn
+    step_a = jax.device_put(np.int32(step), run.rep)
+    state, row = fn(state, batch, step_a, run.seed, run.schedule)
+    published = self._prod.publish(state.train.params, step)
+    big = jnp.iinfo(jnp.int32).max
+    oldest_a = jnp.min(jnp.where(batch.mask > 0, batch.versions, big))
+    row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
+    oldest = int(oldest_a)
+    row["behavior_version"] = oldest if oldest != big else self.fns.version(step - 1)
+    row.update(info)
+    row.update(published)
+    row["time/sample_s"] = row.pop("sample_time_s")
+    row["time/wait_s"] = t1 - t0
+    row["time/train_s"] = time.perf_counter() - t1
+    return state, [row]
+
+  def switch(self, fns: StepFns) -> None:
+    raise ValueError("the sampler choice runs in lag.mode='sync' only")
+
+  def close(self) -> None:
+    self._prod.close()
