@@ -193,7 +193,7 @@ class Split:
 
   def steps(self, state, step: int, n: int):
     assert n == 1, n
-    state, row = self._host.step(state, step + 1, self._read_one, self._prefetch(step + 1))
+    state, row = self._host.take_step(state, step + 1, self._read_one, self._prefetch(step + 1))
     row["prompts_truncated"] = row.pop("read_info")
     return state, [row]
 

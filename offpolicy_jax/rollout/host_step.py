@@ -114,7 +114,7 @@ def learn(
 class Stepper:
   """The host steps of a run, the next step's rollout dispatched ahead when allowed.
 
-  `step` is the whole step (`sample`, then `learn`); with `prefetch` it reads
+  `take_step` is the whole step (`sample`, then `learn`); with `prefetch` it reads
   and dispatches step t + 1's rollout before scoring and learning step t, so
   the device samples while the verifier workers score (and a disaggregated
   sampler samples while the trainer trains). The caller says when the lag
@@ -135,7 +135,7 @@ class Stepper:
     """Whether the next step's rollout was sampled ahead (and its prompts read)."""
     return self._pending is not None
 
-  def step(self, state, step: int, read: Callable[[], tuple[dict, Any]], prefetch: bool):
+  def take_step(self, state, step: int, read: Callable[[], tuple[dict, Any]], prefetch: bool):
     """One host step: `(state, row)`; `read()` gives the next prompts and what to log of them.
 
     The row has `read_info` (what `read` returned beside the prompts) and

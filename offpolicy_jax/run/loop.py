@@ -319,8 +319,8 @@ class _Loop:
     if self.choice.auto:
       meta["sampler_choice"] = self.choice.state()
     rollout = self.driver.rollout if self.driver is not None else self.fns.rollout
-    meta |= state_meta(state, rollout)
-    self.ckpt.save(step, state_items(state, rollout), meta)
+    items, meta = state_items(state, rollout), meta | state_meta(state, rollout)
+    self.ckpt.save(step, items, meta)
 
   def _prompts(self, n: int) -> tuple[list[dict], list[int]]:
     """The local prompt batches of the next `n` steps and how many of each were truncated."""
