@@ -142,15 +142,16 @@ class Stepper:
     `time/sample_s`, `time/reward_s`, `time/train_s`.
     """
     t0 = time.perf_counter()
+    # The programs of this state's structure: the same before and after the step.
+    progs = programs.programs(self.fns, self.opts, state)
     pending, self._pending = self._pending, None
     if pending is None or pending[0] != step:
-      pending = (step, *self._sample(state, step, read))
+      pending = (step, *self._sample(progs, state, step, read))
     _, read_info, sampled = pending
     jax.block_until_ready(sampled.fin.out)
     t1 = time.perf_counter()
     if prefetch:
-      self._pending = (step + 1, *self._sample(state, step + 1, read))
-    progs = programs.programs(self.fns, self.opts, state)
+      self._pending = (step + 1, *self._sample(progs, state, step + 1, read))
     state, row = learn(
       self.fns, progs, self.rollout, state, sampled, step, self.seed, self.schedule
     )
@@ -159,9 +160,8 @@ class Stepper:
     row["time/train_s"] = time.perf_counter() - t1 - row["time/reward_s"]
     return state, row
 
-  def _sample(self, state, step: int, read) -> tuple[Any, Sampled]:
+  def _sample(self, progs, state, step: int, read) -> tuple[Any, Sampled]:
     prompts, read_info = read()
-    progs = programs.programs(self.fns, self.opts, state)
     args = (self.rollout, state, prompts, step, self.seed, self.schedule)
     return read_info, sample(self.fns, progs, *args)
 
