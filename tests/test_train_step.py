@@ -168,9 +168,16 @@ def test_nonfinite_optimizer_state_skips_step(setup):
 def test_all_finite():
   tree = {"w": jnp.ones((2, 3)), "count": jnp.asarray(3, jnp.int32), "empty": ()}
   assert bool(train_state.all_finite(tree)) and bool(train_state.all_finite(()))
+  # The largest finite values are finite (their sum would overflow; x * 0 does not).
+  huge = {
+    "f32": jnp.full((4,), jnp.finfo(jnp.float32).max),
+    "bf16": jnp.full((4,), 3e38, jnp.bfloat16),
+  }
+  assert bool(jax.jit(train_state.all_finite)(huge))
   for bad in (jnp.nan, jnp.inf, -jnp.inf):
-    tree["w"] = tree["w"].at[1, 2].set(bad)
+    tree["w"] = jnp.ones((2, 3)).at[1, 2].set(bad)
     assert not bool(jax.jit(train_state.all_finite)(tree))
+    assert not bool(train_state.all_finite({**huge, "bf16": huge["bf16"].at[0].set(bad)}))
 
 
 def test_zero_weights_drop_rows(setup):

@@ -185,12 +185,16 @@ def all_finite(tree: Any) -> jax.Array:
   Returns:
     bool [] array.
   """
-  oks = [
-    jnp.isfinite(x).all()
+  # x * 0 is 0 where x is finite and NaN where it is NaN or +-inf, so the sum over every
+  # leaf is finite exactly when every element is (sums of zeros are exact). One sum per
+  # leaf and one scalar test compile faster than a boolean `all` per leaf: qwen2.5-0.5b's
+  # train step 18.3-18.7 s against 20.5-22.4 s (docs/results/compile_time.md).
+  zeros = [
+    jnp.sum(x * 0).astype(jnp.float32)
     for x in jax.tree.leaves(tree)
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
   ]
-  return jnp.stack(oks).all() if oks else jnp.array(True)
+  return jnp.isfinite(sum(zeros, jnp.float32(0)))
 
 
 def keep_if(ok: jax.Array, new: Any, old: Any) -> Any:
