@@ -49,7 +49,7 @@ from offpolicy_jax import config_schema
 # The default grid: the methods whose claims the paper makes (REINFORCE collapses under lag;
 # REC-OneSide-NoIS learns like GRPO; wide clipping learns faster under lag; OPMD, AsymRE and
 # RED work). 8 methods x 5 lags x 12 seeds + the A/A twin fit the 60-minute budget here (42 min
-# 33 s); all 16 do not (about 74 minutes, measured), so the rest run in the `toy_full` scale
+# 33 s); all 16 do not (65-74 minutes, measured), so the rest run in the `toy_full` scale
 # (docs/results/lag_study.md).
 METHODS = ",".join(
   (

@@ -658,7 +658,6 @@ RESULTS = os.path.join(REPO, "experiments", "results")
 # Studies committed before every study kept its per-run data: only their study.md is here.
 WITHOUT_CSV = {
   "lag_study_code",
-  "lag_study_full",
 }
 
 
