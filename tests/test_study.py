@@ -405,6 +405,45 @@ def test_host_scored_task_runs_the_same_cell_as_the_device_reward(mini, monkeypa
     np.testing.assert_allclose(a["staleness_mean"], b["staleness_mean"])
 
 
+def _reward_that_raises(example, text):
+  raise RuntimeError("a verifier that fails on every answer")
+
+
+def test_failed_host_rewards_are_counted_per_run_and_reported(mini, monkeypatch):
+  """Every sandboxed reward fails (scored 0): each run counts its evaluation and training
+  failures, the CSV keeps them and study.md tabulates them; the device-reward cells have none."""
+  config, _, cells, _ = mini
+  base, grid = study_grid.grid_from_config(config)
+  real_get_task = tasks.get_task
+  monkeypatch.setattr(
+    tasks,
+    "get_task",
+    lambda name, **kw: dataclasses.replace(
+      real_get_task(name, **kw), device_reward=None, reward=_reward_that_raises
+    ),
+  )
+  components.clear_cache()
+  try:
+    cell = study_cell.run_cell(base, grid, "grpo", "offline")
+  finally:
+    components.clear_cache()
+  rows_per_step = config.prompts_per_step * config.group_size
+  for run in cell["runs"]:
+    failed = run["reward_failures"]
+    assert failed["train_reward_failures"] == config.total_steps * rows_per_step, failed
+    evaluations = len(run["eval_steps"])
+    assert failed["eval_reward_failures"] > 0 and failed["eval_reward_failures"] % evaluations == 0
+    assert max(run["eval_accuracy"]) == 0.0
+  ok = cells["grpo", "onpolicy"]["runs"][0]["reward_failures"]
+  assert ok == {"eval_reward_failures": 0.0, "train_reward_failures": 0.0}
+  rows = study_report.cell_rows(cell, config.study.eval_last)
+  assert {r["metric"] for r in rows} >= {"eval_reward_failures", "train_reward_failures"}
+  # The section appears only where something failed.
+  quiet = study_report.cell_rows(cells["grpo", "onpolicy"], config.study.eval_last)
+  assert "## Reward failures" in "\n".join(study_report.tables(config, quiet + rows))
+  assert "## Reward failures" not in "\n".join(study_report.tables(config, quiet))
+
+
 def test_engine_settings_reach_the_cells_config_and_the_report(mini, monkeypatch, tmp_path):
   """A `+engine` lag builds its cell with the engine's overrides; study.md tabulates diagnostics.
 

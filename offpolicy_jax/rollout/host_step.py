@@ -223,10 +223,12 @@ def steps_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, 
         host.append(host_s)
       stack = lambda *x: jnp.stack([jnp.asarray(y) for y in x])
       stacked = jax.tree.map(stack, *map(_device, per_seed))
-    rewards = jnp.stack([_rewards(fns, f) for f in per_seed])
+    scored = [_rewards(fns, f) for f in per_seed]
+    rewards = jnp.stack([r for r, _ in scored])
     args = (rstate, stacked, rewards, info, v, step, seeds, schedule)
     state, m = progs.learn_finished(state, *args)
     m = dict(m)
+    m["reward_failures"] = jnp.asarray([f for _, f in scored], jnp.float32)
     for name in episodes.EPISODE_STATS:
       if name in host[0]:
         m[name] = jnp.asarray([h[name] for h in host], jnp.float32)
@@ -234,9 +236,13 @@ def steps_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, 
   return state, jax.tree.map(lambda *x: jnp.stack(x, axis=1), *rows)
 
 
-def _rewards(fns: StepFns, fin: Finished):
-  """One seed's rewards: the rollout's own, or scored (device, or the sandboxed workers)."""
-  return fin.rewards if fin.rewards is not None else pipeline.score(fns, fin.prompts, fin.out)[0]
+def _rewards(fns: StepFns, fin: Finished) -> tuple[Any, int]:
+  """One seed's rewards and how many failed (scored 0): the rollout's own, or scored (device,
+  or the sandboxed workers)."""
+  if fin.rewards is not None:
+    return fin.rewards, 0
+  rewards, stats = pipeline.score(fns, fin.prompts, fin.out)
+  return rewards, int(stats["reward_failures"])
 
 
 def _scalar(fns: StepFns, x) -> jax.Array:

@@ -52,7 +52,11 @@ def evaluate(
   batch_size: int = 0,
   base=None,
 ):
-  """Greedy accuracy [S] (and pass@k [S] when k >= 2) of seed-stacked `params` (over `base`).
+  """Greedy accuracy [S], pass@k [S] (k >= 2, else None) and reward failures [S] of `params`.
+
+  `params` are seed-stacked (over `base`). A failure is a response whose
+  sandboxed reward timed out, raised or crashed (scored 0): a host reward
+  under load can turn a correct answer into a failure, so a cell records them.
 
   The run's evaluator (`evaluation.evaluate_seeds`) on the first `num_prompts`
   held-out prompts, `batch_size` at a time (0: all at once), pass@k sampled
@@ -62,7 +66,7 @@ def evaluate(
   ev = evaluation.evaluate_seeds(
     fns, params, keys, num_prompts, k, batch_size=batch_size or num_prompts, base=base
   )
-  return ev["accuracy"], ev.get(f"pass@{k}")
+  return ev["accuracy"], ev.get(f"pass@{k}"), ev["reward_failures"]
 
 
 def _prompt_chunk(iters: list, n: int, host_fields: bool) -> dict[str, Any]:
@@ -141,7 +145,7 @@ def _run_seeds(
   schedule = rl_step.LagSchedule(*(jnp.int32(x) for x in schedule_mn))
   device = fns.reward.device is not None
   ev = dict(batch_size=grid.eval_batch, base=state.base)
-  acc0, _ = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
+  acc0, _, eval_fails = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
   eval_steps, accs, metrics_l, pass_k = [0], [acc0], [], None
   for start in range(0, run.total_steps, run.eval_every):
     prompts = _prompt_chunk(iters, run.eval_every, not device)
@@ -154,7 +158,10 @@ def _run_seeds(
     metrics_l.append(jax.device_get(out))
     end = start + run.eval_every
     k = run.eval_samples if end == run.total_steps else 0
-    acc, solved = evaluate(fns, state.train.params, streams, run.eval_prompts, k=k, step=end, **ev)
+    acc, solved, fails = evaluate(
+      fns, state.train.params, streams, run.eval_prompts, k=k, step=end, **ev
+    )
+    eval_fails = eval_fails + fails
     eval_steps.append(end)
     accs.append(acc)
     pass_k = solved if solved is not None else pass_k
@@ -171,6 +178,13 @@ def _run_seeds(
       f"pass@{run.eval_samples}": None if pass_k is None else float(pass_k[i]),
       "snapshot_missing": bool(out["snapshot_missing"][i].any()),
       "off_policy": {k: float(np.mean(out[k][i])) for k in OFF_POLICY_METRICS if k in out},
+      # Sandboxed rewards that failed (scored 0) in evaluations and in training.
+      "reward_failures": {
+        "eval_reward_failures": float(eval_fails[i]),
+        "train_reward_failures": float(out["reward_failures"][i].sum())
+        if "reward_failures" in out
+        else 0.0,
+      },
     }
     for i, seed in enumerate(seeds)
   ]

@@ -28,6 +28,8 @@ FASTER = {study_stats.WORSE: "faster", study_stats.BETTER: "slower", study_stats
 
 
 # Off-policy diagnostics tabulated when the runs recorded them (`study.cell.OFF_POLICY_METRICS`).
+# Per-run counts of sandboxed rewards scored 0 after a timeout, error or crash (`study.cell`).
+REWARD_FAILURES = ("eval_reward_failures", "train_reward_failures")
 OFF_POLICY_TABLES = (
   "staleness_kl_k3",
   "mismatch_kl_k3",
@@ -404,6 +406,22 @@ def _run_sections(values, main, lags, seeds) -> list[str]:
     "",
   ]
   lines += _md(["method", *lags], grid("collapsed", lambda x: f"{int(sum(x))}/{len(x)}"))
+  failures = [
+    k for k in REWARD_FAILURES if any(key[2] == k and any(v.values()) for key, v in values.items())
+  ]
+  if failures:
+    lines += [
+      "",
+      "## Reward failures",
+      "",
+      "Sandboxed rewards that timed out, raised or crashed and were scored 0, summed over the "
+      "seeds (evaluations: every held-out answer of every evaluation; training: every "
+      "response). On a loaded machine a timeout turns a correct answer into 0: a cell with "
+      "failures measured the machine too; rerun it (delete its cell file) on an idle one.",
+    ]
+    for metric in failures:
+      lines += ["", f"`{metric}`", ""]
+      lines += _md(["method", *lags], grid(metric, lambda x: f"{int(sum(x))}"))
   diagnostics = [k for k in OFF_POLICY_TABLES if any(key[2] == k for key in values)]
   if diagnostics:
     lines += [

@@ -197,6 +197,18 @@ def _run_and_write(config, path: str, method: str, lag_name: str, starts: Starts
   record = run_cell(base, grid, method, lag_name, starts)
   record["seconds"] = time.perf_counter() - begin
   _write_json(cell_path(path, method, lag_name), record)
+  failed = {
+    k: sum(r.get("reward_failures", {}).get(k, 0) for r in record["runs"])
+    for k in ("eval_reward_failures", "train_reward_failures")
+  }
+  if any(failed.values()):  # to the cell's log; the report has a table of them
+    print(
+      f"cell {method}@{lag_name}: {failed['eval_reward_failures']:.0f} evaluation and "
+      f"{failed['train_reward_failures']:.0f} training rewards failed (timed out, raised or "
+      "crashed; scored 0): on a loaded machine that measures the machine; rerun the cell "
+      "(delete its file) on an idle one or raise reward_timeout",
+      flush=True,
+    )
   return record
 
 
