@@ -201,13 +201,14 @@ def test_miniature_study_writes_tables_csv_and_plots(mini):
     assert stale == ([3.0, 3.0] if offline else [0.0, 0.0])
 
 
-def test_interrupted_study_reruns_only_missing_cells_and_gets_the_same_numbers(mini):
-  """The rerun's cell runs in a worker process, from the warm starts the first run stored."""
+def test_interrupted_study_reruns_only_missing_cells_and_gets_the_same_numbers(mini, tmp_path):
+  """The rerun's cell runs in a worker process, from the warm starts the first run stored;
+  the rerun returns (and reports) the cells in the grid's order, not the order they finished."""
   config, path, cells, _ = mini
-  victim = study.cell_path(path, "twin", "offline")
-  before = {
-    f: os.path.getmtime(study.cell_path(path, *f)) for f in cells if f != ("twin", "offline")
-  }
+  _, grid = study_grid.grid_from_config(config)
+  first = grid.cells()[0]
+  victim = study.cell_path(path, *first)
+  before = {f: os.path.getmtime(study.cell_path(path, *f)) for f in cells if f != first}
   starts = os.path.join(path, study.STARTS_DIR)
   assert sorted(x for x in os.listdir(starts) if x.isdigit()) == ["0", "1"]  # the two seeds
   stored = {x: os.path.getmtime(os.path.join(starts, x)) for x in os.listdir(starts)}
@@ -217,11 +218,16 @@ def test_interrupted_study_reruns_only_missing_cells_and_gets_the_same_numbers(m
   assert "5/6 cells done, 1 to run" in logs[0]
   assert {f: os.path.getmtime(study.cell_path(path, *f)) for f in before} == before
   assert {x: os.path.getmtime(os.path.join(starts, x)) for x in os.listdir(starts)} == stored
-  assert os.path.exists(os.path.join(path, "cells", "twin@offline.log"))
-  old, new = cells["twin", "offline"]["runs"], again["twin", "offline"]["runs"]
+  assert os.path.exists(os.path.join(path, "cells", f"{first[0]}@{first[1]}.log"))
+  old, new = cells[first]["runs"], again[first]["runs"]
   for a, b in zip(old, new, strict=True):
     np.testing.assert_allclose(a["eval_accuracy"], b["eval_accuracy"])
     np.testing.assert_allclose(a["train_reward"], b["train_reward"], rtol=1e-5)
+  assert list(again) == list(grid.cells())
+  shuffled = dict(reversed(list(again.items())))
+  study_report.write_report(config, str(tmp_path), shuffled)
+  header = next(x for x in open(tmp_path / "study.md") if x.startswith("| method |"))
+  assert header == "| method | onpolicy | offline |\n", header
 
 
 def test_changed_config_is_refused_and_corrupt_cell_is_named(mini):

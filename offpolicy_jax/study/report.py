@@ -170,7 +170,10 @@ def tables(config, rows: list[dict]) -> list[str]:
 def write_report(config, path: str, cells: Mapping) -> list[str]:
   """study.csv, study.md (the tables, then the bandit) and the plots of the finished `cells`."""
   _, grid = study_grid.grid_from_config(config)
-  rows = [r for c in cells.values() for r in cell_rows(c, grid.eval_last)]
+  # The grid's order, whatever order the cells finished in (the tables follow the rows).
+  ordered = [cells[c] for c in grid.cells() if c in cells]
+  ordered += [c for key, c in cells.items() if key not in grid.cells()]
+  rows = [r for c in ordered for r in cell_rows(c, grid.eval_last)]
   csv_path = write_csv(os.path.join(path, "study.csv"), rows)
   st = StudySpec.from_config(config)
   kw = dict(steps=st.bandit_steps, group_size=st.bandit_group_size)

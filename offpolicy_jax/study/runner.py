@@ -378,4 +378,6 @@ def run_study(
       starts.close()
   if failed:
     raise StudyError(failed, total)
-  return cells
+  # In the grid's order (a resumed study finished its cells in another): the report's
+  # columns and rows follow it.
+  return {cell: cells[cell] for cell in grid.cells() if cell in cells}
