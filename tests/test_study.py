@@ -389,22 +389,30 @@ def test_unknown_loss_and_wrong_shape_cells_are_refused_naming_them(mini, tmp_pa
     study_report.read_csv(str(tmp_path / "x.png"))
 
 
-def test_host_scored_task_runs_the_same_cell_as_the_device_reward(mini, monkeypatch):
-  """The study's host-reward path (vmapped rollout, sandboxed scoring per seed, vmapped
-  learning) gives the device-reward path's numbers: the synthetic task's host twin."""
-  config, _, cells, _ = mini
+def _host_scored_cell(config, monkeypatch, **task_changes) -> dict:
+  """grpo@offline of `config`'s grid with the task's reward scored on the host (the sandboxed
+  workers), with `task_changes` to the task."""
   base, grid = study_grid.grid_from_config(config)
   real_get_task = tasks.get_task
   monkeypatch.setattr(
     tasks,
     "get_task",
-    lambda name, **kw: dataclasses.replace(real_get_task(name, **kw), device_reward=None),
+    lambda name, **kw: dataclasses.replace(
+      real_get_task(name, **kw), device_reward=None, **task_changes
+    ),
   )
   components.clear_cache()
   try:
-    cell = study_cell.run_cell(base, grid, "grpo", "offline")
+    return study_cell.run_cell(base, grid, "grpo", "offline")
   finally:
     components.clear_cache()
+
+
+def test_host_scored_task_runs_the_same_cell_as_the_device_reward(mini, monkeypatch):
+  """The study's host-reward path (vmapped rollout, sandboxed scoring per seed, vmapped
+  learning) gives the device-reward path's numbers: the synthetic task's host twin."""
+  config, _, cells, _ = mini
+  cell = _host_scored_cell(config, monkeypatch)
   for a, b in zip(cell["runs"], cells["grpo", "offline"]["runs"], strict=True):
     np.testing.assert_allclose(a["eval_accuracy"], b["eval_accuracy"])
     np.testing.assert_allclose(a["train_reward"], b["train_reward"], rtol=1e-5)
@@ -419,20 +427,7 @@ def test_failed_host_rewards_are_counted_per_run_and_reported(mini, monkeypatch)
   """Every sandboxed reward fails (scored 0): each run counts its evaluation and training
   failures, the CSV keeps them and study.md tabulates them; the device-reward cells have none."""
   config, _, cells, _ = mini
-  base, grid = study_grid.grid_from_config(config)
-  real_get_task = tasks.get_task
-  monkeypatch.setattr(
-    tasks,
-    "get_task",
-    lambda name, **kw: dataclasses.replace(
-      real_get_task(name, **kw), device_reward=None, reward=_reward_that_raises
-    ),
-  )
-  components.clear_cache()
-  try:
-    cell = study_cell.run_cell(base, grid, "grpo", "offline")
-  finally:
-    components.clear_cache()
+  cell = _host_scored_cell(config, monkeypatch, reward=_reward_that_raises)
   rows_per_step = config.prompts_per_step * config.group_size
   for run in cell["runs"]:
     failed = run["reward_failures"]

@@ -10,7 +10,7 @@ the off-policy diagnostics.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -49,6 +49,18 @@ def summary_table(rows: list[dict]) -> tuple[list[str], list[str], dict]:
     if r["step"] in (None, ""):  # summaries (rows from `read_csv` or `cell_rows`)
       values[r["method"], r["lag"], r["metric"]][r["seed"]] = r["value"]
   return methods, lags, values
+
+
+def _metric_tables(
+  title: str, intro: str, metrics: Sequence[str], table: Callable[[str], list[str]]
+) -> list[str]:
+  """A section of one table per metric (`table(metric)`), or nothing without metrics."""
+  if not metrics:
+    return []
+  lines = ["", f"## {title}", "", intro]
+  for metric in metrics:
+    lines += ["", f"`{metric}`", "", *table(metric)]
+  return lines
 
 
 def _by_seed(d: Mapping[int, float], seeds: Sequence[int]) -> list[float]:
@@ -406,34 +418,23 @@ def _run_sections(values, main, lags, seeds) -> list[str]:
     "",
   ]
   lines += _md(["method", *lags], grid("collapsed", lambda x: f"{int(sum(x))}/{len(x)}"))
-  failures = [
-    k for k in REWARD_FAILURES if any(key[2] == k and any(v.values()) for key, v in values.items())
-  ]
-  if failures:
-    lines += [
-      "",
-      "## Reward failures",
-      "",
-      "Sandboxed rewards that timed out, raised or crashed and were scored 0, summed over the "
-      "seeds (evaluations: every held-out answer of every evaluation; training: every "
-      "response). On a loaded machine a timeout turns a correct answer into 0: a cell with "
-      "failures measured the machine too; rerun it (delete its cell file) on an idle one.",
-    ]
-    for metric in failures:
-      lines += ["", f"`{metric}`", ""]
-      lines += _md(["method", *lags], grid(metric, lambda x: f"{int(sum(x))}"))
-  diagnostics = [k for k in OFF_POLICY_TABLES if any(key[2] == k for key in values)]
-  if diagnostics:
-    lines += [
-      "",
-      "## Off-policy diagnostics",
-      "",
-      "Per-step means over the run, then the mean over seeds (docs/off_policyness.md): the "
-      "KL(mu || pi) estimate k3 of the staleness factor pi / pi_old and of the engine mismatch "
-      "pi_old / mu (0 where pi_old is not scored), and the fraction of tokens the loss clipped "
-      "or a rollout correction masked.",
-    ]
-    for metric in diagnostics:
-      lines += ["", f"`{metric}`", ""]
-      lines += _md(["method", *lags], grid(metric, lambda x: f"{float(np.mean(x)):.3g}"))
+  present = lambda k: any(key[2] == k and any(v.values()) for key, v in values.items())
+  lines += _metric_tables(
+    "Reward failures",
+    "Sandboxed rewards that timed out, raised or crashed and were scored 0, summed over the "
+    "seeds (evaluations: every held-out answer of every evaluation; training: every "
+    "response). On a loaded machine a timeout turns a correct answer into 0: a cell with "
+    "failures measured the machine too; rerun it (delete its cell file) on an idle one.",
+    [k for k in REWARD_FAILURES if present(k)],
+    lambda metric: _md(["method", *lags], grid(metric, lambda x: f"{int(sum(x))}")),
+  )
+  lines += _metric_tables(
+    "Off-policy diagnostics",
+    "Per-step means over the run, then the mean over seeds (docs/off_policyness.md): the "
+    "KL(mu || pi) estimate k3 of the staleness factor pi / pi_old and of the engine mismatch "
+    "pi_old / mu (0 where pi_old is not scored), and the fraction of tokens the loss clipped "
+    "or a rollout correction masked.",
+    [k for k in OFF_POLICY_TABLES if any(key[2] == k for key in values)],
+    lambda metric: _md(["method", *lags], grid(metric, lambda x: f"{float(np.mean(x)):.3g}")),
+  )
   return lines
