@@ -2,7 +2,7 @@
 
 A run advances in one of three ways, chosen once by `make` from the step
 functions and the lag mode (and kept when the sampler choice switches the
-sampler, `switch`):
+sampler, `switch`); `over_seeds` is the same choice for the study's seeds:
 
   Scanned  every step is one jitted program (a traced rollout and a device
            reward): a chunk of n steps runs as one `lax.scan`
@@ -70,6 +70,18 @@ class Driver(Protocol):
 def one_program(fns: StepFns) -> bool:
   """Whether a whole step of `fns` is one jitted program (a traced rollout, a device reward)."""
   return fns.rollout.traced and fns.reward.device is not None
+
+
+def over_seeds(fns: StepFns, progs, state, prompts, steps, seeds, schedule):
+  """Loop steps `steps` of S seeds' runs (the study's vmapped state): `(state, metrics [S, L])`.
+
+  One scanned, vmapped program where a step is one (`one_program`), else the
+  split step over seeds (`host_step.steps_over_seeds`); `progs` are the
+  vmapped programs (`programs(..., over_seeds=True)`).
+  """
+  if one_program(fns):
+    return progs.rl_steps(state, prompts, steps, seeds, schedule)
+  return host_step.steps_over_seeds(fns, progs, state, prompts, steps, seeds, schedule)
 
 
 def make(

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from offpolicy_jax.rollout import drivers, host_step, pipeline, programs, rl_step
+from offpolicy_jax.rollout import drivers, pipeline, programs, rl_step
 from offpolicy_jax.run import components, evaluation
 from offpolicy_jax.study import sweeps
 from offpolicy_jax.study.grid import AA_STREAM_OFFSET, Grid, grid_snapshot_slots
@@ -151,10 +151,7 @@ def _run_seeds(
     prompts = _prompt_chunk(iters, run.eval_every, not device)
     steps = jnp.arange(start + 1, start + run.eval_every + 1, dtype=jnp.int32)
     progs = programs.programs(fns, comps.replay, state, over_seeds=True)
-    if drivers.one_program(fns):  # every step one program, scanned and vmapped
-      state, out = progs.rl_steps(state, prompts, steps, seeds_a, schedule)
-    else:
-      state, out = host_step.steps_over_seeds(fns, progs, state, prompts, steps, seeds_a, schedule)
+    state, out = drivers.over_seeds(fns, progs, state, prompts, steps, seeds_a, schedule)
     metrics_l.append(jax.device_get(out))
     end = start + run.eval_every
     k = run.eval_samples if end == run.total_steps else 0
