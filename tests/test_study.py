@@ -224,6 +224,16 @@ def test_interrupted_study_reruns_only_missing_cells_and_gets_the_same_numbers(m
     np.testing.assert_allclose(a["eval_accuracy"], b["eval_accuracy"])
     np.testing.assert_allclose(a["train_reward"], b["train_reward"], rtol=1e-5)
   assert list(again) == list(grid.cells())
+  assert again[first]["machine"] == study.machine()
+  # A cell from another machine is named when the study resumes (nothing left to run here).
+  record = json.load(open(victim))
+  with open(victim, "w") as f:
+    json.dump({**record, "machine": {**record["machine"], "cpu_flags": ["elsewhere"]}}, f)
+  logs = []
+  study.run_study(config, path, log=logs.append, isolation="inline")
+  assert any("1 finished cells ran on another machine" in x and first[0] in x for x in logs), logs
+  with open(victim, "w") as f:
+    json.dump(record, f)
   shuffled = dict(reversed(list(again.items())))
   study_report.write_report(config, str(tmp_path), shuffled)
   header = next(x for x in open(tmp_path / "study.md") if x.startswith("| method |"))

@@ -34,10 +34,12 @@ import contextlib
 import json
 import math
 import os
+import platform
 import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import ml_collections
 
 from offpolicy_jax import config_schema, errors, files
@@ -186,6 +188,32 @@ class StudyError(RuntimeError):
     )
 
 
+def machine() -> dict[str, Any]:
+  """What a cell's numbers depend on beyond the code and config: the backend and the CPU.
+
+  XLA's CPU code rounds reductions differently with and without AVX-512, and
+  sampled training amplifies a last-bit difference, so the same cell differs
+  between the project's machines (docs/results/lag_study.md, the full grid).
+  """
+  flags: list[str] = []
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("flags"):
+          have = set(line.split(":", 1)[1].split())
+          flags = sorted(x for x in ("avx2", "avx512f", "avx512bf16", "amx_tile") if x in have)
+          break
+  except OSError:
+    pass
+  return {
+    "backend": jax.default_backend(),
+    "device_kind": jax.devices()[0].device_kind,
+    "machine": platform.machine(),
+    "cpu_flags": flags,
+    "jax": jax.__version__,
+  }
+
+
 def _log_path(path: str, method: str, lag_name: str) -> str:
   return os.path.splitext(cell_path(path, method, lag_name))[0] + ".log"
 
@@ -196,6 +224,7 @@ def _run_and_write(config, path: str, method: str, lag_name: str, starts: Starts
   begin = time.perf_counter()
   record = run_cell(base, grid, method, lag_name, starts)
   record["seconds"] = time.perf_counter() - begin
+  record["machine"] = machine()
   _write_json(cell_path(path, method, lag_name), record)
   failed = {
     k: sum(r.get("reward_failures", {}).get(k, 0) for r in record["runs"])
@@ -339,6 +368,15 @@ def run_study(
     todo = [c for c in grid.cells() if c not in cells]
     total, seeds, begin = len(grid.cells()), len(grid.seeds), time.perf_counter()
     log(f"study: {len(cells)}/{total} cells done, {len(todo)} to run ({seeds} seeds each)")
+    here = machine()
+    elsewhere = [f"{m}@{g}" for (m, g), c in cells.items() if c.get("machine", here) != here]
+    if elsewhere:
+      log(
+        f"study: {len(elsewhere)} finished cells ran on another machine or JAX "
+        f"({', '.join(elsewhere[:3])}{', ...' if len(elsewhere) > 3 else ''}; this one: "
+        f"{here}): on a CPU the same cell differs between instruction sets, so compare "
+        "cells from one machine (cells/<cell>.json, 'machine')"
+      )
     starts = Starts(os.path.join(path, STARTS_DIR))
     failed: dict[str, str] = {}
     try:
