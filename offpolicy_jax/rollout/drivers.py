@@ -15,8 +15,9 @@ sampler, `switch`); `over_seeds` is the same choice for the study's seeds:
            (`producer.AsyncProducer`); the trainer learns each and publishes
            its parameters.
 
-Each takes the loop's prompts from `read(n)` (the local prompt batches of n
-steps and how many prompts of each were truncated) and returns the run state
+Scanned and Split take the loop's prompts from `read(n)` (the local prompt
+batches of n steps and how many prompts of each were truncated); Async's
+producer reads the shared prompt iterator itself. Each returns the run state
 and one metrics row per step. The loop keeps the lifecycle (restore,
 evaluations, checkpoints, signals, rows) and calls `Driver.steps` alone.
 """

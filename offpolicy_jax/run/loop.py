@@ -5,8 +5,9 @@ builds what the run needs from the config, `rl_step` holds the pure step
 (see its docstring for the lag schedule and versions), and this module feeds
 it prompts, writes a metrics row per loop step, evaluates and checkpoints.
 
-Chunks. With a device reward, `log_every` steps run as one jitted `lax.scan`
-and their metrics reach the host once per chunk; the chunk length is
+Steps run through one driver (`rollout.drivers`). Chunks: with a traced
+rollout and a device reward, a chunk of steps runs as one jitted `lax.scan`
+and its metrics reach the host once per chunk; the chunk length is
 `gcd(log_every, eval_every, checkpoint_every)`, so evaluations and
 checkpoints fall on chunk ends. With a host reward, or a disaggregated
 sampler (`disagg`, `mesh.sampler_devices`), each step runs as two jitted
