@@ -32,7 +32,7 @@ def write_text_atomic(path: str, text: str, *, sync: bool = False) -> None:
   `sync`: flush it to disk before it replaces the old one (records a resume trusts).
   """
   tmp = path + ".tmp"
-  with open(tmp, "w") as f:
+  with open(tmp, "w", encoding="utf-8") as f:
     f.write(text)
     if sync:
       f.flush()

@@ -32,6 +32,8 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from offpolicy_jax.files import write_text_atomic
+
 MANIFEST = "_MANIFEST.json"
 NO_MANIFEST = "no manifest"
 _CORRUPT_DIR = "corrupt"
@@ -89,12 +91,8 @@ def write_manifest(step_dir: str) -> None:
   sizes = _file_sizes(step_dir)
   digests = _digests(step_dir, sizes)
   files = {rel: {"size": sizes[rel], "sha256": digests[rel]} for rel in sorted(sizes)}
-  tmp = os.path.join(step_dir, MANIFEST + ".tmp")
-  with open(tmp, "w") as f:
-    json.dump({"algorithm": "sha256", "files": files}, f, indent=1)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, os.path.join(step_dir, MANIFEST))
+  text = json.dumps({"algorithm": "sha256", "files": files}, indent=1)
+  write_text_atomic(os.path.join(step_dir, MANIFEST), text, sync=True)
 
 
 def in_items(names: Iterable[str]) -> Callable[[str], bool]:

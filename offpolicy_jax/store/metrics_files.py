@@ -15,6 +15,8 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+from offpolicy_jax import files
+
 METRICS_FILE = "metrics.jsonl"
 # Suffix of the file that keeps the lines a resume dropped as unreadable.
 BAD_SUFFIX = ".bad"
@@ -135,12 +137,6 @@ def truncate_metrics(path: str, last_step: int) -> int:
       f"{path}: dropped {_describe_lines(scan.bad)}; they are kept in {path}{BAD_SUFFIX}",
       stacklevel=2,
     )
-  tmp = path + ".tmp"
-  with open(tmp, "w", encoding="utf-8") as f:
-    for row in rows:
-      f.write(json.dumps(row) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  files.write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows), sync=True)
   fsync_dir(os.path.dirname(os.path.abspath(path)))
   return len(rows)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import collections
 import csv
+import io
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
+from offpolicy_jax import files
 from offpolicy_jax.config_spec import RunSpec, StudySpec
 from offpolicy_jax.study import bandit, report_tables
 from offpolicy_jax.study import grid as study_grid
@@ -58,12 +60,11 @@ def cell_rows(cell: Mapping[str, Any], eval_last: int) -> list[dict[str, Any]]:
 
 
 def write_csv(path: str, rows: Iterable[Mapping[str, Any]]) -> str:
-  tmp = path + ".tmp"
-  with open(tmp, "w", newline="") as f:
-    w = csv.DictWriter(f, FIELDS)
-    w.writeheader()
-    w.writerows(rows)
-  os.replace(tmp, path)
+  text = io.StringIO(newline="")
+  w = csv.DictWriter(text, FIELDS)
+  w.writeheader()
+  w.writerows(rows)
+  files.write_text_atomic(path, text.getvalue())
   return path
 
 
