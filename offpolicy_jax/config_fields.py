@@ -169,7 +169,7 @@ class Field(NamedTuple):
     doc: its one comment.
     check: `value -> complaint or None`, for checks that need nothing but the value.
     value_type: the type a None default accepts from the command line.
-    warm_start: the supervised warm start depends on it (`StepFns.model_key`:
+    warm_start: the supervised warm start depends on it (`StepFns.model.key`:
       runs that agree on these fields share a warm start of the same seed).
   """
 

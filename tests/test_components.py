@@ -41,7 +41,7 @@ def test_components_hold_no_config_and_share_compiled_parts():
   assert (b.run.seed, b.run.total_steps, b.run.lag.sync_interval) == (2, 6, 5)
   # A field that changes what compiles gives its own compiled part.
   c = components.build_components(small_config(temperature=0.7))
-  assert c.fns is not a.fns and c.fns.options.temperature == 0.7
+  assert c.fns is not a.fns and c.fns.learner.options.temperature == 0.7
 
 
 def test_warm_start_key_follows_the_fields_marked_warm_start():
@@ -113,7 +113,7 @@ def test_a_dropped_step_fns_is_freed_with_what_was_built_from_it():
     small_config(**{"rollout.continuous_slots": 4, "rollout.continuous_auto_steps": 2})
   )
   fns = comps.fns
-  state = rl_step.init_state(fns, fns.init_params(0), capacity_batches=1, snapshots=2)
+  state = rl_step.init_state(fns, fns.model.init_params(0), capacity_batches=1, snapshots=2)
   built = programs.programs(fns, comps.replay, state)
   assert programs.programs(fns, comps.replay, state) is built  # built once, shared
   assert evaluation.eval_prompts(fns, 4)
@@ -134,7 +134,7 @@ def test_bfloat16_moments_reach_the_run_state():
 
   comps = components.build_components(small_config(**{"optimizer.moment_dtype": "bfloat16"}))
   fns = comps.fns
-  state = rl_step.init_state(fns, fns.init_params(0), capacity_batches=1, snapshots=1)
+  state = rl_step.init_state(fns, fns.model.init_params(0), capacity_batches=1, snapshots=1)
   floats = [
     x for x in jax.tree.leaves(state.train.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)
   ]

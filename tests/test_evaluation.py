@@ -27,7 +27,7 @@ def test_eval_prompts_are_the_first_n_of_the_split(fns):
 
 
 def test_evaluate_reports_accuracy_and_pass_at_k(fns):
-  params = fns.init_params(0)
+  params = fns.model.init_params(0)
   key = jax.random.key(0)
   ev = evaluation.evaluate(fns, params, key, num_prompts=4, k=2)
   assert set(ev) == {

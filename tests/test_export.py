@@ -52,7 +52,7 @@ def _ours(workdir):
   assert config.lora.dropout == 0.2
   comps = components.build_components(config)
   base, params, _ = export._restore(workdir, comps, None)
-  return nnx.merge(comps.fns.graphdef, lora.join(base, params))
+  return nnx.merge(comps.fns.model.graphdef, lora.join(base, params))
 
 
 def test_peft_and_merged_exports_give_our_logits(lora_run, tmp_path):

@@ -28,7 +28,7 @@ def test_state_holds_adapters_only():
   comps = components.build_components(cfg)
   base, params = start.initial_weights(comps, warm_start=False)
   state = start.fresh_state(comps, params, base)
-  mcfg = nnx.merge(comps.fns.graphdef, loop.weights(state)).config
+  mcfg = nnx.merge(comps.fns.model.graphdef, loop.weights(state)).config
   adapter = mcfg.num_adapter_params()
   assert adapter and _size(state.train.params) == adapter
   assert _size(base) == mcfg.num_params()

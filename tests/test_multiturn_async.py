@@ -35,7 +35,7 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
   cfg = _config(**{"rollout.score_old": True, "sft.enabled": False})
   fns = components.build_components(cfg).fns
   prompts = next(pipeline.prompt_iterator(fns, seed=0))
-  p0 = fns.init_params(0)
+  p0 = fns.model.init_params(0)
   p1 = _perturbed(p0, 1)
   asked = []
 
@@ -54,7 +54,7 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
   # pi_old of each token is the learner's score at its own version's parameters.
   tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
   out = episodes.play(
-    fns.episodes,
+    fns.rollout.ep,
     p0,
     prompts,
     _examples(fns, prompts),
@@ -63,8 +63,8 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
     update_params=lambda t: p1 if t == 1 else None,
   ).out
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(batch.tokens))
-  s0 = np.asarray(fns.score_old(p0, tokens, lengths, out))
-  s1 = np.asarray(fns.score_old(p1, tokens, lengths, out))
+  s0 = np.asarray(fns.rollout.score_old(p0, tokens, lengths, out))
+  s1 = np.asarray(fns.rollout.score_old(p1, tokens, lengths, out))
   old = np.asarray(batch.old_logp)
   np.testing.assert_allclose(old[mask & (turn == 0)], s0[mask & (turn == 0)], atol=1e-5)
   np.testing.assert_allclose(old[later], s1[later], atol=1e-5)

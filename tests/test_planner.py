@@ -47,11 +47,13 @@ def _measured(variant: str):
   fns = components.build_components(config).fns
   slots = lag.snapshot_capacity(config.lag.sync_interval, config.lag.sync_offset)
   state = rl_step.init_state(
-    fns, fns.init_params(0), capacity_batches=config.replay.capacity_batches, snapshots=slots
+    fns, fns.model.init_params(0), capacity_batches=config.replay.capacity_batches, snapshots=slots
   )
-  batch = sharding.shard_batch(pipeline.empty_batch(fns.sizes), fns.mesh)
-  step = functools.partial(train_step.train_step, fns.graphdef, fns.optimizer, fns.options)
-  with jax.set_mesh(fns.mesh):
+  batch = sharding.shard_batch(pipeline.empty_batch(fns.sizes), fns.model.mesh)
+  step = functools.partial(
+    train_step.train_step, fns.model.graphdef, fns.learner.optimizer, fns.learner.options
+  )
+  with jax.set_mesh(fns.model.mesh):
     compiled = (
       jax.jit(step, donate_argnums=0).lower(state.train, batch, jax.random.key(0), None).compile()
     )
@@ -118,7 +120,7 @@ def test_plan_sizes_replay_snapshots_and_kv_cache_as_the_run_does(overrides, mon
   config.lock()
   comps = components.build_components(config)
   fns, run = comps.fns, comps.run
-  params = fns.init_params(0)
+  params = fns.model.init_params(0)
   slots = components.snapshot_slots(run.lag.mode, run.lag.sync_interval, run.lag.sync_offset)
   state = rl_step.init_state(
     fns, params, capacity_batches=comps.replay_capacity_batches, snapshots=slots
@@ -126,7 +128,7 @@ def test_plan_sizes_replay_snapshots_and_kv_cache_as_the_run_does(overrides, mon
   got = planner.plan(config, devices=8, bytes_per_device=None, activations="analytic")
   # Replay buffer (partial rollouts: L = ceil(8 / 3) = 3 batches > capacity_batches) and snapshots.
   assert comps.replay_capacity_batches == (3 if config.rollout.partial_budget else 2)
-  trainer_device = fns.mesh.devices.flat[0]
+  trainer_device = fns.model.mesh.devices.flat[0]
   assert abs(got.bytes["replay buffer"] - _device_bytes(state.replay, trainer_device)) <= 64
   assert got.bytes["lag snapshots"] == _device_bytes(state.snapshots.params, trainer_device)
   # The KV caches the run's own sampler allocates, on the mesh it samples on.
@@ -138,9 +140,9 @@ def test_plan_sizes_replay_snapshots_and_kv_cache_as_the_run_does(overrides, mon
     tokens, lengths = jnp.zeros((g, p), jnp.int32), jnp.full((g,), p, jnp.int32)
     caches = _traced_caches(monkeypatch, fns.sampler.__wrapped__, params, tokens, lengths, _KEY)
   assert tuple(caches) == planner.sampler_caches(config)
-  mesh = fns.sampler_mesh or fns.mesh
+  mesh = fns.sampler_mesh or fns.model.mesh
   assert got.sampler == (None if fns.sampler_mesh is None else dict(mesh.shape))
-  mc = nnx.merge(fns.graphdef, params).config
+  mc = nnx.merge(fns.model.graphdef, params).config
   shards = sharding.axis_size(mesh, sharding.BATCH_AXES)
   per_token = mc.kv_bytes_per_token() // mesh.shape[sharding.TENSOR]
   assert got.bytes["KV cache (sampler)"] == sum(r // shards * n * per_token for r, n in caches)

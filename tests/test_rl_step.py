@@ -40,7 +40,7 @@ SEEDS = (0, 1, 2)
 
 
 def _state(fns, seed):
-  return rl_step.init_state(fns, fns.init_params(seed), capacity_batches=1, snapshots=2)
+  return rl_step.init_state(fns, fns.model.init_params(seed), capacity_batches=1, snapshots=2)
 
 
 def _prompts(fns, seed, steps):

@@ -40,7 +40,7 @@ def test_warm_start_with_nan_learning_rate_raises(sft_env, monkeypatch):
   with pytest.raises(FloatingPointError, match=match):
     sft.warm_start(
       sft_env,
-      sft_env.init_params(0),
+      sft_env.model.init_params(0),
       steps=2,
       batch_size=4,
       learning_rate=float("nan"),

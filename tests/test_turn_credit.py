@@ -161,13 +161,13 @@ def test_played_episodes_pack_to_per_turn_advantages_and_the_run_trains(tmp_path
   components.clear_cache()
   cfg = _step_paid_config(**{"multiturn.credit": "turn", "multiturn.gamma": 0.9})
   fns = components.build_components(cfg).fns
-  assert fns.episodes.credit == "turn"
+  assert fns.rollout.ep.credit == "turn"
   it = pipeline.prompt_iterator(fns, seed=0)
   prompts = next(it)
-  params = fns.init_params(0)
+  params = fns.model.init_params(0)
   examples = [dict(e) for e in _examples(fns, prompts)]
   played = episodes.play(
-    fns.episodes, params, prompts, examples, jax.random.key(3), group_size=fns.sizes.group_size
+    fns.rollout.ep, params, prompts, examples, jax.random.key(3), group_size=fns.sizes.group_size
   )
   assert played.turn_rewards.shape == (len(examples) * fns.sizes.group_size, 4)
   np.testing.assert_allclose(np.nansum(played.turn_rewards, 1), played.rewards, atol=1e-6)
@@ -178,7 +178,9 @@ def test_played_episodes_pack_to_per_turn_advantages_and_the_run_trains(tmp_path
   batch = pipeline.pack(fns.packing, device, played.out, played.turn_rewards, 0, jax.random.key(0))
   a_t = np.asarray(
     advantages.per_turn(
-      fns.advantage, played.turn_rewards.reshape(len(examples), fns.sizes.group_size, 4), gamma=0.9
+      fns.packing.advantage,
+      played.turn_rewards.reshape(len(examples), fns.sizes.group_size, 4),
+      gamma=0.9,
     )
   ).reshape(-1, 4)
   mask = np.asarray(played.out.mask)

@@ -1,6 +1,9 @@
-"""`StepOptions`: the train step's static settings, and their checks."""
+"""`StepOptions`: the train step's static settings, and their checks; `LearnerParts`."""
 
+import dataclasses
 from typing import NamedTuple
+
+import optax
 
 from offpolicy_jax import losses
 
@@ -59,6 +62,23 @@ class StepOptions(NamedTuple):
   def skips_rows(self) -> bool:
     """Whether zero-advantage rows are left out (asked for, and exact for the loss)."""
     return self.skip_zero_advantage and self.spec.zero_advantage_inert
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LearnerParts:
+  """The learner half of a run's static parts (`rl_step.StepFns.learner`).
+
+  Versions count optimizer steps: the train step takes U of them per loop
+  step, so the batch of loop step t records version `t * U` (`version`, the
+  one place of that unit).
+  """
+
+  options: StepOptions
+  optimizer: optax.GradientTransformation
+
+  def version(self, loop_step):
+    """The parameter version (optimizer steps) after loop step `loop_step`: `loop_step * U`."""
+    return loop_step * self.options.updates
 
 
 def check_options(options: StepOptions) -> None:

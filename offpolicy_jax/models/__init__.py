@@ -18,6 +18,7 @@ models.lora.save_peft(model, "/tmp/adapter")                       # peft loads 
   lora           base / adapter split, merging, PEFT import / export
   logprobs       memory-light teacher-forced log-probs and entropies
   tokenizers     a tiny character tokenizer and an HF `tokenizers` wrapper
+  parts          `ModelParts`: a run's mesh, graph, initialiser, tokenizer and adapters
 """
 
 from offpolicy_jax.models import lora

@@ -117,7 +117,9 @@ def make(
   if lag_mode == "async":
     return Async(run, state, step, data, max_staleness)
   if fns.sampler_mesh is not None:  # a sync run samples on its own mesh
-    placed = sampler_mesh.OnSamplerMesh(fns.rollout, fns.sampler_mesh, fns.mesh, fns.split)
+    placed = sampler_mesh.OnSamplerMesh(
+      fns.rollout, fns.sampler_mesh, fns.model.mesh, fns.model.split
+    )
     return Split(run, placed, read, may_prefetch)
   if one_program(fns):
     return Scanned(run, read)
@@ -129,7 +131,7 @@ class _Run:
 
   def __init__(self, fns: StepFns, replay: ReplayOptions, seed: int, sync: tuple[int, int]):
     self.fns, self.replay, self.seed_int, self.sync = fns, replay, seed, sync
-    self.rep = sharding.replicated(fns.mesh)
+    self.rep = sharding.replicated(fns.model.mesh)
     put = lambda v: jax.device_put(jnp.int32(v), self.rep)
     self.seed = put(seed)
     self.schedule = LagSchedule(*map(put, sync))
@@ -155,7 +157,7 @@ class Scanned:
     run = self._run
     local, truncated = self._read(n)
     stacked = {k: np.stack([p[k] for p in local]) for k in pipeline.DEVICE_FIELDS}
-    prompts = pipeline.assemble_global(self.fns.mesh, stacked, leading_axes=1)
+    prompts = pipeline.assemble_global(self.fns.model.mesh, stacked, leading_axes=1)
     steps = jax.device_put(np.arange(step + 1, step + n + 1, dtype=np.int32), run.rep)
     fn = programs(self.fns, run.replay, state).rl_steps
     begin = time.perf_counter()
@@ -202,7 +204,7 @@ class Split:
 
   def _read_one(self) -> tuple[dict[str, Any], int]:
     (local,), (truncated,) = self._read(1)
-    return pipeline.assemble_global(self.fns.mesh, local), truncated
+    return pipeline.assemble_global(self.fns.model.mesh, local), truncated
 
   def steps(self, state, step: int, n: int):
     assert n == 1, n
@@ -252,7 +254,7 @@ class Async:
     oldest_a = jnp.min(jnp.where(batch.mask > 0, batch.versions, big))
     row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
     oldest = int(oldest_a)
-    row["behavior_version"] = oldest if oldest != big else self.fns.version(step - 1)
+    row["behavior_version"] = oldest if oldest != big else self.fns.learner.version(step - 1)
     row.update(info)
     row.update(published)
     row["time/sample_s"] = row.pop("sample_time_s")

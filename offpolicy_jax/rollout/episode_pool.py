@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import types
+from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rollout import data, episodes, pipeline
 from offpolicy_jax.rollout.protocol import Finished, pi_old
 from offpolicy_jax.sampling import SampleOutput, multiturn, turn_pieces
@@ -84,7 +85,7 @@ class EpisodePool:
   """
 
   ep: episodes.Episodes
-  task: Any
+  task: tasks.Task
   sizes: pipeline.Sizes
   budget: int
   prompt_fields: dict[str, tuple[tuple[int, ...], Any]]

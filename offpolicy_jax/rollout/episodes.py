@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import types
-from offpolicy_jax.rewards import environments
+from offpolicy_jax.rewards import environments, tasks
 from offpolicy_jax.rollout import data, pipeline
 from offpolicy_jax.rollout.protocol import Finished, Stateless, pi_old
 from offpolicy_jax.sampling import SampleOutput
@@ -351,7 +351,7 @@ class WholeEpisodes(Stateless):
   """
 
   ep: Episodes
-  task: Any
+  task: tasks.Task
   group_size: int
   score_old: Callable | None = None
   traced = False

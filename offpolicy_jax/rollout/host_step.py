@@ -75,7 +75,7 @@ def sample(
     return Sampled(rstate, fin._replace(prompts={**prompts, **fin.prompts}), info, {}, v, found)
   params, v, found = progs.behaviour(state, step_a, schedule)
   key = pipeline.step_key(seed, step, pipeline.SAMPLE)
-  version = fns.version(int(v))
+  version = fns.learner.version(int(v))
   params = rl_step.weights(state, params)
   rstate, fin, host = rollout.advance(state.rollout, params, version, prompts, step, key)
   return Sampled(rstate, fin, {}, host, v, found)
@@ -217,7 +217,7 @@ def steps_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, 
         one = {k: x[s] for k, x in prompts.items()}
         whole = models.lora.join(state.base, jax.tree.map(lambda x, s=s: x[s], params))
         key = pipeline.step_key(seed, int(step), pipeline.SAMPLE)
-        version = fns.version(int(v[s]))
+        version = fns.learner.version(int(v[s]))
         _, fin_s, host_s = rollout.advance(None, whole, version, one, int(step), key)
         per_seed.append(fin_s)
         host.append(host_s)
@@ -247,4 +247,4 @@ def _rewards(fns: StepFns, fin: Finished) -> tuple[Any, int]:
 
 def _scalar(fns: StepFns, x) -> jax.Array:
   """`x` as an int32 scalar replicated on the run's mesh."""
-  return jax.device_put(np.int32(x), sharding.replicated(fns.mesh))
+  return jax.device_put(np.int32(x), sharding.replicated(fns.model.mesh))

@@ -167,7 +167,7 @@ def prompt_iterator(fns: StepFns, seed: int, split: str = "train", batch_size: i
   rows = batch_size is None and jax.process_count() > 1
   it = data.prompt_iterator(
     fns.task,
-    fns.tokenizer,
+    fns.model.tokenizer,
     batch_size=fns.sizes.prompts_per_step if batch_size is None else batch_size,
     max_prompt_len=fns.sizes.max_prompt_len,
     seed=seed,
@@ -225,7 +225,7 @@ def score_on_host(fns: StepFns, prompts: dict, rollout, *, split: str, group_siz
   index = np.asarray(prompts["index"])[lo // group_size : (lo + len(tokens)) // group_size]
   examples = data.examples(fns.task, split, index.tolist())
   examples = [ex for ex in examples for _ in range(group_size)]
-  texts = [fns.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
+  texts = [fns.model.tokenizer.decode(t[:n]) for t, n in zip(tokens, lengths, strict=True)]
   assert reward.host is not None, "score_on_host needs a host reward"
   res = rewards.score_batch(
     reward.host,
@@ -306,7 +306,7 @@ def pack(
       (`multiturn.credit = "turn"`): token advantages are then per turn
       (`advantages.per_turn`, turns = runs of policy tokens, `types.turn_ids`)
       and the batch's reward is their sum.
-    version: the behaviour parameters' version, in optimizer steps (`fns.version`),
+    version: the behaviour parameters' version, in optimizer steps (`fns.learner.version`),
       or int [B, N] per token (episodes whose turns were drawn by different versions).
     key: PRNG key of stochastic advantage estimators.
     valid: optional bool [G], the groups the advantages are computed over (the

@@ -77,7 +77,7 @@ class AsyncProducer:
   ):
     self._fns, self._data, self._seed = fns, data_iter, seed
     self._produced = step
-    self._mesh = fns.sampler_mesh or fns.mesh
+    self._mesh = fns.sampler_mesh or fns.model.mesh
     self._copy, place = None, None
     self._base = base
     if fns.sampler_mesh is not None:
@@ -85,9 +85,9 @@ class AsyncProducer:
       place = lambda p: jax.block_until_ready(copy.place(p))
       if base is not None:
         self._base = jax.block_until_ready(disagg.SamplerParams(fns.sampler_mesh).place(base))
-    bound = fns.version(max_staleness) or 2**30
+    bound = fns.learner.version(max_staleness) or 2**30
     self.sampler = SamplerThread(
-      self._sample, params, fns.version(step), max_staleness=bound, place=place
+      self._sample, params, fns.learner.version(step), max_staleness=bound, place=place
     )
 
   def _sample(self, params, version: int):
@@ -105,7 +105,7 @@ class AsyncProducer:
         fns, fns.rollout, None, full, version, prompts, step, self._seed, latest
       )
     if self._copy is not None:  # to the trainer mesh, on this thread
-      batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.mesh))
+      batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.model.mesh))
     info["prompts_truncated"] = int((local["truncated"] & local["valid"]).sum())
     info["sample_time_s"] = time.perf_counter() - start
     return batch, info
@@ -115,7 +115,7 @@ class AsyncProducer:
 
   def get(self, step: int) -> tuple[Any, dict[str, Any]]:
     """The next batch within the staleness bound for loop step `step`, and its host info."""
-    current = self._fns.version(step - 1)
+    current = self._fns.learner.version(step - 1)
     batch, info = self.sampler.get(current_version=current, timeout=600.0, with_info=True)
     info["async_dropped_batches"] = self.sampler.stats["dropped_batches"]
     return batch, info
@@ -129,11 +129,11 @@ class AsyncProducer:
       else nothing.
     """
     if self._copy is None:
-      self.sampler.publish(params, self._fns.version(step))
+      self.sampler.publish(params, self._fns.learner.version(step))
       return {}
     jax.block_until_ready(params)  # the trainer's step is done: time only the copy
     begin = time.perf_counter()
-    self.sampler.publish(params, self._fns.version(step))
+    self.sampler.publish(params, self._fns.learner.version(step))
     return {
       "reshard_time_s": time.perf_counter() - begin,
       "reshard_bytes": disagg.tree_bytes(params),

@@ -137,7 +137,7 @@ def _base_back(fns: StepFns, jitted: Callable, donates: bool) -> Callable:
 
 def _sharded(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable:
   state_sh = jax.tree.map(lambda x: x.sharding, _traced(fns, state))
-  rep = sharding.replicated(fns.mesh)
+  rep = sharding.replicated(fns.model.mesh)
   donates = name in _DONATES_STATE
   apart = _base_apart(fn, donates)
   if donates:
@@ -147,7 +147,7 @@ def _sharded(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable
     jitted = jax.jit(apart, out_shardings=(params_sh, rep, rep))
   else:
     jitted = jax.jit(apart)
-  return _with_mesh(_base_back(fns, jitted, donates), fns.mesh)
+  return _with_mesh(_base_back(fns, jitted, donates), fns.model.mesh)
 
 
 def _vmapped(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable:
@@ -156,7 +156,7 @@ def _vmapped(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable
   donates = name in _DONATES_STATE
   vmapped = jax.vmap(_base_apart(fn, donates), in_axes=in_axes)
   jitted = jax.jit(vmapped, donate_argnums=1 if donates else ())
-  return _with_mesh(_base_back(fns, jitted, donates), fns.mesh)
+  return _with_mesh(_base_back(fns, jitted, donates), fns.model.mesh)
 
 
 def _with_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:

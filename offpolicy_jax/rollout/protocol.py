@@ -40,6 +40,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from offpolicy_jax.sampling import SampleOutput
 
@@ -67,6 +68,19 @@ class Finished(NamedTuple):
   rewards: Any = None
   valid: Any = None
   order: Any = None
+
+
+class EvalRows(NamedTuple):
+  """One seed's evaluated rows [G * k]: rewards, policy tokens, failed rewards.
+
+  Episodes add the turns each took and its tool calls (None for single-turn rows).
+  """
+
+  rewards: np.ndarray
+  lengths: np.ndarray
+  failures: int
+  turns: np.ndarray | None = None
+  tool_calls: np.ndarray | None = None
 
 
 class Rollout(Protocol):

@@ -27,7 +27,7 @@ device-reward step at once. Every PRNG key is a pure function of
 
 Versions: the train step takes ``U`` optimizer steps per batch and versions
 count optimizer steps, so the batch of step t records ``v(t) * U``
-(`StepFns.version`, the one place of that unit); the lag schedule (m, n)
+(`StepFns.learner.version`, the one place of that unit); the lag schedule (m, n)
 counts loop steps.
 """
 
@@ -39,18 +39,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
-from flax import nnx
 
 from offpolicy_jax import lag, models
 from offpolicy_jax.learn import replay, step_options, train_state, train_step
 from offpolicy_jax.learn.train_state import TrainState
-from offpolicy_jax.models import tokenizers
+from offpolicy_jax.models.parts import ModelParts
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rollout import pipeline
-from offpolicy_jax.rollout.episodes import Episodes
-from offpolicy_jax.rollout.protocol import Finished, Rollout
-from offpolicy_jax.scale import sharding
+from offpolicy_jax.rollout.protocol import EvalRows, Finished, Rollout
 
 
 class ReplayOptions(NamedTuple):
@@ -70,80 +66,59 @@ class LagSchedule(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepFns:
-  """The static parts a run's steps are built from: model, task, loss, optimizer, samplers.
+  """The static parts a run's steps are built from: model, learner, task, rollout, samplers.
 
   Frozen, and hashable by identity, so it is a static argument of the jitted
   steps: runs sharing one `StepFns` (see `components.build_components`) share
   their compiled `Programs`. It holds no config and no state; `memo` holds
   what is built from it (programs, eval batches) for as long as it lives.
+  Every choice of mode is made once, in `components`: the rollout kind, the
+  sampler, the sampler mesh and how evaluation plays its rows.
+
+  Attributes:
+    model: the parameters' mesh, graph, initialiser, tokenizer and adapters.
+    learner: the train step's options and optimizer; `learner.version` turns
+      loop steps into parameter versions.
+    task: the task (prompts, answers, its reward function).
+    sizes: the static batch shape.
+    packing: what `pipeline.pack` needs: group size, advantage estimator, turn discount.
+    reward: the task's reward (device, or host in the sandboxed workers).
+    truncate_prompts: cut prompts longer than `sizes.max_prompt_len` (else an error).
+    rollout: how the run samples (`protocol.Rollout`).
+    sampler: the behaviour sampler the rollout samples with.
+    sampler_mesh: the sampler's own mesh in a disaggregated run; None: it
+      shares `model.mesh`.
+    continuous: the continuous-batching sampler (`rollout.continuous_slots`
+      > 0), or None. `sampler` is this one unless `continuous_auto_steps` > 0:
+      then the run starts static and may switch after that many steps
+      (`sampler_choice`).
+    eval_sampler: `k -> sampler` of evaluation: greedy for k = 1, else k
+      samples per prompt at the training temperature.
+    eval_rows: how evaluation plays and scores one batch of eval prompts
+      (sampled responses, or episodes): `evaluation.sampled_rows` or
+      `evaluation.episode_rows`.
   """
 
-  mesh: jax.sharding.Mesh
-  graphdef: nnx.GraphDef
-  tokenizer: tokenizers.Tokenizer
+  model: ModelParts
+  learner: step_options.LearnerParts
   task: tasks.Task
-  model_fn: Callable[[int], Any]
-  options: step_options.StepOptions
-  optimizer: optax.GradientTransformation
-  advantage: str
   sizes: pipeline.Sizes
-  sample_kw: dict[str, Any]
-  sampler: Callable
-  greedy: Callable
+  packing: pipeline.Packing
   reward: pipeline.Reward
   truncate_prompts: bool
-  model_key: str  # what the warm start depends on (components.warm_start_key)
-  # How the run samples (`protocol.Rollout`; the kind is chosen once, in `components`).
   rollout: Rollout
-  # The sampler's own mesh in a disaggregated run (`disagg`); None: it shares `mesh`.
+  sampler: Callable
+  eval_sampler: Callable[[int], Callable]
+  eval_rows: Callable[..., list[EvalRows]]
   sampler_mesh: jax.sharding.Mesh | None = None
-  # The learner's scoring of sampled tokens at the sampling parameters (log pi_old,
-  # `scorer.make_scorer`), with `rollout.score_old`; None: not scored.
-  score_old: Callable | None = None
-  # Low-rank adapters (`lora.rank > 0`): the trained parameters are the adapters.
-  lora: models.LoraConfig | None = None
-  # The continuous-batching sampler (`rollout.continuous_slots` > 0), or None. `sampler`
-  # is this one unless `rollout.continuous_auto_steps` > 0: then the run starts static
-  # and may switch to it after that many steps (`sampler_choice`).
   continuous: Callable | None = None
   continuous_auto_steps: int = 0
-  # Multi-turn episodes (`multiturn.max_turns > 0`, `rollout.episodes.Episodes`); None: single-turn.
-  episodes: Episodes | None = None
   # What is built once per StepFns (its jitted `Programs`, eval batches and samplers),
   # kept on it so that it goes when the StepFns goes. (In a module-level
   # WeakKeyDictionary the values, closures over their key, kept every StepFns and
   # its compiled programs alive: ~2k memory mappings and ~100 MB per run of a sweep.)
   # Not an init argument: `dataclasses.replace` gives a copy its own, empty memo.
   memo: dict[str, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
-
-  @property
-  def packing(self) -> pipeline.Packing:
-    """What `pipeline.pack` needs: group size, advantage estimator, turn discount."""
-    gamma = 1.0 if self.episodes is None else self.episodes.gamma
-    return pipeline.Packing(self.sizes.group_size, self.advantage, gamma)
-
-  @property
-  def updates(self) -> int:
-    """U: optimizer steps (parameter versions) per loop step."""
-    return self.options.updates
-
-  def version(self, loop_step):
-    """The parameter version (optimizer steps) after loop step `loop_step`: `loop_step * U`."""
-    return loop_step * self.options.updates
-
-  def init_params(self, seed: int):
-    """Freshly initialised (from `seed`) or loaded parameters, placed on the mesh.
-
-    The whole model's state; with adapters, `split` separates base and adapters.
-    """
-    _, params = nnx.split(self.model_fn(seed))
-    return sharding.shard_params(params, self.mesh)
-
-  def split(self, params) -> tuple[Any, Any]:
-    """`(base, trainable)` of a whole state: `(None, params)` without adapters."""
-    if self.lora is None:
-      return None, params
-    return models.lora.split(params)
 
 
 class RunState(NamedTuple):
@@ -184,16 +159,16 @@ def init_state(
 ) -> RunState:
   """A fresh `RunState` from trainable `params` (copied), with `snapshots` slots (0: none).
 
-  With adapters, `params` is the adapter and `base` the frozen rest (`StepFns.split`).
+  With adapters, `params` is the adapter and `base` the frozen rest (`StepFns.model.split`).
   """
   example = pipeline.empty_batch(fns.sizes)
   capacity = fns.sizes.prompts_per_step * capacity_batches
-  buffer = replay.shard(replay.init(capacity, example, fns.sizes.group_size), fns.mesh)
+  buffer = replay.shard(replay.init(capacity, example, fns.sizes.group_size), fns.model.mesh)
   return RunState(
-    train=train_state.init_train_state(params, fns.optimizer, mesh=fns.mesh),
+    train=train_state.init_train_state(params, fns.learner.optimizer, mesh=fns.model.mesh),
     replay=buffer,
     snapshots=lag.snapshot_init(params, snapshots, 0) if snapshots else None,
-    ref_params=jax.tree.map(jnp.copy, params) if fns.options.spec.needs_ref else None,
+    ref_params=jax.tree.map(jnp.copy, params) if fns.learner.options.spec.needs_ref else None,
     rollout=fns.rollout.init(),
     base=base,
   )
@@ -269,14 +244,14 @@ def learn(
     batch_size=fns.sizes.prompts_per_step,
     policy=opts.policy,
     max_reuse=opts.max_reuse,
-    current_version=fns.version(step - 1),
+    current_version=fns.learner.version(step - 1),
     temperature=opts.temperature,
   )
   stats = replay.batch_stats(sampled, fns.sizes.group_size)
   train, metrics = train_step.train_step(
-    fns.graphdef,
-    fns.optimizer,
-    fns.options,
+    fns.model.graphdef,
+    fns.learner.optimizer,
+    fns.learner.options,
     state.train,
     sampled,
     pipeline.step_key(seed, step, pipeline.TRAIN),
@@ -306,7 +281,7 @@ def rollout(fns: StepFns, state: RunState, prompts: dict, step, seed, schedule):
   params, v, found = behaviour_params(state, step, schedule)
   key = pipeline.step_key(seed, step, pipeline.SAMPLE)
   rstate, fin, info = fns.rollout.advance(
-    state.rollout, weights(state, params), fns.version(v), prompts, step, key
+    state.rollout, weights(state, params), fns.learner.version(v), prompts, step, key
   )
   return rstate, fin, info, v, found
 
@@ -352,7 +327,7 @@ def learn_finished(
   state, metrics = learn(
     fns, opts, state._replace(rollout=rstate), batch, step, seed, schedule, keep
   )
-  metrics = {**metrics, **info, "behavior_version": fns.version(v)}
+  metrics = {**metrics, **info, "behavior_version": fns.learner.version(v)}
   return state, metrics
 
 

@@ -31,8 +31,8 @@ class OnSamplerMesh:
   Args:
     rollout: the wrapped rollout.
     mesh: the sampler's mesh (`StepFns.sampler_mesh`).
-    trainer_mesh: the trainer's mesh (`StepFns.mesh`).
-    split: whole model state -> `(frozen base or None, trainable)` (`StepFns.split`).
+    trainer_mesh: the trainer's mesh (`StepFns.model.mesh`).
+    split: whole model state -> `(frozen base or None, trainable)` (`StepFns.model.split`).
   """
 
   traced = False  # host code around the wrapped rollout's programs (placement and transfers)

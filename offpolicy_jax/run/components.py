@@ -22,6 +22,7 @@ it cannot go stale.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import json
 from collections.abc import Callable
@@ -35,12 +36,13 @@ from flax import nnx
 from offpolicy_jax import config_schema, errors, lag, losses, models
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import scorer, train_state
-from offpolicy_jax.learn.step_options import StepOptions
+from offpolicy_jax.learn.step_options import LearnerParts, StepOptions
 from offpolicy_jax.models import hub, tokenizers
+from offpolicy_jax.models.parts import ModelParts
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rollout import pipeline, rl_step
 from offpolicy_jax.rollout.pipeline import INIT, step_key
-from offpolicy_jax.run import components_rollout, data_checks, validation
+from offpolicy_jax.run import components_rollout, data_checks, evaluation, validation
 from offpolicy_jax.sampling import continuous
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
@@ -66,7 +68,7 @@ class Components:
 
   @property
   def mesh(self) -> jax.sharding.Mesh:
-    return self.fns.mesh
+    return self.fns.model.mesh
 
   @property
   def task(self) -> tasks.Task:
@@ -74,7 +76,7 @@ class Components:
 
   @property
   def tokenizer(self) -> Any:
-    return self.fns.tokenizer
+    return self.fns.model.tokenizer
 
 
 def trainer_mesh(config) -> jax.sharding.Mesh:
@@ -280,32 +282,38 @@ def _build_fns(config) -> rl_step.StepFns:
     if not c.rollout.continuous_auto_steps:  # continuous from the start
       sampler = continuous_sampler
   eps = components_rollout.episodes_of(c, task, tokenizer, graphdef, sampler_graphdef)
+  model = ModelParts(mesh, graphdef, model_fn, tokenizer, warm_start_key(c), lora_config(c))
+  gamma = 1.0 if eps is None else eps.gamma
+  eval_rows = (
+    evaluation.sampled_rows if eps is None else functools.partial(evaluation.episode_rows, eps)
+  )
   return rl_step.StepFns(
+    model=model,
+    learner=LearnerParts(options, optimizer(c)),
+    task=task,
+    sizes=sizes(c),
+    packing=pipeline.Packing(c.group_size, validation.advantage_name(c), gamma),
+    reward=components_rollout.reward(c, task),
+    truncate_prompts=c.data.truncate_prompts,
     rollout=components_rollout.rollout_kind(
       c, task, sampler, partial, eps, score_old, mesh, sizes(c)
     ),
-    mesh=mesh,
-    graphdef=graphdef,
-    tokenizer=tokenizer,
-    task=task,
-    model_fn=model_fn,
-    options=options,
-    optimizer=optimizer(c),
-    advantage=validation.advantage_name(c),
-    sizes=sizes(c),
-    sample_kw={**sample_kw, "temperature": c.temperature},
     sampler=sampler,
+    eval_sampler=functools.cache(
+      functools.partial(_eval_sampler, graphdef, sample_kw, c.temperature)
+    ),
+    eval_rows=eval_rows,
+    sampler_mesh=sampler_mesh,
     continuous=continuous_sampler,
     continuous_auto_steps=c.rollout.continuous_auto_steps,
-    greedy=sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw),
-    score_old=score_old,
-    reward=components_rollout.reward(c, task),
-    episodes=eps,
-    truncate_prompts=c.data.truncate_prompts,
-    sampler_mesh=sampler_mesh,
-    lora=lora_config(c),
-    model_key=warm_start_key(c),
   )
+
+
+def _eval_sampler(graphdef, sample_kw: dict, temperature: float, k: int) -> Callable:
+  """Evaluation's sampler: greedy for k = 1, else k samples per prompt at `temperature`."""
+  if k == 1:
+    return sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw)
+  return sampling.make_sampler(graphdef, group_size=k, temperature=temperature, **sample_kw)
 
 
 def replay_options(config) -> rl_step.ReplayOptions:
@@ -360,7 +368,7 @@ def build_components(config, *, data_cache_dir: str | None = None) -> Components
   fns = _FNS_CACHE[key]
   # Every prompt checked once (cached under `data_cache_dir`), before anything compiles.
   with errors.as_user_error():
-    data_checks.validate_data(config, fns.task, fns.tokenizer, cache_dir=data_cache_dir)
+    data_checks.validate_data(config, fns.task, fns.model.tokenizer, cache_dir=data_cache_dir)
   return Components(
     fns=fns,
     run=RunSpec.from_config(config),

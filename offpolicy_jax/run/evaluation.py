@@ -18,7 +18,7 @@ eval split), so the numbers do not depend on the number of processes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +26,8 @@ import numpy as np
 
 from offpolicy_jax import models
 from offpolicy_jax.rollout import data, episodes, pipeline
+from offpolicy_jax.rollout.protocol import EvalRows
 from offpolicy_jax.rollout.rl_step import StepFns
-from offpolicy_jax.sampling import sampler as sampling
 
 
 def _memo(fns: StepFns, key, build: Callable) -> Any:
@@ -68,10 +68,7 @@ def _sampler(fns: StepFns, k: int, over_seeds: bool) -> Callable:
   """
 
   def build():
-    if k == 1:
-      fn = fns.greedy
-    else:
-      fn = sampling.make_sampler(fns.graphdef, group_size=k, **fns.sample_kw)
+    fn = fns.eval_sampler(k)
     with_base = lambda base, p, *args: fn(models.lora.join(base, p), *args)
     if over_seeds:
       return jax.jit(jax.vmap(with_base, in_axes=(None, 0, None, None, 0)))
@@ -112,24 +109,24 @@ def evaluate_seeds(
   s = keys_s.shape[0]
   names = ("correct", "reward", "length", "fails", "pass", "sample", "turns", "calls", "solved")
   sums = {m: np.zeros(s) for m in names}
-  n = 0.0
+  n, episodic = 0.0, False
   for i, prompts in enumerate(eval_prompts(fns, num_prompts, batch_size)):
     valid = np.asarray(prompts["valid"], np.float64)
     keys_i = keys_s if i == 0 else jax.vmap(lambda key, i=i: jax.random.fold_in(key, i))(keys_s)
     n += valid.sum()
-    rows = _episode_rows if fns.episodes is not None else _sampled_rows
-    for seed, r in enumerate(rows(fns, params, base, prompts, keys_i, 1, over_seeds)):
+    for seed, r in enumerate(fns.eval_rows(fns, params, base, prompts, keys_i, 1, over_seeds)):
       sums["correct"][seed] += ((r.rewards > 0.5) * valid).sum()
       sums["reward"][seed] += (r.rewards * valid).sum()
       sums["length"][seed] += (r.lengths * valid).sum()
       sums["fails"][seed] += r.failures
       if r.turns is not None and r.tool_calls is not None:
+        episodic = True
         solved = (r.rewards > 0.5) * valid
         sums["turns"][seed] += (r.turns * valid).sum()
         sums["calls"][seed] += (r.tool_calls * solved).sum()
         sums["solved"][seed] += solved.sum()
     if k >= 2:
-      for seed, r in enumerate(rows(fns, params, base, prompts, keys_i, k, over_seeds)):
+      for seed, r in enumerate(fns.eval_rows(fns, params, base, prompts, keys_i, k, over_seeds)):
         hit_gk = r.rewards.reshape(-1, k) > 0.5
         sums["pass"][seed] += (hit_gk.any(axis=1) * valid).sum()
         sums["sample"][seed] += (hit_gk.mean(axis=1) * valid).sum()
@@ -140,7 +137,7 @@ def evaluate_seeds(
     "response_len": sums["length"] / n,
     "reward_failures": sums["fails"],
   }
-  if fns.episodes is not None:
+  if episodic:
     ev["turns"] = sums["turns"] / n
     ev["tool_calls_per_solved"] = sums["calls"] / np.maximum(sums["solved"], 1.0)
   if k >= 2:
@@ -149,20 +146,23 @@ def evaluate_seeds(
   return ev
 
 
-class _Rows(NamedTuple):
-  """One seed's evaluated rows: rewards, lengths (and for episodes turns, tool calls) [G * k]."""
-
-  rewards: np.ndarray
-  lengths: np.ndarray
-  failures: int
-  turns: np.ndarray | None = None
-  tool_calls: np.ndarray | None = None
-
-
-def _sampled_rows(
+def sampled_rows(
   fns: StepFns, params, base, prompts, keys, k: int, over_seeds: bool
-) -> list[_Rows]:
-  """Greedy (k = 1) or k sampled responses per prompt, scored (device or sandboxed host reward)."""
+) -> list[EvalRows]:
+  """Greedy (k = 1) or k sampled responses per prompt, scored (device or sandboxed host reward).
+
+  Args:
+    fns: the run's step functions.
+    params: the parameters, stacked over seeds when `over_seeds`.
+    base: their frozen base (adapters), or None.
+    prompts: one batch of eval prompts (`eval_prompts`).
+    keys: PRNG keys [S] of the samples (unused by greedy rows).
+    k: rows per prompt (1: greedy).
+    over_seeds: whether `params` and `keys` carry the seed axis.
+
+  Returns:
+    one `EvalRows` per seed.
+  """
   fn = _sampler(fns, k, over_seeds)
   tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
   out = fn(base, params, tokens, lengths, keys if over_seeds else keys[0])
@@ -170,21 +170,23 @@ def _sampled_rows(
   for seed in range(keys.shape[0]):
     one = out if not over_seeds else jax.tree.map(lambda x, seed=seed: x[seed], out)
     r, stats = pipeline.score(fns, prompts, one, split="eval", group_size=k)
-    rows.append(_Rows(np.asarray(r), np.asarray(one.lengths), stats["reward_failures"]))
+    rows.append(EvalRows(np.asarray(r), np.asarray(one.lengths), stats["reward_failures"]))
   return rows
 
 
-def _episode_rows(
-  fns: StepFns, params, base, prompts, keys, k: int, over_seeds: bool
-) -> list[_Rows]:
-  """Greedy (k = 1) or k sampled episodes per prompt, one seed at a time (a host loop)."""
+def episode_rows(
+  eps: episodes.Episodes, fns: StepFns, params, base, prompts, keys, k: int, over_seeds: bool
+) -> list[EvalRows]:
+  """Greedy (k = 1) or k sampled episodes per prompt, one seed at a time (a host loop).
+
+  `eps` is the run's multi-turn episodes; the rest as in `sampled_rows`.
+  """
   examples = data.examples(fns.task, "eval", np.asarray(prompts["index"]).tolist())
-  assert fns.episodes is not None
   rows = []
   for seed in range(keys.shape[0]):
     one = params if not over_seeds else jax.tree.map(lambda x, seed=seed: x[seed], params)
     played = episodes.play(
-      fns.episodes,
+      eps,
       models.lora.join(base, one),
       prompts,
       examples,
@@ -194,7 +196,7 @@ def _episode_rows(
     )
     lengths = np.asarray(played.out.mask).sum(axis=1)  # policy tokens
     failures = int(played.failures.sum())
-    rows.append(_Rows(played.rewards, lengths, failures, played.turns, played.tool_calls))
+    rows.append(EvalRows(played.rewards, lengths, failures, played.turns, played.tool_calls))
   return rows
 
 

@@ -51,7 +51,7 @@ def _cannot_export(workdir: str, e: checkpointing.CheckpointError) -> checkpoint
 
 def _restore(workdir: str, comps, step: int | None):
   """`(base, params, meta)` of checkpoint `step`, the base checked against its record."""
-  base, params = start.initial_weights(comps, warm_start=comps.fns.lora is not None)
+  base, params = start.initial_weights(comps, warm_start=comps.fns.model.lora is not None)
   try:
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), create=False)
     try:
@@ -117,17 +117,17 @@ def export_checkpoint(
     raise _cannot_export(workdir, e) from None
   comps = components.build_components(config)
   base, params, meta = _restore(workdir, comps, step)
-  model = nnx.merge(comps.fns.graphdef, models.lora.join(base, params))
+  model = nnx.merge(comps.fns.model.graphdef, models.lora.join(base, params))
   base_path = None
   if fmt == "merged":
     models.lora.save_merged(model, out, dtype)
   else:
     base_path = _base_path(config, model, out, dtype)
     if base_path.startswith(os.path.abspath(out)):
-      comps.fns.tokenizer.save_pretrained(base_path)
+      comps.fns.model.tokenizer.save_pretrained(base_path)
     models.lora.save_peft(model, out, base_model_name_or_path=base_path, dtype=dtype)
   # The run's tokenizer beside the weights: `transformers` loads both from `out`.
-  comps.fns.tokenizer.save_pretrained(out)
+  comps.fns.model.tokenizer.save_pretrained(out)
   return {"step": meta["step"], "format": fmt, "out": out, "base": base_path}
 
 

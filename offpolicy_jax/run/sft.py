@@ -28,7 +28,8 @@ from jax.typing import ArrayLike
 
 from offpolicy_jax import models, types
 from offpolicy_jax.learn import train_state
-from offpolicy_jax.rewards import text_episodes
+from offpolicy_jax.models import tokenizers
+from offpolicy_jax.rewards import tasks, text_episodes
 from offpolicy_jax.rollout import data, pipeline
 from offpolicy_jax.rollout.rl_step import StepFns
 
@@ -110,7 +111,11 @@ def shows_distractor(index: int, fraction: float) -> bool:
 
 
 def reference_batches(
-  task: Any, tokenizer: Any, prompts: Iterator[dict], max_len: int, distractor: float = 0.0
+  task: tasks.Task,
+  tokenizer: tokenizers.Tokenizer,
+  prompts: Iterator[dict],
+  max_len: int,
+  distractor: float = 0.0,
 ) -> Iterator[SFTBatch]:
   """Supervised batches: each prompt of a `data.prompt_iterator` with its reference answer.
 
@@ -128,9 +133,10 @@ def reference_batches(
   Yields:
     SFTBatch of G rows.
   """
-  if task.answer is None:
+  answer, wrong = task.answer, task.distractor
+  if answer is None:
     raise ValueError(f"task {task.name!r} has no reference answers for supervised warm start")
-  if distractor and task.distractor is None:
+  if distractor and wrong is None:
     raise ValueError(f"config.sft.distractor: task {task.name!r} has no distractor answers")
   for batch in prompts:
     examples = data.examples(task, "train", batch["index"])
@@ -139,7 +145,7 @@ def reference_batches(
       tokens, mask = encode_episodes(tokenizer, demos, max_len)
     else:
       texts = [
-        task.distractor(ex) if shows_distractor(i, distractor) else task.answer(ex)
+        wrong(ex) if wrong is not None and shows_distractor(i, distractor) else answer(ex)
         for i, ex in zip(np.asarray(batch["index"]).tolist(), examples, strict=True)
       ]
       tokens, mask = encode_targets(tokenizer, texts, max_len)
@@ -283,13 +289,13 @@ def warm_start(
 ) -> Any:
   """Supervised phase of a run on its task's reference answers (see `run`).
 
-  Results are cached per (model, task, shapes, mesh: `fns.model_key`), seed
+  Results are cached per (model, task, shapes, mesh: `fns.model.key`), seed
   and settings, so the runs of a sweep or notebook that share a warm start
   (whatever their loss, optimizer or lag) compute it once.
 
   Args:
     fns: the run's `rl_step.StepFns` (task, tokenizer, graph, sizes).
-    params: initial parameters (those of `fns.init_params(seed)`).
+    params: initial parameters (those of `fns.model.init_params(seed)`).
     steps, batch_size, learning_rate: the `config.sft` settings.
     seed: seed of the supervised prompt stream.
     log_fn: receives progress lines.
@@ -306,14 +312,16 @@ def warm_start(
   """
   if fns.task.answer is None:
     raise ValueError("config.sft.enabled: the task has no reference answers")
-  cache_key = json.dumps([fns.model_key, seed, steps, batch_size, learning_rate, distractor])
+  cache_key = json.dumps([fns.model.key, seed, steps, batch_size, learning_rate, distractor])
   if cache_key not in _WARM_START_CACHE:
     # Its own prompt stream (seed + 1): the RL iterator still starts from the beginning.
     it = pipeline.prompt_iterator(fns, seed + 1, "train", batch_size=batch_size)
-    batches = reference_batches(fns.task, fns.tokenizer, it, fns.sizes.max_new_tokens, distractor)
+    batches = reference_batches(
+      fns.task, fns.model.tokenizer, it, fns.sizes.max_new_tokens, distractor
+    )
     every = max(1, steps // 5)
     result = run(
-      fns.graphdef,
+      fns.model.graphdef,
       params,
       batches,
       steps=steps,

@@ -31,13 +31,13 @@ def fresh_state(comps: Components, params, base=None) -> RunState:
 
 
 def initial_weights(comps: Components, *, warm_start: bool = True, log_fn=print):
-  """`(base, params)` a run starts from: the model (warm-started), split by `StepFns.split`.
+  """`(base, params)` a run starts from: the model (warm-started), split by `StepFns.model.split`.
 
   With adapters, the warm start trains the base under the fresh adapters (B =
   0), and the adapters are what RL trains; without, `base` is None.
   """
   fns, run = comps.fns, comps.run
-  base, params = fns.split(fns.init_params(run.seed))
+  base, params = fns.model.split(fns.model.init_params(run.seed))
   if warm_start and run.sft.enabled:
     kw = dict(
       steps=run.sft.steps,
@@ -100,7 +100,7 @@ def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str
   fns = comps.fns
   if ckpt.latest_step():
     # The base is rebuilt (loaded, warm-started) as at the start; only adapters are saved.
-    base, params = initial_weights(comps, warm_start=fns.lora is not None)
+    base, params = initial_weights(comps, warm_start=fns.model.lora is not None)
     record = base_record(base, model)
     template = fresh_state(comps, params, base)
     # The newest intact step: corrupt ones are reported and moved aside.
@@ -157,7 +157,7 @@ def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = N
   comps = build_components(config)
   fns, run = comps.fns, comps.run
   # Without adapters the checkpoint holds the whole model: no warm start needed.
-  base, params = initial_weights(comps, warm_start=fns.lora is not None)
+  base, params = initial_weights(comps, warm_start=fns.model.lora is not None)
   step_done = 0
   if workdir is not None:
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), create=False)

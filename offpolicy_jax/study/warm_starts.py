@@ -29,7 +29,7 @@ def warm_start(comps: components.Components, seed: int, base_seed: int | None = 
   warm start), and `params` is seed `seed`'s fresh adapter.
   """
   fns, run = comps.fns, comps.run
-  base, params = fns.split(fns.init_params(seed))
+  base, params = fns.model.split(fns.model.init_params(seed))
   kw: dict[str, Any] = dict(
     steps=run.sft.steps,
     batch_size=run.sft.batch_size,
@@ -41,7 +41,7 @@ def warm_start(comps: components.Components, seed: int, base_seed: int | None = 
     return None, sft.warm_start(fns, params, seed=seed, **kw) if run.sft.enabled else params
   base_seed = seed if base_seed is None else base_seed
   if base_seed != seed:
-    base = fns.split(fns.init_params(base_seed))[0]
+    base = fns.model.split(fns.model.init_params(base_seed))[0]
   if run.sft.enabled:  # any adapter with B = 0 leaves the warm start of the base unchanged
     base = sft.warm_start(fns, base, seed=base_seed, frozen=params, **kw)
   return base, params
@@ -69,8 +69,11 @@ class Starts:
     if seed in self._memory:
       return self._memory[seed]
     fns = comps.fns
-    if fns.lora is not None and seed != base_seed:
-      start = (self.get(comps, base_seed, base_seed)[0], fns.split(fns.init_params(seed))[1])
+    if fns.model.lora is not None and seed != base_seed:
+      start = (
+        self.get(comps, base_seed, base_seed)[0],
+        fns.model.split(fns.model.init_params(seed))[1],
+      )
     elif not comps.run.sft.enabled:
       start = warm_start(comps, seed, base_seed)
     else:
@@ -94,7 +97,7 @@ class Starts:
     if store is None or seed not in store.all_steps():
       return None
     fns = comps.fns
-    base, params = jax.eval_shape(lambda: fns.split(fns.init_params(seed)))
+    base, params = jax.eval_shape(lambda: fns.model.split(fns.model.init_params(seed)))
     try:
       items, meta = store.restore({"base": base, "params": params}, step=seed)
     except checkpointing.CheckpointError as e:
