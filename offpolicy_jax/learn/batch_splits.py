@@ -6,16 +6,16 @@ data-parallel devices; a unit is a group when the prompt is shared).
 
 For a loss with ``LossSpec.zero_advantage_inert``, a row whose advantages are
 all 0 adds exactly 0 to the loss sum and to the gradient, and its share of the
-denominator depends on the mask only. `gradients` packs the units (rows, or
-groups with a shared prefix) that move the loss first, cuts the batch into
-equal chunks and runs a loop with a traced trip count over only the chunks
-holding them: one compiled body, nothing recompiles, no host round trip, and
-still vmappable. The loss count and the ``tokens`` metric are those of the
-whole batch; the other metrics are over the rows of the chunks that ran.
+denominator depends on the mask only. `cut` packs the units (rows, or
+groups with a shared prefix) that move the loss first and cuts the batch into
+equal chunks; the optimizer step then loops, with a traced trip count, over
+only the chunks holding them: one compiled body, nothing recompiles, no host
+round trip, and still vmappable. The loss count and the ``tokens`` metric are
+those of the whole batch; the other metrics are over the rows of the chunks
+that ran.
 """
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,28 +86,34 @@ def batch_shards() -> int:
   return sharding.axis_size(mesh, tuple(a for a in sharding.BATCH_AXES if a in mesh.shape))
 
 
-def gradients(
-  grad_fn: Callable,
-  zero_accumulators: Callable,
-  params,
-  batch: TrainBatch,
-  *,
-  chunks: int,
-  unit: int,
-  spec: losses.LossSpec,
-):
-  """Summed gradients and merged metrics over the chunks of `batch` that move the loss.
+class Cut(NamedTuple):
+  """A minibatch cut for gradient accumulation (`cut`).
 
-  Args:
-    grad_fn: ``(params, chunk, i) -> (grads, typed metrics)`` of chunk `i` (traced index).
-    zero_accumulators: ``(chunks stacked) -> (zero grads, identity metrics)``.
-    params: the parameters.
-    batch: the minibatch, ``chunks`` times a whole number of units of rows.
-    chunks: static number of chunks.
-    unit: rows that stay together (a group with a shared prefix, else 1).
-    spec: the (inert) loss, for the denominator's aggregation.
+  Attributes:
+    chunks: the rows stacked into C equal chunks, [C, rows / C, ...].
+    n: the chunks that run: C (a Python int: every micro-batch), or a traced
+      count when skipping (the chunks holding rows that move the loss, first).
+    whole: when skipping, the metrics of the whole minibatch that the chunks
+      that ran cannot give: the loss's count, `tokens` and `rows_skipped`;
+      None: every chunk runs and the metrics are the chunks' own.
   """
-  rows = batch.tokens.shape[0]
+
+  chunks: TrainBatch
+  n: Any
+  whole: dict[str, Any] | None = None
+
+
+def cut(batch: TrainBatch, m: int, options: Any) -> Cut:
+  """`batch` cut into its `m` micro-batches, or, skipping rows, into the chunks that run.
+
+  Skipping (``options.skips_rows``; module docstring): each micro-batch is cut
+  into `chunks_per_micro_batch` chunks, the units that move the loss are
+  packed first, and only the chunks holding them run.
+  """
+  if not options.skips_rows:
+    return Cut(split_micro(batch, m, options.unit), m)
+  rows, unit = batch.tokens.shape[0], options.unit
+  chunks = m * chunks_per_micro_batch(options, rows // m, batch_shards())
   chunk_rows = rows // chunks
   moving = moving_rows(batch)
   unit_moves = jnp.any(moving.reshape(-1, unit), axis=1)
@@ -115,25 +121,16 @@ def gradients(
   order = (unit_order[:, None] * unit + jnp.arange(unit)[None, :]).reshape(-1)
   # Rows that do not move the loss and fill the last chunk add exactly 0 to the sums.
   packed = jax.tree.map(lambda x: x[order], batch)
-  micro = jax.tree.map(lambda x: x.reshape(chunks, chunk_rows, *x.shape[1:]), packed)
+  stacked = jax.tree.map(lambda x: x.reshape(chunks, chunk_rows, *x.shape[1:]), packed)
   n_moving = jnp.sum(unit_moves.astype(jnp.int32)) * unit
   # At least one chunk, so that every metric is defined when nothing moves.
   n_chunks = jnp.maximum((n_moving + chunk_rows - 1) // chunk_rows, 1)
-
-  def body(i, acc):
-    mb = jax.tree.map(lambda x: x[i], micro)
-    mb = jax.tree.map(lambda x: sharding.constrain(x, _batch_names(x)), mb)
-    g, metrics = grad_fn(params, mb, i)
-    return jax.tree.map(jnp.add, acc[0], g), red.merge(acc[1], metrics)
-
-  grads, metrics = jax.lax.fori_loop(0, n_chunks, body, zero_accumulators(micro))
   weighted = batch.mask * batch.weights[:, None]
+  spec = options.spec
   _, count = losses.aggregate(jnp.zeros_like(weighted), weighted, spec.agg, max_len=spec.max_len)
-  metrics["loss"] = red.Mean(metrics["loss"].total, count)
-  metrics["tokens"] = red.Sum(jnp.sum((batch.mask > 0).astype(jnp.float32)))
-  metrics["rows_skipped"] = red.Sum(rows - jnp.sum(moving.astype(jnp.float32)))
-  return grads, metrics
-
-
-def _batch_names(x: jax.Array) -> tuple:
-  return (sharding.BATCH,) + (None,) * (x.ndim - 1)
+  whole = {
+    "loss_count": count,
+    "tokens": red.Sum(jnp.sum((batch.mask > 0).astype(jnp.float32))),
+    "rows_skipped": red.Sum(rows - jnp.sum(moving.astype(jnp.float32))),
+  }
+  return Cut(stacked, n_chunks, whole)

@@ -1,8 +1,8 @@
 """One optimizer step: gradients accumulated over micro-batches, skipped when empty or non-finite.
 
-The micro-batches are scanned with ``lax.scan`` from zero accumulators (or,
-skipping zero-advantage rows, the chunks that move the loss,
-`learn.batch_splits`); the summed gradient is divided once by the summed
+The micro-batches (`batch_splits.cut`) are scanned with ``lax.scan`` from
+zero accumulators (or, skipping zero-advantage rows, a loop runs the chunks
+that move the loss); the summed gradient is divided once by the summed
 ``loss_count`` (`learn.train_step` explains why that is exact).
 """
 
@@ -13,75 +13,66 @@ import jax.numpy as jnp
 import optax
 
 from offpolicy_jax import reductions as red
-from offpolicy_jax.learn import batch_splits
-from offpolicy_jax.learn.batch_splits import chunks_per_micro_batch
-from offpolicy_jax.learn.batch_splits import split_micro as _split_micro
+from offpolicy_jax.learn.batch_splits import Cut
 from offpolicy_jax.learn.micro_batch_loss import micro_batch_loss
 from offpolicy_jax.learn.train_state import TrainState, all_finite, keep_if
 from offpolicy_jax.models import lora_ops
+from offpolicy_jax.scale import sharding
 from offpolicy_jax.types import TrainBatch
 
 
-def _gradients(
-  params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor, base, key=None
-):
-  """Summed gradients and merged metrics over `m` micro-batches (scan from zeros).
+def _gradients(params, cut: Cut, graphdef, options, ref_params, anchor, base, key=None):
+  """Summed gradients and merged metrics over the chunks of `cut` that run.
 
-  `key`: the optimizer step's dropout key; micro-batch i uses ``fold_in(key, i)``.
+  `key`: the optimizer step's dropout key; chunk i uses ``fold_in(key, i)``.
   """
-  if options.skips_rows:
-    return _gradients_skipping(params, batch, m, graphdef, options, ref_params, anchor, base, key)
-  micro = _split_micro(batch, m, options.unit)
   grad_fn = jax.grad(micro_batch_loss, has_aux=True)
   args = (graphdef, options, ref_params, anchor, base)
-  init = _zero_accumulators(params, micro, args)
+  init = _zero_accumulators(params, cut.chunks, args)
+  if cut.whole is None:  # every micro-batch runs: a scan
 
-  def body(acc, xs):
-    g, metrics = grad_fn(params, xs[0], *args, xs[1])
-    return (jax.tree.map(jnp.add, acc[0], g), red.merge(acc[1], metrics)), None
+    def body(acc, xs):
+      g, metrics = grad_fn(params, xs[0], *args, xs[1])
+      return (jax.tree.map(jnp.add, acc[0], g), red.merge(acc[1], metrics)), None
 
-  (grads, metrics), _ = jax.lax.scan(body, init, (micro, lora_ops.fold_range(key, m)))
-  return grads, metrics
+    (grads, metrics), _ = jax.lax.scan(body, init, (cut.chunks, lora_ops.fold_range(key, cut.n)))
+    return grads, metrics
+
+  def run(i, acc):  # skipping: the first `cut.n` chunks (traced)
+    g, metrics = grad_fn(params, _chunk(cut.chunks, i), *args, lora_ops.fold(key, i))
+    return jax.tree.map(jnp.add, acc[0], g), red.merge(acc[1], metrics)
+
+  grads, metrics = jax.lax.fori_loop(0, cut.n, run, init)
+  whole = dict(cut.whole)
+  metrics["loss"] = red.Mean(metrics["loss"].total, whole.pop("loss_count"))
+  return grads, {**metrics, **whole}
 
 
-def _zero_accumulators(params, micro: TrainBatch, args):
-  """Zero gradients and the identity of each metric, the scan's starting carry.
+def _chunk(chunks: TrainBatch, i) -> TrainBatch:
+  """Chunk `i` (traced) of stacked chunks, its rows kept over the batch's devices."""
+
+  def take(x):
+    rows = x[i]
+    return sharding.constrain(rows, (sharding.BATCH,) + (None,) * (rows.ndim - 1))
+
+  return jax.tree.map(take, chunks)
+
+
+def _zero_accumulators(params, chunks: TrainBatch, args):
+  """Zero gradients and the identity of each metric, the loop's starting carry.
 
   The metrics' shapes come from the loss's forward alone: the gradient's aux
   output is the loss's, and tracing the backward pass here as well doubled
   the train step's trace time.
   """
-  first = jax.tree.map(lambda x: x[0], micro)
+  first = jax.tree.map(lambda x: x[0], chunks)
   shapes = jax.eval_shape(lambda: micro_batch_loss(params, first, *args)[1])
   return jax.tree.map(jnp.zeros_like, params), red.identity(shapes)
 
 
-def _gradients_skipping(
-  params, batch: TrainBatch, m: int, graphdef, options, ref_params, anchor, base, key=None
-):
-  """`_gradients` with the rows whose advantages are all 0 left out (`batch_splits`).
-
-  Chunk i of the rows that run uses the dropout key ``fold_in(key, i)``.
-  """
-  grad_fn = jax.grad(micro_batch_loss, has_aux=True)
-  args = (graphdef, options, ref_params, anchor, base)
-  micro_rows = batch.tokens.shape[0] // m
-  chunks = m * chunks_per_micro_batch(options, micro_rows, batch_splits.batch_shards())
-  return batch_splits.gradients(
-    lambda p, mb, i: grad_fn(p, mb, *args, lora_ops.fold(key, i)),
-    lambda micro: _zero_accumulators(params, micro, args),
-    params,
-    batch,
-    chunks=chunks,
-    unit=options.unit,
-    spec=options.spec,
-  )
-
-
 def optimizer_step(
   state: TrainState,
-  mb: TrainBatch,
-  m: int,
+  cut: Cut,
   graphdef,
   optimizer,
   options,
@@ -90,11 +81,12 @@ def optimizer_step(
   base=None,
   key=None,
 ) -> tuple[TrainState, dict[str, Any]]:
-  """One optimizer step on minibatch `mb`, skipped when empty or non-finite.
+  """One optimizer step on a minibatch cut into micro-batches, skipped when empty or non-finite.
 
+  `cut`: the minibatch's micro-batches or chunks (`batch_splits.cut`);
   `key`: the step's adapter-dropout key, or None (no dropout).
   """
-  g_sum, metrics = _gradients(state.params, mb, m, graphdef, options, ref_params, anchor, base, key)
+  g_sum, metrics = _gradients(state.params, cut, graphdef, options, ref_params, anchor, base, key)
   count = metrics["loss"].weight
   grads = jax.tree.map(lambda g: g / jnp.where(count > 0, count, 1.0), g_sum)
   grad_norm = optax.tree.norm(grads)

@@ -51,8 +51,7 @@ from jax.sharding import Mesh
 
 from offpolicy_jax import losses, models
 from offpolicy_jax import reductions as red
-from offpolicy_jax.learn import diagnostics
-from offpolicy_jax.learn.batch_splits import micro_batches as _micro_batches
+from offpolicy_jax.learn import batch_splits, diagnostics
 from offpolicy_jax.learn.optimizer_step import optimizer_step
 from offpolicy_jax.learn.step_options import StepOptions, check_options
 from offpolicy_jax.learn.train_state import TrainState, state_shardings
@@ -105,15 +104,21 @@ def train_step(
     the old params), ``nonfinite``, ``num_skipped`` (running total), ``tokens``.
   """
   rows = batch.tokens.shape[0]
-  m = _micro_batches(options, rows)
   stale = _staleness(state, batch)
   anchor = proximal_params
   if anchor is None and options.spec.needs_proximal and options.updates > 1:
     anchor = state.params  # the call's starting parameters, held by the trace (no copy)
-  args = (m, graphdef, optimizer, options, ref_params, anchor, base)
   dkey = _dropout_key(graphdef, state.params, base, key)
+  step_keys = lora_ops.fold_range(dkey, options.updates)  # one per optimizer step, or None
+  m = batch_splits.micro_batches(options, rows)
+  args = (graphdef, optimizer, options, ref_params, anchor, base)
+
+  def one_step(st, mb, k):  # the one call of an optimizer step, on minibatch `mb`
+    cut = batch_splits.cut(mb, m, options)
+    return optimizer_step(st, cut, *args, k)
+
   if options.updates == 1:
-    state, metrics = optimizer_step(state, batch, *args, lora_ops.fold(dkey, 0))
+    state, metrics = one_step(state, batch, None if step_keys is None else step_keys[0])
   else:
     mb_rows = rows // options.num_minibatches
     unit = options.unit
@@ -124,9 +129,9 @@ def train_step(
     order = perms.reshape(options.updates, mb_rows)
 
     def scan_step(st, xs):
-      return optimizer_step(st, jax.tree.map(lambda x: x[xs[0]], batch), *args, xs[1])
+      return one_step(st, jax.tree.map(lambda x: x[xs[0]], batch), xs[1])
 
-    state, per_step = jax.lax.scan(scan_step, state, (order, lora_ops.fold_range(dkey, len(order))))
+    state, per_step = jax.lax.scan(scan_step, state, (order, step_keys))
     metrics = red.reduce(per_step)
   out = {**red.results(metrics), **stale, **diagnostics.mismatch_terms(batch)}
   out["num_skipped"] = state.num_skipped

@@ -185,7 +185,7 @@ class Split:
   def __init__(self, run: _Run, rollout: Rollout, read: Read, may_prefetch: Callable[[int], bool]):
     self.fns, self.rollout, self._run = run.fns, rollout, run
     self._read, self._may_prefetch = read, may_prefetch
-    self._host = host_step.Stepper(run.fns, rollout, run.replay, run.seed_int, run.schedule)
+    self._host = host_step.Stepper(run.fns, rollout, run.seed_int, run.schedule)
 
   @property
   def prefetched(self) -> bool:
@@ -208,7 +208,10 @@ class Split:
 
   def steps(self, state, step: int, n: int):
     assert n == 1, n
-    state, row = self._host.take_step(state, step + 1, self._read_one, self._prefetch(step + 1))
+    # The programs of this state's structure: the same before and after the step.
+    progs = programs(self.fns, self._run.replay, state)
+    prefetch = self._prefetch(step + 1)
+    state, row = self._host.take_step(progs, state, step + 1, self._read_one, prefetch)
     row["prompts_truncated"] = row.pop("read_info")
     return state, [row]
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import models
-from offpolicy_jax.rollout import episodes, pipeline, programs, rl_step
+from offpolicy_jax.rollout import episodes, pipeline, rl_step
 from offpolicy_jax.rollout.protocol import Finished, Rollout
 from offpolicy_jax.rollout.rl_step import StepFns
 from offpolicy_jax.scale import sharding
@@ -122,12 +122,11 @@ class Stepper:
 
   Args:
     fns: the run's step functions; `rollout`: the rollout (placed or not).
-    opts: the replay options (which compiled programs to use).
     seed: the run's seed; `schedule`: the `rl_step.LagSchedule`.
   """
 
-  def __init__(self, fns: StepFns, rollout: Rollout, opts, seed: int, schedule):
-    self.fns, self.rollout, self.opts, self.seed, self.schedule = fns, rollout, opts, seed, schedule
+  def __init__(self, fns: StepFns, rollout: Rollout, seed: int, schedule):
+    self.fns, self.rollout, self.seed, self.schedule = fns, rollout, seed, schedule
     self._pending: tuple[int, Any, Sampled] | None = None  # (step, its read info, its rollout)
 
   @property
@@ -135,15 +134,16 @@ class Stepper:
     """Whether the next step's rollout was sampled ahead (and its prompts read)."""
     return self._pending is not None
 
-  def take_step(self, state, step: int, read: Callable[[], tuple[dict, Any]], prefetch: bool):
+  def take_step(
+    self, progs, state, step: int, read: Callable[[], tuple[dict, Any]], prefetch: bool
+  ):
     """One host step: `(state, row)`; `read()` gives the next prompts and what to log of them.
 
-    The row has `read_info` (what `read` returned beside the prompts) and
+    `progs` are the run's programs for `state` (`programs.programs`). The row
+    has `read_info` (what `read` returned beside the prompts) and
     `time/sample_s`, `time/reward_s`, `time/train_s`.
     """
     t0 = time.perf_counter()
-    # The programs of this state's structure: the same before and after the step.
-    progs = programs.programs(self.fns, self.opts, state)
     pending, self._pending = self._pending, None
     if pending is None or pending[0] != step:
       pending = (step, *self._sample(progs, state, step, read))
