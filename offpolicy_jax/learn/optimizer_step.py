@@ -29,7 +29,7 @@ def _gradients(params, cut: Cut, graphdef, options, ref_params, anchor, base, ke
   grad_fn = jax.grad(micro_batch_loss, has_aux=True)
   args = (graphdef, options, ref_params, anchor, base)
   init = _zero_accumulators(params, cut.chunks, args)
-  if cut.whole is None:  # every micro-batch runs: a scan
+  if cut.whole is None and cut.n > 1:  # every micro-batch runs: a scan
 
     def body(acc, xs):
       g, metrics = grad_fn(params, xs[0], *args, xs[1])
@@ -38,11 +38,19 @@ def _gradients(params, cut: Cut, graphdef, options, ref_params, anchor, base, ke
     (grads, metrics), _ = jax.lax.scan(body, init, (cut.chunks, lora_ops.fold_range(key, cut.n)))
     return grads, metrics
 
-  def run(i, acc):  # skipping: the first `cut.n` chunks (traced)
+  def run(i, acc):  # the first `n` chunks (n traced when skipping)
     g, metrics = grad_fn(params, _chunk(cut.chunks, i), *args, lora_ops.fold(key, i))
     return jax.tree.map(jnp.add, acc[0], g), red.merge(acc[1], metrics)
 
-  grads, metrics = jax.lax.fori_loop(0, cut.n, run, init)
+  n = cut.n
+  if cut.whole is None:
+    # One micro-batch. XLA inlines a loop of one known trip into the program
+    # around it, which then compiled ~1.4x slower (qwen2.5-0.5b train step,
+    # docs/results/compile_time.md); a trip count it cannot see keeps the loop.
+    n = jax.lax.optimization_barrier(jnp.int32(n))
+  grads, metrics = jax.lax.fori_loop(0, n, run, init)
+  if cut.whole is None:
+    return grads, metrics
   whole = dict(cut.whole)
   metrics["loss"] = red.Mean(metrics["loss"].total, whole.pop("loss_count"))
   return grads, {**metrics, **whole}
