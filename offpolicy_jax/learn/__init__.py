@@ -2,8 +2,9 @@
 
   train_step    the pure sharded train step: U optimizer steps on a batch, make_train_step
                 (jitted with mesh shardings)
-  step_options  StepOptions, the train step's static settings
-  optimizer_step  one optimizer step: micro-batch scan, exact (sum, count), skip non-finite
+  step_options  StepOptions, the train step's static settings; LearnerParts (options, optimizer)
+  optimizer_step  one optimizer step: accumulation over micro-batches, exact (sum, count),
+                skip non-finite
   micro_batch_loss  one micro-batch's forward passes, policy loss and typed metrics
   scorer        the learner's log-probs (token_logprobs, shared-prefix groups), make_scorer
   train_state   TrainState and the optimizer

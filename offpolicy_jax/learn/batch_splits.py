@@ -94,13 +94,15 @@ class Cut(NamedTuple):
     n: the chunks that run: C (a Python int: every micro-batch), or a traced
       count when skipping (the chunks holding rows that move the loss, first).
     whole: when skipping, the metrics of the whole minibatch that the chunks
-      that ran cannot give: the loss's count, `tokens` and `rows_skipped`;
-      None: every chunk runs and the metrics are the chunks' own.
+      that ran cannot give (`tokens`, `rows_skipped`); None: every chunk runs
+      and the metrics are the chunks' own.
+    loss_count: when skipping, the loss's denominator over the whole minibatch.
   """
 
   chunks: TrainBatch
   n: Any
   whole: dict[str, Any] | None = None
+  loss_count: Any = None
 
 
 def cut(batch: TrainBatch, m: int, options: Any) -> Cut:
@@ -129,8 +131,7 @@ def cut(batch: TrainBatch, m: int, options: Any) -> Cut:
   spec = options.spec
   _, count = losses.aggregate(jnp.zeros_like(weighted), weighted, spec.agg, max_len=spec.max_len)
   whole = {
-    "loss_count": count,
     "tokens": red.Sum(jnp.sum((batch.mask > 0).astype(jnp.float32))),
     "rows_skipped": red.Sum(rows - jnp.sum(moving.astype(jnp.float32))),
   }
-  return Cut(stacked, n_chunks, whole)
+  return Cut(stacked, n_chunks, whole, count)

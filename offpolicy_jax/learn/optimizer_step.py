@@ -1,9 +1,11 @@
 """One optimizer step: gradients accumulated over micro-batches, skipped when empty or non-finite.
 
 The micro-batches (`batch_splits.cut`) are scanned with ``lax.scan`` from
-zero accumulators (or, skipping zero-advantage rows, a loop runs the chunks
-that move the loss); the summed gradient is divided once by the summed
-``loss_count`` (`learn.train_step` explains why that is exact).
+zero accumulators (one micro-batch: a loop whose trip count XLA cannot see;
+skipping zero-advantage rows: a loop over the chunks that move the loss);
+neither loop is differentiated (the gradient is taken inside). The summed
+gradient is divided once by the summed ``loss_count`` (`learn.train_step`
+explains why that is exact).
 """
 
 from typing import Any
@@ -29,7 +31,8 @@ def _gradients(params, cut: Cut, graphdef, options, ref_params, anchor, base, ke
   grad_fn = jax.grad(micro_batch_loss, has_aux=True)
   args = (graphdef, options, ref_params, anchor, base)
   init = _zero_accumulators(params, cut.chunks, args)
-  if cut.whole is None and cut.n > 1:  # every micro-batch runs: a scan
+  skipping = cut.whole is not None
+  if not skipping and cut.n > 1:  # every micro-batch runs: a scan
 
     def body(acc, xs):
       g, metrics = grad_fn(params, xs[0], *args, xs[1])
@@ -43,7 +46,7 @@ def _gradients(params, cut: Cut, graphdef, options, ref_params, anchor, base, ke
     return jax.tree.map(jnp.add, acc[0], g), red.merge(acc[1], metrics)
 
   n = cut.n
-  if cut.whole is None:
+  if not skipping:
     # One micro-batch. XLA inlines a loop of one known trip into the program
     # around it, which then compiled ~1.4x slower (qwen2.5-0.5b train step,
     # docs/results/compile_time.md); a trip count it cannot see keeps the loop.
@@ -51,9 +54,9 @@ def _gradients(params, cut: Cut, graphdef, options, ref_params, anchor, base, ke
   grads, metrics = jax.lax.fori_loop(0, n, run, init)
   if cut.whole is None:
     return grads, metrics
-  whole = dict(cut.whole)
-  metrics["loss"] = red.Mean(metrics["loss"].total, whole.pop("loss_count"))
-  return grads, {**metrics, **whole}
+  # The loss's count and these metrics are the whole minibatch's, not the chunks' that ran.
+  metrics["loss"] = red.Mean(metrics["loss"].total, cut.loss_count)
+  return grads, {**metrics, **cut.whole}
 
 
 def _chunk(chunks: TrainBatch, i) -> TrainBatch:

@@ -3,8 +3,9 @@
 `train_step(graphdef, optimizer, options, state, batch, key)` consumes one
 ``TrainBatch``. It splits the batch into ``num_minibatches`` optimizer steps
 (repeated for ``num_epochs``, reshuffled each epoch), and each optimizer step
-into micro-batches scanned with ``lax.scan`` from zero accumulators (one
-forward/backward program, compiled once). Per micro-batch it recomputes the
+into micro-batches (`batch_splits.cut`) whose gradients `optimizer_step`
+accumulates in a loop from zero accumulators (one forward/backward program,
+compiled once). Per micro-batch it recomputes the
 current log-probs (and reference log-probs when the loss needs them) and
 differentiates the policy loss's ``loss_sum``; the summed gradient is divided
 once by the summed ``loss_count``, so accumulation is exact:
@@ -35,7 +36,8 @@ With p = 0 no key is derived: the program is the one without dropout.
 Metrics are typed reductions (`reductions.Mean`/`Sum`/`Max`/`Min`): the type
 says how micro-batches and optimizer steps combine, and `results` divides once.
 
-The pieces: `step_options` (the static settings), `scorer` (the log-probs),
+The pieces: `step_options` (the static settings), `batch_splits` (the
+micro-batches, or the chunks that move the loss), `scorer` (the log-probs),
 `micro_batch_loss` (one micro-batch's loss and metrics) and `optimizer_step`
 (gradient accumulation and the skip).
 """

@@ -96,7 +96,7 @@ class StepFns:
       samples per prompt at the training temperature.
     eval_rows: how evaluation plays and scores one batch of eval prompts
       (sampled responses, or episodes): `evaluation.sampled_rows` or
-      `evaluation.episode_rows`.
+      `evaluation.episode_rows`, called as `eval_rows(fns, params, ...)`.
   """
 
   model: ModelParts

@@ -299,9 +299,7 @@ def _build_fns(config) -> rl_step.StepFns:
       c, task, sampler, partial, eps, score_old, mesh, sizes(c)
     ),
     sampler=sampler,
-    eval_sampler=functools.cache(
-      functools.partial(_eval_sampler, graphdef, sample_kw, c.temperature)
-    ),
+    eval_sampler=functools.partial(_eval_sampler, graphdef, sample_kw, c.temperature),
     eval_rows=eval_rows,
     sampler_mesh=sampler_mesh,
     continuous=continuous_sampler,

@@ -103,7 +103,8 @@ def evaluate_seeds(
 
   Returns:
     float64 arrays [S] (or [1]): `accuracy`, `reward_mean`, `response_len`,
-    `reward_failures`, and with k >= 2 `pass@k` and `sample_accuracy`.
+    `reward_failures`, with k >= 2 `pass@k` and `sample_accuracy`, and for
+    episodes (rows with turns) `turns` and `tool_calls_per_solved`.
   """
   keys_s = keys if over_seeds else jnp.asarray(keys)[None]
   s = keys_s.shape[0]
