@@ -13,7 +13,10 @@ downloaded):
             appendix B (6 N + 12 L H Q T per trained token, Chowdhery et al.,
             arXiv:2204.02311) over the chip's nominal bf16 peak (`NOMINAL`) and
             over a matmul measured here
-  memory    the device's peak bytes in use (the process's peak RSS on CPU)
+  memory    the device's peak bytes in use (the process's peak RSS on CPU), beside
+            the memory planner's estimate for the same run on one device
+            (`run.planner.plan`, analytic activations: what `experiments.plan`
+            prints before a run) and XLA's temporaries of the compiled train step
 
   python benchmarks/accelerator.py --presets qwen2.5-0.5b,qwen2.5-1.5b [--json out.json]
   python benchmarks/accelerator.py --presets small --prompts 2 --group 2 --prompt_len 16 \\
@@ -29,6 +32,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compile_time  # noqa: E402
 import roofline  # noqa: E402
 
-from offpolicy_jax import models  # noqa: E402
+from offpolicy_jax import config_schema, models  # noqa: E402
 from offpolicy_jax.learn import train_state  # noqa: E402
 from offpolicy_jax.rollout import pipeline  # noqa: E402
+from offpolicy_jax.run import planner  # noqa: E402
 from offpolicy_jax.sampling import sampler as sampling  # noqa: E402
 
 # device_kind substring -> (dense bf16 FLOP/s, HBM bytes/s), per chip, from the vendors' sheets.
@@ -93,6 +98,42 @@ def _peak_bytes() -> tuple[int, str]:
   if "peak_bytes_in_use" in stats:
     return int(stats["peak_bytes_in_use"]), "device"
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process RSS"
+
+
+def planned(config: models.ModelConfig, s: Shapes) -> dict:
+  """The memory planner's per-device bytes for this benchmark's run on one device.
+
+  The same model (its config.json, so the planner sees the real vocabulary),
+  shapes, compute dtype and loss; on-policy with one batch of replay, so the
+  planner counts no lag snapshots, as the benchmark holds none.
+  """
+  with tempfile.TemporaryDirectory() as d:
+    path = os.path.join(d, "config.json")
+    with open(path, "w") as f:
+      json.dump(models.config_to_hf(config, "float32"), f)
+    c = config_schema.config_dict()
+    c.model, c.model_dtype, c.model_scan_layers = path, config.dtype, config.scan_layers
+    c.prompts_per_step, c.group_size = s.prompts, s.group
+    c.max_prompt_len, c.max_new_tokens = s.prompt_len, s.new_tokens
+    c.train.micro_batch_size = s.micro_batch
+    c.loss.name = "grpo"
+    c.lag.sync_interval, c.lag.sync_offset = 1, 0
+    c.replay.capacity_batches = 1
+    plan = planner.plan(c, devices=1, bytes_per_device=None, activations="analytic")
+  return {
+    "planned_peak_bytes": plan.peak_bytes,
+    "planned_state_bytes": plan.state_bytes,
+    "planned_params_bytes": plan.bytes["params"],
+    "planned_optimizer_bytes": plan.bytes["optimizer state"],
+    "planned_kv_cache_bytes": plan.bytes[planner.ROWS[5]],
+    "planned_activation_bytes": plan.bytes[planner.ROWS[6]],
+  }
+
+
+def _xla_temp_bytes(program: compile_time.Program) -> int | None:
+  """XLA's temporaries of a compiled program (None where the backend does not say)."""
+  stats = program.compiled.memory_analysis()
+  return None if stats is None else int(stats.temp_size_in_bytes)
 
 
 def _inputs(config, s: Shapes):
@@ -173,6 +214,8 @@ def run_preset(preset: str, s: Shapes, *, dtype: str, repeats: int, peaks: dict)
     micro_batch=s.micro_batch,
   )
   row |= {f"compile_{name}_s": prog.seconds["total_s"] for name, prog in progs.items()}
+  row |= planned(config, s)
+  row["xla_train_temp_bytes"] = _xla_temp_bytes(progs["train"])
   graphdef, params = nnx.split(models.Decoder(config, rngs=nnx.Rngs(0)))
   row |= sampler_numbers(config, graphdef, params, progs, s, repeats, peaks["bandwidth"])
   # The train step donates its state: the sampler's parameters go with it.
@@ -194,9 +237,10 @@ def print_table(rows: list[dict], peaks: dict) -> None:
   )
   print(
     "| preset | compile sampler / scorer / train s | prefill tok/s | decode tok/s | "
-    "decode roofline | scorer tok/s | train tok/s | MFU nominal | MFU of matmul | peak GiB |"
+    "decode roofline | scorer tok/s | train tok/s | MFU nominal | MFU of matmul | peak GiB | "
+    "planned GiB |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for r in rows:
     print(
       f"| {r['preset']} | {r['compile_sampler_s']:.1f} / {r['compile_scorer_s']:.1f} / "
@@ -204,7 +248,8 @@ def print_table(rows: list[dict], peaks: dict) -> None:
       f"{r['decode_tokens_per_s']:,.0f} | {r['decode_roofline_fraction']:.0%} | "
       f"{r['scorer_tokens_per_s']:,.0f} | "
       f"{r['train_tokens_per_s']:,.0f} | {_fmt(r['mfu_nominal'], '.1%')} | "
-      f"{r['mfu_measured_matmul']:.1%} | {r['peak_bytes'] / 2**30:.2f} ({r['peak_bytes_of']}) |"
+      f"{r['mfu_measured_matmul']:.1%} | {r['peak_bytes'] / 2**30:.2f} ({r['peak_bytes_of']}) | "
+      f"{r['planned_peak_bytes'] / 2**30:.2f} |"
     )
 
 

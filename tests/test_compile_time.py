@@ -38,13 +38,24 @@ def test_accelerator_table_at_tiny_sizes(tmp_path, capsys):
     "train_tokens_per_s",
     "mfu_measured_matmul",
     "peak_bytes",
+    "planned_peak_bytes",
+    "planned_activation_bytes",
+    "xla_train_temp_bytes",
   ):
     assert math.isfinite(row[key]) and row[key] > 0, key
+  # The plan is the planner's own, for the benchmark's model and shapes.
+  assert row["planned_peak_bytes"] == row["planned_state_bytes"] + max(
+    row["planned_kv_cache_bytes"], row["planned_activation_bytes"]
+  )
+  params = models.get_config("tiny").num_params()
+  assert row["planned_params_bytes"] == 4 * params  # float32
+  # Two float32 Adam moments, and the optimizer's scalar counters.
+  assert 0 <= row["planned_optimizer_bytes"] - 2 * 4 * params < 64
   assert row["mfu_nominal"] is None  # a CPU is not in the table of chips
   saved = json.loads(out.read_text())
   assert saved["rows"][0]["preset"] == "tiny" and saved["peaks"]["bandwidth_of"] == "measured"
   table = capsys.readouterr().out
-  assert "| tiny |" in table and "MFU of matmul" in table
+  assert "| tiny |" in table and "MFU of matmul" in table and "planned GiB" in table
 
 
 def test_peaks_and_model_flops():
