@@ -18,7 +18,8 @@ downloaded):
             (`run.planner.plan`, analytic activations: what `experiments.plan`
             prints before a run) and XLA's temporaries of the compiled train step
 
-  python benchmarks/accelerator.py --presets qwen2.5-0.5b,qwen2.5-1.5b [--json out.json]
+  python benchmarks/accelerator.py --presets qwen2.5-0.5b,qwen2.5-1.5b [--json out.json] \
+      [--gsm8k_preset qwen2.5-0.5b --gsm8k_steps 20]   # then the real-model path, timed
   python benchmarks/accelerator.py --presets small --prompts 2 --group 2 --prompt_len 16 \\
       --new_tokens 16 --micro_batch 4          # reduced sizes, CPU
 
@@ -42,6 +43,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import compile_time  # noqa: E402
+import gsm8k_path  # noqa: E402
 import roofline  # noqa: E402
 
 from offpolicy_jax import config_schema, models  # noqa: E402
@@ -280,6 +282,10 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--matmul_size", type=int, default=4096)
   parser.add_argument("--json", default="", help="also write the rows here")
+  parser.add_argument(
+    "--gsm8k_preset", default="", help="then the GSM8K config on this preset (gsm8k_path.py)"
+  )
+  parser.add_argument("--gsm8k_steps", type=int, default=20)
   args = parser.parse_args(argv)
   shapes = Shapes(args.prompts, args.group, args.prompt_len, args.new_tokens, args.micro_batch)
   peaks = measure_peaks(args.matmul_size, args.dtype)
@@ -288,9 +294,12 @@ def main(argv=None):
     rows.append(run_preset(preset, shapes, dtype=args.dtype, repeats=args.repeats, peaks=peaks))
     print(json.dumps(rows[-1]), flush=True)
   print_table(rows, peaks)
+  gsm8k = None
+  if args.gsm8k_preset:  # the shapes of the table, on the real-model path
+    gsm8k = gsm8k_path.run_and_print(args.gsm8k_preset, args.gsm8k_steps, args)
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"args": vars(args), "peaks": peaks, "rows": rows}, f, indent=1)
+      json.dump({"args": vars(args), "peaks": peaks, "rows": rows, "gsm8k": gsm8k}, f, indent=1)
   return rows
 
 

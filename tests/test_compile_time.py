@@ -18,16 +18,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ben
 
 import accelerator  # noqa: E402
 import compile_time  # noqa: E402
+import gsm8k_path  # noqa: E402
 
 TINY = dict(prompts=2, group=2, prompt_len=8, new_tokens=16, micro_batch=2)
 
 
-def test_accelerator_table_at_tiny_sizes(tmp_path, capsys):
+def test_accelerator_table_at_tiny_sizes(tmp_path, capsys, monkeypatch):
   out = tmp_path / "acc.json"
   args = ["--presets", "tiny", "--repeats", "1", "--matmul_size", "128", "--json", str(out)]
   for name, value in TINY.items():
     args += [f"--{name}", str(value)]
+  # The real-model path after the table, at the table's shapes (run for real in its own test).
+  calls = []
+  fake = {"preset": "tiny", "steps": 2, "rows_per_step": 4, "run_s": 1.0, "first_step_s": 0.5}
+  fake |= {"step_s": 0.2, "reward_failures": 0, "write_checkpoint_s": 0.1}
+  fake |= {p.removeprefix("time/"): 0.05 for p in gsm8k_path.PHASES}
+  monkeypatch.setattr(gsm8k_path, "run", lambda *a, **kw: (calls.append((a, kw)), fake)[1])
+  args += ["--gsm8k_preset", "tiny", "--gsm8k_steps", "2"]
   (row,) = accelerator.main(args)
+  assert calls == [(("tiny",), {"steps": 2, "dtype": "bfloat16", **TINY})]
   for name in ("sampler", "scorer", "train"):
     assert row[f"compile_{name}_s"] > 0
   for key in (
@@ -54,8 +63,28 @@ def test_accelerator_table_at_tiny_sizes(tmp_path, capsys):
   assert row["mfu_nominal"] is None  # a CPU is not in the table of chips
   saved = json.loads(out.read_text())
   assert saved["rows"][0]["preset"] == "tiny" and saved["peaks"]["bandwidth_of"] == "measured"
+  assert saved["gsm8k"] == fake
   table = capsys.readouterr().out
   assert "| tiny |" in table and "MFU of matmul" in table and "planned GiB" in table
+
+
+def test_gsm8k_path_runs_the_real_model_path_and_times_its_phases(tmp_path):
+  """A preset saved as a HF checkpoint with a trained tokenizer and a chat template, loaded by
+  the GSM8K config's own path, scored by the sandboxed math verifier, timed per phase."""
+  out = tmp_path / "gsm8k.json"
+  result = gsm8k_path.main(
+    ["--preset", "tiny", "--steps", "3", "--prompts", "4", "--group", "2"]
+    + ["--new_tokens", "8", "--micro_batch", "8", "--json", str(out)]
+  )  # 8 rows: the config's FSDP mesh spans the suite's 8 devices
+  assert result["steps"] == 3 and result["rows_per_step"] == 8
+  assert result["reward_failures"] == 0
+  assert result["first_step_s"] > result["step_s"] > 0  # the first step compiles
+  phases = sum(result[p.removeprefix("time/")] for p in gsm8k_path.PHASES)
+  assert phases <= 1.5 * result["step_s"]  # medians of the parts of the later steps
+  assert json.loads(out.read_text())["result"]["preset"] == "tiny"
+  rows = gsm8k_path.problems(20)
+  answers = [r["answer"].split("####")[-1].strip() for r in rows]
+  assert all(a.isdigit() for a in answers) and len(set(answers)) > 1
 
 
 def test_peaks_and_model_flops():
