@@ -18,7 +18,7 @@ downloaded):
             (`run.planner.plan`, analytic activations: what `experiments.plan`
             prints before a run) and XLA's temporaries of the compiled train step
 
-  python benchmarks/accelerator.py --presets qwen2.5-0.5b,qwen2.5-1.5b [--json out.json] \
+  python benchmarks/accelerator.py --presets qwen2.5-0.5b,qwen2.5-1.5b [--json out.json] \\
       [--gsm8k_preset qwen2.5-0.5b --gsm8k_steps 20]   # then the real-model path, timed
   python benchmarks/accelerator.py --presets small --prompts 2 --group 2 --prompt_len 16 \\
       --new_tokens 16 --micro_batch 4          # reduced sizes, CPU
@@ -163,17 +163,18 @@ def sampler_numbers(config, graphdef, params, progs, s: Shapes, repeats, bandwid
   one = sampling.make_sampler(graphdef, max_new_tokens=1, group_size=k, eos_id=None)
   t_one = _median_s(lambda: one(params, prompts, lengths, key), repeats)
   t_all = _median_s(lambda: progs["sampler"].compiled(params, prompts, lengths, key), repeats)
-  step_s = max(t_all - t_one, 1e-9) / max(n - 1, 1)
+  # None when the decode is too short to time against the one-token call (raise N or repeats).
+  step_s = (t_all - t_one) / max(n - 1, 1) if t_all > t_one else None
   cost = roofline.decode_step_cost(config, prompts=g, group_size=k, prompt_len=p, span=(n + 1) / 2)
   out = progs["sampler"].compiled(params, prompts, lengths, key)
   t_score = _median_s(lambda: progs["scorer"].compiled(params, prompts, lengths, out), repeats)
   return {
     "prefill_s": t_one,
     "prefill_tokens_per_s": g * p / t_one,
-    "decode_tokens_per_s": g * k / step_s,
-    "decode_step_ms": 1e3 * step_s,
+    "decode_tokens_per_s": g * k / step_s if step_s else None,
+    "decode_step_ms": 1e3 * step_s if step_s else None,
     "decode_bytes_per_step": cost.bytes,
-    "decode_roofline_fraction": cost.bytes / bandwidth / step_s,
+    "decode_roofline_fraction": cost.bytes / bandwidth / step_s if step_s else None,
     "scorer_tokens_per_s": g * k * (p + n) / t_score,
   }
 
@@ -233,7 +234,7 @@ def _fmt(x, spec):
 def print_table(rows: list[dict], peaks: dict) -> None:
   print(
     f"device: {peaks['device_kind']} ({jax.default_backend()}), jax {jax.__version__}; "
-    f"peak {peaks['nominal_flops'] and peaks['nominal_flops'] / 1e12} TFLOP/s nominal, "
+    f"peak {_fmt(peaks['nominal_flops'] and peaks['nominal_flops'] / 1e12, 'g')} TFLOP/s nominal, "
     f"{peaks['matmul_flops'] / 1e12:.2f} measured matmul; bandwidth "
     f"{peaks['bandwidth'] / 1e9:.0f} GB/s ({peaks['bandwidth_of']})"
   )
@@ -247,7 +248,7 @@ def print_table(rows: list[dict], peaks: dict) -> None:
     print(
       f"| {r['preset']} | {r['compile_sampler_s']:.1f} / {r['compile_scorer_s']:.1f} / "
       f"{r['compile_train_s']:.1f} | {r['prefill_tokens_per_s']:,.0f} | "
-      f"{r['decode_tokens_per_s']:,.0f} | {r['decode_roofline_fraction']:.0%} | "
+      f"{_fmt(r['decode_tokens_per_s'], ',.0f')} | {_fmt(r['decode_roofline_fraction'], '.0%')} | "
       f"{r['scorer_tokens_per_s']:,.0f} | "
       f"{r['train_tokens_per_s']:,.0f} | {_fmt(r['mfu_nominal'], '.1%')} | "
       f"{r['mfu_measured_matmul']:.1%} | {r['peak_bytes'] / 2**30:.2f} ({r['peak_bytes_of']}) | "
@@ -273,7 +274,12 @@ def measure_peaks(matmul_size: int, dtype: str) -> dict:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--presets", default="qwen2.5-0.5b,qwen2.5-1.5b")
-  parser.add_argument("--dtype", default="bfloat16", help="compute dtype (parameters float32)")
+  parser.add_argument(
+    "--dtype",
+    default="bfloat16",
+    choices=gsm8k_path.DTYPES,
+    help="compute dtype (parameters float32)",
+  )
   parser.add_argument("--prompts", type=int, default=16, help="G")
   parser.add_argument("--group", type=int, default=8, help="K")
   parser.add_argument("--prompt_len", type=int, default=256, help="P")
@@ -287,6 +293,9 @@ def main(argv=None):
   )
   parser.add_argument("--gsm8k_steps", type=int, default=20)
   args = parser.parse_args(argv)
+  if args.repeats < 1:
+    parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  gsm8k_path.check_args(parser, args, args.gsm8k_steps if args.gsm8k_preset else 1)
   shapes = Shapes(args.prompts, args.group, args.prompt_len, args.new_tokens, args.micro_batch)
   peaks = measure_peaks(args.matmul_size, args.dtype)
   rows = []
@@ -294,12 +303,15 @@ def main(argv=None):
     rows.append(run_preset(preset, shapes, dtype=args.dtype, repeats=args.repeats, peaks=peaks))
     print(json.dumps(rows[-1]), flush=True)
   print_table(rows, peaks)
-  gsm8k = None
+
+  def save(gsm8k):
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump({"args": vars(args), "peaks": peaks, "rows": rows, "gsm8k": gsm8k}, f, indent=1)
+
+  save(None)  # the table is kept whatever happens after it
   if args.gsm8k_preset:  # the shapes of the table, on the real-model path
-    gsm8k = gsm8k_path.run_and_print(args.gsm8k_preset, args.gsm8k_steps, args)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"args": vars(args), "peaks": peaks, "rows": rows, "gsm8k": gsm8k}, f, indent=1)
+    save(gsm8k_path.run_and_print(args.gsm8k_preset, args.gsm8k_steps, args))
   return rows
 
 

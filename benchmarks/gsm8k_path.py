@@ -40,8 +40,8 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import gsm8k_qwen25_1p5b  # noqa: E402
-from offpolicy_jax import models  # noqa: E402
-from offpolicy_jax.run import loop  # noqa: E402
+from offpolicy_jax import errors, models  # noqa: E402
+from offpolicy_jax.run import loop, validation  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from offpolicy_jax.study import sweeps  # noqa: E402
 
@@ -53,6 +53,7 @@ CHAT_TEMPLATE = (
   "{%- endfor %}"
   "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+DTYPES = ("float32", "bfloat16")  # the compute dtypes the config takes (`model_dtype`)
 PHASES = ("time/sample_s", "time/reward_s", "time/train_s", "time/other_s")
 
 
@@ -120,18 +121,17 @@ def run(
   dtype: str = "bfloat16",
   workdir: str | None = None,
 ) -> dict:
-  """`steps` steps of the GSM8K config on `preset` (random weights): timings and reward checks."""
+  """`steps` steps of the GSM8K config on `preset` (random weights): timings and reward checks.
+
+  The config is checked before anything is written (a wrong size fails at once,
+  naming the field); the data then ends in a clear error from the run's own
+  checks (e.g. `max_prompt_len` under the longest templated prompt).
+  """
   with tempfile.TemporaryDirectory() as tmp:
     hf, data = os.path.join(tmp, "hf"), os.path.join(tmp, "gsm8k.jsonl")
     rows = problems(max(4 * prompts, 64))
     with open(data, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in rows)
-    begin = time.perf_counter()
-    texts = [r["question"] + " " + r["answer"] for r in rows] + [
-      "<think>add</think><answer>19</answer>"
-    ]
-    write_checkpoint(hf, preset, texts)
-    write_s = time.perf_counter() - begin
     cfg = sweeps.apply_overrides(
       gsm8k_qwen25_1p5b.get_config(),
       {
@@ -153,6 +153,14 @@ def run(
         "tensorboard": False,
       },
     )
+    # Every check but the checkpoint's own (the preset stands in until it is written).
+    validation.validate_config(sweeps.apply_overrides(cfg, {"model": preset, "tokenizer": ""}))
+    begin = time.perf_counter()
+    texts = [r["question"] + " " + r["answer"] for r in rows] + [
+      "<think>add</think><answer>19</answer>"
+    ]
+    write_checkpoint(hf, preset, texts)
+    write_s = time.perf_counter() - begin
     begin = time.perf_counter()
     out = loop.train_and_evaluate(cfg, workdir or os.path.join(tmp, "run"))
     run_s = time.perf_counter() - begin
@@ -185,10 +193,24 @@ def print_result(r: dict) -> None:
   )
 
 
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, steps: int) -> None:
+  """Flag errors before any work (`parser.error`: one line, exit 2)."""
+  if steps < 1:
+    parser.error(f"the steps of the GSM8K run must be >= 1, got {steps}")
+  if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+    parser.error(f"--json: no directory {os.path.dirname(os.path.abspath(args.json))!r}")
+
+
 def run_and_print(preset: str, steps: int, args: argparse.Namespace) -> dict:
-  """`run` at the shapes and dtype of parsed arguments (this script's, or accelerator.py's)."""
+  """`run` at the shapes and dtype of parsed arguments (this script's, or accelerator.py's).
+
+  A config or data error (`errors.UserError`, `ValueError`) ends in one line naming the field.
+  """
   shapes = ("prompts", "group", "prompt_len", "new_tokens", "micro_batch", "dtype")
-  result = run(preset, steps=steps, **{name: getattr(args, name) for name in shapes})
+  try:
+    result = run(preset, steps=steps, **{name: getattr(args, name) for name in shapes})
+  except (errors.UserError, ValueError) as e:
+    sys.exit(f"error: {e}")
   print(json.dumps(result), flush=True)
   print_result(result)
   return result
@@ -198,14 +220,19 @@ def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", default="qwen2.5-0.5b")
   parser.add_argument("--steps", type=int, default=20)
-  parser.add_argument("--dtype", default="bfloat16", help="compute dtype (parameters float32)")
+  parser.add_argument(
+    "--dtype", default="bfloat16", choices=DTYPES, help="compute dtype (parameters float32)"
+  )
   parser.add_argument("--prompts", type=int, default=16, help="G")
   parser.add_argument("--group", type=int, default=8, help="K")
-  parser.add_argument("--prompt_len", type=int, default=256, help="P (the prompts are shorter)")
+  parser.add_argument(
+    "--prompt_len", type=int, default=256, help="P (the templated prompts take ~115 tokens)"
+  )
   parser.add_argument("--new_tokens", type=int, default=512, help="N")
   parser.add_argument("--micro_batch", type=int, default=32)
   parser.add_argument("--json", default="", help="also write the result here")
   args = parser.parse_args(argv)
+  check_args(parser, args, args.steps)
   result = run_and_print(args.preset, args.steps, args)
   if args.json:
     with open(args.json, "w") as f:
