@@ -176,6 +176,7 @@ def run(
     "step_s": statistics.median(r["step_time_s"] for r in later),
     "reward_failures": sum(r["reward_failures"] for r in train),
     "compiles": train[-1]["compiles"],
+    "sampled_ahead": sum(r.get("time/sampled_ahead", 0) for r in train),
   }
   for phase in PHASES:
     result[phase.removeprefix("time/")] = statistics.median(r.get(phase, 0.0) for r in later)
@@ -188,8 +189,10 @@ def print_result(r: dict) -> None:
     f"{r['steps']} steps in {r['run_s']:.1f} s; first step {r['first_step_s']:.1f} s "
     f"(compilation included); later steps {r['step_s']:.2f} s = sample {r['sample_s']:.2f} "
     f"+ reward {r['reward_s']:.2f} + train {r['train_s']:.2f} + other {r['other_s']:.2f}; "
-    f"{r['reward_failures']} failed rewards; checkpoint written in {r['write_checkpoint_s']:.1f} s "
-    "(a step sampled ahead counts its sampler's device time in train)"
+    f"{r['reward_failures']} failed rewards; "
+    f"checkpoint written in {r['write_checkpoint_s']:.1f} s; "
+    f"{r['sampled_ahead']} steps sampled ahead (their sampler's device time is in the previous "
+    "step's train)"
   )
 
 

@@ -31,7 +31,7 @@ def test_accelerator_table_at_tiny_sizes(tmp_path, capsys, monkeypatch):
   # The real-model path after the table, at the table's shapes (run for real in its own test).
   calls = []
   fake = {"preset": "tiny", "steps": 2, "rows_per_step": 4, "run_s": 1.0, "first_step_s": 0.5}
-  fake |= {"step_s": 0.2, "reward_failures": 0, "write_checkpoint_s": 0.1}
+  fake |= {"step_s": 0.2, "reward_failures": 0, "write_checkpoint_s": 0.1, "sampled_ahead": 1}
   fake |= {p.removeprefix("time/"): 0.05 for p in gsm8k_path.PHASES}
   monkeypatch.setattr(gsm8k_path, "run", lambda *a, **kw: (calls.append((a, kw)), fake)[1])
   args += ["--gsm8k_preset", "tiny", "--gsm8k_steps", "2"]
@@ -78,6 +78,7 @@ def test_gsm8k_path_runs_the_real_model_path_and_times_its_phases(tmp_path):
   )  # 8 rows: the config's FSDP mesh spans the suite's 8 devices
   assert result["steps"] == 3 and result["rows_per_step"] == 8
   assert result["reward_failures"] == 0
+  assert result["sampled_ahead"] == 2  # every step after the first (the config's lag allows it)
   assert result["first_step_s"] > result["step_s"] > 0  # the first step compiles
   phases = sum(result[p.removeprefix("time/")] for p in gsm8k_path.PHASES)
   assert phases <= 1.5 * result["step_s"]  # medians of the parts of the later steps

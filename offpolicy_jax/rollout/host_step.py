@@ -141,11 +141,15 @@ class Stepper:
 
     `progs` are the run's programs for `state` (`programs.programs`). The row
     has `read_info` (what `read` returned beside the prompts) and
-    `time/sample_s`, `time/reward_s`, `time/train_s`.
+    `time/sample_s`, `time/reward_s`, `time/train_s`, and `time/sampled_ahead`:
+    1 when this step's rollout was dispatched during the previous step (its
+    device time then falls in that step's `time/train_s`, the device running
+    in order), else 0.
     """
     t0 = time.perf_counter()
     pending, self._pending = self._pending, None
-    if pending is None or pending[0] != step:
+    ahead = pending is not None and pending[0] == step
+    if pending is None or not ahead:
       pending = (step, *self._sample(progs, state, step, read))
     _, read_info, sampled = pending
     jax.block_until_ready(sampled.fin.out)
@@ -156,6 +160,7 @@ class Stepper:
       self.fns, progs, self.rollout, state, sampled, step, self.seed, self.schedule
     )
     row["read_info"] = read_info
+    row["time/sampled_ahead"] = int(ahead)
     row["time/sample_s"] = t1 - t0
     row["time/train_s"] = time.perf_counter() - t1 - row["time/reward_s"]
     return state, row
