@@ -15,7 +15,9 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.append(os.path.join(REPO, "benchmarks"))  # gsm8k_path: a tiny HF checkpoint
 
+import gsm8k_path  # noqa: E402
 from test_loop import small_config, strip_timing  # noqa: E402
 
 from experiments import sweep  # noqa: E402
@@ -245,54 +247,14 @@ def test_lag_study_sweep_covers_presets_and_lags():
     sweeps.apply_overrides(base, r)
 
 
-QWEN_TEMPLATE = (
-  "{%- for message in messages %}"
-  "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-  "{%- endfor %}"
-  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-def _tiny_hf_dir(path):
-  """A tiny Qwen2-format checkpoint + BPE tokenizer with a chat template."""
-  import json
-
-  from flax import nnx
-  from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
-  from tokenizers import models as tok_models
-
-  from offpolicy_jax import models
-
-  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-  tok = Tokenizer(tok_models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
-    vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-  )
-  tok.train_from_iterator(["What is 12 + 7? <think>add</think><answer>19</answer>"] * 5, trainer)
-  os.makedirs(path)
-  tok.save(os.path.join(path, "tokenizer.json"))
-  config = {
-    "eos_token": "<|im_end|>",
-    "pad_token": "<|endoftext|>",
-    "chat_template": QWEN_TEMPLATE,
-    "added_tokens_decoder": {
-      str(tok.token_to_id(s)): {"content": s, "special": True} for s in specials
-    },
-  }
-  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-    json.dump(config, f)
-  mcfg = models.get_config("tiny", vocab_size=tok.get_vocab_size())
-  models.save_pretrained(models.Decoder(mcfg, rngs=nnx.Rngs(0)), path)
-
-
 def test_paper_gsm8k_config_runs_at_toy_scale(tmp_path):
   """The GSM8K config end to end: local HF dir, chat template, host math-verify rewards."""
   import json
 
   hf = str(tmp_path / "hf")
-  _tiny_hf_dir(hf)
+  # A tiny Qwen2-format checkpoint + BPE tokenizer with a chat template (the benchmark's own).
+  texts = ["What is 12 + 7? <think>add</think><answer>19</answer>"] * 5
+  gsm8k_path.write_checkpoint(hf, "tiny", texts)
   data = tmp_path / "gsm8k.jsonl"
   rows = [{"question": f"What is {a} + 7?", "answer": f"... #### {a + 7}"} for a in range(8)]
   data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")

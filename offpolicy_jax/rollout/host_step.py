@@ -149,7 +149,7 @@ class Stepper:
     t0 = time.perf_counter()
     pending, self._pending = self._pending, None
     ahead = pending is not None and pending[0] == step
-    if pending is None or not ahead:
+    if pending is None or pending[0] != step:
       pending = (step, *self._sample(progs, state, step, read))
     _, read_info, sampled = pending
     jax.block_until_ready(sampled.fin.out)
