@@ -106,7 +106,7 @@ def planned(config: models.ModelConfig, s: Shapes) -> dict:
   """The memory planner's per-device bytes for this benchmark's run on one device.
 
   The same model (its config.json, so the planner sees the real vocabulary),
-  shapes, compute dtype and loss; on-policy with one batch of replay, so the
+  shapes, compute dtype, scan and remat, and loss; on-policy with one batch of replay, so the
   planner counts no lag snapshots, as the benchmark holds none.
   """
   with tempfile.TemporaryDirectory() as d:
@@ -115,6 +115,7 @@ def planned(config: models.ModelConfig, s: Shapes) -> dict:
       json.dump(models.config_to_hf(config, "float32"), f)
     c = config_schema.config_dict()
     c.model, c.model_dtype, c.model_scan_layers = path, config.dtype, config.scan_layers
+    c.model_remat = config.remat
     c.prompts_per_step, c.group_size = s.prompts, s.group
     c.max_prompt_len, c.max_new_tokens = s.prompt_len, s.new_tokens
     c.train.micro_batch_size = s.micro_batch

@@ -27,6 +27,10 @@ def get_config() -> ml_collections.ConfigDict:
   # The train step and the scorer run the 28 blocks as one lax.scan: one block compiled,
   # not 28 (docs/speed.md, "Compile time"); checkpoints keep one leaf per layer either way.
   c.model_scan_layers = True
+  # Each block is rematerialised in the backward pass: the train step keeps block inputs, not
+  # every intermediate (`python -m experiments.plan --config=configs/gsm8k_qwen25_1p5b.py
+  # --devices=v5e-8`: fits in 16 GiB with it, not without).
+  c.model_remat = True
   # Same directory: tokenizer.json + chat template.
   c.tokenizer = "checkpoints/Qwen2.5-1.5B-Instruct"
   c.task = "gsm8k"

@@ -343,6 +343,11 @@ class RunSpec:
   #: same numbers, same checkpoint layout).
   model_scan_layers: bool
 
+  #: Rematerialise each decoder block in the training backward pass (jax.checkpoint): the train
+  #: step keeps each block's input instead of its intermediates and recomputes them, about one
+  #: more forward per step (same numbers, same checkpoint layout).
+  model_remat: bool
+
   #: Attention implementation: "xla" (ours: einsums over the head-major KV cache, the fastest on
   #: CPU) or "dot_product" (jax.nn.dot_product_attention, which JAX lowers to cuDNN flash
   #: attention on GPU). The same numbers within float tolerance.

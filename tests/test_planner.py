@@ -87,6 +87,27 @@ def test_compiled_activations_equal_the_real_train_step():
   assert got.headroom is not None and got.headroom > 0.9
 
 
+def test_model_remat_reaches_the_compiled_train_step_and_the_plan():
+  """`model_remat` rematerialises the blocks of the run's train step: XLA's temporaries of the
+  scanned step shrink, and so does the analytic estimate (within 2x of them at this toy size,
+  where the estimate's per-block terms are least accurate: docs/speed.md has its calibration)."""
+
+  def activations(remat: bool, source: str) -> int:
+    c = _config("default")
+    c.unlock()
+    c.max_prompt_len, c.max_new_tokens, c.model_scan_layers, c.model_remat = 24, 48, True, remat
+    c.lock()
+    got = planner.plan(c, devices=1, bytes_per_device=None, device_type="cpu", activations=source)
+    assert got.activations_source.startswith(source)
+    return got.bytes["activations (train step)"]
+
+  compiled = {r: activations(r, "compiled") for r in (False, True)}
+  analytic = {r: activations(r, "analytic") for r in (False, True)}
+  assert compiled[True] < 0.8 * compiled[False], compiled
+  assert analytic[True] < analytic[False], analytic
+  assert compiled[True] / 2 <= analytic[True] <= 2 * compiled[True], (analytic, compiled)
+
+
 def test_mesh_larger_than_this_machine_is_planned_arithmetically():
   got = planner.plan(_config("default"), devices=32, bytes_per_device=None, mesh_shape=(1, -1, 1))
   assert got.mesh == {"data": 1, "fsdp": 32, "tensor": 1}

@@ -33,6 +33,7 @@ BAD = [
   ("log_every", 0, "log_every"),
   ("profile_steps", -1, "profile_steps"),
   ("model_scan_layers", "yes", "model_scan_layers"),
+  ("model_remat", 1, "model_remat"),
   ("model_attention", "flash", "model_attention"),
   ("model", "no-such-preset", "model"),
   ("model", "/no/such/dir", "model"),

@@ -140,7 +140,7 @@ def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
   path = hub.model_dir(config.model)
   if path is not None:
     compute = jnp.dtype(dtype)
-    scan, attention = config.model_scan_layers, config.model_attention
+    scan, remat, attention = config.model_scan_layers, config.model_remat, config.model_attention
 
     def load(seed):
       model = models.from_pretrained(
@@ -150,6 +150,7 @@ def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
         mesh=mesh,
         rules=sharding.LOGICAL_AXIS_RULES,
         scan_layers=scan,
+        remat=remat,
         attention=attention,
       )
       return model if lc is None else models.lora.with_adapters(model, lc, step_key(seed, 0, INIT))
@@ -160,6 +161,7 @@ def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
     vocab_size=tokenizer.vocab_size,
     dtype=dtype,
     scan_layers=config.model_scan_layers,
+    remat=config.model_remat,
     attention=config.model_attention,
     lora=lc,
   )

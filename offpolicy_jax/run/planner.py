@@ -35,6 +35,9 @@ t = micro-batch rows per device * (P + N) tokens ("analytic"; with
 
   t * layers * [isz * (4 D + (4 F + 3 N H + 3 N_kv H) / tensor) + 4 * 2 (N / tensor) (P + N)]
     * 4/3                                    (XLA copies; calibrated on CPU compiles)
+    with `model_scan_layers` (the stacked intermediates and their copies):  x 1.5
+    with `model_remat`, t * (layers * isz * D + 2 [...]) * 4/3 instead: each
+    block's input and the intermediates of two blocks in the backward
   + t_chunk * V * 4 * 2                      (float32 logits and log-softmax of one chunk)
   + 2 * trained params bytes                 (accumulated and micro-batch gradients)
 
@@ -157,6 +160,7 @@ def model_config(config) -> tuple[models.ModelConfig, str]:
   kw = dict(
     dtype=spec.model_dtype,
     scan_layers=spec.model_scan_layers,
+    remat=spec.model_remat,
     lora=components.lora_config(config),
   )
   path = os.path.join(m, "config.json") if os.path.isdir(m) else m
@@ -203,7 +207,11 @@ def _analytic_activations(config, mc, mesh, params_bytes: int) -> int:
   isz = jnp.dtype(mc.dtype).itemsize
   n, kv, h, d, f = mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.hidden_size, mc.intermediate_size
   per_token_layer = isz * (4 * d + (4 * f + 3 * n * h + 3 * kv * h) / tp) + 8 * n / tp * t_len
-  blocks = rows * tokens * mc.num_layers * per_token_layer * 4 / 3
+  if mc.remat:  # each block's input, and the intermediates of the blocks in the backward
+    kept_layers = mc.num_layers * isz * d / per_token_layer + 2
+  else:  # every block's intermediates; a scan also holds them stacked, with copies
+    kept_layers = mc.num_layers * (1.5 if mc.scan_layers else 1)
+  blocks = rows * tokens * kept_layers * per_token_layer * 4 / 3
   logits = rows * min(sz.max_new_tokens, 128) * mc.vocab_size * 4 * 2
   return int(blocks + logits + 2 * params_bytes)
 
