@@ -78,10 +78,11 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("model_scan_layers", False, PROGRAM,
      "Run the decoder blocks as one lax.scan in the training forward (compile time flat in "
      "depth; same numbers, same checkpoint layout).", Bool()),
-  _F("model_remat", False, PROGRAM,
+  _F("model_remat", False, PLACEMENT,
      "Rematerialise each decoder block in the training backward pass (jax.checkpoint): the "
      "train step keeps each block's input instead of its intermediates and recomputes them, "
-     "about one more forward per step (same numbers, same checkpoint layout).", Bool()),
+     "about one more forward per step (same numbers up to float rounding, same checkpoint "
+     "layout; may change on resume).", Bool()),
   _F("model_attention", "xla", PROGRAM,
      "Attention implementation: \"xla\" (ours: einsums over the head-major KV cache, the "
      "fastest on CPU) or \"dot_product\" (jax.nn.dot_product_attention, which JAX lowers to "
@@ -390,9 +391,6 @@ STUDY_FIELDS: tuple[Field, ...] = (
 # Fields no longer in the schema, with the value that meant what their absence means now:
 # a run recorded with that value resumes without a config change.
 RETIRED: dict[str, Any] = {"optimizer.micro_batches": 1}
-# Fields added after runs were recorded, with the value that means what their absence meant:
-# a run recorded without the field resumes with it at that value without a config change.
-ADDED: dict[str, Any] = {"model_remat": False}
 
 _BY_NAME = {f.name: f for f in (*RUN_FIELDS, *STUDY_FIELDS)}
 

@@ -345,7 +345,8 @@ class RunSpec:
 
   #: Rematerialise each decoder block in the training backward pass (jax.checkpoint): the train
   #: step keeps each block's input instead of its intermediates and recomputes them, about one
-  #: more forward per step (same numbers, same checkpoint layout).
+  #: more forward per step (same numbers up to float rounding, same checkpoint layout; may
+  #: change on resume).
   model_remat: bool
 
   #: Attention implementation: "xla" (ours: einsums over the head-major KV cache, the fastest on

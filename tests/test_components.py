@@ -143,3 +143,15 @@ def test_bfloat16_moments_reach_the_run_state():
   assert sum(x.size for x in floats) == 2 * sum(x.size for x in params)  # mu and nu
   with pytest.raises(ValueError, match="config.optimizer.moment_dtype"):
     components.build_components(small_config(**{"optimizer.moment_dtype": "float16"}))
+
+
+def test_model_remat_reaches_preset_and_hugging_face_models(tmp_path):
+  from benchmarks import gsm8k_path
+
+  hf = str(tmp_path / "hf")
+  gsm8k_path.write_checkpoint(hf, "tiny", ["12 + 7 = 19"] * 5)
+  for model, tokenizer in (("tiny", ""), (hf, hf)):
+    for remat in (False, True):
+      config = small_config(model=model, tokenizer=tokenizer, model_remat=remat)
+      built = components.build_components(config).fns.model.build(0)
+      assert built.config.remat is remat, (model, remat)

@@ -232,7 +232,7 @@ def test_paper_gsm8k_setting():
   assert (cfg.group_size, cfg.prompts_per_step, cfg.max_new_tokens) == (8, 96, 1024)
   assert cfg.optimizer.learning_rate == 1e-6 and cfg.lag.sync_interval == 20
   assert cfg.task == "gsm8k" and "Qwen2.5-1.5B-Instruct" in cfg.model
-  assert cfg.model_scan_layers and cfg.model_dtype == "bfloat16"
+  assert cfg.model_scan_layers and cfg.model_remat and cfg.model_dtype == "bfloat16"
 
 
 def test_lag_study_sweep_covers_presets_and_lags():

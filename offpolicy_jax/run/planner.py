@@ -36,10 +36,12 @@ t = micro-batch rows per device * (P + N) tokens ("analytic"; with
   t * layers * [isz * (4 D + (4 F + 3 N H + 3 N_kv H) / tensor) + 4 * 2 (N / tensor) (P + N)]
     * 4/3                                    (XLA copies; calibrated on CPU compiles)
     with `model_scan_layers` (the stacked intermediates and their copies):  x 1.5
-    with `model_remat`, t * (layers * isz * D + 2 [...]) * 4/3 instead: each
-    block's input and the intermediates of two blocks in the backward
+    scanned with `model_remat`, t * (layers * isz * D + 2 [...]) * 4/3 instead:
+    each block's input and the intermediates of two blocks in the backward
+    (unrolled, XLA:CPU keeps the intermediates under remat too: not counted)
   + t_chunk * V * 4 * 2                      (float32 logits and log-softmax of one chunk)
-  + 2 * trained params bytes                 (accumulated and micro-batch gradients)
+  + 2 * trained params bytes                 (accumulated and micro-batch gradients;
+                                              scanned: 3, the stacked gradients too)
 
 Step time, a rough lower bound: the step's FLOPs over ``devices * peak
 FLOP/s``, with N the parameters (base + adapters) and D tokens:
@@ -207,13 +209,14 @@ def _analytic_activations(config, mc, mesh, params_bytes: int) -> int:
   isz = jnp.dtype(mc.dtype).itemsize
   n, kv, h, d, f = mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.hidden_size, mc.intermediate_size
   per_token_layer = isz * (4 * d + (4 * f + 3 * n * h + 3 * kv * h) / tp) + 8 * n / tp * t_len
-  if mc.remat:  # each block's input, and the intermediates of the blocks in the backward
+  if mc.remat and mc.scan_layers:  # each block's input, and two blocks' intermediates
     kept_layers = mc.num_layers * isz * d / per_token_layer + 2
-  else:  # every block's intermediates; a scan also holds them stacked, with copies
-    kept_layers = mc.num_layers * (1.5 if mc.scan_layers else 1)
+  else:  # every block's intermediates (unrolled, XLA:CPU keeps them even under remat)
+    kept_layers = mc.num_layers * (1.5 if mc.scan_layers else 1)  # scanned: stacked, copied
   blocks = rows * tokens * kept_layers * per_token_layer * 4 / 3
   logits = rows * min(sz.max_new_tokens, 128) * mc.vocab_size * 4 * 2
-  return int(blocks + logits + 2 * params_bytes)
+  grads = (3 if mc.scan_layers else 2) * params_bytes  # scanned: also stacked over the layers
+  return int(blocks + logits + grads)
 
 
 def _abstract_run(config, mc: models.ModelConfig):

@@ -168,8 +168,7 @@ def config_changes(
     config: the new config (a dict).
     matters: which roles count (default: the fields a resume must keep); an
       undeclared field always counts. A retired field at its retired value
-      (`config_schema.RETIRED`) is no change, nor is an added field at the value
-      its absence meant (`config_schema.ADDED`).
+      (`config_schema.RETIRED`) is no change.
   """
   old, new = config_schema.flatten(stored), config_schema.flatten(_normalise(dict(config)))
   changes = {}
@@ -178,8 +177,6 @@ def config_changes(
       continue
     a, b = old.get(field, ABSENT), new.get(field, ABSENT)
     if b == ABSENT and field in config_schema.RETIRED and a == config_schema.RETIRED[field]:
-      continue
-    if a == ABSENT and field in config_schema.ADDED and b == config_schema.ADDED[field]:
       continue
     if a != b:
       changes[field] = (a, b)
