@@ -43,6 +43,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import compile_time  # noqa: E402
+import flags  # noqa: E402
 import gsm8k_path  # noqa: E402
 import roofline  # noqa: E402
 
@@ -252,8 +253,8 @@ def print_table(rows: list[dict], peaks: dict) -> None:
       f"{_fmt(r['decode_tokens_per_s'], ',.0f')} | {_fmt(r['decode_roofline_fraction'], '.0%')} | "
       f"{r['scorer_tokens_per_s']:,.0f} | "
       f"{r['train_tokens_per_s']:,.0f} | {_fmt(r['mfu_nominal'], '.1%')} | "
-      f"{r['mfu_measured_matmul']:.1%} | {r['peak_bytes'] / 2**30:.2f} ({r['peak_bytes_of']}) | "
-      f"{r['planned_peak_bytes'] / 2**30:.2f} |"
+      f"{r['mfu_measured_matmul']:.1%} | {r['peak_bytes'] / 2**30:.3g} ({r['peak_bytes_of']}) | "
+      f"{r['planned_peak_bytes'] / 2**30:.3g} |"
     )
 
 
@@ -294,9 +295,9 @@ def main(argv=None):
   )
   parser.add_argument("--gsm8k_steps", type=int, default=20)
   args = parser.parse_args(argv)
-  if args.repeats < 1:
-    parser.error(f"--repeats must be >= 1, got {args.repeats}")
-  gsm8k_path.check_args(parser, args, args.gsm8k_steps if args.gsm8k_preset else 1)
+  presets = tuple(args.presets.split(",")) + ((args.gsm8k_preset,) if args.gsm8k_preset else ())
+  gsm8k_path.check_args(parser, args, args.gsm8k_steps if args.gsm8k_preset else 1, presets)
+  flags.check(parser, args, positive=("repeats", "matmul_size"))
   shapes = Shapes(args.prompts, args.group, args.prompt_len, args.new_tokens, args.micro_batch)
   peaks = measure_peaks(args.matmul_size, args.dtype)
   rows = []

@@ -22,6 +22,7 @@ import json
 import time
 from typing import Any, NamedTuple
 
+import flags
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -117,9 +118,9 @@ def compile_programs(
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", default="qwen2.5-0.5b")
-  parser.add_argument("--dtype", default="bfloat16", help="compute dtype")
+  parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
   parser.add_argument("--scan_layers", default="1", help="comma-separated 0/1 variants")
-  parser.add_argument("--remat", type=int, default=1)
+  parser.add_argument("--remat", type=int, default=1, choices=(0, 1))
   parser.add_argument("--programs", default=",".join(PROGRAMS))
   parser.add_argument("--prompts", type=int, default=16, help="G")
   parser.add_argument("--group", type=int, default=8, help="K")
@@ -133,6 +134,14 @@ def main():
   parser.add_argument("--json", default="", help="also write the results here")
   args = parser.parse_args()
   programs = tuple(args.programs.split(","))
+  if unknown := set(programs) - set(PROGRAMS):
+    parser.error(f"--programs: unknown {sorted(unknown)}; choose from {PROGRAMS}")
+  if not set(args.scan_layers.split(",")) <= {"0", "1"}:
+    parser.error(f"--scan_layers: comma-separated 0 and 1, got {args.scan_layers!r}")
+  shapes = ("prompts", "group", "prompt_len", "new_tokens", "train_prompts", "train_prompt_len")
+  positive = (*shapes, "train_new_tokens", "micro_batch", "decode_block")
+  rows = ("train_prompts", "group")
+  flags.check(parser, args, presets=(args.preset,), positive=positive, rows=rows)
   rows = []
   for scan in (bool(int(s)) for s in args.scan_layers.split(",")):
     config = models.get_config(

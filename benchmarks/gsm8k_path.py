@@ -38,6 +38,9 @@ import time
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling `flags`
+
+import flags  # noqa: E402
 
 from configs import gsm8k_qwen25_1p5b  # noqa: E402
 from offpolicy_jax import errors, models  # noqa: E402
@@ -187,7 +190,8 @@ def print_result(r: dict) -> None:
   print(
     f"GSM8K config on {r['preset']} (random weights, {r['rows_per_step']} rows per step): "
     f"{r['steps']} steps in {r['run_s']:.1f} s; first step {r['first_step_s']:.1f} s "
-    f"(compilation included); later steps {r['step_s']:.2f} s = sample {r['sample_s']:.2f} "
+    f"(compilation included); {'later steps' if r['steps'] > 1 else 'that step'} "
+    f"{r['step_s']:.2f} s = sample {r['sample_s']:.2f} "
     f"+ reward {r['reward_s']:.2f} + train {r['train_s']:.2f} + other {r['other_s']:.2f}; "
     f"{r['reward_failures']} failed rewards; "
     f"checkpoint written in {r['write_checkpoint_s']:.1f} s; "
@@ -196,12 +200,16 @@ def print_result(r: dict) -> None:
   )
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, steps: int) -> None:
+SHAPES = ("prompts", "group", "prompt_len", "new_tokens", "micro_batch")
+
+
+def check_args(
+  parser: argparse.ArgumentParser, args: argparse.Namespace, steps: int, presets: tuple[str, ...]
+) -> None:
   """Flag errors before any work (`parser.error`: one line, exit 2)."""
   if steps < 1:
     parser.error(f"the steps of the GSM8K run must be >= 1, got {steps}")
-  if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-    parser.error(f"--json: no directory {os.path.dirname(os.path.abspath(args.json))!r}")
+  flags.check(parser, args, presets=presets, positive=SHAPES, rows=("prompts", "group"))
 
 
 def run_and_print(preset: str, steps: int, args: argparse.Namespace) -> dict:
@@ -235,7 +243,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--micro_batch", type=int, default=32)
   parser.add_argument("--json", default="", help="also write the result here")
   args = parser.parse_args(argv)
-  check_args(parser, args, args.steps)
+  check_args(parser, args, args.steps, (args.preset,))
   result = run_and_print(args.preset, args.steps, args)
   if args.json:
     with open(args.json, "w") as f:

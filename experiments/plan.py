@@ -34,9 +34,9 @@ flags.mark_flags_as_required(["config", "devices"])
 
 def parse_devices(text: str, known) -> tuple[str | None, int]:
   """`"v5e-8"` -> `("v5e", 8)`; `"8"` -> `(None, 8)`; ValueError naming `devices` otherwise."""
+  if text.isdigit() and int(text) >= 1:
+    return None, int(text)
   name, _, count = text.rpartition("-")
-  if not name and count.isdigit() and int(count) >= 1:
-    return None, int(count)
   if name not in known or not count.isdigit() or int(count) < 1:
     raise ValueError(f"devices: {text!r} is not <type>-<count> or <count>; types: {list(known)}")
   return name, int(count)

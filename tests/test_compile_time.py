@@ -129,6 +129,30 @@ def test_unknown_program_names_the_flag(program):
     compile_time.compile_programs(models.get_config("tiny"), programs=(program,), **TINY)
 
 
+@pytest.mark.parametrize(
+  "script, flags, named",
+  [
+    ("accelerator", ["--presets", "tiny,nope"], "unknown preset 'nope'"),
+    ("accelerator", ["--gsm8k_preset", "nope"], "unknown preset 'nope'"),
+    ("accelerator", ["--prompts", "2", "--group", "2", "--micro_batch", "3"], "--micro_batch 3"),
+    ("accelerator", ["--matmul_size", "0"], "--matmul_size must be >= 1"),
+    ("accelerator", ["--json", "/no/such/dir/a.json"], "--json: no directory"),
+    ("gsm8k_path", ["--micro_batch", "0"], "--micro_batch must be >= 1"),
+    ("compile_time", ["--prompts", "0"], "--prompts must be >= 1"),
+    ("compile_time", ["--scan_layers", "2"], "--scan_layers"),
+    ("compile_time", ["--programs", "sampler,bogus"], "--programs: unknown ['bogus']"),
+  ],
+)
+def test_benchmark_flags_are_checked_before_any_work(script, flags, named, capsys, monkeypatch):
+  module = {"accelerator": accelerator, "gsm8k_path": gsm8k_path, "compile_time": compile_time}
+  monkeypatch.setattr(sys, "argv", [f"{script}.py", *flags])  # compile_time parses sys.argv
+  with pytest.raises(SystemExit) as e:
+    module[script].main(*([flags] if script != "compile_time" else []))
+  assert e.value.code == 2
+  (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith(f"{script}.py")]
+  assert named in line
+
+
 def test_bf16_decode_reads_weights_cast_once_per_call():
   """Float32 master weights, bfloat16 compute: the casts of the weights to bfloat16 sit outside
   the decode loop (XLA hoists them), so each decode step reads the bfloat16 copy."""

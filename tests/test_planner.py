@@ -197,6 +197,7 @@ def test_binary_prints_a_verdict_for_gsm8k_on_v5e_8():
   [
     (["--devices=v9-8"], "devices"),
     (["--devices=0"], "devices"),
+    (["--devices=-3", "--memory_gib=16"], "devices"),  # not read as 3
     (["--devices=v5e-8", "--config.mesh.tensor=3"], "mesh.fsdp"),
   ],
 )
@@ -225,3 +226,11 @@ def test_step_flops_count_no_base_weight_gradients_with_adapters(rank, kl, per_t
   want = per_token * n_params * g * k * (p + n) * 2 + 2 * n_params * (g * p + g * k * n)
   assert got.step_flops == pytest.approx(want, rel=1e-12)
   assert got.flops_rule == rule
+
+
+def test_bad_field_values_are_named_before_any_size_is_read():
+  for field, value in (("prompts_per_step", -1), ("max_prompt_len", 0)):
+    config = default.base_config()
+    config[field] = value
+    with pytest.raises(ValueError, match=f"^config.{field}: "):
+      planner.plan(config, devices=1, bytes_per_device=None)

@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from offpolicy_jax import models
+from offpolicy_jax import config_schema, models
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import batch_splits, replay, train_state, train_step
 from offpolicy_jax.models.tokenizers import CharTokenizer
@@ -332,6 +332,7 @@ def plan(
   """
   if device_type is not None and device_type not in DEVICES:
     raise ValueError(f"devices: unknown device type {device_type!r}; known: {list(DEVICES)}")
+  config_schema.check(config)  # each field's own value, named, before any size is read
   if mesh_shape is not None:
     config = config.copy_and_resolve_references()
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_shape
