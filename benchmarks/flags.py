@@ -19,13 +19,13 @@ def check(
   positive: tuple[str, ...] = (),
   rows: tuple[str, ...] = (),
 ) -> None:
-  """Refuses unknown presets, flags under 1, and a `--micro_batch` that does not divide the rows.
+  """Refuses unknown presets, flags under 1, a `--micro_batch` that does not divide the rows,
+  and a `--json` (where the script has it) in a directory that does not exist.
 
   Args:
     presets: the preset names the run will build (`models.preset_names()`).
     positive: flags that must be >= 1.
     rows: the flags whose product is a batch's rows, which `--micro_batch` must divide.
-    `args.json`, when the script has it and it is set, must name a file in an existing directory.
   """
   known = models.preset_names()
   for preset in presets:
