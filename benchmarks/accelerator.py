@@ -129,8 +129,8 @@ def planned(config: models.ModelConfig, s: Shapes) -> dict:
     "planned_state_bytes": plan.state_bytes,
     "planned_params_bytes": plan.bytes["params"],
     "planned_optimizer_bytes": plan.bytes["optimizer state"],
-    "planned_kv_cache_bytes": plan.bytes[planner.ROWS[5]],
-    "planned_activation_bytes": plan.bytes[planner.ROWS[6]],
+    "planned_kv_cache_bytes": plan.bytes["KV cache (sampler)"],
+    "planned_activation_bytes": plan.bytes["activations (train step)"],
   }
 
 
