@@ -105,7 +105,7 @@ def test_a_dropped_step_fns_is_freed_with_what_was_built_from_it():
   import gc
   import weakref
 
-  from offpolicy_jax.rollout import programs, rl_step, sampler_choice
+  from offpolicy_jax.rollout import programs, run_state, sampler_choice
   from offpolicy_jax.run import evaluation
 
   components.clear_cache()
@@ -113,7 +113,7 @@ def test_a_dropped_step_fns_is_freed_with_what_was_built_from_it():
     small_config(**{"rollout.continuous_slots": 4, "rollout.continuous_auto_steps": 2})
   )
   fns = comps.fns
-  state = rl_step.init_state(fns, fns.model.init_params(0), capacity_batches=1, snapshots=2)
+  state = run_state.init_state(fns, fns.model.init_params(0), capacity_batches=1, snapshots=2)
   built = programs.programs(fns, comps.replay, state)
   assert programs.programs(fns, comps.replay, state) is built  # built once, shared
   assert evaluation.eval_prompts(fns, 4)
@@ -130,11 +130,11 @@ def test_bfloat16_moments_reach_the_run_state():
   import jax
   import jax.numpy as jnp
 
-  from offpolicy_jax.rollout import rl_step
+  from offpolicy_jax.rollout import run_state
 
   comps = components.build_components(small_config(**{"optimizer.moment_dtype": "bfloat16"}))
   fns = comps.fns
-  state = rl_step.init_state(fns, fns.model.init_params(0), capacity_batches=1, snapshots=1)
+  state = run_state.init_state(fns, fns.model.init_params(0), capacity_batches=1, snapshots=1)
   floats = [
     x for x in jax.tree.leaves(state.train.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)
   ]

@@ -109,7 +109,7 @@ def test_episode_pool_emits_the_oldest_groups_first():
   """Slots are reused after emission, so slot order is not age: the batch puts the oldest
   admissions first, for the replay buffer's FIFO (the first token's version is the step it
   came in: version = step here)."""
-  from offpolicy_jax.rollout import pipeline, rl_step
+  from offpolicy_jax.rollout import learning, pipeline
 
   comps = components.build_components(_config(**{"rollout.partial_budget": 2}))
   fns, k = comps.fns, comps.fns.sizes.group_size
@@ -123,7 +123,7 @@ def test_episode_pool_emits_the_oldest_groups_first():
     occupied = pool.occupied.copy()
     key = pipeline.step_key(0, step, pipeline.SAMPLE)
     pool, fin, _ = rollout.advance(pool, params, step, prompts, step, key)
-    batch, keep = rl_step.pack_finished(fns, fin, fin.rewards, step, 0, jitted=True)
+    batch, keep = learning.pack_finished(fns, fin, fin.rewards, step, 0, jitted=True)
     first = np.asarray(batch.versions)[::k, 0][np.asarray(keep)]
     assert list(first) == sorted(first), (step, first)
     came_in.extend(first.tolist())

@@ -14,7 +14,7 @@ from configs import default
 from offpolicy_jax import lag, models
 from offpolicy_jax.learn import train_step
 from offpolicy_jax.rollout import partial as partial_rollout
-from offpolicy_jax.rollout import pipeline, rl_step
+from offpolicy_jax.rollout import pipeline, run_state
 from offpolicy_jax.run import components, planner
 from offpolicy_jax.scale import disagg, sharding
 
@@ -46,7 +46,7 @@ def _measured(variant: str):
   config = _config(variant)
   fns = components.build_components(config).fns
   slots = lag.snapshot_capacity(config.lag.sync_interval, config.lag.sync_offset)
-  state = rl_step.init_state(
+  state = run_state.init_state(
     fns, fns.model.init_params(0), capacity_batches=config.replay.capacity_batches, snapshots=slots
   )
   batch = sharding.shard_batch(pipeline.empty_batch(fns.sizes), fns.model.mesh)
@@ -143,7 +143,7 @@ def test_plan_sizes_replay_snapshots_and_kv_cache_as_the_run_does(overrides, mon
   fns, run = comps.fns, comps.run
   params = fns.model.init_params(0)
   slots = components.snapshot_slots(run.lag.mode, run.lag.sync_interval, run.lag.sync_offset)
-  state = rl_step.init_state(
+  state = run_state.init_state(
     fns, params, capacity_batches=comps.replay_capacity_batches, snapshots=slots
   )
   got = planner.plan(config, devices=8, bytes_per_device=None, activations="analytic")

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import lag  # noqa: E402
-from offpolicy_jax.rollout import pipeline, rl_step  # noqa: E402
+from offpolicy_jax.rollout import pipeline, rl_step, run_state  # noqa: E402
 from offpolicy_jax.run import components  # noqa: E402
 from tests.test_loop import small_config  # noqa: E402
 
@@ -30,7 +30,7 @@ def built():
   cfg = small_config(**{"sft.enabled": False, "lag.sync_interval": 2})
   comps = components.build_components(cfg)
   fns = comps.fns
-  schedule = rl_step.LagSchedule(jnp.int32(2), jnp.int32(0))
+  schedule = run_state.LagSchedule(jnp.int32(2), jnp.int32(0))
   single = jax.jit(functools.partial(rl_step.rl_step, fns, comps.replay))
   return fns, comps.replay, schedule, single
 
@@ -40,7 +40,7 @@ SEEDS = (0, 1, 2)
 
 
 def _state(fns, seed):
-  return rl_step.init_state(fns, fns.model.init_params(seed), capacity_batches=1, snapshots=2)
+  return run_state.init_state(fns, fns.model.init_params(seed), capacity_batches=1, snapshots=2)
 
 
 def _prompts(fns, seed, steps):

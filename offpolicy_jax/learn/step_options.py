@@ -66,7 +66,7 @@ class StepOptions(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LearnerParts:
-  """The learner half of a run's static parts (`rl_step.StepFns.learner`).
+  """The learner half of a run's static parts (`run_state.StepFns.learner`).
 
   Versions count optimizer steps: the train step takes U of them per loop
   step, so the batch of loop step t records version `t * U` (`version`, the

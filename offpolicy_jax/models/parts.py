@@ -2,7 +2,7 @@
 
 The mesh the parameters live on, the model's graph, how to initialise or load
 its weights, its tokenizer and its adapters. Every program of a run is built
-on one `ModelParts` (`rl_step.StepFns.model`).
+on one `ModelParts` (`run_state.StepFns.model`).
 """
 
 from __future__ import annotations

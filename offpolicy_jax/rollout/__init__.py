@@ -8,7 +8,10 @@
   episode_pool  episodes in flight across steps, paused mid-turn
   sampler_mesh  any rollout placed on a disaggregated sampler mesh (`OnSamplerMesh`)
   pipeline      prompt batches across processes, score (device or sandboxed host), pack
-  rl_step       RunState and one pure RL step (rollout -> score -> pack -> learn)
+  run_state     a run's static parts (`StepFns`), its carried state (`RunState`) and its items
+  acting        the acting half of a step: behaviour parameters (lag), then the rollout
+  learning      the learning half: pack, replay, train step, snapshots
+  rl_step       one pure RL step: acting -> score -> learning (and chunks of them, scanned)
   host_step     the same step where it leaves the device, and over the study's seeds
   drivers       the loop's one step driver: scanned chunks, split host steps, or async
   programs      a run's named compiled programs
@@ -20,34 +23,40 @@ May import: every wing below it (maths, scale, models, sampling, rewards, store,
 """
 
 from offpolicy_jax.rollout import (
+  acting,
   data,
   drivers,
   episode_pool,
   episodes,
   host_step,
+  learning,
   partial,
   pipeline,
   producer,
   programs,
   protocol,
   rl_step,
+  run_state,
   sampler_choice,
   sampler_mesh,
   whole,
 )
 
 __all__ = [
+  "acting",
   "data",
   "drivers",
   "episode_pool",
   "episodes",
   "host_step",
+  "learning",
   "partial",
   "pipeline",
   "producer",
   "programs",
   "protocol",
   "rl_step",
+  "run_state",
   "sampler_choice",
   "sampler_mesh",
   "whole",

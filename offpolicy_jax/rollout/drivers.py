@@ -24,6 +24,7 @@ evaluations, checkpoints, signals, rows) and calls `Driver.steps` alone.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -36,7 +37,7 @@ from offpolicy_jax import lag
 from offpolicy_jax.rollout import host_step, pipeline, producer, sampler_mesh
 from offpolicy_jax.rollout.programs import programs
 from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.rollout.rl_step import LagSchedule, ReplayOptions, StepFns
+from offpolicy_jax.rollout.run_state import LagSchedule, ReplayOptions, StepFns
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.store import metrics
 
@@ -73,16 +74,21 @@ def one_program(fns: StepFns) -> bool:
   return fns.rollout.traced and fns.reward.device is not None
 
 
-def over_seeds(fns: StepFns, progs, state, prompts, steps, seeds, schedule):
-  """Loop steps `steps` of S seeds' runs (the study's vmapped state): `(state, metrics [S, L])`.
+def over_seeds(fns: StepFns) -> Callable:
+  """How the study advances S seeds' runs, chosen once: `(progs, state, prompts, steps, seeds,
+  schedule) -> (state, metrics [S, L])`.
 
   One scanned, vmapped program where a step is one (`one_program`), else the
   split step over seeds (`host_step.steps_over_seeds`); `progs` are the
   vmapped programs (`programs(..., over_seeds=True)`).
   """
   if one_program(fns):
-    return progs.rl_steps(state, prompts, steps, seeds, schedule)
-  return host_step.steps_over_seeds(fns, progs, state, prompts, steps, seeds, schedule)
+    return _scanned_over_seeds
+  return functools.partial(host_step.steps_over_seeds, fns)
+
+
+def _scanned_over_seeds(progs, state, prompts, steps, seeds, schedule):
+  return progs.rl_steps(state, prompts, steps, seeds, schedule)
 
 
 def make(
@@ -131,10 +137,9 @@ class _Run:
 
   def __init__(self, fns: StepFns, replay: ReplayOptions, seed: int, sync: tuple[int, int]):
     self.fns, self.replay, self.seed_int, self.sync = fns, replay, seed, sync
-    self.rep = sharding.replicated(fns.model.mesh)
-    put = lambda v: jax.device_put(jnp.int32(v), self.rep)
-    self.seed = put(seed)
-    self.schedule = LagSchedule(*map(put, sync))
+    self.mesh = fns.model.mesh
+    self.seed = sharding.replicated_int(self.mesh, seed)
+    self.schedule = LagSchedule(*(sharding.replicated_int(self.mesh, x) for x in sync))
 
 
 def _rows_of(stacked: dict[str, np.ndarray], n: int) -> list[dict[str, Any]]:
@@ -158,7 +163,9 @@ class Scanned:
     local, truncated = self._read(n)
     stacked = {k: np.stack([p[k] for p in local]) for k in pipeline.DEVICE_FIELDS}
     prompts = pipeline.assemble_global(self.fns.model.mesh, stacked, leading_axes=1)
-    steps = jax.device_put(np.arange(step + 1, step + n + 1, dtype=np.int32), run.rep)
+    steps = jax.device_put(
+      np.arange(step + 1, step + n + 1, dtype=np.int32), sharding.replicated(run.mesh)
+    )
     fn = programs(self.fns, run.replay, state).rl_steps
     begin = time.perf_counter()
     state, out = fn(state, prompts, steps, run.seed, run.schedule)
@@ -250,7 +257,7 @@ class Async:
     t1 = time.perf_counter()
     run = self._run
     fn = programs(self.fns, run.replay, state).learn
-    step_a = jax.device_put(np.int32(step), run.rep)
+    step_a = sharding.replicated_int(run.mesh, step)
     state, row = fn(state, batch, step_a, run.seed, run.schedule)
     published = self._prod.publish(state.train.params, step)
     big = jnp.iinfo(jnp.int32).max

@@ -101,7 +101,7 @@ class EpisodePool:
     return partial_rollouts.steps_to_finish(n, self.budget) * g
 
   def signature(self) -> dict[str, Any]:
-    """What a checkpoint's pool must match to be resumed (`rl_step.state_meta`)."""
+    """What a checkpoint's pool must match to be resumed (`run_state.state_meta`)."""
     return {"item": self.item, "slots": self.slots, "budget": self.budget}
 
   def init(self) -> PoolState:

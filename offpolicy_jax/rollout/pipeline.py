@@ -47,8 +47,9 @@ DEVICE_FIELDS = ("prompt_tokens", "prompt_lengths", "answer_tokens")
 # Host reward statistics of a batch (every metrics row carries them; zero for device rewards).
 REWARD_STATS = ("reward_failures", "reward_timeouts", "reward_worker_restarts", "reward_time_s")
 
-if TYPE_CHECKING:  # rl_step imports this module
-  from offpolicy_jax.rollout.rl_step import StepFns
+if TYPE_CHECKING:  # run_state imports this module
+  from offpolicy_jax.rollout.protocol import Finished
+  from offpolicy_jax.rollout.run_state import StepFns
 
 
 class Sizes(NamedTuple):
@@ -85,6 +86,16 @@ class Reward:
   pool: Any = None
   timeout_s: float = 5.0
   batch_timeout_s: float | None = None
+
+
+def device_prompts(prompts: dict[str, Any]) -> dict[str, Any]:
+  """The fields of a prompt batch that the jitted programs take (`DEVICE_FIELDS`)."""
+  return {k: prompts[k] for k in DEVICE_FIELDS}
+
+
+def device_finished(fin: Finished) -> Finished:
+  """`fin` with only its prompts' device fields (what the jitted programs take)."""
+  return fin._replace(prompts=device_prompts(fin.prompts))
 
 
 def no_reward_stats() -> dict[str, Any]:
@@ -357,7 +368,7 @@ def pack(
   )
 
 
-# `pack` jitted, for callers on the host (`rl_step.pack_finished` outside a jitted step).
+# `pack` jitted, for callers on the host (`learning.pack_finished` outside a jitted step).
 pack_jit = jax.jit(pack, static_argnums=0)
 
 

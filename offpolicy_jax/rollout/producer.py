@@ -1,7 +1,7 @@
 """`lag.mode="async"`: a sampler thread runs the rollout half ahead of the trainer.
 
 The thread samples with the latest published parameters (`SamplerThread`),
-scores and packs the batch; the trainer's `rl_step.learn` consumes it. In a
+scores and packs the batch; the trainer's `learning.learn` consumes it. In a
 disaggregated run (`disagg`) the thread samples on the sampler's own mesh,
 each publish reshards the parameters onto it, and each batch moves to the
 trainer mesh on the thread, so sampling overlaps training. Batches
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag, models
-from offpolicy_jax.rollout import host_step, pipeline, rl_step
+from offpolicy_jax.rollout import host_step, pipeline, run_state
 from offpolicy_jax.scale import disagg, sharding
 
 
@@ -67,7 +67,7 @@ class AsyncProducer:
 
   def __init__(
     self,
-    fns: rl_step.StepFns,
+    fns: run_state.StepFns,
     params,
     step: int,
     data_iter,

@@ -1,7 +1,8 @@
 """A run's compiled programs, by name: `programs(fns, opts, state) -> Programs`.
 
-The pieces of `rl_step` jitted once per state structure and shared by every
-run that shares its `StepFns` (memoised per `fns`): `rl_steps` (L traced
+The pieces of a step (`rl_step`, `acting`, `learning`) jitted once per state
+structure and shared by every run that shares its `StepFns` (memoised per
+`fns`): `rl_steps` (L traced
 steps in one scan), the halves of a host step (`rollout`, `learn_finished`),
 `learn` (the async loop's), and `behaviour`. Without `over_seeds` they keep
 the state's shardings and donate it; with it every program is `jax.vmap`ped
@@ -18,16 +19,10 @@ from typing import NamedTuple
 
 import jax
 
-from offpolicy_jax.rollout.rl_step import (
-  ReplayOptions,
-  RunState,
-  StepFns,
-  behaviour_params,
-  learn,
-  learn_finished,
-  rl_steps,
-  rollout,
-)
+from offpolicy_jax.rollout.acting import behaviour_params, rollout
+from offpolicy_jax.rollout.learning import learn, learn_finished
+from offpolicy_jax.rollout.rl_step import rl_steps
+from offpolicy_jax.rollout.run_state import ReplayOptions, RunState, StepFns
 from offpolicy_jax.scale import sharding
 
 

@@ -13,7 +13,7 @@ behaviour log-probs, per-token versions, kept-set sizes, log pi_old when the
 run scores it, rewards when the rollout earned them itself (episodes), and
 which groups are valid and in which order they go to the replay buffer.
 Everything after it is the same for every kind: score (`pipeline.score`),
-pack (`pipeline.pack`, the one packer) and learn (`rl_step.learn`).
+pack (`pipeline.pack`, the one packer) and learn (`learning.learn`).
 
 Kinds (chosen and built once, in `run.components_rollout.rollout_kind`):
 

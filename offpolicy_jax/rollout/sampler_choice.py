@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, cast
 
-from offpolicy_jax.rollout.rl_step import StepFns
+from offpolicy_jax.rollout.run_state import StepFns
 
 
 def continuous_fns(fns: StepFns) -> StepFns:

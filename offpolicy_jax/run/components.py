@@ -5,7 +5,7 @@
 `step_options`, `replay_options`, `replay_capacity`, `snapshot_slots`). It validates the
 config (and, once per workdir, the data), then returns a frozen `Components`
 record: the mesh, the model's graph, tokenizer, task, loss, optimizer and the
-jitted functions of the hot path (`rl_step.StepFns`), plus the run's config
+jitted functions of the hot path (`run_state.StepFns`), plus the run's config
 as typed records (`config_spec.RunSpec`, generated from the schema). Nothing
 in it points back to the ConfigDict, and it holds no run state.
 
@@ -40,7 +40,7 @@ from offpolicy_jax.learn.step_options import LearnerParts, StepOptions
 from offpolicy_jax.models import hub, tokenizers
 from offpolicy_jax.models.parts import ModelParts
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.rollout import pipeline, rl_step
+from offpolicy_jax.rollout import pipeline, run_state
 from offpolicy_jax.rollout.pipeline import INIT, step_key
 from offpolicy_jax.run import components_rollout, data_checks, evaluation, validation
 from offpolicy_jax.sampling import continuous
@@ -54,16 +54,16 @@ class Components:
   """Everything a run needs besides its state; built by `build_components`.
 
   Attributes:
-    fns: the model, task, loss and jitted functions (`rl_step.StepFns`).
+    fns: the model, task, loss and jitted functions (`run_state.StepFns`).
     run: the run's config as typed records (`config_spec.RunSpec`); the fields
       that are not compiled (`config_schema` roles) are its settings.
     replay: how the buffer samples (`replay.*`).
     replay_capacity_batches: the buffer's capacity in batches (`replay_capacity`).
   """
 
-  fns: rl_step.StepFns
+  fns: run_state.StepFns
   run: RunSpec
-  replay: rl_step.ReplayOptions
+  replay: run_state.ReplayOptions
   replay_capacity_batches: int
 
   @property
@@ -247,7 +247,7 @@ def replay_capacity(config) -> int:
   return max(c.replay.capacity_batches, partial_rollouts.steps_to_finish(c.max_new_tokens, budget))
 
 
-def _build_fns(config) -> rl_step.StepFns:
+def _build_fns(config) -> run_state.StepFns:
   c = config
   mesh, sampler_mesh = trainer_mesh(c), None
   if c.mesh.sampler_devices:
@@ -289,7 +289,7 @@ def _build_fns(config) -> rl_step.StepFns:
   eval_rows = (
     evaluation.sampled_rows if eps is None else functools.partial(evaluation.episode_rows, eps)
   )
-  return rl_step.StepFns(
+  return run_state.StepFns(
     model=model,
     learner=LearnerParts(options, optimizer(c)),
     task=task,
@@ -316,13 +316,13 @@ def _eval_sampler(graphdef, sample_kw: dict, temperature: float, k: int) -> Call
   return sampling.make_sampler(graphdef, group_size=k, temperature=temperature, **sample_kw)
 
 
-def replay_options(config) -> rl_step.ReplayOptions:
+def replay_options(config) -> run_state.ReplayOptions:
   """How the replay buffer samples, from the `replay.*` fields."""
   c = config.replay
-  return rl_step.ReplayOptions(c.policy, c.max_reuse or None, float(c.temperature))
+  return run_state.ReplayOptions(c.policy, c.max_reuse or None, float(c.temperature))
 
 
-_FNS_CACHE: dict[str, rl_step.StepFns] = {}
+_FNS_CACHE: dict[str, run_state.StepFns] = {}
 _FNS_CACHE_SIZE = 4
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from offpolicy_jax import models
 from offpolicy_jax.rollout import data, episodes, pipeline
 from offpolicy_jax.rollout.protocol import EvalRows
-from offpolicy_jax.rollout.rl_step import StepFns
+from offpolicy_jax.rollout.run_state import StepFns
 
 
 def _memo(fns: StepFns, key, build: Callable) -> Any:
@@ -91,7 +91,7 @@ def evaluate_seeds(
   """Evaluation of parameters stacked over S seeds (or of one set, `over_seeds=False`).
 
   Args:
-    fns: the run's `rl_step.StepFns` (`Components.fns`).
+    fns: the run's `run_state.StepFns` (`Components.fns`).
     params: parameters with a leading seed axis [S, ...] (or one set).
     keys: PRNG keys [S] (or one key) of the pass@k samples.
     num_prompts: the first `num_prompts` prompts of the eval split, fewer if

@@ -42,7 +42,7 @@ import jax
 from offpolicy_jax import errors
 from offpolicy_jax.rollout import drivers, pipeline, producer, sampler_choice
 from offpolicy_jax.rollout.pipeline import EVAL, step_key
-from offpolicy_jax.rollout.rl_step import RunState, state_items, state_meta, weights
+from offpolicy_jax.rollout.run_state import RunState, state_items, state_meta, weights
 from offpolicy_jax.run import evaluation, observability, stopping, validation
 from offpolicy_jax.run import start as start_lib
 from offpolicy_jax.run.components import Components, build_components

@@ -31,7 +31,7 @@ from offpolicy_jax.learn import train_state
 from offpolicy_jax.models import tokenizers
 from offpolicy_jax.rewards import tasks, text_episodes
 from offpolicy_jax.rollout import data, pipeline
-from offpolicy_jax.rollout.rl_step import StepFns
+from offpolicy_jax.rollout.run_state import StepFns
 
 
 class SFTBatch(NamedTuple):
@@ -294,7 +294,7 @@ def warm_start(
   (whatever their loss, optimizer or lag) compute it once.
 
   Args:
-    fns: the run's `rl_step.StepFns` (task, tokenizer, graph, sizes).
+    fns: the run's `run_state.StepFns` (task, tokenizer, graph, sizes).
     params: initial parameters (those of `fns.model.init_params(seed)`).
     steps, batch_size, learning_rate: the `config.sft` settings.
     seed: seed of the supervised prompt stream.

@@ -15,7 +15,7 @@ from typing import Any
 from offpolicy_jax import models
 from offpolicy_jax.rollout.pipeline import EVAL, step_key
 from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.rollout.rl_step import RunState, init_state, state_from_items, state_items
+from offpolicy_jax.rollout.run_state import RunState, init_state, state_from_items, state_items
 from offpolicy_jax.run import evaluation, sft
 from offpolicy_jax.run.components import Components, build_components, snapshot_slots
 from offpolicy_jax.store import checkpointing

@@ -298,6 +298,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def replicated_int(mesh: Mesh, x: int) -> jax.Array:
+  """``x`` as an int32 scalar replicated on ``mesh`` (a program's step or seed)."""
+  return jax.device_put(np.int32(x), replicated(mesh))
+
+
 def constrain(
   x: jax.Array,
   names: Sequence[str | None],

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from offpolicy_jax.rollout import drivers, pipeline, programs, rl_step
+from offpolicy_jax.rollout import drivers, pipeline, programs, run_state
 from offpolicy_jax.run import components, evaluation
 from offpolicy_jax.study import sweeps
 from offpolicy_jax.study.grid import AA_STREAM_OFFSET, Grid, grid_snapshot_slots
@@ -42,7 +42,7 @@ def _stack(trees: list) -> Any:
 
 
 def evaluate(
-  fns: rl_step.StepFns,
+  fns: run_state.StepFns,
   params,
   seeds: tuple[int, ...],
   num_prompts: int,
@@ -135,23 +135,24 @@ def _run_seeds(
   slots = grid_snapshot_slots(grid)
   state = _stack(
     [
-      rl_step.init_state(fns, p, capacity_batches=comps.replay_capacity_batches, snapshots=slots)
+      run_state.init_state(fns, p, capacity_batches=comps.replay_capacity_batches, snapshots=slots)
       for _, p in starts
     ]
   )._replace(base=starts[0][0])
   iters = [pipeline.prompt_iterator(fns, s) for s in seeds]
   streams = tuple(s + stream_offset for s in seeds)
   seeds_a = jnp.asarray(streams, jnp.int32)
-  schedule = rl_step.LagSchedule(*(jnp.int32(x) for x in schedule_mn))
+  schedule = run_state.LagSchedule(*(jnp.int32(x) for x in schedule_mn))
   device = fns.reward.device is not None
   ev = dict(batch_size=grid.eval_batch, base=state.base)
   acc0, _, eval_fails = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
   eval_steps, accs, metrics_l, pass_k = [0], [acc0], [], None
+  advance = drivers.over_seeds(fns)
   for start in range(0, run.total_steps, run.eval_every):
     prompts = _prompt_chunk(iters, run.eval_every, not device)
     steps = jnp.arange(start + 1, start + run.eval_every + 1, dtype=jnp.int32)
     progs = programs.programs(fns, comps.replay, state, over_seeds=True)
-    state, out = drivers.over_seeds(fns, progs, state, prompts, steps, seeds_a, schedule)
+    state, out = advance(progs, state, prompts, steps, seeds_a, schedule)
     metrics_l.append(jax.device_get(out))
     end = start + run.eval_every
     k = run.eval_samples if end == run.total_steps else 0

@@ -1,0 +1,152 @@
+"""The learning half of a step: pack the scored groups, buffer them, train, snapshot.
+
+  batch    = pack(finished groups, rewards)               `pipeline.pack`
+  buffer   = replay.add(buffer, batch);  batch = replay.sample(buffer)
+  theta_t  = train_step(theta_{t-1}, batch)               U optimizer steps
+  snapshot[t] = theta_t                                   when m divides t
+
+`learn_finished` is the half after a rollout (`Programs.learn_finished`);
+`learn` alone takes an already packed batch (the async trainer's
+`Programs.learn`). `learn_sampled` is the learning half of a step driven from
+the host (`host_step`): the rewards (unless the rollout earned them: on
+device, or in the sandboxed verifier workers), then `Programs.learn_finished`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from offpolicy_jax import lag
+from offpolicy_jax.learn import replay, train_step
+from offpolicy_jax.rollout import pipeline
+from offpolicy_jax.rollout.acting import Sampled
+from offpolicy_jax.rollout.protocol import Finished
+from offpolicy_jax.rollout.run_state import ReplayOptions, RunState, StepFns
+from offpolicy_jax.scale import sharding
+from offpolicy_jax.store import metrics as metrics_files
+
+
+def learn(
+  fns: StepFns, opts: ReplayOptions, state: RunState, batch, step, seed, schedule, keep=None
+):
+  """Buffers `batch`, draws the step's training batch, takes U optimizer steps, snapshots.
+
+  With `keep` (bool [G'] over the groups of `batch`), only the kept groups are
+  buffered (partial rollouts emit a variable number per step).
+  """
+  buffer, sampled, info = replay.sample(
+    replay.add(state.replay, batch, keep),
+    pipeline.step_key(seed, step, pipeline.REPLAY),
+    batch_size=fns.sizes.prompts_per_step,
+    policy=opts.policy,
+    max_reuse=opts.max_reuse,
+    current_version=fns.learner.version(step - 1),
+    temperature=opts.temperature,
+  )
+  stats = replay.batch_stats(sampled, fns.sizes.group_size)
+  train, metrics = train_step.train_step(
+    fns.model.graphdef,
+    fns.learner.optimizer,
+    fns.learner.options,
+    state.train,
+    sampled,
+    pipeline.step_key(seed, step, pipeline.TRAIN),
+    state.ref_params,
+    base=state.base,
+  )
+  snapshots = state.snapshots
+  if snapshots is not None:
+    snapshots = jax.lax.cond(
+      step % schedule.sync_interval == 0,
+      lambda s: lag.snapshot_update(s, train.params, step),
+      lambda s: s,
+      snapshots,
+    )
+  state = state._replace(train=train, replay=buffer, snapshots=snapshots)
+  return state, {**stats, **metrics, "replay_selected": info.num_selected}
+
+
+def pack_finished(fns: StepFns, fin: Finished, rewards, step, seed, *, jitted: bool = False):
+  """`(batch, keep)`: the finished groups packed (`pipeline.pack`), and which to buffer.
+
+  `keep` (bool [G'], in batch order) is None when every group is kept.
+  """
+  packer = pipeline.pack_jit if jitted else pipeline.pack
+  prompts = {k: fin.prompts[k] for k in pipeline.DEVICE_FIELDS if k in fin.prompts}
+  key = pipeline.step_key(seed, step, pipeline.ADV)
+  args = (fin.out, rewards, fin.versions, key, fin.valid, fin.order)
+  batch = packer(fns.packing, prompts, *args)
+  keep = fin.valid
+  if keep is not None and fin.order is not None:
+    keep = jnp.asarray(keep)[jnp.asarray(fin.order)]
+  return batch, keep
+
+
+def learn_finished(
+  fns: StepFns,
+  opts: ReplayOptions,
+  state: RunState,
+  rstate,
+  fin: Finished,
+  rewards,
+  info,
+  v,
+  step,
+  seed,
+  schedule,
+):
+  """The learning half of a step: packs the scored groups, learns from them (traceable).
+
+  Args:
+    rstate: the rollout's carried state after this step's `advance`.
+    fin: the groups the rollout finished; `rewards`: their rewards.
+    info: the rollout's metrics (they join the step's).
+    v: the behaviour loop step.
+  """
+  batch, keep = pack_finished(fns, fin, rewards, step, seed)
+  state, metrics = learn(
+    fns, opts, state._replace(rollout=rstate), batch, step, seed, schedule, keep
+  )
+  metrics = {**metrics, **info, "behavior_version": fns.learner.version(v)}
+  return state, metrics
+
+
+def learn_sampled(fns: StepFns, progs, state, sampled: Sampled, step: int, seed: int, schedule):
+  """The learning half of a step from the host: rewards, then the jitted packing and learning.
+
+  Returns:
+    `(state, row)`: the run state and the step's metrics as Python values
+    (device metrics, host reward statistics, the rollout's host metrics,
+    `time/reward_s`).
+  """
+  fin, begin = sampled.fin, time.perf_counter()
+  if fin.rewards is None:
+    rewards, stats = pipeline.score(fns, fin.prompts, fin.out)
+  else:
+    rewards, stats = fin.rewards, pipeline.no_reward_stats()
+  reward_s = time.perf_counter() - begin
+  rstate = sampled.rstate
+  if not fns.rollout.traced:  # host objects stay outside the programs (`programs._traced`)
+    state, rstate = state._replace(rollout=rstate), None
+  mesh = fns.model.mesh
+  step_a, seed_a = sharding.replicated_int(mesh, step), sharding.replicated_int(mesh, seed)
+  args = (
+    rstate,
+    pipeline.device_finished(fin),
+    rewards,
+    sampled.info,
+    sampled.v,
+    step_a,
+    seed_a,
+    schedule,
+  )
+  state, out = progs.learn_finished(state, *args)
+  row = {k: metrics_files.to_python(x) for k, x in jax.device_get(out).items()}
+  row.update(stats)
+  row.update({k: metrics_files.to_python(x) for k, x in sampled.host.items()})
+  row["snapshot_missing"] = int(not bool(sampled.found))
+  row["time/reward_s"] = reward_s
+  return state, row

@@ -1,0 +1,195 @@
+"""The records of a run: its static parts (`StepFns`) and its carried state (`RunState`).
+
+`StepFns` is what a run's steps are built from (model, learner, task,
+rollout, samplers), made once in `components`; `RunState` is what a run
+carries from step to step, checkpointed by name (`state_items`,
+`state_from_items`). `ReplayOptions` and `LagSchedule` are the step's small
+options: how the train batch is drawn and the sync schedule (m, n).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from offpolicy_jax import lag, models
+from offpolicy_jax.learn import replay, step_options, train_state
+from offpolicy_jax.learn.train_state import TrainState
+from offpolicy_jax.models.parts import ModelParts
+from offpolicy_jax.rewards import tasks
+from offpolicy_jax.rollout import pipeline
+from offpolicy_jax.rollout.protocol import EvalRows, Rollout
+
+
+class ReplayOptions(NamedTuple):
+  """How the train batch is drawn from the replay buffer (`replay.sample`)."""
+
+  policy: str = "fifo"
+  max_reuse: int | None = 1
+  temperature: float = 1.0
+
+
+class LagSchedule(NamedTuple):
+  """The sync schedule (m, n) in loop steps, as traced scalars (changing it does not recompile)."""
+
+  sync_interval: jax.Array
+  sync_offset: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepFns:
+  """The static parts a run's steps are built from: model, learner, task, rollout, samplers.
+
+  Frozen, and hashable by identity, so it is a static argument of the jitted
+  steps: runs sharing one `StepFns` (see `components.build_components`) share
+  their compiled `Programs`. It holds no config and no state; `memo` holds
+  what is built from it (programs, eval batches) for as long as it lives.
+  Every choice of mode is made once, in `components`: the rollout kind, the
+  sampler, the sampler mesh and how evaluation plays its rows.
+
+  Attributes:
+    model: the parameters' mesh, graph, initialiser, tokenizer and adapters.
+    learner: the train step's options and optimizer; `learner.version` turns
+      loop steps into parameter versions.
+    task: the task (prompts, answers, its reward function).
+    sizes: the static batch shape.
+    packing: what `pipeline.pack` needs: group size, advantage estimator, turn discount.
+    reward: the task's reward (device, or host in the sandboxed workers).
+    truncate_prompts: cut prompts longer than `sizes.max_prompt_len` (else an error).
+    rollout: how the run samples (`protocol.Rollout`).
+    sampler: the behaviour sampler the rollout samples with.
+    sampler_mesh: the sampler's own mesh in a disaggregated run; None: it
+      shares `model.mesh`.
+    continuous: the continuous-batching sampler (`rollout.continuous_slots`
+      > 0), or None. `sampler` is this one unless `continuous_auto_steps` > 0:
+      then the run starts static and may switch after that many steps
+      (`sampler_choice`).
+    eval_sampler: `k -> sampler` of evaluation: greedy for k = 1, else k
+      samples per prompt at the training temperature.
+    eval_rows: how evaluation plays and scores one batch of eval prompts
+      (sampled responses, or episodes): `evaluation.sampled_rows` or
+      `evaluation.episode_rows`, called as `eval_rows(fns, params, ...)`.
+  """
+
+  model: ModelParts
+  learner: step_options.LearnerParts
+  task: tasks.Task
+  sizes: pipeline.Sizes
+  packing: pipeline.Packing
+  reward: pipeline.Reward
+  truncate_prompts: bool
+  rollout: Rollout
+  sampler: Callable
+  eval_sampler: Callable[[int], Callable]
+  eval_rows: Callable[..., list[EvalRows]]
+  sampler_mesh: jax.sharding.Mesh | None = None
+  continuous: Callable | None = None
+  continuous_auto_steps: int = 0
+  # What is built once per StepFns (its jitted `Programs`, eval batches and samplers),
+  # kept on it so that it goes when the StepFns goes. (In a module-level
+  # WeakKeyDictionary the values, closures over their key, kept every StepFns and
+  # its compiled programs alive: ~2k memory mappings and ~100 MB per run of a sweep.)
+  # Not an init argument: `dataclasses.replace` gives a copy its own, empty memo.
+  memo: dict[str, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+
+class RunState(NamedTuple):
+  """Everything a run carries from step to step (checkpointed by field name).
+
+  Attributes:
+    train: parameters, optimizer state and version counters.
+    replay: the device-resident replay buffer.
+    snapshots: parameter versions the lag schedule still needs (None on-policy
+      or in async mode).
+    ref_params: reference parameters of a KL-to-reference loss, or None.
+    rollout: the rollout's carried state (`Rollout.init`: the pool of partial
+      rollouts, on device; the episodes in flight, on the host), or None.
+    base: with low-rank adapters, the frozen base weights the trained
+      parameters adapt (`models.lora`), held once: every parameter field above
+      (train params, snapshots, reference) is an adapter. Never donated nor
+      checkpointed (the checkpoint records its fingerprint). None: the
+      parameters are the whole model.
+
+  With adapters, the reference policy is the fresh adapter (B = 0: the base).
+  """
+
+  train: TrainState
+  replay: replay.ReplayState
+  snapshots: lag.SnapshotState | None
+  ref_params: Any
+  rollout: Any = None
+  base: Any = None
+
+
+def weights(state: RunState, params=None):
+  """The whole model state of `params` (default: the trainer's) over the run's base."""
+  return models.lora.join(state.base, state.train.params if params is None else params)
+
+
+def init_state(
+  fns: StepFns, params, *, capacity_batches: int, snapshots: int, base=None
+) -> RunState:
+  """A fresh `RunState` from trainable `params` (copied), with `snapshots` slots (0: none).
+
+  With adapters, `params` is the adapter and `base` the frozen rest (`StepFns.model.split`).
+  """
+  example = pipeline.empty_batch(fns.sizes)
+  capacity = fns.sizes.prompts_per_step * capacity_batches
+  buffer = replay.shard(replay.init(capacity, example, fns.sizes.group_size), fns.model.mesh)
+  return RunState(
+    train=train_state.init_train_state(params, fns.learner.optimizer, mesh=fns.model.mesh),
+    replay=buffer,
+    snapshots=lag.snapshot_init(params, snapshots, 0) if snapshots else None,
+    ref_params=jax.tree.map(jnp.copy, params) if fns.learner.options.spec.needs_ref else None,
+    rollout=fns.rollout.init(),
+    base=base,
+  )
+
+
+def state_items(state: RunState, rollout: Rollout) -> dict[str, Any]:
+  """The checkpoint items of a run state, by name (None fields are left out).
+
+  The rollout's carried state is the item `rollout.item` (`Rollout.arrays`).
+  """
+  t = state.train
+  items = {
+    "params": t.params,
+    "opt_state": t.opt_state,
+    "counters": {"step": t.step, "version": t.version, "num_skipped": t.num_skipped},
+    "replay": state.replay,
+    "snapshots": state.snapshots,
+    "ref_params": state.ref_params,
+  }
+  if rollout.item:
+    items[rollout.item] = rollout.arrays(state.rollout)
+  return {k: v for k, v in items.items() if v is not None}
+
+
+def state_meta(state: RunState, rollout: Rollout) -> dict[str, Any]:
+  """The checkpoint meta of a run state: the rollout's signature and JSON part."""
+  if not rollout.item:
+    return {}
+  return {"rollout": rollout.signature(), rollout.item: rollout.meta(state.rollout)}
+
+
+def state_from_items(
+  items: dict[str, Any], like: RunState, rollout: Rollout, meta: dict[str, Any]
+) -> RunState:
+  """The `RunState` of restored checkpoint items (`like` says which fields are None)."""
+  c = items["counters"]
+  train = TrainState(items["params"], items["opt_state"], c["step"], c["version"], c["num_skipped"])
+  carried = like.rollout
+  if rollout.item:
+    carried = rollout.restore(like.rollout, items[rollout.item], meta.get(rollout.item) or {})
+  return RunState(
+    train=train,
+    replay=items["replay"],
+    snapshots=items.get("snapshots") if like.snapshots is not None else None,
+    ref_params=items.get("ref_params") if like.ref_params is not None else None,
+    rollout=carried,
+    base=like.base,
+  )
