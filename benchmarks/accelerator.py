@@ -49,7 +49,7 @@ import roofline  # noqa: E402
 
 from offpolicy_jax import config_schema, models  # noqa: E402
 from offpolicy_jax.learn import train_state  # noqa: E402
-from offpolicy_jax.rollout import pipeline  # noqa: E402
+from offpolicy_jax.rollout import run_state  # noqa: E402
 from offpolicy_jax.run import planner  # noqa: E402
 from offpolicy_jax.sampling import sampler as sampling  # noqa: E402
 
@@ -146,7 +146,7 @@ def _inputs(config, s: Shapes):
   rng = np.random.RandomState(0)
   prompts = jnp.asarray(rng.randint(1, config.vocab_size, (g, p)), jnp.int32)
   b = g * k
-  batch = pipeline.empty_batch(pipeline.Sizes(g, k, p, n))._replace(
+  batch = run_state.empty_batch(run_state.Sizes(g, k, p, n))._replace(
     prompt_tokens=jnp.repeat(prompts, k, axis=0),
     prompt_mask=jnp.ones((b, p)),
     tokens=jnp.asarray(rng.randint(1, config.vocab_size, (b, n)), jnp.int32),

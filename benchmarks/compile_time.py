@@ -30,7 +30,7 @@ from flax import nnx
 from offpolicy_jax import losses, models
 from offpolicy_jax.learn import scorer, train_state, train_step
 from offpolicy_jax.learn.step_options import StepOptions
-from offpolicy_jax.rollout import pipeline
+from offpolicy_jax.rollout import run_state
 from offpolicy_jax.sampling import sampler as sampling
 
 PROGRAMS = ("sampler", "scorer", "train")
@@ -106,7 +106,7 @@ def compile_programs(
       scalar = jax.ShapeDtypeStruct((), jnp.int32)
       opt_state = jax.eval_shape(optimizer.init, params)
       state = train_state.TrainState(params, opt_state, scalar, scalar, scalar)
-      batch = _abstract(pipeline.empty_batch(pipeline.Sizes(g, k, p, n)))
+      batch = _abstract(run_state.empty_batch(run_state.Sizes(g, k, p, n)))
       step = functools.partial(train_step.train_step, graphdef, optimizer, options)
       fn = jax.jit(step, donate_argnums=0)
       built[name] = _timed_compile(fn, state, batch, key)

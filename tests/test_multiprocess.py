@@ -283,7 +283,7 @@ def main():
   seen = []
   score_batch = rewards.score_batch
   rewards.score_batch = lambda fn, ex, t, **kw: (seen.extend(t), score_batch(fn, ex, t, **kw))[1]
-  fns = SimpleNamespace(task=task, model=SimpleNamespace(tokenizer=tok), reward=pipeline.Reward(
+  fns = SimpleNamespace(task=task, model=SimpleNamespace(tokenizer=tok), reward=run_state.Reward(
       host=task.reward, pool=rewards.get_pool(1, 1024, "warn")))
   scores, stats = pipeline.score_on_host(
       fns, {"index": np.arange(4)}, out, split="eval", group_size=2)

@@ -16,7 +16,7 @@ from configs import default  # noqa: E402
 from offpolicy_jax import losses, models
 from offpolicy_jax.learn import replay, scorer, step_options, train_state, train_step
 from offpolicy_jax.rollout import partial as partial_rollout
-from offpolicy_jax.rollout import pipeline, protocol
+from offpolicy_jax.rollout import pipeline, protocol, run_state
 from offpolicy_jax.run import components, loop
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
@@ -178,7 +178,7 @@ def _emit(pool, rewards):
   Returns `(batch, keep, pool with the finished slots freed, finished)`.
   """
   fin, freed = partial_rollout.finish(pool)
-  packing = pipeline.Packing(group_size=K, advantage="group_mean")
+  packing = run_state.Packing(group_size=K, advantage="group_mean")
   args = (fin.out, rewards, fin.versions, jax.random.key(0), fin.valid, fin.order)
   batch = pipeline.pack(packing, fin.prompts, *args)
   return batch, fin.valid[fin.order], freed, fin

@@ -14,7 +14,7 @@ from configs import default
 from offpolicy_jax import lag, models
 from offpolicy_jax.learn import train_step
 from offpolicy_jax.rollout import partial as partial_rollout
-from offpolicy_jax.rollout import pipeline, run_state
+from offpolicy_jax.rollout import run_state
 from offpolicy_jax.run import components, planner
 from offpolicy_jax.scale import disagg, sharding
 
@@ -49,7 +49,7 @@ def _measured(variant: str):
   state = run_state.init_state(
     fns, fns.model.init_params(0), capacity_batches=config.replay.capacity_batches, snapshots=slots
   )
-  batch = sharding.shard_batch(pipeline.empty_batch(fns.sizes), fns.model.mesh)
+  batch = sharding.shard_batch(run_state.empty_batch(fns.sizes), fns.model.mesh)
   step = functools.partial(
     train_step.train_step, fns.model.graphdef, fns.learner.optimizer, fns.learner.options
   )

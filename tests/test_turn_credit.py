@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offpolicy_jax import advantages, types  # noqa: E402
 from offpolicy_jax.rewards import tasks  # noqa: E402
 from offpolicy_jax.rewards.tasks import agentic  # noqa: E402
-from offpolicy_jax.rollout import episodes, pipeline  # noqa: E402
+from offpolicy_jax.rollout import episodes, pipeline, run_state  # noqa: E402
 from offpolicy_jax.run import components, loop  # noqa: E402
 from offpolicy_jax.sampling import SampleOutput  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
@@ -90,7 +90,7 @@ def test_pack_gives_each_turns_tokens_its_reward_to_go():
     kept=jnp.ones((2, n), jnp.int32),
     old_logprobs=None,
   )
-  packing = pipeline.Packing(group_size=2, advantage="grpo", gamma=0.9)
+  packing = run_state.Packing(group_size=2, advantage="grpo", gamma=0.9)
   prompts = {"prompt_tokens": jnp.ones((1, 3), jnp.int32), "prompt_lengths": jnp.array([3])}
   batch = pipeline.pack(packing, prompts, out, r_bt, 0, jax.random.key(0))
   a_t = np.asarray(advantages.per_turn("grpo", r_bt[None], gamma=0.9))[0]  # [2, 3]
@@ -114,7 +114,7 @@ def test_pack_computes_advantages_over_the_valid_groups_only(per_turn):
     kept=jnp.ones((g * k, n), jnp.int32),
     old_logprobs=None,
   )
-  packing = pipeline.Packing(group_size=k, advantage="batch_whiten", gamma=1.0)
+  packing = run_state.Packing(group_size=k, advantage="batch_whiten", gamma=1.0)
   prompts = {"prompt_tokens": jnp.ones((g, 3), jnp.int32), "prompt_lengths": jnp.full((g,), 3)}
   valid = jnp.array([True, False, True])
 

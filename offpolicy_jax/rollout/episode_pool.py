@@ -50,7 +50,7 @@ import numpy as np
 
 from offpolicy_jax import types
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.rollout import data, episodes, pipeline
+from offpolicy_jax.rollout import data, episodes, run_state
 from offpolicy_jax.rollout.protocol import Finished, pi_old
 from offpolicy_jax.sampling import SampleOutput, multiturn, turn_pieces
 from offpolicy_jax.sampling import partial as partial_rollouts
@@ -86,7 +86,7 @@ class EpisodePool:
 
   ep: episodes.Episodes
   task: tasks.Task
-  sizes: pipeline.Sizes
+  sizes: run_state.Sizes
   budget: int
   prompt_fields: dict[str, tuple[tuple[int, ...], Any]]
   score_old: Callable | None = None

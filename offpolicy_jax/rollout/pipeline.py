@@ -7,7 +7,8 @@
 
 Every rollout kind and every path of a run goes through these functions: the
 jitted RL step (`rl_step`), the host step (`host_step`: host rewards, host
-rollouts, a disaggregated sampler), the async producer and the study. `pack`
+rollouts, a disaggregated sampler), the async producer and the study, in
+the two halves of a step (`acting`, `learning`). `pack`
 is the one packer: partial rollouts and the episode pool pass the groups
 that finished (`valid`) and their buffer order (`order`).
 
@@ -23,9 +24,7 @@ same on every process. With one process the global batch is the local one.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,8 @@ from jax.sharding import PartitionSpec as P
 from offpolicy_jax import advantages, types
 from offpolicy_jax.rewards import scoring as rewards
 from offpolicy_jax.rollout import data
+from offpolicy_jax.rollout.protocol import Finished
+from offpolicy_jax.rollout.run_state import Packing, StepFns
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.types import TrainBatch
 
@@ -46,46 +47,6 @@ SAMPLE, ADV, REPLAY, TRAIN, EVAL, INIT = range(6)
 DEVICE_FIELDS = ("prompt_tokens", "prompt_lengths", "answer_tokens")
 # Host reward statistics of a batch (every metrics row carries them; zero for device rewards).
 REWARD_STATS = ("reward_failures", "reward_timeouts", "reward_worker_restarts", "reward_time_s")
-
-if TYPE_CHECKING:  # run_state imports this module
-  from offpolicy_jax.rollout.protocol import Finished
-  from offpolicy_jax.rollout.run_state import StepFns
-
-
-class Sizes(NamedTuple):
-  """Static batch shape: G prompts of K responses, P prompt and N response tokens.
-
-  `token_advantages`: advantages are per token, [B, N] (turn-level credit of
-  multi-turn trajectories), not per row.
-  """
-
-  prompts_per_step: int
-  group_size: int
-  max_prompt_len: int
-  max_new_tokens: int
-  token_advantages: bool = False
-
-
-class Packing(NamedTuple):
-  """What `pack` needs of a run: group size K, the advantage estimator, the turn discount.
-
-  `gamma` discounts turn rewards under `multiturn.credit = "turn"` (`advantages.per_turn`).
-  """
-
-  group_size: int
-  advantage: str
-  gamma: float = 1.0
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Reward:
-  """A task's reward: a jitted device function, or a host function scored in sandboxed workers."""
-
-  device: Callable | None = None
-  host: Callable | None = None
-  pool: Any = None
-  timeout_s: float = 5.0
-  batch_timeout_s: float | None = None
 
 
 def device_prompts(prompts: dict[str, Any]) -> dict[str, Any]:
@@ -370,14 +331,3 @@ def pack(
 
 # `pack` jitted, for callers on the host (`learning.pack_finished` outside a jitted step).
 pack_jit = jax.jit(pack, static_argnums=0)
-
-
-def empty_batch(sizes: Sizes) -> TrainBatch:
-  """A zero `TrainBatch` of the run's shape (the replay buffer's template)."""
-  b, n, p = sizes.prompts_per_step * sizes.group_size, sizes.max_new_tokens, sizes.max_prompt_len
-  f = lambda *s: jnp.zeros(s, jnp.float32)
-  i = lambda *s: jnp.zeros(s, jnp.int32)
-  adv = f(b, n) if sizes.token_advantages else f(b)
-  return TrainBatch(
-    i(b, p), f(b, p), i(b, n), f(b, n), f(b, n), adv, f(b), i(b, n), f(b), i(b, n), f(b, n)
-  )

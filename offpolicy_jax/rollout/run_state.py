@@ -3,8 +3,11 @@
 `StepFns` is what a run's steps are built from (model, learner, task,
 rollout, samplers), made once in `components`; `RunState` is what a run
 carries from step to step, checkpointed by name (`state_items`,
-`state_from_items`). `ReplayOptions` and `LagSchedule` are the step's small
-options: how the train batch is drawn and the sync schedule (m, n).
+`state_from_items`). `StepFns`' small records are here too: the batch shape
+(`Sizes`, and `empty_batch`, the replay buffer's template), what packing
+needs (`Packing`) and the task's reward (`Reward`); so are the step's
+options: how the train batch is drawn (`ReplayOptions`) and the sync
+schedule (m, n) (`LagSchedule`).
 """
 
 from __future__ import annotations
@@ -21,8 +24,44 @@ from offpolicy_jax.learn import replay, step_options, train_state
 from offpolicy_jax.learn.train_state import TrainState
 from offpolicy_jax.models.parts import ModelParts
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.rollout import pipeline
 from offpolicy_jax.rollout.protocol import EvalRows, Rollout
+from offpolicy_jax.types import TrainBatch
+
+
+class Sizes(NamedTuple):
+  """Static batch shape: G prompts of K responses, P prompt and N response tokens.
+
+  `token_advantages`: advantages are per token, [B, N] (turn-level credit of
+  multi-turn trajectories), not per row.
+  """
+
+  prompts_per_step: int
+  group_size: int
+  max_prompt_len: int
+  max_new_tokens: int
+  token_advantages: bool = False
+
+
+class Packing(NamedTuple):
+  """What `pack` needs of a run: group size K, the advantage estimator, the turn discount.
+
+  `gamma` discounts turn rewards under `multiturn.credit = "turn"` (`advantages.per_turn`).
+  """
+
+  group_size: int
+  advantage: str
+  gamma: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Reward:
+  """A task's reward: a jitted device function, or a host function scored in sandboxed workers."""
+
+  device: Callable | None = None
+  host: Callable | None = None
+  pool: Any = None
+  timeout_s: float = 5.0
+  batch_timeout_s: float | None = None
 
 
 class ReplayOptions(NamedTuple):
@@ -78,9 +117,9 @@ class StepFns:
   model: ModelParts
   learner: step_options.LearnerParts
   task: tasks.Task
-  sizes: pipeline.Sizes
-  packing: pipeline.Packing
-  reward: pipeline.Reward
+  sizes: Sizes
+  packing: Packing
+  reward: Reward
   truncate_prompts: bool
   rollout: Rollout
   sampler: Callable
@@ -130,6 +169,17 @@ def weights(state: RunState, params=None):
   return models.lora.join(state.base, state.train.params if params is None else params)
 
 
+def empty_batch(sizes: Sizes) -> TrainBatch:
+  """A zero `TrainBatch` of the run's shape (the replay buffer's template)."""
+  b, n, p = sizes.prompts_per_step * sizes.group_size, sizes.max_new_tokens, sizes.max_prompt_len
+  f = lambda *s: jnp.zeros(s, jnp.float32)
+  i = lambda *s: jnp.zeros(s, jnp.int32)
+  adv = f(b, n) if sizes.token_advantages else f(b)
+  return TrainBatch(
+    i(b, p), f(b, p), i(b, n), f(b, n), f(b, n), adv, f(b), i(b, n), f(b), i(b, n), f(b, n)
+  )
+
+
 def init_state(
   fns: StepFns, params, *, capacity_batches: int, snapshots: int, base=None
 ) -> RunState:
@@ -137,7 +187,7 @@ def init_state(
 
   With adapters, `params` is the adapter and `base` the frozen rest (`StepFns.model.split`).
   """
-  example = pipeline.empty_batch(fns.sizes)
+  example = empty_batch(fns.sizes)
   capacity = fns.sizes.prompts_per_step * capacity_batches
   buffer = replay.shard(replay.init(capacity, example, fns.sizes.group_size), fns.model.mesh)
   return RunState(

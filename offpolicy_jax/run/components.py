@@ -40,7 +40,7 @@ from offpolicy_jax.learn.step_options import LearnerParts, StepOptions
 from offpolicy_jax.models import hub, tokenizers
 from offpolicy_jax.models.parts import ModelParts
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.rollout import pipeline, run_state
+from offpolicy_jax.rollout import run_state
 from offpolicy_jax.rollout.pipeline import INIT, step_key
 from offpolicy_jax.run import components_rollout, data_checks, evaluation, validation
 from offpolicy_jax.sampling import continuous
@@ -216,9 +216,9 @@ def _whole_groups(config) -> bool:
   return validation.micro_batch_rows(config) % config.group_size == 0
 
 
-def sizes(config) -> pipeline.Sizes:
+def sizes(config) -> run_state.Sizes:
   """The static batch shape of `config`."""
-  return pipeline.Sizes(
+  return run_state.Sizes(
     config.prompts_per_step,
     config.group_size,
     config.max_prompt_len,
@@ -294,7 +294,7 @@ def _build_fns(config) -> run_state.StepFns:
     learner=LearnerParts(options, optimizer(c)),
     task=task,
     sizes=sizes(c),
-    packing=pipeline.Packing(c.group_size, validation.advantage_name(c), gamma),
+    packing=run_state.Packing(c.group_size, validation.advantage_name(c), gamma),
     reward=components_rollout.reward(c, task),
     truncate_prompts=c.data.truncate_prompts,
     rollout=components_rollout.rollout_kind(

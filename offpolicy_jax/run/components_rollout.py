@@ -15,7 +15,7 @@ import numpy as np
 
 from offpolicy_jax.rewards import environments
 from offpolicy_jax.rewards import scoring as rewards
-from offpolicy_jax.rollout import episode_pool, episodes, pipeline, whole
+from offpolicy_jax.rollout import episode_pool, episodes, run_state, whole
 from offpolicy_jax.rollout import partial as partial_rollout
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.sampling import multiturn
@@ -27,15 +27,15 @@ def recorded_logp(config) -> str:
   return "sampled" if config.rollout.behavior_logp == "mismatched" else config.rollout.behavior_logp
 
 
-def reward(config, task) -> pipeline.Reward:
+def reward(config, task) -> run_state.Reward:
   if config.multiturn.max_turns:  # the environment scores the episodes (`_episodes`)
-    return pipeline.Reward()
+    return run_state.Reward()
   if task.device_reward is not None:
-    return pipeline.Reward(device=jax.jit(task.device_reward))
+    return run_state.Reward(device=jax.jit(task.device_reward))
   c = config
   pool = rewards.get_pool(c.reward_workers or None, c.reward_memory_mb, c.reward_sandbox)
   pool.check(task.reward, config.task)  # fails here if it cannot reach a worker
-  return pipeline.Reward(
+  return run_state.Reward(
     host=task.reward,
     pool=pool,
     timeout_s=config.reward_timeout,

@@ -72,7 +72,7 @@ from offpolicy_jax import config_schema, models
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import batch_splits, replay, train_state, train_step
 from offpolicy_jax.models.tokenizers import CharTokenizer
-from offpolicy_jax.rollout import pipeline
+from offpolicy_jax.rollout import run_state
 from offpolicy_jax.run import components, validation
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.scale import disagg, sharding
@@ -231,7 +231,7 @@ def _abstract_run(config, mc: models.ModelConfig):
   optimizer = components.optimizer(config)
   sizes = components.sizes(config)
   cap = sizes.prompts_per_step * components.replay_capacity(config)
-  init = lambda: replay.init(cap, pipeline.empty_batch(sizes), sizes.group_size)
+  init = lambda: replay.init(cap, run_state.empty_batch(sizes), sizes.group_size)
   opt_state = jax.eval_shape(optimizer.init, params)
   return graphdef, params, opt_state, jax.eval_shape(init), optimizer, base
 
@@ -245,7 +245,7 @@ def _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes,
   on_mesh = lambda t: jax.tree.map(place, t, sharding.tree_shardings(t, mesh), is_leaf=is_var)
   scalar: Any = sds(jax.ShapeDtypeStruct((), jnp.int32), sharding.replicated(mesh))
   state = train_state.TrainState(on_mesh(params), on_mesh(opt_state), scalar, scalar, scalar)
-  batch = pipeline.empty_batch(components.sizes(config))
+  batch = run_state.empty_batch(components.sizes(config))
   batch = jax.tree.map(lambda x: sds(x, sharding.batch_sharding(mesh, x.ndim)), batch)
   options = components.step_options(config)
   fn = functools.partial(train_step.train_step, graphdef, optimizer, options)
