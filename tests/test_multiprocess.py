@@ -262,7 +262,7 @@ def main():
   from types import SimpleNamespace
   from offpolicy_jax.models import tokenizers
   from offpolicy_jax.rewards import scoring as rewards, tasks
-  from offpolicy_jax.rollout import data, pipeline
+  from offpolicy_jax.rollout import data, pipeline, run_state
   from offpolicy_jax.scale import sharding
 
   task, tok = tasks.get_task("reverse"), tokenizers.CharTokenizer()
