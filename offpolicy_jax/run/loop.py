@@ -258,7 +258,6 @@ class _Loop:
       step += n
       writing = time.perf_counter() - done  # charged to the next chunk
       self._boundary(state, step)
-      self._maybe_stop(state, step)
       begin = time.perf_counter() - writing
 
   def _write(self, step: int, row: dict[str, Any], per_step: float) -> None:
@@ -275,35 +274,29 @@ class _Loop:
       self.on_step(step, row)
 
   def _boundary(self, state: RunState, step: int) -> None:
+    """After the chunk that ends at `step`: evaluate and checkpoint when due, stop on a signal.
+
+    A signal (`stopping`) ends the run after `step`, saved: `errors.Interrupted`.
+    A step sampled ahead (prefetch) is trained first, so that the checkpoint's
+    data state holds no prompts the next run would skip.
+    """
     run = self.run_cfg
-    last = step == run.total_steps
-    if (run.eval_every and step % run.eval_every == 0) or last:
+    if (run.eval_every and step % run.eval_every == 0) or step == run.total_steps:
       self.evaluate(state, step)
-    if self._checkpoints(step):
+    if self.stopping is None:
+      self.stopping = self.stop.agreed()
+    prefetched = self.driver is not None and self.driver.prefetched
+    stopping = self.stopping if step < run.total_steps and not prefetched else None
+    if self._checkpoints(step) or stopping is not None:
       self._save(state, step)
+    if stopping is not None:
+      self.writer.sync()
+      raise errors.Interrupted(f"stopped at step {step}; the same command resumes", 128 + stopping)
 
   def _checkpoints(self, step: int) -> bool:
     run = self.run_cfg
     every = run.checkpoint_every
     return bool(every and step % every == 0) or step == run.total_steps
-
-  def _maybe_stop(self, state: RunState, step: int) -> None:
-    """Ends the run after `step` on a signal, saved: `errors.Interrupted` (`stopping`).
-
-    A step sampled ahead (prefetch) is trained first, so that the checkpoint's
-    data state holds no prompts the next run would skip.
-    """
-    if self.stopping is None:
-      self.stopping = self.stop.agreed()
-    prefetched = self.driver is not None and self.driver.prefetched
-    if self.stopping is None or step >= self.run_cfg.total_steps or prefetched:
-      return
-    if not self._checkpoints(step):
-      self._save(state, step)
-    self.writer.sync()
-    raise errors.Interrupted(
-      f"stopped at step {step}; the same command resumes", 128 + self.stopping
-    )
 
   def _save(self, state: RunState, step: int) -> None:
     run = self.run_cfg
