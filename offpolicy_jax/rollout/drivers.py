@@ -100,8 +100,6 @@ def make(
   seed: int,
   sync: tuple[int, int],
   may_prefetch: Callable[[int], bool],
-  state=None,
-  step: int = 0,
   data=None,
   max_staleness: int = 0,
 ) -> Driver:
@@ -115,13 +113,13 @@ def make(
     seed: the run's seed; `sync`: its `(lag.sync_interval, lag.sync_offset)`.
     may_prefetch: whether the loop allows step t + 1's rollout before step t learns
       (no signal, no checkpoint after t, no pending sampler choice at t).
-    state, step, data, max_staleness: the async producer's start (`lag_mode="async"`):
-      the run state and loop step it starts from, the shared prompt iterator and
-      `lag.max_staleness`.
+    data, max_staleness: the async producer's (`lag_mode="async"`): the shared
+      prompt iterator and `lag.max_staleness`. It starts with the first call of
+      `steps`, from the state and loop step that call gives.
   """
   run = _Run(fns, replay, seed, sync)
   if lag_mode == "async":
-    return Async(run, state, step, data, max_staleness)
+    return Async(run, data, max_staleness)
   if fns.sampler_mesh is not None:  # a sync run samples on its own mesh
     placed = sampler_mesh.OnSamplerMesh(
       fns.rollout, fns.sampler_mesh, fns.model.mesh, fns.model.split
@@ -239,11 +237,10 @@ class Async:
 
   max_chunk = 1
 
-  def __init__(self, run: _Run, state, step: int, data, max_staleness: int):
+  def __init__(self, run: _Run, data, max_staleness: int):
     self.fns, self.rollout, self._run = run.fns, run.fns.rollout, run
-    self._prod = producer.AsyncProducer(
-      run.fns, state.train.params, step, data, run.seed_int, max_staleness, state.base
-    )
+    self._data, self._max_staleness = data, max_staleness
+    self._prod: producer.AsyncProducer | None = None
 
   @property
   def prefetched(self) -> bool:
@@ -251,6 +248,16 @@ class Async:
 
   def steps(self, state, step: int, n: int):
     assert n == 1, n
+    if self._prod is None:  # the producer starts from the first step's state
+      self._prod = producer.AsyncProducer(
+        self.fns,
+        state.train.params,
+        step,
+        self._data,
+        self._run.seed_int,
+        self._max_staleness,
+        state.base,
+      )
     step += 1
     t0 = time.perf_counter()
     batch, info = self._prod.get(step)
@@ -276,4 +283,5 @@ class Async:
     raise ValueError("the sampler choice runs in lag.mode='sync' only")
 
   def close(self) -> None:
-    self._prod.close()
+    if self._prod is not None:
+      self._prod.close()

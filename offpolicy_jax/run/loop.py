@@ -42,7 +42,7 @@ import jax
 from offpolicy_jax import errors
 from offpolicy_jax.rollout import drivers, pipeline, producer, sampler_choice
 from offpolicy_jax.rollout.pipeline import EVAL, step_key
-from offpolicy_jax.rollout.run_state import RunState, state_items, state_meta, weights
+from offpolicy_jax.rollout.run_state import RunState, weights
 from offpolicy_jax.run import evaluation, observability, stopping, validation
 from offpolicy_jax.run import start as start_lib
 from offpolicy_jax.run.components import Components, build_components
@@ -232,8 +232,6 @@ class _Loop:
       seed=run.seed,
       sync=(run.lag.sync_interval, run.lag.sync_offset),
       may_prefetch=self._may_prefetch,
-      state=state,
-      step=start,
       data=self.data,
       max_staleness=run.lag.max_staleness,
     )
@@ -288,7 +286,10 @@ class _Loop:
     prefetched = self.driver is not None and self.driver.prefetched
     stopping = self.stopping if step < run.total_steps and not prefetched else None
     if self._checkpoints(step) or stopping is not None:
-      self._save(state, step)
+      # Rows up to this step reach the disk before the checkpoint that covers them.
+      self.writer.sync()
+      rollout = self.driver.rollout if self.driver is not None else self.fns.rollout
+      start_lib.save(self.ckpt, state, rollout, step, self._meta(step))
     if stopping is not None:
       self.writer.sync()
       raise errors.Interrupted(f"stopped at step {step}; the same command resumes", 128 + stopping)
@@ -298,10 +299,9 @@ class _Loop:
     every = run.checkpoint_every
     return bool(every and step % every == 0) or step == run.total_steps
 
-  def _save(self, state: RunState, step: int) -> None:
+  def _meta(self, step: int) -> dict[str, Any]:
+    """What a checkpoint after `step` records of the loop: its data state, start, base, choice."""
     run = self.run_cfg
-    # Rows up to this step reach the disk before the checkpoint that covers them.
-    self.writer.sync()
     meta = {
       "step": step,
       "seed": run.seed,
@@ -312,9 +312,7 @@ class _Loop:
       meta["base"] = self.base_record
     if self.choice.auto:
       meta["sampler_choice"] = self.choice.state()
-    rollout = self.driver.rollout if self.driver is not None else self.fns.rollout
-    items, meta = state_items(state, rollout), meta | state_meta(state, rollout)
-    self.ckpt.save(step, items, meta)
+    return meta
 
   def _prompts(self, n: int) -> tuple[list[dict], list[int]]:
     """The local prompt batches of the next `n` steps and how many of each were truncated."""

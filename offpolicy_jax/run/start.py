@@ -2,8 +2,9 @@
 
 `restore_or_init` is the loop's start: the run state, its step and what the
 checkpoint's meta recorded (starting accuracy, a LoRA run's base, the sampler
-choice). `check_rollout` refuses, before anything is recorded, a checkpoint
-whose rollout state (episodes or groups in flight) no longer fits the run.
+choice); `save` writes the checkpoint it starts from next time.
+`check_rollout` refuses, before anything is recorded, a checkpoint whose
+rollout state (episodes or groups in flight) no longer fits the run.
 `evaluate_checkpoint` evaluates a run's parameters without its state.
 """
 
@@ -15,7 +16,13 @@ from typing import Any
 from offpolicy_jax import models
 from offpolicy_jax.rollout.pipeline import EVAL, step_key
 from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.rollout.run_state import RunState, init_state, state_from_items, state_items
+from offpolicy_jax.rollout.run_state import (
+  RunState,
+  init_state,
+  state_from_items,
+  state_items,
+  state_meta,
+)
 from offpolicy_jax.run import evaluation, sft
 from offpolicy_jax.run.components import Components, build_components, snapshot_slots
 from offpolicy_jax.store import checkpointing
@@ -52,6 +59,16 @@ def initial_weights(comps: Components, *, warm_start: bool = True, log_fn=print)
     else:
       base = sft.warm_start(fns, base, frozen=params, **kw)
   return base, params
+
+
+def save(ckpt, state: RunState, rollout: Rollout, step: int, meta: dict[str, Any]) -> None:
+  """Checkpoints `state` after loop step `step`: its items by name, `meta` and the rollout's.
+
+  `rollout` is the one whose carried state `state` holds (placed or not); its
+  signature goes into the meta, so that a resume it no longer fits is refused
+  (`check_rollout`).
+  """
+  ckpt.save(step, state_items(state, rollout), meta | state_meta(state, rollout))
 
 
 def base_record(base, model: str) -> dict[str, str] | None:
