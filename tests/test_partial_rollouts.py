@@ -15,7 +15,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default  # noqa: E402
 from offpolicy_jax import losses, models
 from offpolicy_jax.learn import replay, scorer, step_options, train_state, train_step
-from offpolicy_jax.rollout import partial as partial_rollout
 from offpolicy_jax.rollout import pipeline, protocol, run_state
 from offpolicy_jax.run import components, loop
 from offpolicy_jax.sampling import partial as partial_rollouts
@@ -173,11 +172,12 @@ def test_record_old_keeps_each_tokens_own_versions_learner_logprob(tiny):
 
 
 def _emit(pool, rewards):
-  """The finished groups packed as a step packs them (`rollout.partial.finish`, `pipeline.pack`).
+  """The finished groups packed as a step packs them (`sampling.partial.emit`, `pipeline.pack`).
 
   Returns `(batch, keep, pool with the finished slots freed, finished)`.
   """
-  fin, freed = partial_rollout.finish(pool)
+  out, keep, order, freed = partial_rollouts.emit(pool)
+  fin = protocol.Finished(pool.prompts, out, pool.versions, valid=keep, order=order)
   packing = run_state.Packing(group_size=K, advantage="group_mean")
   args = (fin.out, rewards, fin.versions, jax.random.key(0), fin.valid, fin.order)
   batch = pipeline.pack(packing, fin.prompts, *args)
@@ -200,7 +200,7 @@ def test_emit_packs_finished_groups_and_frees_their_slots(three_steps):
   pool3, dropped = partial_rollouts.admit(pool2, _prompts(offset=4), 4)
   assert int(dropped) == 0 and bool(pool3.active.all())
   np.testing.assert_array_equal(pool3.lengths[: G * K], 0)
-  stats = partial_rollout.stats(fin, pool2, dropped)
+  stats = partial_rollouts.emit_stats(pool, fin.valid, dropped)
   assert int(stats["partial_emitted_groups"]) == G and float(stats["partial_mixed_rows"]) == 1.0
   # The buffer takes exactly the kept groups, in order, with their oldest version.
   example = jax.tree.map(lambda x: x[: G * K], batch)

@@ -1,16 +1,17 @@
 """Partial rollouts (APRIL) as a `Rollout`: groups in flight across loop steps, on device.
 
 The decode programs are `sampling.partial`'s (admit, advance under a per-step
-token budget with a version and an exact log-prob per token); this module
-makes them a rollout. Each step
+token budget with a version and an exact log-prob per token, emit); this
+module makes them a rollout. Each step
 
   admit    the step's G groups take free slots of the pool (`PartialState`),
   advance  every unfinished row decodes at most b tokens under theta_v,
+  emit     groups whose K rows have all ended are handed to the step
+           (`Finished.valid`), oldest admission first (`Finished.order`), and
+           their slots are freed (`emit`, its metrics `emit_stats`),
   pi_old   with `rollout.score_old`, the tokens drawn now are scored at theta_v
            (`protocol.pi_old`; earlier tokens keep their own version's score),
-  finish   groups whose K rows have all ended are handed to the step
-           (`Finished.valid`), oldest admission first (`Finished.order`), and
-           their slots are freed.
+           in the emitted rows and in the pool alike.
 
 The pool is the rollout's carried state (`RunState.rollout`), checkpointed
 as the item `inflight`. Everything is traceable: the whole step, pool
@@ -58,19 +59,18 @@ class Partial:
     return programs.shard(self.sampler.init(example), self.mesh)
 
   def advance(self, pool: PartialState, params, version, prompts, step, key, latest=None):
-    """Admits, advances b tokens, scores pi_old, finishes (traceable; module docstring)."""
+    """Admits, advances b tokens, emits, scores pi_old (traceable; module docstring)."""
     del latest
     pool, dropped = programs.admit(pool, prompts, step)
     version = jnp.asarray(version, jnp.int32)
     pool = self.sampler.advance(params, pool, version, key)
+    out, keep, order, left = programs.emit(pool)
+    info = programs.emit_stats(pool, keep, dropped)
     if self.score_old is not None:
-      out = programs.as_output(pool)
-      old = pi_old(
-        self.score_old, [(params, version)], pool.prompts, out, pool.versions, pool.old_logprobs
-      )
-      pool = pool._replace(old_logprobs=old)
-    finished, pool = finish(pool)
-    return pool, finished, stats(finished, pool, dropped)
+      scored = [(params, version)]
+      old = pi_old(self.score_old, scored, pool.prompts, out, pool.versions, out.old_logprobs)
+      out, left = out._replace(old_logprobs=old), left._replace(old_logprobs=old)
+    return left, Finished(pool.prompts, out, pool.versions, valid=keep, order=order), info
 
   def signature(self) -> None:
     return None  # a changed pool shape fails the restore of the item's arrays
@@ -85,44 +85,3 @@ class Partial:
   def restore(self, pool: PartialState, arrays, meta: dict[str, Any]) -> PartialState:
     del pool, meta
     return arrays
-
-
-def finish(pool: PartialState) -> tuple[Finished, PartialState]:
-  """The pool's rows with its finished groups marked valid, oldest first; their slots freed.
-
-  Returns:
-    `(finished, pool)`: every slot's rows (`valid`: the groups whose K rows
-    have ended; `order`: those groups by admission step, then slot, then the
-    rest), and the pool with the finished slots free for the next admissions.
-  """
-  keep = programs.finished(pool)
-  order = jnp.argsort(jnp.where(keep, pool.admitted, jnp.iinfo(jnp.int32).max), stable=True)
-  out = programs.as_output(pool)
-  finished = Finished(pool.prompts, out, pool.versions, valid=keep, order=order)
-  return finished, pool._replace(active=pool.active & ~keep)
-
-
-def stats(finished: Finished, pool: PartialState, dropped) -> dict[str, jax.Array]:
-  """Metrics of one partial-rollout step.
-
-  Returns:
-    ``partial_emitted_groups`` (finished groups handed to the buffer),
-    ``partial_inflight_groups`` (left in the pool), ``partial_dropped_prompts``
-    (groups refused for want of a slot; 0 by construction) and
-    ``partial_mixed_rows`` (fraction of emitted rows whose tokens come from more
-    than one parameter version).
-  """
-  keep = finished.valid
-  k = finished.out.tokens.shape[0] // keep.shape[0]
-  valid = finished.out.mask > 0
-  big = jnp.iinfo(jnp.int32).max
-  oldest = jnp.where(valid, finished.versions, big).min(axis=1)
-  newest = jnp.where(valid, finished.versions, -1).max(axis=1)
-  rows = jnp.repeat(keep, k) & valid.any(axis=1)
-  mixed = (rows & (newest > oldest)).sum() / jnp.maximum(rows.sum(), 1)
-  return {
-    "partial_emitted_groups": keep.sum().astype(jnp.int32),
-    "partial_inflight_groups": pool.active.sum().astype(jnp.int32),
-    "partial_dropped_prompts": jnp.asarray(dropped, jnp.int32),
-    "partial_mixed_rows": mixed.astype(jnp.float32),
-  }

@@ -9,8 +9,9 @@ carried from step to step; each step
            behaviour parameters theta_v, recording per token
            y_t ~ mu_v(. | x, y_<t),  logp_t = log mu_v(y_t | x, y_<t),  version_t = v,
   emit     groups whose K rows have all finished (EOS or max_new_tokens) leave
-           the pool for the replay buffer; their slots become free
-           (`rollout.partial.Partial`, the rollout built on these programs).
+           the pool for the replay buffer; their slots become free (`emit`,
+           its metrics `emit_stats`; `rollout.partial.Partial` is the rollout
+           built on these programs).
 
 A response may thus span several parameter versions, and every token keeps
 the version and the behaviour log-prob of the parameters that sampled it, so
@@ -338,3 +339,42 @@ def as_output(state: PartialState) -> SampleOutput:
     state.kept,
     state.old_logprobs,
   )
+
+
+def emit(state: PartialState) -> tuple[SampleOutput, jax.Array, jax.Array, PartialState]:
+  """The pool's rows with the groups that finished, and the pool without them.
+
+  Returns:
+    `(out, keep, order, state)`: every slot's rows (`as_output`); bool [S], the
+    groups whose K rows have all ended (`finished`); int32 [S], those groups by
+    admission step, then slot, then the rest (their buffer order); and the
+    pool with their slots free for the next admissions.
+  """
+  keep = finished(state)
+  order = jnp.argsort(jnp.where(keep, state.admitted, jnp.iinfo(jnp.int32).max), stable=True)
+  return as_output(state), keep, order, state._replace(active=state.active & ~keep)
+
+
+def emit_stats(state: PartialState, keep: jax.Array, dropped) -> dict[str, jax.Array]:
+  """Metrics of one step's emission from `state` (the pool before `emit`).
+
+  Returns:
+    ``partial_emitted_groups`` (finished groups handed to the buffer),
+    ``partial_inflight_groups`` (left in the pool), ``partial_dropped_prompts``
+    (groups refused for want of a slot; 0 by construction) and
+    ``partial_mixed_rows`` (fraction of emitted rows whose tokens come from more
+    than one parameter version).
+  """
+  k = state.tokens.shape[0] // keep.shape[0]
+  valid = state.mask > 0
+  big = jnp.iinfo(jnp.int32).max
+  oldest = jnp.where(valid, state.versions, big).min(axis=1)
+  newest = jnp.where(valid, state.versions, -1).max(axis=1)
+  rows = jnp.repeat(keep, k) & valid.any(axis=1)
+  mixed = (rows & (newest > oldest)).sum() / jnp.maximum(rows.sum(), 1)
+  return {
+    "partial_emitted_groups": keep.sum().astype(jnp.int32),
+    "partial_inflight_groups": (state.active & ~keep).sum().astype(jnp.int32),
+    "partial_dropped_prompts": jnp.asarray(dropped, jnp.int32),
+    "partial_mixed_rows": mixed.astype(jnp.float32),
+  }
