@@ -57,8 +57,9 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
     fns.rollout.ep,
     p0,
     prompts,
-    _examples(fns, prompts),
     pipeline.step_key(0, 3, pipeline.SAMPLE),
+    task=fns.task,
+    split="train",
     group_size=fns.sizes.group_size,
     update_params=lambda t: p1 if t == 1 else None,
   ).out
@@ -70,12 +71,6 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
   np.testing.assert_allclose(old[later], s1[later], atol=1e-5)
   # The behaviour log-probs of later turns were drawn under p1: they match its score.
   np.testing.assert_allclose(np.asarray(batch.behavior_logp)[later], s1[later], atol=1e-4)
-
-
-def _examples(fns, prompts):
-  from offpolicy_jax.rollout import data
-
-  return data.examples(fns.task, "train", np.asarray(prompts["index"]).tolist())
 
 
 def test_async_multi_turn_run_trains(tmp_path):

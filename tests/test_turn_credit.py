@@ -167,7 +167,13 @@ def test_played_episodes_pack_to_per_turn_advantages_and_the_run_trains(tmp_path
   params = fns.model.init_params(0)
   examples = [dict(e) for e in _examples(fns, prompts)]
   played = episodes.play(
-    fns.rollout.ep, params, prompts, examples, jax.random.key(3), group_size=fns.sizes.group_size
+    fns.rollout.ep,
+    params,
+    prompts,
+    jax.random.key(3),
+    task=fns.task,
+    split="train",
+    group_size=fns.sizes.group_size,
   )
   assert played.turn_rewards.shape == (len(examples) * fns.sizes.group_size, 4)
   np.testing.assert_allclose(np.nansum(played.turn_rewards, 1), played.rewards, atol=1e-6)

@@ -252,9 +252,10 @@ def play(
   ep: Episodes,
   params,
   prompts: dict[str, Any],
-  examples: list[dict[str, Any]],
   key: jax.Array,
   *,
+  task: tasks.Task,
+  split: str,
   group_size: int,
   greedy: bool = False,
   update_params: Callable[[int], Any] | None = None,
@@ -264,9 +265,10 @@ def play(
   Args:
     ep: the run's `Episodes`.
     params: the whole model state to sample with.
-    prompts: `prompt_tokens` [G, P] and `prompt_lengths` [G].
-    examples: the G source examples of the prompts (their environments' input).
+    prompts: `prompt_tokens` [G, P], `prompt_lengths` [G] and `index` [G].
     key: the sampling key.
+    task, split: where the prompts' source examples are (`index`): their
+      environments' input.
     group_size: K trajectories per prompt.
     greedy: decode greedily (evaluation) instead of the behaviour sampler.
     update_params: `turn -> params | None`, asked before every turn but the
@@ -274,6 +276,7 @@ def play(
       (`MultiTurnSampler`).
   """
   t0 = time.perf_counter()
+  examples = data.examples(task, split, np.asarray(prompts["index"]).tolist())
   rows = [ex for ex in examples for _ in range(group_size)]
   sampler = ep.make_sampler(group_size, greedy)
   turns_cb = Turns(ep, len(rows), sampler.max_turns)
@@ -375,13 +378,13 @@ class WholeEpisodes(Stateless):
       turn_version.append(used[-1][1])
       return newer
 
-    examples = data.examples(self.task, "train", np.asarray(prompts["index"]).tolist())
     played = play(
       self.ep,
       params,
       prompts,
-      examples,
       key,
+      task=self.task,
+      split="train",
       group_size=self.group_size,
       update_params=update if latest is not None else None,
     )

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import models
-from offpolicy_jax.rollout import data, episodes, pipeline
+from offpolicy_jax.rollout import episodes, pipeline
 from offpolicy_jax.rollout.protocol import EvalRows
 from offpolicy_jax.rollout.run_state import StepFns
 
@@ -182,7 +182,6 @@ def episode_rows(
 
   `eps` is the run's multi-turn episodes; the rest as in `sampled_rows`.
   """
-  examples = data.examples(fns.task, "eval", np.asarray(prompts["index"]).tolist())
   rows = []
   for seed in range(keys.shape[0]):
     one = params if not over_seeds else jax.tree.map(lambda x, seed=seed: x[seed], params)
@@ -190,8 +189,9 @@ def episode_rows(
       eps,
       models.lora.join(base, one),
       prompts,
-      examples,
       keys[seed],
+      task=fns.task,
+      split="eval",
       group_size=k,
       greedy=k == 1,
     )
