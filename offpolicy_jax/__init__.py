@@ -6,8 +6,9 @@ The package is a stack of wings, each importing only from the ones below it
   study      the lag study, its statistics and reports, the bandit, sweeps, launchers
   run        components (the config's one reader), loop, evaluation, warm start,
              validation, export, planner
-  rollout    prompts, the rollout kinds, pipeline (score, pi_old, pack), rl_step, producer,
-             the disaggregated sampler
+  rollout    prompts, the rollout kinds, pipeline (score, pi_old, pack), the run's records
+             (run_state), the step's halves (acting, learning), rl_step / host_step,
+             drivers, producer, the disaggregated sampler
   learn      train step, train state, batch splits, replay buffer, off-policy diagnostics
   store      checkpoints, the workdir record, metrics files
   rewards    tasks, host scoring in sandboxed verifier workers

@@ -11,11 +11,11 @@ acting half of a step driven from the host (`host_step`): the jitted
 `Programs.rollout` of a traced rollout, or `advance` on the host under the
 parameters of `Programs.behaviour`; `sample_over_seeds` is the same for the
 study's S seeds (vmapped programs, each seed's host rollout on its own rows).
+`advance` is `Rollout.advance` from the host with the step's sampling key
+(also the async producer's, `host_step.collect`).
 """
 
 from __future__ import annotations
-
-from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +23,15 @@ import numpy as np
 
 from offpolicy_jax import lag, models
 from offpolicy_jax.rollout import pipeline
-from offpolicy_jax.rollout.protocol import Finished, Rollout
-from offpolicy_jax.rollout.run_state import LagSchedule, RunState, StepFns, weights
+from offpolicy_jax.rollout.protocol import Rollout
+from offpolicy_jax.rollout.run_state import (
+  LagSchedule,
+  RunState,
+  Sampled,
+  SampledSeeds,
+  StepFns,
+  weights,
+)
 from offpolicy_jax.scale import sharding
 
 
@@ -55,26 +62,6 @@ def rollout(fns: StepFns, state: RunState, prompts: dict, step, seed, schedule):
   return rstate, fin, info, v, found
 
 
-class Sampled(NamedTuple):
-  """The rollout half of a step (`sample`).
-
-  Attributes:
-    rstate: the rollout's carried state after `advance`.
-    fin: the finished groups (prompts with their host fields).
-    info: the rollout's device metrics (a traced rollout's), into the jitted learning.
-    host: the rollout's host metrics (a host rollout's, or a placement's).
-    v: the behaviour loop step (device scalar).
-    found: whether its snapshot was present.
-  """
-
-  rstate: Any
-  fin: Finished
-  info: dict[str, Any]
-  host: dict[str, Any]
-  v: Any
-  found: Any
-
-
 def sample(
   fns: StepFns, progs, rollout: Rollout, state, prompts: dict, step: int, seed: int, schedule
 ):
@@ -87,32 +74,20 @@ def sample(
     # A traced rollout's groups are the step's prompts: they keep their host fields.
     return Sampled(rstate, fin._replace(prompts={**prompts, **fin.prompts}), info, {}, v, found)
   params, v, found = progs.behaviour(state, step_a, schedule)
-  key = pipeline.step_key(seed, step, pipeline.SAMPLE)
   version = fns.learner.version(int(v))
-  params = weights(state, params)
-  rstate, fin, host = rollout.advance(state.rollout, params, version, prompts, step, key)
+  args = (weights(state, params), version, prompts, step, seed)
+  rstate, fin, host = advance(rollout, state.rollout, *args)
   return Sampled(rstate, fin, {}, host, v, found)
 
 
-class SampledSeeds(NamedTuple):
-  """The acting half of one step of S seeds' runs (`sample_over_seeds`).
+def advance(rollout: Rollout, rstate, params, version, prompts: dict, step: int, seed, latest=None):
+  """`rollout.advance` from the host with the step's sampling key: `(rstate, fin, info)`.
 
-  Attributes:
-    rstate: the rollout's carried state after `advance` (a traced rollout's), or None.
-    fin: the finished groups' device fields, stacked [S, ...] (into the jitted learning).
-    per_seed: each seed's finished groups with their host fields (scored per seed).
-    info: the rollout's device metrics (a traced rollout's).
-    host: each seed's host metrics (a host rollout's).
-    v: the behaviour loop step per seed [S]; `found`: whether its snapshot was present [S].
+  `params` are the whole behaviour model at `version`; `latest` (`Rollout.advance`)
+  lets episodes continue under parameters published while they run (async mode).
   """
-
-  rstate: Any
-  fin: Finished
-  per_seed: list[Finished]
-  info: dict[str, Any]
-  host: list[dict[str, Any]]
-  v: Any
-  found: Any
+  key = pipeline.step_key(seed, step, pipeline.SAMPLE)
+  return rollout.advance(rstate, params, version, prompts, step, key, latest)
 
 
 def sample_over_seeds(
@@ -137,9 +112,8 @@ def sample_over_seeds(
   for s, seed in enumerate(seeds_l):
     one = {k: x[s] for k, x in prompts.items()}
     whole = models.lora.join(state.base, jax.tree.map(lambda x, s=s: x[s], params))
-    key = pipeline.step_key(seed, int(step), pipeline.SAMPLE)
     version = fns.learner.version(int(v[s]))
-    _, fin_s, host_s = rollout.advance(None, whole, version, one, int(step), key)
+    _, fin_s, host_s = advance(rollout, None, whole, version, one, int(step), seed)
     per_seed.append(fin_s)
     host.append(host_s)
   stack = lambda *x: jnp.stack([jnp.asarray(y) for y in x])

@@ -10,8 +10,8 @@ dispatches the next step's acting half before this step learns when the loop
 allows it (the device samples while the workers score).
 
 `steps_over_seeds` is the same step for the study's seeds (vmapped programs,
-each seed's host part on its own rows); `collect` is the rollout half with
-packing for the async producer, which learns elsewhere.
+each seed's host part on its own rows); `collect` is the acting half,
+scored and packed, for the async producer, which learns elsewhere.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax.rollout import acting, episodes, learning, pipeline
-from offpolicy_jax.rollout.acting import Sampled
-from offpolicy_jax.rollout.protocol import Finished, Rollout
-from offpolicy_jax.rollout.run_state import StepFns
+from offpolicy_jax.rollout import acting, learning, pipeline
+from offpolicy_jax.rollout.protocol import Rollout
+from offpolicy_jax.rollout.run_state import Sampled, StepFns
 from offpolicy_jax.store import metrics
 
 
@@ -61,21 +60,24 @@ class Stepper:
 
     `progs` are the run's programs for `state` (`programs.programs`). The row
     has `read_info` (what `read` returned beside the prompts) and
-    `time/sample_s` (until this step's rollout is ready; it includes
-    dispatching step t + 1's when that is sampled ahead), `time/reward_s`,
+    `time/sample_s` (until this step's rollout is ready), `time/reward_s`,
     `time/train_s`, and `time/sampled_ahead`: 1 when this step's rollout was
     dispatched during the previous step (its device time then falls in that
     step's `time/train_s`, the device running in order), else 0.
     """
     t0 = time.perf_counter()
-    ahead = step in self._sampled
-    # The rollouts due: this step's (unless sampled ahead), then the next one's when allowed,
-    # in the order their prompts are read. Anything else held is dropped.
-    due = (step, step + 1) if prefetch else (step,)
-    self._sampled = {s: self._sampled.get(s) or self._sample(progs, state, s, read) for s in due}
+    held, self._sampled = self._sampled, {}  # a rollout held for another step is dropped
+    ahead = step in held
+    # The rollouts due, in the order their prompts are read: this step's (unless it was
+    # sampled ahead), then the next one's when allowed. This step's must be ready before
+    # the next one's is dispatched: a sampler-mesh placement frees the parameter copy it
+    # decodes with when the next one's behaviour version differs.
+    for s in (step, step + 1) if prefetch else (step,):
+      self._sampled[s] = held[s] if s in held else self._sample(progs, state, s, read)
+      if s == step:
+        jax.block_until_ready(self._sampled[s][1].fin.out)
+        t1 = time.perf_counter()
     read_info, sampled = self._sampled.pop(step)
-    jax.block_until_ready(sampled.fin.out)
-    t1 = time.perf_counter()
     args = (self.fns, progs, state, sampled, step, self.seed, self.schedule)
     state, row = learning.learn_sampled(*args)
     row["read_info"] = read_info
@@ -93,7 +95,7 @@ class Stepper:
 def collect(
   fns: StepFns, rollout: Rollout, rstate, params, version, prompts, step: int, seed, latest=None
 ):
-  """Rollout, score and pack with given parameters, from the host (the async producer).
+  """The acting half with given parameters, scored and packed, from the host (the async producer).
 
   `latest` (`Rollout.advance`) lets episodes continue under parameters
   published while they run.
@@ -101,12 +103,8 @@ def collect(
   Returns:
     `(rstate, batch, host metrics)`.
   """
-  key = pipeline.step_key(seed, step, pipeline.SAMPLE)
-  rstate, fin, info = rollout.advance(rstate, params, version, prompts, step, key, latest)
-  if fin.rewards is None:
-    rewards, stats = pipeline.score(fns, fin.prompts, fin.out)
-  else:
-    rewards, stats = fin.rewards, {}
+  rstate, fin, info = acting.advance(rollout, rstate, params, version, prompts, step, seed, latest)
+  rewards, stats = pipeline.rewards_of(fns, fin)
   batch, keep = learning.pack_finished(fns, fin, rewards, step, seed, jitted=True)
   if keep is not None:
     raise ValueError("a rollout with groups in flight cannot feed the async producer")
@@ -117,31 +115,16 @@ def collect(
 def steps_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, schedule):
   """Loop steps of S seeds' runs (the study's vmapped state): `(state, metrics [S, L])`.
 
-  Per step: the acting half over seeds (`acting.sample_over_seeds`), each
-  seed's rows scored on their own, and the vmapped learning: exactly the
-  loop's step of each seed.
+  Per step: the acting half over seeds (`acting.sample_over_seeds`), then
+  the learning half (`learning.learn_sampled_over_seeds`: each seed's rows
+  scored on their own, the vmapped learning): exactly the loop's step of each seed.
   """
   rows = []
   for i, step in enumerate(steps):
     prompts = {k: x[:, i] for k, x in prompts_l.items()}
     sampled = acting.sample_over_seeds(fns, progs, state, prompts, step, seeds, schedule)
-    scored = [_rewards(fns, f) for f in sampled.per_seed]
-    rewards = jnp.stack([r for r, _ in scored])
-    args = (sampled.rstate, sampled.fin, rewards, sampled.info, sampled.v, step, seeds, schedule)
-    state, m = progs.learn_finished(state, *args)
-    m = dict(m)
-    m["reward_failures"] = jnp.asarray([f for _, f in scored], jnp.float32)
-    for name in episodes.EPISODE_STATS:
-      if name in sampled.host[0]:
-        m[name] = jnp.asarray([h[name] for h in sampled.host], jnp.float32)
-    rows.append({**m, "snapshot_missing": (~sampled.found).astype(jnp.int32)})
+    state, row = learning.learn_sampled_over_seeds(
+      fns, progs, state, sampled, step, seeds, schedule
+    )
+    rows.append(row)
   return state, jax.tree.map(lambda *x: jnp.stack(x, axis=1), *rows)
-
-
-def _rewards(fns: StepFns, fin: Finished) -> tuple[Any, int]:
-  """One seed's rewards and how many failed (scored 0): the rollout's own, or scored (device,
-  or the sandboxed workers)."""
-  if fin.rewards is not None:
-    return fin.rewards, 0
-  rewards, stats = pipeline.score(fns, fin.prompts, fin.out)
-  return rewards, int(stats["reward_failures"])

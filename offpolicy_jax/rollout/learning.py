@@ -9,7 +9,8 @@
 `learn` alone takes an already packed batch (the async trainer's
 `Programs.learn`). `learn_sampled` is the learning half of a step driven from
 the host (`host_step`): the rewards (unless the rollout earned them: on
-device, or in the sandboxed verifier workers), then `Programs.learn_finished`.
+device, or in the sandboxed verifier workers), then `Programs.learn_finished`;
+`learn_sampled_over_seeds` is the same for the study's S seeds.
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ import jax.numpy as jnp
 
 from offpolicy_jax import lag
 from offpolicy_jax.learn import replay, train_step
-from offpolicy_jax.rollout import pipeline
-from offpolicy_jax.rollout.acting import Sampled
+from offpolicy_jax.rollout import episodes, pipeline
 from offpolicy_jax.rollout.protocol import Finished
-from offpolicy_jax.rollout.run_state import ReplayOptions, RunState, StepFns
+from offpolicy_jax.rollout.run_state import (
+  ReplayOptions,
+  RunState,
+  Sampled,
+  SampledSeeds,
+  StepFns,
+)
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.store import metrics as metrics_files
 
@@ -123,26 +129,15 @@ def learn_sampled(fns: StepFns, progs, state, sampled: Sampled, step: int, seed:
     `time/reward_s`).
   """
   fin, begin = sampled.fin, time.perf_counter()
-  if fin.rewards is None:
-    rewards, stats = pipeline.score(fns, fin.prompts, fin.out)
-  else:
-    rewards, stats = fin.rewards, pipeline.no_reward_stats()
+  rewards, stats = pipeline.rewards_of(fns, fin)
   reward_s = time.perf_counter() - begin
   rstate = sampled.rstate
   if not fns.rollout.traced:  # host objects stay outside the programs (`programs._traced`)
     state, rstate = state._replace(rollout=rstate), None
   mesh = fns.model.mesh
   step_a, seed_a = sharding.replicated_int(mesh, step), sharding.replicated_int(mesh, seed)
-  args = (
-    rstate,
-    pipeline.device_finished(fin),
-    rewards,
-    sampled.info,
-    sampled.v,
-    step_a,
-    seed_a,
-    schedule,
-  )
+  device = pipeline.device_finished(fin)
+  args = (rstate, device, rewards, sampled.info, sampled.v, step_a, seed_a, schedule)
   state, out = progs.learn_finished(state, *args)
   row = {k: metrics_files.to_python(x) for k, x in jax.device_get(out).items()}
   row.update(stats)
@@ -150,3 +145,21 @@ def learn_sampled(fns: StepFns, progs, state, sampled: Sampled, step: int, seed:
   row["snapshot_missing"] = int(not bool(sampled.found))
   row["time/reward_s"] = reward_s
   return state, row
+
+
+def learn_sampled_over_seeds(
+  fns: StepFns, progs, state, sampled: SampledSeeds, step, seeds, schedule
+):
+  """The learning half of one step of S seeds' runs: each seed's rows scored on their own,
+  then the vmapped `Programs.learn_finished`. Returns `(state, metrics [S])`."""
+  scored = [pipeline.rewards_of(fns, fin) for fin in sampled.per_seed]
+  rewards = jnp.stack([jnp.asarray(r) for r, _ in scored])
+  args = (sampled.rstate, sampled.fin, rewards, sampled.info, sampled.v, step, seeds, schedule)
+  state, out = progs.learn_finished(state, *args)
+  out = dict(out)
+  out["reward_failures"] = jnp.asarray([s["reward_failures"] for _, s in scored], jnp.float32)
+  for name in episodes.EPISODE_STATS:
+    if name in sampled.host[0]:
+      out[name] = jnp.asarray([h[name] for h in sampled.host], jnp.float32)
+  out["snapshot_missing"] = (~sampled.found).astype(jnp.int32)
+  return state, out

@@ -263,6 +263,14 @@ def score(
   return score_on_host(fns, prompts, rollout, split=split, group_size=k)
 
 
+def rewards_of(fns: StepFns, fin: Finished):
+  """The rewards of finished groups and the host reward statistics: the rollout's own (an
+  environment's, with zero statistics), or scored (`score`)."""
+  if fin.rewards is not None:
+    return fin.rewards, no_reward_stats()
+  return score(fns, fin.prompts, fin.out)
+
+
 def pack(
   packing: Packing, prompts: dict, rollout, rewards_b, version, key, valid=None, order=None
 ) -> TrainBatch:

@@ -2,12 +2,12 @@
 
 The pieces of a step (`rl_step`, `acting`, `learning`) jitted once per state
 structure and shared by every run that shares its `StepFns` (memoised per
-`fns`): `rl_steps` (L traced
-steps in one scan), the halves of a host step (`rollout`, `learn_finished`),
-`learn` (the async loop's), and `behaviour`. Without `over_seeds` they keep
-the state's shardings and donate it; with it every program is `jax.vmap`ped
-over a leading seed axis of the `SEED_ARGS` arguments (the study). The frozen
-LoRA base and a host rollout's state stay outside the programs.
+`fns`): `rl_steps` (L traced steps in one scan), the halves of a host step
+(`rollout`, `learn_finished`), `learn` (the async loop's), and `behaviour`.
+Without `over_seeds` they keep the state's shardings and donate it; with it
+every program is `jax.vmap`ped over a leading seed axis of the `SEED_ARGS`
+arguments (the study). The frozen LoRA base and a host rollout's state stay
+outside the programs.
 """
 
 from __future__ import annotations

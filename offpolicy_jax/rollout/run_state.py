@@ -3,7 +3,10 @@
 `StepFns` is what a run's steps are built from (model, learner, task,
 rollout, samplers), made once in `components`; `RunState` is what a run
 carries from step to step, checkpointed by name (`state_items`,
-`state_from_items`). `StepFns`' small records are here too: the batch shape
+`state_from_items`; `init_state` makes a fresh one, `weights` joins its
+parameters to a LoRA run's frozen base). `Sampled` and `SampledSeeds` are
+what a host step's acting half hands to its learning half. `StepFns`' small
+records are here too: the batch shape
 (`Sizes`, and `empty_batch`, the replay buffer's template), what packing
 needs (`Packing`) and the task's reward (`Reward`); so are the step's
 options: how the train batch is drawn (`ReplayOptions`) and the sync
@@ -24,7 +27,7 @@ from offpolicy_jax.learn import replay, step_options, train_state
 from offpolicy_jax.learn.train_state import TrainState
 from offpolicy_jax.models.parts import ModelParts
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.rollout.protocol import EvalRows, Rollout
+from offpolicy_jax.rollout.protocol import EvalRows, Finished, Rollout
 from offpolicy_jax.types import TrainBatch
 
 
@@ -162,6 +165,47 @@ class RunState(NamedTuple):
   ref_params: Any
   rollout: Any = None
   base: Any = None
+
+
+class Sampled(NamedTuple):
+  """The acting half of a step from the host (`acting.sample`), handed to the learning half.
+
+  Attributes:
+    rstate: the rollout's carried state after `advance`.
+    fin: the finished groups (prompts with their host fields).
+    info: the rollout's device metrics (a traced rollout's), into the jitted learning.
+    host: the rollout's host metrics (a host rollout's, or a placement's).
+    v: the behaviour loop step (device scalar).
+    found: whether its snapshot was present.
+  """
+
+  rstate: Any
+  fin: Finished
+  info: dict[str, Any]
+  host: dict[str, Any]
+  v: Any
+  found: Any
+
+
+class SampledSeeds(NamedTuple):
+  """The acting half of one step of S seeds' runs (`acting.sample_over_seeds`).
+
+  Attributes:
+    rstate: the rollout's carried state after `advance` (a traced rollout's), or None.
+    fin: the finished groups' device fields, stacked [S, ...] (into the jitted learning).
+    per_seed: each seed's finished groups with their host fields (scored per seed).
+    info: the rollout's device metrics (a traced rollout's).
+    host: each seed's host metrics (a host rollout's).
+    v: the behaviour loop step per seed [S]; `found`: whether its snapshot was present [S].
+  """
+
+  rstate: Any
+  fin: Finished
+  per_seed: list[Finished]
+  info: dict[str, Any]
+  host: list[dict[str, Any]]
+  v: Any
+  found: Any
 
 
 def weights(state: RunState, params=None):
