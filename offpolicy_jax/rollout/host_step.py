@@ -61,23 +61,21 @@ class Stepper:
     `progs` are the run's programs for `state` (`programs.programs`). The row
     has `read_info` (what `read` returned beside the prompts) and
     `time/sample_s` (until this step's rollout is ready), `time/reward_s`,
-    `time/train_s`, and `time/sampled_ahead`: 1 when this step's rollout was
+    `time/train_s` (the rest, with dispatching step t + 1's rollout when it is
+    sampled ahead), and `time/sampled_ahead`: 1 when this step's rollout was
     dispatched during the previous step (its device time then falls in that
     step's `time/train_s`, the device running in order), else 0.
     """
     t0 = time.perf_counter()
     held, self._sampled = self._sampled, {}  # a rollout held for another step is dropped
     ahead = step in held
-    # The rollouts due, in the order their prompts are read: this step's (unless it was
-    # sampled ahead), then the next one's when allowed. This step's must be ready before
-    # the next one's is dispatched: a sampler-mesh placement frees the parameter copy it
-    # decodes with when the next one's behaviour version differs.
-    for s in (step, step + 1) if prefetch else (step,):
-      self._sampled[s] = held[s] if s in held else self._sample(progs, state, s, read)
-      if s == step:
-        jax.block_until_ready(self._sampled[s][1].fin.out)
-        t1 = time.perf_counter()
-    read_info, sampled = self._sampled.pop(step)
+    read_info, sampled = held[step] if ahead else self._sample(progs, state, step, read)
+    jax.block_until_ready(sampled.fin.out)
+    t1 = time.perf_counter()
+    # Only now the next one: a sampler-mesh placement frees the parameter copy this step's
+    # rollout decodes with when the next one's behaviour version differs.
+    if prefetch:
+      self._sampled = {step + 1: self._sample(progs, state, step + 1, read)}
     args = (self.fns, progs, state, sampled, step, self.seed, self.schedule)
     state, row = learning.learn_sampled(*args)
     row["read_info"] = read_info
@@ -109,7 +107,7 @@ def collect(
   if keep is not None:
     raise ValueError("a rollout with groups in flight cannot feed the async producer")
   info = {k: metrics.to_python(x) for k, x in jax.device_get(info).items()}
-  return rstate, batch, {**info, **stats}
+  return rstate, batch, {**stats, **info}  # a rollout's own reward statistics win
 
 
 def steps_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, schedule):

@@ -8,9 +8,10 @@
 `learn_finished` is the half after a rollout (`Programs.learn_finished`);
 `learn` alone takes an already packed batch (the async trainer's
 `Programs.learn`). `learn_sampled` is the learning half of a step driven from
-the host (`host_step`): the rewards (unless the rollout earned them: on
-device, or in the sandboxed verifier workers), then `Programs.learn_finished`;
-`learn_sampled_over_seeds` is the same for the study's S seeds.
+the host (`host_step`): the rewards (the rollout's own, or scored on device or
+in the sandboxed verifier workers: `pipeline.rewards_of`), then
+`Programs.learn_finished`; `learn_sampled_over_seeds` is the same for the
+study's S seeds, each seed's rows scored apart.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def learn_sampled(fns: StepFns, progs, state, sampled: Sampled, step: int, seed:
 def learn_sampled_over_seeds(
   fns: StepFns, progs, state, sampled: SampledSeeds, step, seeds, schedule
 ):
-  """The learning half of one step of S seeds' runs: each seed's rows scored on their own,
+  """The learning half of one step of S seeds' runs: each seed's rewards (`rewards_of`),
   then the vmapped `Programs.learn_finished`. Returns `(state, metrics [S])`."""
   scored = [pipeline.rewards_of(fns, fin) for fin in sampled.per_seed]
   rewards = jnp.stack([jnp.asarray(r) for r, _ in scored])
