@@ -95,6 +95,29 @@ _JAX_SPENT: dict[str, float] = {}  # since the last report, in this process
 _TIMES: dict[str, dict[str, float]] = {}  # per test id, summed over its phases
 
 
+# The slowest files first (measured with `--durations=0`, docs/development.md). Under the
+# README's `-n 2 --dist loadfile` a worker takes the next file when it frees up: a slow
+# file started last ends the run on one worker while the other idles. Files keep their
+# own order of tests (their module fixtures are shared in that order).
+_SLOW_FILES_FIRST = (
+  "test_loop.py",
+  "test_multiprocess.py",
+  "test_experiments.py",
+  "test_study.py",
+  "test_colab.py",
+  "test_disagg.py",
+  "test_multiturn_run.py",
+  "test_lora_run.py",
+  "test_step_speedups.py",
+  "test_runs_memory.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(_SLOW_FILES_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_addoption(parser):
   parser.addoption(
     "--jax-times",
