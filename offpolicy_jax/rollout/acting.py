@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax import lag, models
+from offpolicy_jax import lag
 from offpolicy_jax.rollout import pipeline
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.rollout.run_state import (
@@ -111,7 +111,7 @@ def sample_over_seeds(
   per_seed, host = [], []
   for s, seed in enumerate(seeds_l):
     one = {k: x[s] for k, x in prompts.items()}
-    whole = models.lora.join(state.base, jax.tree.map(lambda x, s=s: x[s], params))
+    whole = weights(state, jax.tree.map(lambda x, s=s: x[s], params))
     version = fns.learner.version(int(v[s]))
     _, fin_s, host_s = advance(rollout, None, whole, version, one, int(step), seed)
     per_seed.append(fin_s)
