@@ -136,6 +136,45 @@ def test_restore_into_sharded_abstract_templates(tmp_path):
   ck.close()
 
 
+def test_cpu_saves_replicated_arrays_whole_and_reads_split_ones(tmp_path, monkeypatch):
+  """On CPU a replicated array is written as one chunk, not one slice per device; steps
+  written with orbax's split (older runs) restore to the same values."""
+  mesh = Mesh(np.array(jax.devices()), ("data",))
+  tree = {
+    "w": jax.device_put(jnp.arange(8 * 6.0).reshape(8, 6), NamedSharding(mesh, PartitionSpec())),
+    "rows": jax.device_put(jnp.arange(16.0), NamedSharding(mesh, PartitionSpec("data"))),
+  }
+
+  def chunks(step):
+    with open(tmp_path / str(step) / "params" / "array_metadatas" / "process_0") as f:
+      found = json.load(f)["array_metadatas"]
+    return {m["array_metadata"]["param_name"]: m["array_metadata"]["chunk_shape"] for m in found}
+
+  ck = checkpointing.Checkpointer(str(tmp_path), max_to_keep=None)
+  ck.save(1, {"params": tree}, {"step": 1})
+  ck.wait()
+  assert chunks(1) == {"w": [8, 6], "rows": [2]}
+  split = ocp.type_handlers.ArrayHandler(
+    array_metadata_store=checkpointing.array_metadata_store.Store(), use_replica_parallel=True
+  )
+  monkeypatch.setattr(checkpointing, "_whole_replicas_on_cpu", lambda: None)
+  whole = ocp.type_handlers.get_type_handler(jax.Array)
+  ocp.type_handlers.register_type_handler(jax.Array, split, override=True)
+  try:
+    ck.save(2, {"params": tree}, {"step": 2})
+    ck.wait()
+  finally:
+    ocp.type_handlers.register_type_handler(jax.Array, whole, override=True)
+  assert chunks(2)["w"] != [8, 6]  # orbax's default split it across the replicas
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+  )
+  for step in (1, 2):
+    items, _ = ck.restore({"params": abstract}, step=step)
+    _assert_equal(items["params"], tree)
+  ck.close()
+
+
 def test_items_vary_by_step_and_missing_items_raise(tmp_path):
   ck = checkpointing.Checkpointer(str(tmp_path), max_to_keep=3)
   ck.save(1, {"a": {"x": jnp.ones(2)}, "b": {"y": jnp.zeros(3)}}, {"step": 1})
