@@ -215,14 +215,18 @@ def _signal_one_process_once_it_runs(workdir: str, index: int, sig: int) -> int:
 
 
 def test_signals_then_sigkill_then_resuming_both_continues_exactly(two_process_run, tmp_path):
-  """SIGTERM process 0 alone, then (resumed) SIGINT process 1 alone: both processes stop
-  after the same step, saved. Resumed, SIGKILL right after the step-6 checkpoint; both
-  restarted finish like the uninterrupted run."""
+  """SIGTERM process 1 alone: both processes stop after the same step, saved. Resumed,
+  SIGKILL right after the step-6 checkpoint; both restarted finish like the uninterrupted run.
+
+  Process 1 is signalled, not process 0: the stop is agreed by a gather over the
+  processes, so the coordinator follows a signal it never received; a stop that
+  only process 0 decides and broadcasts, or that each process decides alone,
+  fails here. SIGINT and SIGTERM take the same path (`stopping.Stop`); each is
+  checked with its exit status and lines in test_experiments.py.
+  """
   workdir = str(tmp_path / "mp" / "run")
   os.makedirs(os.path.dirname(workdir))
-  stopped = _signal_one_process_once_it_runs(workdir, 0, signal.SIGTERM)
-  assert stopped < 12
-  assert stopped < _signal_one_process_once_it_runs(workdir, 1, signal.SIGINT) < 12
+  assert _signal_one_process_once_it_runs(workdir, 1, signal.SIGTERM) < 6
   procs = _launch(workdir)
   manifest = os.path.join(workdir, "checkpoints", "6", MANIFEST)
   _wait_for(manifest, procs, workdir, "no step-6 checkpoint before the processes ended")
