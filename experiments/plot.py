@@ -13,7 +13,6 @@ import sys
 from absl import app, flags
 
 from offpolicy_jax import cli
-from offpolicy_jax.study import report as study_report
 from offpolicy_jax.study import reports
 
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Run directories holding metrics.jsonl.")
@@ -28,6 +27,8 @@ def _study(path: str, out_dir: str) -> list[str]:
   method, sep, lag = _BASELINE.value.partition("@")
   if not sep:
     raise ValueError(f"--baseline: {_BASELINE.value!r} is not <method>@<lag>")
+  from offpolicy_jax.study import report as study_report  # imports JAX: only for a study
+
   rows = study_report.read_csv(path)
   os.makedirs(out_dir, exist_ok=True)
   return study_report.plot_study(rows, out_dir, baseline=(method, lag))

@@ -46,11 +46,6 @@ def plot_runs(runs: Mapping[str, str], out_path: str, *, smooth: int = 5) -> str
   Raises:
     errors.WorkdirError: a run without metrics rows (nothing is drawn).
   """
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
   data = {label: read_metrics(path) for label, path in runs.items()}
   for label, rows in data.items():
     if not rows:
@@ -58,6 +53,11 @@ def plot_runs(runs: Mapping[str, str], out_path: str, *, smooth: int = 5) -> str
         f"{runs[label]}: no metrics rows to plot (a missing or empty metrics.jsonl)",
         "give a workdir a train run wrote",
       )
+  import matplotlib  # after the checks: a wrong workdir fails without its 2 s import
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
   fig, axes = plt.subplots(2, 3, figsize=(15, 8))
   cmap = plt.get_cmap("tab10" if len(data) <= 10 else "tab20")
   colors = {label: cmap(i % cmap.N) for i, label in enumerate(data)}
