@@ -66,16 +66,22 @@ class Stepper:
     dispatched during the previous step (its device time then falls in that
     step's `time/train_s`, the device running in order), else 0.
     """
-    t0 = time.perf_counter()
-    held, self._sampled = self._sampled, {}  # a rollout held for another step is dropped
+    t0 = t1 = time.perf_counter()
+    held, self._sampled = self._sampled, {}
     ahead = step in held
-    read_info, sampled = held[step] if ahead else self._sample(progs, state, step, read)
-    jax.block_until_ready(sampled.fin.out)
-    t1 = time.perf_counter()
-    # Only now the next one: a sampler-mesh placement frees the parameter copy this step's
-    # rollout decodes with when the next one's behaviour version differs.
-    if prefetch:
-      self._sampled = {step + 1: self._sample(progs, state, step + 1, read)}
+    rollouts = {step: held[step]} if ahead else {}  # a rollout held for another step is dropped
+    # This step's rollout (unless sampled ahead), then, when sampling ahead, the next one's,
+    # in that order: the next one is dispatched only once this one is ready, since a
+    # sampler-mesh placement frees the parameter copy this one decodes with when the next
+    # one's behaviour version differs.
+    for s in (step, step + 1) if prefetch else (step,):
+      if s not in rollouts:
+        rollouts[s] = self._sample(progs, state, s, read)
+      if s == step:
+        jax.block_until_ready(rollouts[s][1].fin.out)
+        t1 = time.perf_counter()
+    read_info, sampled = rollouts.pop(step)
+    self._sampled = rollouts  # the next step's, when sampled ahead
     args = (self.fns, progs, state, sampled, step, self.seed, self.schedule)
     state, row = learning.learn_sampled(*args)
     row["read_info"] = read_info
