@@ -100,7 +100,8 @@ def test_signals_and_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path)
     name = signal.Signals(sig).name
     lines = [x for x in err.splitlines() if x.strip() and "%|" not in x]
     assert lines == [
-      f"{name}: finishing the current step and saving (a second signal stops at once)",
+      f"{name}: finishing the steps in flight (up to 2 steps run as one program), then saving"
+      " (a second signal stops at once)",
       f"stopped at step {stopped_at}; the same command resumes",
     ], err[-3000:]
     assert at <= stopped_at < 40

@@ -17,8 +17,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default  # noqa: E402
 from offpolicy_jax.rewards import tasks  # noqa: E402
 from offpolicy_jax.rollout import pipeline
-from offpolicy_jax.run import components, loop, validation  # noqa: E402
-from offpolicy_jax.store import metrics, metrics_files  # noqa: E402
+from offpolicy_jax.run import components, loop, observability, validation  # noqa: E402
+from offpolicy_jax.store import checkpointing, metrics, metrics_files  # noqa: E402
+from offpolicy_jax.study import reports  # noqa: E402
 
 REQUIRED = (
   "step",
@@ -91,9 +92,13 @@ def reference_version(t, m, n):
   return m * ((t - n - 1) // m)
 
 
-def test_short_run_writes_required_keys(tmp_path):
+def test_short_run_writes_required_keys(tmp_path, capsys):
   workdir = str(tmp_path)
   loop.train_and_evaluate(small_config(total_steps=3), workdir)
+  # A 3-step warm start leaves the policy scoring 0 on every group: the run says what to change.
+  out = capsys.readouterr().out
+  assert "warning: in steps 1-3, 100% of the groups had equal rewards" in out
+  assert "raise config.sft.steps (now 3)" in out
   train, evals = metrics_files.split_rows(metrics_files.read_metrics(workdir))
   assert [r["step"] for r in train] == [1, 2, 3]
   for row in train:
@@ -106,6 +111,26 @@ def test_short_run_writes_required_keys(tmp_path):
   assert {"eval/accuracy", "eval/pass@2", "eval/reward_mean"} <= set(evals[-1])
   assert os.path.exists(os.path.join(workdir, metrics.CONFIG_FILE))
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
+
+
+def test_no_signal_warning_names_the_field_to_change():
+  def rows(shares, reward):
+    return [
+      {"step": i + 1, "groups_all_equal": s, "reward_mean": reward} for i, s in enumerate(shares)
+    ]
+
+  sft = components.RunSpec.from_config(small_config()).sft
+  no_sft = components.RunSpec.from_config(small_config(**{"sft.enabled": False})).sft
+  healthy = rows([0.25, 0.38, 0.12, 0.5] * 3, 0.41)
+  assert observability.no_signal_warning(healthy, sft) is None
+  assert observability.no_signal_warning(rows([0.9, 0.85, 0.9], 0.0), sft) is None  # 88%
+  flat = rows([1.0] * 9 + [0.875], 0.002)
+  assert "steps 1-10, 99% of the groups" in observability.no_signal_warning(flat, sft)
+  assert "config.sft.steps (now 3)" in observability.no_signal_warning(flat, sft)
+  assert "config.sft.enabled=True" in observability.no_signal_warning(flat, no_sft)
+  solved = observability.no_signal_warning(rows([1.0] * 10, 0.97), sft)
+  assert "already solves nearly every prompt" in solved
+  assert observability.no_signal_warning([{"step": 1, "reward_mean": 0.0}], sft) is None
 
 
 @pytest.mark.parametrize("m,n", [(1, 0), (1, 3), (4, 0), (3, 2), (1000, 0)])
@@ -160,16 +185,41 @@ def test_no_recompilation_after_warmup(tmp_path, no_compile_cache):
   assert counts[25] == counts[5], {t: c - counts[5] for t, c in counts.items() if t > 5}
 
 
-def test_resume_reproduces_uninterrupted_run(tmp_path):
+def _timed(fn, *args):
+  begin = time.perf_counter()
+  out = fn(*args)
+  return out, time.perf_counter() - begin
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path, capsys):
   lag = {"lag.sync_interval": 3, "lag.sync_offset": 1}
   full = loop.train_and_evaluate(small_config(total_steps=8, **lag), str(tmp_path / "full"))
   part = str(tmp_path / "part")
-  loop.train_and_evaluate(small_config(total_steps=5, **lag), part)  # stops after step 5
-  loop.train_and_evaluate(small_config(total_steps=8, **lag), part)  # resumes from step 5
+  run = loop.train_and_evaluate
+  _, first_s = _timed(run, small_config(total_steps=5, **lag), part)  # stops after step 5
+  ckpt = checkpointing.Checkpointer(os.path.join(part, "checkpoints"), create=False)
+  counted = ckpt.restore_meta(5)["wall_s"]  # the run's seconds the resume goes on from
+  ckpt.close()
+  _, second_s = _timed(run, small_config(total_steps=8, **lag), part)  # resumes from step 5
+  assert "resumed from step 5 of 8 in" in capsys.readouterr().out
   got_train, got_eval = metrics_files.split_rows(metrics_files.read_metrics(part))
   want_train, want_eval = metrics_files.split_rows(full)
   assert strip_timing(got_train) == strip_timing(want_train)
   assert got_eval[0] == want_eval[0] and got_eval[-1] == want_eval[-1]
+
+  # The run's wall time goes on from the checkpoint's count: no command's seconds lost or
+  # counted twice, and a rerun of the finished run changes nothing.
+  walls = [r[reports.RUN_WALL_KEY] for r in got_train]
+  assert walls == sorted(walls) and walls[0] > 0
+  assert walls[-1] >= sum(r["step_time_s"] for r in got_train)
+  assert walls[4] <= counted < walls[5] and counted < first_s and walls[-1] < first_s + second_s
+  summary = reports.summarize_run(part)
+  assert summary["run_wall_s"] == walls[-1]
+  assert summary["start_accuracy"] == got_eval[0]["eval/accuracy"]
+  assert run(small_config(total_steps=8, **lag), part) == []
+  assert "resumed from step 8 of 8" in capsys.readouterr().out
+  text = reports.format_run_summary(part, wall_s=1.0)
+  assert f"{walls[-1]:.0f} s to the last step, every command counted (this command: 1 s)" in text
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,7 @@ def train_and_evaluate(
     workdir.WorkdirLocked: another run holds `workdir`.
     workdir.ConfigChanged: a resume with a changed config, not allowed.
   """
+  began = time.perf_counter()  # this command's part of the run's wall time
   validation.validate_config(config)  # a refused config leaves no trace in the workdir
   primary = jax.process_index() == 0
   created = workdir_lib.create(workdir)
@@ -87,7 +88,8 @@ def train_and_evaluate(
     with held, stopping.Stop() as stop:
       comps, ckpt, writer, data_iter, begin = _start(config, workdir, allow_config_change)
       started = True
-      return _run(comps, ckpt, writer, data_iter, begin, workdir, on_step, stop)
+      clock = _RunClock(began, begin.wall_s)
+      return _run(comps, ckpt, writer, data_iter, begin, clock, workdir, on_step, stop)
   except errors.UserError:
     if created and not started and primary:
       workdir_lib.remove_created(workdir)  # a refused start leaves no empty workdir behind
@@ -110,30 +112,61 @@ def _start(config, workdir: str, allow_config_change: bool):
     if latest and primary:
       workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
     data_iter = producer.LockedIterator(pipeline.prompt_iterator(comps.fns, comps.run.seed))
-    state, start, start_accuracy, base, choice = start_lib.restore_or_init(
-      comps, ckpt, data_iter, workdir, comps.run.model
-    )
-    writer = _make_writer(comps, config, workdir, start)
+    begin = start_lib.restore_or_init(comps, ckpt, data_iter, workdir, comps.run.model)
+    if primary and begin.step:
+      print(_resume_line(workdir, begin.step, comps.run.total_steps), flush=True)
+    writer = _make_writer(comps, config, workdir, begin.step)
   except BaseException:
     ckpt.close()
     raise
-  return comps, ckpt, writer, data_iter, (state, start, start_accuracy, base, choice)
+  return comps, ckpt, writer, data_iter, begin
 
 
-def _run(comps, ckpt, writer, data_iter, begin, workdir: str, on_step, stop) -> list[dict]:
+def _resume_line(workdir: str, step: int, total: int) -> str:
+  """What a command that resumes the run in `workdir` says first."""
+  line = f"resumed from step {step} of {total} in {workdir}"
+  if step >= total:
+    line += (
+      ": that run is finished, so this command trains nothing (a larger "
+      "--config.total_steps goes on; a new --workdir starts a new run)"
+    )
+  return line
+
+
+class _RunClock:
+  """The run's wall time: this command's, plus what the checkpoint it resumed from had counted.
+
+  Time a command spent after its last checkpoint is not counted again: the
+  steps it ran then are run again by the command that resumes.
+  """
+
+  def __init__(self, began: float, before_s: float | None):
+    self.began, self.before_s = began, before_s
+
+  def run_s(self, at: float | None = None) -> float | None:
+    """The run's seconds at `at` (a `time.perf_counter()`; default now).
+
+    None when the checkpoint resumed from predates the count.
+    """
+    if self.before_s is None:
+      return None
+    return self.before_s + (time.perf_counter() if at is None else at) - self.began
+
+
+def _run(comps, ckpt, writer, data_iter, begin, clock, workdir: str, on_step, stop) -> list[dict]:
   """Runs the loop from the restored state to `total_steps` (or a signal), then closes."""
-  state, start, start_accuracy, base, choice = begin
   loop = _Loop(comps, ckpt, writer, data_iter, workdir, on_step, stop)
-  loop.base_record = base
-  loop.resume_choice(choice)
+  loop.base_record, loop.clock = begin.base, clock
+  loop.resume_choice(begin.choice)
+  start_accuracy = begin.start_accuracy
   try:
-    if not start:
-      start_accuracy = loop.evaluate(state, 0).get("eval/accuracy")
+    if not begin.step:
+      start_accuracy = loop.evaluate(begin.state, 0).get("eval/accuracy")
       if start_accuracy is not None:
         warm = "after the warm start" if comps.run.sft.enabled else "(no warm start)"
         writer.log_text(f"starting accuracy {warm}: {start_accuracy:.3f}")
     loop.start_accuracy = start_accuracy
-    loop.run(state, start)
+    loop.run(begin.state, begin.step)
   finally:
     loop.close()
     ckpt.close()
@@ -174,6 +207,8 @@ class _Loop:
     self.rows: list[dict[str, Any]] = []
     self.start_accuracy = None
     self.base_record: dict[str, str] | None = None  # a LoRA run's base (checkpoint meta)
+    self.clock = _RunClock(time.perf_counter(), 0.0)
+    self._first_rows: list[dict[str, Any]] | None = []  # until `_check_signal` has looked
     self.compiles = observability.CompileCounter()
     self.profiler = observability.Profiler(
       os.path.join(workdir, "profile"), comps.run.profile_steps
@@ -241,6 +276,7 @@ class _Loop:
     begin = time.perf_counter()
     while step < run.total_steps:
       n = self._chunk(step, driver)
+      self.stop.chunk = max(n, self.stop.chunk or 0)
       self.profiler.before(step + 1, n, first=step == start)
       state, rows = driver.steps(state, step, n)
       self.profiler.after(step + n)
@@ -252,24 +288,43 @@ class _Loop:
         if self.choice.observe(step + i + 1, row):
           self.fns = self.choice.fns(self.comps.fns)
           driver.switch(self.fns)
-        self._write(step + i + 1, row, per_step)
+        self._write(step + i + 1, row, per_step, at=begin + per_step * (i + 1))
       step += n
       writing = time.perf_counter() - done  # charged to the next chunk
       self._boundary(state, step)
       begin = time.perf_counter() - writing
 
-  def _write(self, step: int, row: dict[str, Any], per_step: float) -> None:
+  def _write(self, step: int, row: dict[str, Any], per_step: float, at: float) -> None:
+    """Writes loop step `step`'s row; `at` is when (perf_counter) its share of the chunk ended."""
     if row.pop("snapshot_missing", 0):
       raise RuntimeError(f"lag: the behaviour snapshot of step {step} is missing")
     row["step_time_s"] = per_step
     row["tokens_per_s"] = row.get("response_tokens", 0.0) / max(per_step, 1e-9)
     known = sum(v for k, v in row.items() if k.startswith("time/") and k != "time/other_s")
     row["time/other_s"] = max(per_step - known, 0.0)
+    run_s = self.clock.run_s(at)  # cumulative: not one of the step's phases above
+    if run_s is not None:
+      row["time/run_wall_s"] = run_s
     row["compiles"] = self.compiles.count
     self.rows.append(self.writer.write(step, row))
+    self._check_signal(self.rows[-1])
     self.writer.progress(step, reward=row.get("reward_mean", float("nan")))
     if self.on_step is not None:
       self.on_step(step, row)
+
+  def _check_signal(self, row: dict[str, Any]) -> None:
+    """Warns once, after the run's first steps, when its groups carry no learning signal."""
+    if self._first_rows is None:
+      return
+    self._first_rows.append(row)
+    if (
+      len(self._first_rows) < observability.SIGNAL_STEPS and row["step"] < self.run_cfg.total_steps
+    ):
+      return
+    warning = observability.no_signal_warning(self._first_rows, self.run_cfg.sft)
+    if warning:
+      self.writer.log_text(warning)
+    self._first_rows = None
 
   def _boundary(self, state: RunState, step: int) -> None:
     """After the chunk that ends at `step`: evaluate and checkpoint when due, stop on a signal.
@@ -285,6 +340,8 @@ class _Loop:
       self.stopping = self.stop.agreed()
     prefetched = self.driver is not None and self.driver.prefetched
     stopping = self.stopping if step < run.total_steps and not prefetched else None
+    if self.stopping is not None and prefetched and step < run.total_steps:
+      self.writer.log_text(f"step {step + 1} was already sampled: training it before saving")
     if self._checkpoints(step) or stopping is not None:
       # Rows up to this step reach the disk before the checkpoint that covers them.
       self.writer.sync()
@@ -307,6 +364,7 @@ class _Loop:
       "seed": run.seed,
       "data_state": self.data.get_state(),
       "start_accuracy": self.start_accuracy,
+      "wall_s": self.clock.run_s(),
     }
     if self.base_record is not None:
       meta["base"] = self.base_record

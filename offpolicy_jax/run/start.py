@@ -11,7 +11,7 @@ rollout state (episodes or groups in flight) no longer fits the run.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from offpolicy_jax import models
 from offpolicy_jax.rollout.pipeline import EVAL, step_key
@@ -105,10 +105,30 @@ def check_rollout(ckpt, rollout: Rollout) -> None:
     )
 
 
-def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str):
-  """The run state, its step, the starting accuracy, the base record and the sampler choice.
+class Begin(NamedTuple):
+  """Where a run begins: its state and step, and what the checkpoint's meta recorded.
 
-  From the latest checkpoint, or fresh (choice None: `sampler_choice.SamplerChoice.state`).
+  Attributes:
+    state: the run state (restored, or fresh).
+    step: the loop step `state` is after (0 for a fresh run).
+    start_accuracy: the accuracy after the warm start (None until evaluated).
+    base: a LoRA run's base record (`base_record`), else None.
+    choice: the automatic sampler choice (`sampler_choice.SamplerChoice.state`), or None.
+    wall_s: the run's wall time up to the checkpoint, every command's included
+      (0 for a fresh run; None for a checkpoint written before it was recorded).
+  """
+
+  state: RunState
+  step: int
+  start_accuracy: float | None
+  base: dict[str, str] | None
+  choice: dict[str, Any] | None
+  wall_s: float | None
+
+
+def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str) -> Begin:
+  """Where the run begins: from the latest checkpoint, or fresh.
+
   The rollout's carried state (episodes or groups in flight) is restored by its item name.
 
   Raises:
@@ -129,11 +149,17 @@ def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str
         "or the checkpoint's files changed); refusing to resume on another base"
       )
     data_iter.set_state(meta["data_state"])
-    print(f"resumed from step {start} in {workdir}", flush=True)
     state = state_from_items(items, template, fns.rollout, meta)
-    return state, start, meta.get("start_accuracy"), record, meta.get("sampler_choice")
+    return Begin(
+      state,
+      start,
+      meta.get("start_accuracy"),
+      record,
+      meta.get("sampler_choice"),
+      meta.get("wall_s"),
+    )
   base, params = initial_weights(comps)
-  return fresh_state(comps, params, base), 0, None, base_record(base, model), None
+  return Begin(fresh_state(comps, params, base), 0, None, base_record(base, model), None, 0.0)
 
 
 def require_step(workdir: str, step: int | None) -> None:

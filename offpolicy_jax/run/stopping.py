@@ -2,8 +2,9 @@
 
 A scheduler sends SIGTERM before it preempts a job; a person presses Ctrl-C.
 Inside `with Stop() as stop:` the first of either signal only sets a flag:
-the loop finishes the step it is in, writes a checkpoint and the metrics so
-far, and raises `errors.Interrupted` ("stopped at step N; the same command
+the loop finishes the steps in flight (a chunk of up to `Stop.chunk` steps
+runs as one program), writes a checkpoint and the metrics so far,
+and raises `errors.Interrupted` ("stopped at step N; the same command
 resumes"), which the binaries turn into exit status 128 + the signal's
 number. A second signal ends the process at once.
 
@@ -32,6 +33,7 @@ class Stop:
 
   def __init__(self) -> None:
     self.signum: int | None = None
+    self.chunk: int | None = None  # the steps one program runs (the loop sets it per chunk)
     self._previous: dict[int, object] = {}
 
   def __enter__(self) -> Stop:
@@ -54,8 +56,9 @@ class Stop:
       print(f"{name} again: stopping now, without saving", file=sys.stderr, flush=True)
       os._exit(128 + signum)
     self.signum = signum
+    steps = "" if not self.chunk else f" (up to {self.chunk} steps run as one program)"
     print(
-      f"{name}: finishing the current step and saving (a second signal stops at once)",
+      f"{name}: finishing the steps in flight{steps}, then saving (a second signal stops at once)",
       file=sys.stderr,
       flush=True,
     )

@@ -38,6 +38,7 @@ from offpolicy_jax.store.metrics_files import (
   fsync_dir,
   truncate_metrics,
 )
+from offpolicy_jax.store.progress import Progress
 
 CONFIG_FILE = "config.json"
 # Written by `workdir.check_config`; it belongs to the run, so it moves with it.
@@ -191,7 +192,9 @@ class MetricsWriter:
       under its group (`tb_tag`).
     wandb_project: a W&B project name; W&B is used only when this is set and
       the `wandb` package is installed.
-    progress: show a tqdm progress bar with the ETA and the current reward.
+    progress: show the progress with the ETA and the current reward: a tqdm
+      bar on a terminal, a plain line every tenth of the run elsewhere
+      (`progress.Progress`).
     primary: False on every process but the first of a multi-host run: rows
       are formatted and returned but nothing is written, shown or logged.
   """
@@ -213,7 +216,8 @@ class MetricsWriter:
     self.primary = primary
     self._file: IO[str] | None = None
     self._dir_synced = False
-    self._tb = self._wandb = self._bar = None
+    self._tb = self._wandb = None
+    self._bar: Progress | None = None
     if not primary:
       return
     os.makedirs(workdir, exist_ok=True)
@@ -234,10 +238,7 @@ class MetricsWriter:
     if wandb_project:
       self._wandb = _init_wandb(wandb_project, workdir, config)
     if progress and total_steps:
-      from tqdm.auto import tqdm
-
-      start = resume_step or 0
-      self._bar = tqdm(total=total_steps, initial=start, unit="step", dynamic_ncols=True)
+      self._bar = Progress(total_steps, resume_step or 0)
     if moved_to is not None:
       self.log_text(f"fresh start: moved the earlier run's files in {workdir} to {moved_to}")
 
@@ -297,11 +298,8 @@ class MetricsWriter:
 
   def progress(self, step: int, **postfix: Any) -> None:
     """Moves the progress bar to `step` and shows `postfix` (e.g. reward=0.4)."""
-    if self._bar is None:
-      return
-    self._bar.update(step - self._bar.n)
-    shown = {k: (f"{v:.3f}" if isinstance(v, float) else v) for k, v in postfix.items()}
-    self._bar.set_postfix(shown, refresh=False)
+    if self._bar is not None:
+      self._bar.update(step, **postfix)
 
   def log_text(self, message: str) -> None:
     """Prints a message without breaking the progress bar."""
@@ -323,7 +321,8 @@ class MetricsWriter:
         self._wandb.finish()
       if self._bar is not None:
         self._bar.close()
-      self._file = self._tb = self._wandb = self._bar = None
+      self._file = self._tb = self._wandb = None
+      self._bar = None
 
   def __enter__(self) -> MetricsWriter:
     return self

@@ -12,6 +12,9 @@ import numpy as np
 from offpolicy_jax import errors
 from offpolicy_jax.store.metrics_files import read_metrics, split_rows
 
+# The run's wall time so far, every command's (written by the loop in each train row).
+RUN_WALL_KEY = "time/run_wall_s"
+
 # Longest text a markdown summary cell shows (the CSV keeps it whole).
 _MD_CELL_CHARS = 300
 
@@ -93,7 +96,9 @@ def summarize_run(path: str) -> dict[str, Any]:
 
   Returns:
     dict with steps, reward_first_fifth, reward_last_fifth, staleness_mean,
-    clip_frac, and every `eval/` metric of the last evaluation.
+    clip_frac, run_wall_s (the run's wall time, every command's, when its rows
+    record it), start_accuracy (the evaluation at step 0: after the warm
+    start), and every `eval/` metric of the last evaluation.
   """
   train, evals = split_rows(read_metrics(path))
   out: dict[str, Any] = {"steps": len(train)}
@@ -105,6 +110,10 @@ def summarize_run(path: str) -> dict[str, Any]:
     for key in ("staleness_mean", "clip_frac"):
       vals = [r[key] for r in train if isinstance(r.get(key), (int, float))]
       out[key] = float(np.mean(vals)) if vals else float("nan")
+    if isinstance(train[-1].get(RUN_WALL_KEY), (int, float)):
+      out["run_wall_s"] = float(train[-1][RUN_WALL_KEY])
+  if evals and evals[0]["step"] == 0 and "eval/accuracy" in evals[0]:
+    out["start_accuracy"] = evals[0]["eval/accuracy"]
   if evals:
     out.update({k: v for k, v in evals[-1].items() if k.startswith("eval/")})
   return out
@@ -115,18 +124,24 @@ def format_run_summary(path: str, *, wall_s: float | None = None, lora: bool = F
 
   Args:
     path: the run's workdir.
-    wall_s: the command's wall time, when known.
+    wall_s: this command's wall time, when known.
     lora: the run trains adapters (its export is a PEFT adapter).
   """
   s = summarize_run(path)
   rows = [("workdir", path), ("steps", str(s["steps"]))]
-  if wall_s is not None:
-    rows.append(("wall time", f"{wall_s:.0f} s"))
+  wall = _wall_text(s.get("run_wall_s"), wall_s)
+  if wall:
+    rows.append(("wall time", wall))
   if "reward_first_fifth" in s:
     first, last = s["reward_first_fifth"], s["reward_last_fifth"]
     rows.append(("reward", f"{first:.3f} (first fifth of steps) -> {last:.3f} (last fifth)"))
     rows.append(("staleness", f"{s['staleness_mean']:.3g} steps behind (mean)"))
+  if "start_accuracy" in s and "eval/accuracy" in s:
+    start, end = s["start_accuracy"], s["eval/accuracy"]
+    rows.append(("accuracy", f"{start:.3f} at step 0 (after the warm start, if any) -> {end:.3f}"))
   rows += [(k, f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in s.items() if "/" in k]
+  if s.get("eval/reward_mean") == s.get("eval/accuracy"):  # a 0/1 reward: the same number
+    rows = [r for r in rows if r[0] != "eval/reward_mean"]
   export = "" if lora else " --merged"
   rows += [
     ("go on", "the same command with a larger --config.total_steps"),
@@ -136,6 +151,15 @@ def format_run_summary(path: str, *, wall_s: float | None = None, lora: bool = F
   ]
   width = max(len(k) for k, _ in rows)
   return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _wall_text(run_s: float | None, command_s: float | None) -> str:
+  """The summary's wall time: the run's to its last step (every command's), and this command's."""
+  this = "" if command_s is None else f"this command: {command_s:.0f} s"
+  if run_s is None:
+    return this
+  whole = f"{run_s:.0f} s to the last step, every command counted"
+  return f"{whole} ({this})" if this else whole
 
 
 def _md_cell(text: str) -> str:
