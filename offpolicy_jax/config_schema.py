@@ -313,7 +313,12 @@ RUN_FIELDS: tuple[Field, ...] = (
      "sampler; data * fsdp * tensor above must then use all the others.",
      Int(0, note=" (0 = the sampler shares the trainer's mesh)"), warm_start=True),
   _F("sft.enabled", True, NUMBERS,
-     "Supervised warm start on the task's reference answers before RL.", Bool()),
+     "Supervised warm start on the task's reference answers before RL, of a preset's random "
+     "initialisation (a model loaded with weights skips it unless sft.on_loaded_model).", Bool()),
+  _F("sft.on_loaded_model", False, NUMBERS,
+     "Warm-start a model loaded with weights too (config.model an HF directory or repo id, e.g. "
+     "an earlier run's export): by default such a model starts RL as it is, since the warm "
+     "start would overwrite what it learned.", Bool()),
   _F("sft.steps", 150, NUMBERS, "Supervised steps."),
   _F("sft.batch_size", 64, NUMBERS, "Examples per supervised step."),
   _F("sft.learning_rate", 3e-3, NUMBERS, "Supervised learning rate (AdamW).", Float(0)),

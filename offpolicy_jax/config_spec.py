@@ -305,8 +305,14 @@ class MeshSpec:
 class SftSpec:
   """`config.sft.*`."""
 
-  #: Supervised warm start on the task's reference answers before RL.
+  #: Supervised warm start on the task's reference answers before RL, of a preset's random
+  #: initialisation (a model loaded with weights skips it unless sft.on_loaded_model).
   enabled: bool
+
+  #: Warm-start a model loaded with weights too (config.model an HF directory or repo id, e.g.
+  #: an earlier run's export): by default such a model starts RL as it is, since the warm start
+  #: would overwrite what it learned.
+  on_loaded_model: bool
 
   #: Supervised steps.
   steps: int

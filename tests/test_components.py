@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from offpolicy_jax.config_spec import RunSpec  # noqa: E402
 from offpolicy_jax.run import components  # noqa: E402
 from tests.test_loop import small_config  # noqa: E402
 
@@ -155,3 +156,15 @@ def test_model_remat_reaches_preset_and_hugging_face_models(tmp_path):
       config = small_config(model=model, tokenizer=tokenizer, model_remat=remat)
       built = components.build_components(config).fns.model.build(0)
       assert built.config.remat is remat, (model, remat)
+
+
+def test_a_model_loaded_with_weights_skips_the_warm_start_unless_asked(tmp_path):
+  preset = components._with_warm_start(RunSpec.from_config(small_config()))
+  assert preset.sft.enabled  # a preset's random initialisation is warm-started
+  loaded = {"model": str(tmp_path)}  # a local HF directory, e.g. an earlier run's export
+  spec = components._with_warm_start(RunSpec.from_config(small_config(**loaded)))
+  assert not spec.sft.enabled
+  asked = small_config(**loaded, **{"sft.on_loaded_model": True})
+  assert components._with_warm_start(RunSpec.from_config(asked)).sft.enabled
+  off = small_config(**{"sft.enabled": False})
+  assert not components._with_warm_start(RunSpec.from_config(off)).sft.enabled

@@ -123,6 +123,7 @@ BAD = [
   ("mesh.tensor", 16, "mesh"),  # more devices than the 8 fake CPUs
   ("mesh.sampler_devices", -1, "mesh.sampler_devices"),
   ("sft.enabled", "yes", "sft.enabled"),
+  ("sft.on_loaded_model", 1, "sft.on_loaded_model"),
   ("sft.steps", 0, "sft.steps"),
   ("sft.batch_size", 0, "sft.batch_size"),
   ("sft.learning_rate", -1e-3, "sft.learning_rate"),

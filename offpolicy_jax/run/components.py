@@ -346,6 +346,18 @@ def _warm_start(name: str) -> bool:
   return True if f is None else f.warm_start  # an undeclared field: taken to matter
 
 
+def _with_warm_start(run: RunSpec) -> RunSpec:
+  """`run` whose `sft.enabled` says whether the warm start runs.
+
+  A model loaded with weights (`config.model` an HF directory or repo id) skips
+  it unless `sft.on_loaded_model`: a few supervised steps on the task's
+  demonstrations undo what a trained model learned.
+  """
+  if not run.sft.enabled or run.sft.on_loaded_model or hub.model_dir(run.model) is None:
+    return run
+  return dataclasses.replace(run, sft=dataclasses.replace(run.sft, enabled=False))
+
+
 def build_components(config, *, data_cache_dir: str | None = None) -> Components:
   """Validates `config` and its data, and builds the run's `Components`.
 
@@ -371,7 +383,7 @@ def build_components(config, *, data_cache_dir: str | None = None) -> Components
     data_checks.validate_data(config, fns.task, fns.model.tokenizer, cache_dir=data_cache_dir)
   return Components(
     fns=fns,
-    run=RunSpec.from_config(config),
+    run=_with_warm_start(RunSpec.from_config(config)),
     replay=replay_options(config),
     replay_capacity_batches=replay_capacity(config),
   )

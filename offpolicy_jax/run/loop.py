@@ -100,6 +100,12 @@ def _start(config, workdir: str, allow_config_change: bool):
   """Builds the run and restores its state (or a fresh one): everything before the first step."""
   primary = jax.process_index() == 0
   comps = build_components(config, data_cache_dir=workdir)
+  if primary and config.sft.enabled and not comps.run.sft.enabled:
+    print(
+      f"config.model {comps.run.model} is loaded with weights: RL starts from it as it is, "
+      "without the warm start (config.sft.on_loaded_model=True runs it)",
+      flush=True,
+    )
   ckpt = checkpointing.Checkpointer(
     os.path.join(workdir, "checkpoints"),
     max_to_keep=comps.run.keep_checkpoints,
