@@ -67,7 +67,11 @@ setuptools.setup(
     name="offpolicy_jax",
     version="0.2.0",
     description="JAX-native off-policy RL for large language models.",
-    packages=setuptools.find_packages(include=["offpolicy_jax", "offpolicy_jax.*"]),
+    # The binaries (`python -m experiments.train`) and the configs they name
+    # (`--config=configs/default.py`) install too, so both work from any directory.
+    packages=setuptools.find_packages(
+      include=["offpolicy_jax", "offpolicy_jax.*", "experiments", "configs"]
+    ),
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,

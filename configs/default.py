@@ -1,7 +1,7 @@
 """The main job: a tiny decoder learns a synthetic task on CPU under policy lag.
 
 Run:
-  python -m experiments.train --config=configs/default.py --workdir=/tmp/opj_default
+  python -m experiments.train --config=configs/default.py --workdir=workdirs/default
 
 Task: reverse a string of 2-5 digits ("rev:1234=" -> "4321"), exact-match
 reward computed on device. A 150-step supervised warm start gives a starting
