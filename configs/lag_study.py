@@ -19,7 +19,10 @@ lags plus GRPO's A/A twin at the 5 lags, 45 cells (its measured time is in
 docs/results/lag_study.md); `:toy_full` runs all 16 methods. The step count is
 enough for lag to separate the methods (REINFORCE collapses within 50 steps
 of stale data) and, from the distractor warm start, for on-policy GRPO to
-gain +0.19 [+0.11, +0.28] greedy accuracy over 12 seeds. 640 held-out
+gain +0.181 greedy accuracy over 12 seeds, 95% t interval [+0.082, +0.280]
+(the mean of the per-seed gains and its Student t interval, as the report
+computes every interval: `study.stats.interval`; data in
+experiments/results/lag_study_default/study.csv). 640 held-out
 prompts put the standard error of one run's greedy accuracy at most 0.0198
 (sqrt(0.25 / 640)); a run's final accuracy averages its last two evaluations
 (steps 150 and 200).
@@ -117,8 +120,8 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     # A warm start on imperfect demonstrations, so that learning shows within 200 steps:
     # 300 supervised steps of which 40% of the examples show the distractor answer (the
     # digits copied, not reversed). Greedy accuracy starts near 0.29 and on-policy GRPO
-    # reaches about 0.48 at step 200 (12 seeds: +0.19 [+0.11, +0.28]; 4 seeds: +0.33;
-    # docs/results/lag_study.md). With the
+    # ends near 0.47 (12 seeds: a gain of +0.181, 95% t interval [+0.082, +0.280]; 4 seeds:
+    # +0.33; docs/results/lag_study.md). With the
     # single run's 150 clean steps, GRPO gained +0.01 in 200 steps, and no learning rate,
     # batch size, temperature or length range tried changed that (the same doc).
     c.sft.steps = 300
