@@ -14,11 +14,12 @@ length and pass@k (k = config.eval_samples) on config.eval_prompts held-out prom
 """
 
 import json
+import os
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from offpolicy_jax import cli
+from offpolicy_jax import cli, errors
 from offpolicy_jax.store import workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
@@ -34,6 +35,18 @@ flags.register_multi_flags_validator(
 )
 
 
+def _require_checkpoint(run: str) -> None:
+  """Refuses a run with no checkpoint yet, saying how to make one (before JAX is imported)."""
+  directory = os.path.join(run, "checkpoints")
+  steps = os.listdir(directory) if os.path.isdir(directory) else []
+  if not any(name.isdigit() for name in steps):  # a step's directory is named by its number
+    raise errors.WorkdirError(
+      f"--workdir {run}: no checkpoint yet under {directory}",
+      "train it first, or resume its training: python -m experiments.train "
+      f"--config=<its config file> --workdir={run}",
+    )
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -41,6 +54,7 @@ def main(argv):
   cli.early_checks(config)
   if _WORKDIR.value:  # the run's record, checked before JAX is imported
     config = workdir.eval_config(config, _WORKDIR.value)
+    _require_checkpoint(_WORKDIR.value)
   from offpolicy_jax.run import start
 
   logging.set_verbosity(logging.WARNING)

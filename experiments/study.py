@@ -73,9 +73,10 @@ def main(argv):
     for name, error in e.failed.items():
       print(f"  {name}: {error}", file=sys.stderr)
     return 1
-  except (ValueError, workdir.WorkdirLocked) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 1
+  except errors.UserError:
+    raise  # one line with its hint (cli.run): a locked workdir, a bad field of a method
+  except ValueError as e:
+    raise errors.UserError(str(e)) from e
   print(f"study: {len(cells)} cells, {time.perf_counter() - begin:.0f}s; wrote", *files, sep="\n  ")
   return 0
 

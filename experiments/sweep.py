@@ -8,7 +8,11 @@ r"""Expands a config's `get_sweep()` into runs: runs them here one by one, or wr
 `--launcher=local|hosts|slurm|jobset` runs nothing: it writes one file per run
 (a train command, a per-host script, an sbatch script or a TPU JobSet, see
 `offpolicy_jax.launchers`) and `index.tsv` to `--launch_dir`, or prints them
-without it. `--print_only` is `--launcher=local` printed.
+without it. `--print_only` is `--launcher=local` printed. Before writing
+anything, each run's config goes through the checks of train's start-up that
+read the config alone (`validation.validate_settings`: values, names, how the
+fields fit; not this machine's devices or files): a bad run ends the command
+in one line naming it and its field.
 
 Each run goes to `workdir/<run name>` (resumable like train.py) and trains in
 a worker process of its own (its output in `<run>/sweep_run.log`; `--inline`
@@ -31,7 +35,9 @@ from offpolicy_jax import cli, errors
 from offpolicy_jax.study import launchers
 from offpolicy_jax.study.sweeps import (
   SweepError,
+  check_runs,
   load_sweep,
+  run_configs,
   run_sweep,
 )
 
@@ -87,13 +93,18 @@ def _cluster() -> launchers.Cluster:
 
 
 def _launch(launcher: str, config_path: str, sweep: list[dict]) -> None:
-  """Writes (or prints) the launch files of every run; runs nothing."""
+  """Checks every run's config, then writes (or prints) the launch files; runs nothing."""
   runs = launchers.make_runs(sweep, config_path, _WORKDIR.value, _cli_overrides())
   cluster = _cluster()
+  launchers.check_cluster(launcher, cluster)
+  # The checks of train's start-up that read the config alone: the runs may go to machines
+  # whose devices and files this one lacks. After the flags: this imports JAX.
+  from offpolicy_jax.run import validation
+
+  check_runs(run_configs(_CONFIG.value, sweep), validation.validate_settings)
   if _LAUNCH_DIR.value:
     print(launchers.write(_LAUNCH_DIR.value, launcher, runs, cluster))
   elif launcher == "local":
-    launchers.check_cluster(launcher, cluster)
     print(launchers.local_commands(runs, cluster), end="")
   else:
     for name, text in launchers.render(launcher, runs, cluster).items():
@@ -110,7 +121,9 @@ def main(argv):
   if launcher:
     try:
       return _launch(launcher, config_path, sweep)
-    except ValueError as e:
+    except errors.UserError:
+      raise
+    except ValueError as e:  # a launcher's flag or a run name
       raise errors.UserError(str(e)) from e
   try:
     isolation = "inline" if _INLINE.value else "process"

@@ -14,7 +14,8 @@ shows it). Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import difflib
+from collections.abc import Iterable, Iterator
 
 
 class UserError(Exception):
@@ -55,6 +56,29 @@ def as_user_error(hint: str | None = None) -> Iterator[None]:
     raise
   except (ValueError, OSError) as e:
     raise ConfigError(str(e), hint) from e
+
+
+@contextlib.contextmanager
+def about(what: str) -> Iterator[None]:
+  """Re-raises a `ValueError` as a `ConfigError` whose message starts with `what: `.
+
+  For a caller that knows which part of a larger input the error belongs to
+  (`"sweep run lr3"`, `"config.study.methods: wide"`); a `UserError`'s hint,
+  such as a suggested name, is kept.
+  """
+  try:
+    yield
+  except ValueError as e:
+    raise ConfigError(f"{what}: {e}", getattr(e, "hint", None)) from e
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
+  """`did you mean 'x'?` for the choice nearest to a misspelt `word`, or None when none is near.
+
+  Near: difflib's similarity ratio at least 0.6 (`difflib.get_close_matches`).
+  """
+  found = difflib.get_close_matches(word, list(choices), n=1)
+  return f"did you mean {found[0]!r}?" if found else None
 
 
 class Interrupted(Exception):

@@ -29,7 +29,23 @@ def places(tmp_path_factory):
   (root / "empty").mkdir()
   (root / "raises.py").write_text('def get_config():\n  raise ValueError("bad thing")\n')
   (root / "nothing.py").write_text("x = 1\n")
+  for name, bad in (("typo_sweep", '"totl_steps": 3'), ("loss_sweep", '"loss.name": "grpoo"')):
+    (root / f"{name}.py").write_text(SWEEP.format(bad=bad))
   return root
+
+
+# A sweep whose second run is wrong (`places` fills in how).
+SWEEP = """
+from offpolicy_jax import config_schema
+
+
+def get_config():
+  return config_schema.config_dict()
+
+
+def get_sweep():
+  return [{{"name": "fine"}}, {{"name": "bad", {bad}}}]
+"""
 
 
 def _listing(path):
@@ -61,13 +77,30 @@ def _cases(root):
     ([*train, f"--workdir={new}", "--config.top_p=0"], ["config.top_p"], new),
     ([*train, f"--workdir={new}", "--config.group_size=1"], ["config.group_size"], new),
     ([*train, f"--workdir={new}", "--config.model=qwen9-77b"], ["config.model", "qwen9-77b"], new),
-    ([*train, f"--workdir={new}", "--config.loss.name=grpoo"], ["config.loss.name", "grpoo"], new),
+    (
+      [*train, f"--workdir={new}", "--config.loss.name=grpoo"],
+      ["config.loss.name", "grpoo", "did you mean 'grpo'?", "docs/losses.md"],
+      new,
+    ),
+    (
+      [*train, f"--workdir={new}", "--config.advantage.name=rlo"],
+      ["config.advantage.name", "did you mean 'rloo'?"],
+      new,
+    ),
     ([*train, f"--workdir={new}", "--config.mesh.data=3"], ["config.mesh"], new),
     (["train", "--config=configs/nope.py", f"--workdir={new}"], ["--config", "nope.py"], new),
     ([*train], ["--workdir"], new),
     ([*train, f"--workdir={afile}"], ["--workdir", "is a file"], afile),
     ([*train, f"--workdir={afile}/sub"], ["--workdir", "cannot create"], afile),
-    (["eval", f"--workdir={run}"], ["no checkpoint"], run),
+    (
+      ["eval", f"--workdir={run}"],
+      [
+        "no checkpoint",
+        "train it first",
+        f"python -m experiments.train --config=<its config file> --workdir={run}",
+      ],
+      run,
+    ),
     (["eval", f"--workdir={root / 'missing'}"], ["no such directory"], str(root / "missing")),
     (["eval", f"--workdir={empty}"], ["not a run directory"], empty),
     (
@@ -91,6 +124,30 @@ def _cases(root):
       new,
     ),
     (["sweep", "--config=configs/default.py", f"--workdir={new}"], ["no get_sweep()"], new),
+    (
+      ["sweep", f"--config={root / 'typo_sweep.py'}", f"--workdir={new}"],
+      ["sweep run bad: override 'totl_steps'", "did you mean 'total_steps'?"],
+      new,
+    ),
+    (
+      ["sweep", f"--config={root / 'loss_sweep.py'}", f"--workdir={new}", "--print_only"],
+      ["sweep run bad: config.loss.name", "did you mean 'grpo'?"],
+      new,
+    ),
+    (
+      [
+        "study",
+        "--config=configs/lag_study.py",
+        f"--workdir={new}",
+        "--config.study.methods=grpo,fast=grpo;optimizer.learnin_rate=1e-3",
+      ],
+      [
+        "config.study.methods: fast",
+        "'optimizer.learnin_rate'",
+        "did you mean 'optimizer.learning_rate'?",
+      ],
+      new,
+    ),
     (["study", "--config=configs/default.py", f"--workdir={new}"], ["not a study config"], new),
     (["study", "--config=configs/lag_study.py", f"--workdir={afile}"], ["is a file"], afile),
     (

@@ -38,7 +38,7 @@ reference code was available; paper level only):
   default to one turn per sequence.
 """
 
-from offpolicy_jax import advantages
+from offpolicy_jax import advantages, errors
 from offpolicy_jax.losses.spec import LossSpec
 
 _PPO = dict(shaping="clip", grad="ratio")
@@ -416,6 +416,8 @@ def get_spec(name: str, **overrides) -> LossSpec:
       override, or an invalid value (e.g. ``eps_low < 0``).
   """
   if name not in _REGISTRY:
-    raise ValueError(f"Unknown loss preset {name!r}; known presets: {', '.join(_REGISTRY)}")
+    near = errors.did_you_mean(name, _REGISTRY)
+    hint = f" ({near})" if near else ""
+    raise ValueError(f"Unknown loss preset {name!r}{hint}; known presets: {', '.join(_REGISTRY)}")
   spec = _REGISTRY[name]
   return spec.replace(**overrides) if overrides else spec

@@ -7,7 +7,9 @@ the checks here that need a registry (loss, advantage, replay policy, task and
 model names), a file or other fields: the batch must split into minibatches,
 micro-batches, processes and the mesh. tests/test_validation.py lists a bad
 value of every field. A misspelt loss or an impossible batch split fails in
-milliseconds with `ValueError("config.<field>: ...")`.
+milliseconds with `ValueError("config.<field>: ...")`. `validate_settings` is
+the part that reads the config alone, not this machine's devices or files:
+what a sweep checks before it writes commands that run elsewhere.
 
 The data checks (`validate_data`) live in `data_checks` and are re-exported here.
 """
@@ -135,11 +137,34 @@ def _validate_finite(c, prefix: str = "") -> None:
 def validate_config(config) -> None:
   """Checks a config before anything is built.
 
+  `validate_settings`, then what depends on this machine: the processes, the
+  mesh's devices, the model, tokenizer and data files.
+
   Raises:
     ValueError: `config.<field>: ...` naming the offending field (a non-finite
       float, an out-of-range value, an unknown name, a batch that does not
       split into minibatches, micro-batches, processes or the mesh's
       data * fsdp devices, a missing model directory or data file, ...).
+  """
+  c = config
+  validate_settings(c)
+  with errors.as_user_error():
+    _validate_processes(c)
+    _validate_mesh(c)
+    _validate_files(c)
+
+
+def validate_settings(config) -> None:
+  """The checks of `validate_config` that read the config alone, not this machine.
+
+  Values, names (loss, advantage, replay policy, task, model preset) and how
+  the fields fit together; not the devices, the processes or the files. What
+  a sweep checks before it writes commands that run elsewhere (a cluster's
+  model paths and devices need not exist here). Imports JAX but starts no
+  backend: no device is touched, nothing compiles.
+
+  Raises:
+    ValueError: `config.<field>: ...` naming the offending field.
   """
   c = config
   with errors.as_user_error():
@@ -148,9 +173,8 @@ def validate_config(config) -> None:
     _validate_sampling(c)
     _validate_loss(c)
     _validate_replay(c)
-    _validate_train(c)
-    _validate_mesh(c)
-    _validate_sources(c)
+    micro_batch_rows(c)  # the batch splits into minibatches and micro-batches
+    _validate_names(c)
     _validate_sft(c)
     _validate_lora(c)
     _validate_multiturn(c)
@@ -192,21 +216,27 @@ def _validate_sampling(c) -> None:
 
 
 def _validate_loss(c) -> None:
-  _need(
-    c.loss.name in losses.names(),
-    "loss.name",
-    f"unknown loss {c.loss.name!r}; known: {', '.join(losses.names())}",
-  )
+  _need_known(c.loss.name, losses.names(), "loss.name", "loss", "docs/losses.md")
   if c.loss.agg is not None:
     _check(c, "loss.agg", config_fields.Choice(tuple(losses.AGG_MODES)))
   try:
     losses.get_spec(c.loss.name, **loss_overrides(c))
   except (ValueError, TypeError) as e:
     raise ValueError(f"config.loss: {e}") from e
-  _need(
-    advantage_name(c) in advantages.names(),
-    "advantage.name",
-    f"unknown advantage {c.advantage.name!r}; known: {', '.join(advantages.names())}",
+  if c.advantage.name:  # else the preset's own, a known one
+    _need_known(
+      c.advantage.name, advantages.names(), "advantage.name", "advantage", "docs/losses.md"
+    )
+
+
+def _need_known(value: str, known, field: str, what: str, listed: str) -> None:
+  """`value` is a name in `known`; else the error suggests the nearest and says where they are."""
+  if value in known:
+    return
+  near = errors.did_you_mean(value, known)
+  where = f"{listed} lists every name"
+  raise errors.ConfigError(
+    f"config.{field}: unknown {what} {value!r}", f"{near} {where}" if near else where
   )
 
 
@@ -214,9 +244,8 @@ def _validate_replay(c) -> None:
   _check(c, "replay.policy", config_fields.Choice(tuple(replay.POLICIES)))
 
 
-def _validate_train(c) -> None:
-  """The batch of G*K rows must split into minibatches, micro-batches and processes."""
-  micro_batch_rows(c)
+def _validate_processes(c) -> None:
+  """The G prompts of a step split over the processes."""
   _need(
     c.prompts_per_step % jax.process_count() == 0,
     "prompts_per_step",
@@ -313,8 +342,30 @@ def _validate_disaggregated(c) -> None:
   )
 
 
-def _validate_sources(c) -> None:
-  """Model, tokenizer, task and data files exist."""
+def _is_preset(model: str) -> bool:
+  """Whether `config.model` names a preset: not a directory, a path or a repo id."""
+  return not (os.path.isdir(model) or os.path.sep in model or hub.is_repo_id(model))
+
+
+def _validate_names(c) -> None:
+  """The task and the model preset are known (a model directory or repo is `_validate_files`')."""
+  if _is_preset(c.model):
+    _need(
+      c.model in models.preset_names(),
+      "model",
+      f"unknown preset {c.model!r} (and not a local directory); presets: "
+      f"{', '.join(models.preset_names())}",
+    )
+  known = tasks.task_names()
+  _need(
+    c.task in known or c.task.startswith("reasoning_gym:"),
+    "task",
+    f"unknown task {c.task!r}; known: {', '.join(known)}",
+  )
+
+
+def _validate_files(c) -> None:
+  """The model directory or Hugging Face repo, the tokenizer and the data files exist."""
   if os.path.isdir(c.model) or (os.path.sep in c.model and not hub.is_repo_id(c.model)):
     _need(
       os.path.isfile(os.path.join(c.model, "config.json")),
@@ -328,13 +379,6 @@ def _validate_sources(c) -> None:
       "model",
       f"the Hugging Face repo {c.model!r} has no config.json",
     )
-  else:
-    _need(
-      c.model in models.preset_names(),
-      "model",
-      f"unknown preset {c.model!r} (and not a local directory); presets: "
-      f"{', '.join(models.preset_names())}",
-    )
   if c.tokenizer:
     _need(
       os.path.isfile(os.path.join(c.tokenizer, "tokenizer.json")),
@@ -344,12 +388,6 @@ def _validate_sources(c) -> None:
   for k, v in c.task_kwargs.items():
     if isinstance(v, str) and (k.endswith("_path") or k.endswith("_file")):
       _need(os.path.exists(v), f"task_kwargs.{k}", f"data file not found: {v}")
-  known = tasks.task_names()
-  _need(
-    c.task in known or c.task.startswith("reasoning_gym:"),
-    "task",
-    f"unknown task {c.task!r}; known: {', '.join(known)}",
-  )
 
 
 def _validate_lora(c) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import ml_collections
 
-from offpolicy_jax import config_schema, lag
+from offpolicy_jax import config_schema, errors, lag
 from offpolicy_jax.config_spec import RunSpec, StudySpec
 from offpolicy_jax.run import validation
 from offpolicy_jax.study import sweeps
@@ -215,12 +215,10 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
       raise ValueError(
         f"config.study.methods: {name!r}: names starting with {AA_PREFIX!r} are the A/A twins"
       )
-    try:
+    with errors.about(f"config.study.methods: {name}"):  # keeps a suggested field name
       method_config = sweeps.apply_overrides(base, overrides)
       validation.validate_config(method_config)  # values and how the fields fit together
       _check_cell_config(method_config)
-    except ValueError as e:
-      raise ValueError(f"config.study.methods: {name}: {e}") from e
   lags = parse_lags(st.lags, run.total_steps)
   engines = parse_engines(st.lags)
   for lag_name, engine in engines.items():  # a lag's engine would silently overwrite them

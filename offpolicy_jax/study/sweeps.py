@@ -19,7 +19,7 @@ from typing import Any
 
 import ml_collections
 
-from offpolicy_jax import errors, files
+from offpolicy_jax import config_schema, errors, files
 from offpolicy_jax.study import reports, sweep_runs
 
 ISOLATIONS = ("process", "inline")
@@ -35,7 +35,12 @@ def run_name(overrides: dict) -> str:
 
 
 def apply_overrides(config, overrides: dict):
-  """Returns a copy of `config` with dotted `overrides` set (the key `name` is skipped)."""
+  """Returns a copy of `config` with dotted `overrides` set (the key `name` is skipped).
+
+  Raises:
+    errors.ConfigError: an override names no field of `config` (its hint
+      suggests the nearest field) or has a value of the wrong type.
+  """
   config = config.copy_and_resolve_references()
   for key, value in overrides.items():
     if key == "name":
@@ -44,15 +49,56 @@ def apply_overrides(config, overrides: dict):
     *parents, leaf = key.split(".")
     for p in parents:
       if not isinstance(node, ml_collections.ConfigDict) or p not in node:
-        raise errors.ConfigError(f"override {key!r}: no such config field")
+        raise _no_such_field(config, key)
       node = node[p]
     if not isinstance(node, ml_collections.ConfigDict) or leaf not in node:
-      raise errors.ConfigError(f"override {key!r}: no such config field")
+      raise _no_such_field(config, key)
     try:
       node[leaf] = value
     except (TypeError, ValueError) as e:
       raise errors.ConfigError(f"override {key}={value!r}: {' '.join(str(e).split())}") from e
   return config
+
+
+def _no_such_field(config, key: str) -> errors.ConfigError:
+  """`override 'x': no such config field`, suggesting the nearest of the config's fields."""
+  fields = config_schema.flatten(config.to_dict())
+  return errors.ConfigError(
+    f"override {key!r}: no such config field",
+    errors.did_you_mean(key, fields) or "docs/config.md lists the fields",
+  )
+
+
+def run_configs(config, sweep: list[dict]) -> dict[str, Any]:
+  """Each run's config by run name: `config` with that run's overrides.
+
+  Raises:
+    errors.ConfigError: two runs share a name, or an override does not apply
+      (`apply_overrides`; the message starts with `sweep run <name>: `).
+  """
+  check_unique_names(sweep)
+  configs = {}
+  for overrides in sweep:
+    name = run_name(overrides)
+    with errors.about(f"sweep run {name}"):
+      configs[name] = apply_overrides(config, overrides)
+  return configs
+
+
+def check_runs(configs: Mapping[str, Any], check: Callable[[Any], None]) -> None:
+  """Runs `check` on every run's config (`run_configs`), naming the run whose config fails.
+
+  Args:
+    configs: run name -> config.
+    check: e.g. `validation.validate_config` (before running here), or
+      `validation.validate_settings` (before launching elsewhere).
+
+  Raises:
+    errors.ConfigError: `sweep run <name>: config.<field>: ...` for the first run refused.
+  """
+  for name, run_config in configs.items():
+    with errors.about(f"sweep run {name}"):
+      check(run_config)
 
 
 def load_sweep(config_path: str) -> list[dict]:
@@ -181,15 +227,10 @@ def run_sweep(
   """
   if isolation not in ISOLATIONS:
     raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
-  check_unique_names(sweep)
-  configs = {run_name(o): apply_overrides(config, o) for o in sweep}
+  configs = run_configs(config, sweep)
   from offpolicy_jax.run import validation  # here, as `sweep_runs` imports the loop: it loads JAX
 
-  for name, run_config in configs.items():  # every run's config, before any worker starts
-    try:
-      validation.validate_config(run_config)
-    except ValueError as e:
-      raise errors.ConfigError(f"sweep run {name}: {e}") from e
+  check_runs(configs, validation.validate_config)  # every run's config, before any worker starts
   os.makedirs(workdir, exist_ok=True)
   status = _read_status(workdir)
   progress = _Progress(len(configs), log)
