@@ -5,7 +5,9 @@ r"""Exports a run's checkpoint as a PEFT adapter or a Hugging Face checkpoint.
   python -m experiments.export --workdir=/tmp/opj_default --out=/tmp/hf --merged     # no LoRA
 
 The run's recorded config rebuilds the model; the latest checkpoint step (or
---step) is read. See `offpolicy_jax.run.export` and docs/lora.md.
+--step) is read. An HF checkpoint written holds the run's tokenizer and a
+generation_config.json, so transformers' Auto classes load it as it is (the
+`[hf]` extra installs them). See `offpolicy_jax.run.export` and docs/lora.md.
 """
 
 import json
@@ -16,7 +18,7 @@ from offpolicy_jax import cli
 from offpolicy_jax.store import workdir
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (config.json, checkpoints/).")
-_OUT = flags.DEFINE_string("out", None, "Output directory.")
+_OUT = flags.DEFINE_string("out", None, "Output directory, new or empty (a full one is refused).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 _MERGED = flags.DEFINE_bool(
   "merged", False, "Write one HF checkpoint (adapters merged) instead of a PEFT adapter."

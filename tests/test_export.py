@@ -39,6 +39,17 @@ def lora_run(tmp_path_factory):
   return workdir, rows
 
 
+@pytest.fixture(scope="module")
+def exported(lora_run, tmp_path_factory):
+  """The run exported both ways: `(the PEFT export's result, the merged directory)`."""
+  workdir, _ = lora_run
+  root = tmp_path_factory.mktemp("exported")
+  got = export.export_checkpoint(workdir, str(root / "adapter"), fmt="peft")
+  merged_dir = str(root / "merged")
+  export.export_checkpoint(workdir, merged_dir, fmt="merged")
+  return got, merged_dir
+
+
 def test_a_run_with_adapter_dropout_trains(lora_run):
   _, rows = lora_run
   assert [r["step"] for r in rows] == [1, 2]
@@ -55,15 +66,14 @@ def _ours(workdir):
   return nnx.merge(comps.fns.model.graphdef, lora.join(base, params))
 
 
-def test_peft_and_merged_exports_give_our_logits(lora_run, tmp_path):
+def test_peft_and_merged_exports_give_our_logits(lora_run, exported):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   peft = pytest.importorskip("peft")
   workdir, _ = lora_run
-  adapter_dir, merged_dir = str(tmp_path / "adapter"), str(tmp_path / "merged")
-  got = export.export_checkpoint(workdir, adapter_dir, fmt="peft")
+  got, merged_dir = exported
+  adapter_dir = got["out"]
   assert got["step"] == 2 and got["base"] == os.path.join(adapter_dir, export.BASE_DIR)
-  export.export_checkpoint(workdir, merged_dir, fmt="merged")
   with open(os.path.join(adapter_dir, lora.CONFIG_FILE)) as f:
     adapter_config = json.load(f)
   assert (adapter_config["r"], adapter_config["lora_dropout"]) == (2, 0.2)
@@ -82,17 +92,37 @@ def test_peft_and_merged_exports_give_our_logits(lora_run, tmp_path):
   # Our own import of the adapter onto the exported base gives the same model.
   back = lora.load_peft(models.from_pretrained(got["base"]), adapter_dir)
   np.testing.assert_allclose(np.asarray(back(jnp.asarray(tokens))), ours, atol=1e-5, rtol=0)
-  # The run's tokenizer travels with each export: transformers loads it from the directory.
-  # (The toy character vocabulary loads by its class: AutoTokenizer gives a qwen2 config
-  # Qwen2's own pre-tokenizer. A Hugging Face model's tokenizer loads with AutoTokenizer:
-  # tests/test_tokenizers.py.)
+
+
+def test_exports_load_with_the_auto_classes_and_generate_stops_at_eos(exported):
+  """What a user does first with an export: the Auto classes, then `generate()`, nothing set."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  got, merged_dir = exported
   ref = tokenizers.CharTokenizer()
-  text = "12+34=?\nab c"
-  for d in (merged_dir, adapter_dir, got["base"]):
-    tok = transformers.PreTrainedTokenizerFast.from_pretrained(d)
-    assert tok.encode(text, add_special_tokens=False) == ref.encode(text), d
-    assert tok.decode(ref.encode(text)) == text
-    assert (len(tok), tok.eos_token_id, tok.pad_token_id) == (ref.vocab_size, ref.eos_id, 0)
+  text = "12 + 34 = ?\nab  c"
+  for d in (merged_dir, got["out"], got["base"]):
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids == ref.encode(text) and tok.decode(ids) == text, (d, type(tok))
+    assert len(tok) == ref.vocab_size, d  # no id beyond the vocabulary
+    specials = (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id)
+    assert specials == (ref.bos_id, ref.eos_id, ref.pad_id, None), d
+  for d in (merged_dir, got["base"]):
+    model = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    stops = (model.generation_config.eos_token_id, model.generation_config.pad_token_id)
+    assert stops == (ref.eos_id, ref.pad_id), d
+  # A head that always prefers EOS: generation ends after one token.
+  vocab = model.config.vocab_size
+  model.lm_head = torch.nn.Linear(model.config.hidden_size, vocab, bias=True)
+  with torch.no_grad():
+    model.lm_head.weight.zero_()
+    model.lm_head.bias.copy_(torch.nn.functional.one_hot(torch.tensor(ref.eos_id), vocab))
+    prompt = tok("12+34=", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=8)
+  n = prompt["input_ids"].shape[1]
+  assert out[0, n:].tolist() == [ref.eos_id]
+  assert tok.decode(out[0], skip_special_tokens=True) == "12+34="
 
 
 def _b_matrices(model):
@@ -116,6 +146,13 @@ def test_errors_name_what_is_wrong(lora_run, tmp_path):
   with pytest.raises(errors.UserError, match="no adapters") as refused:
     export.export_checkpoint(str(empty), str(tmp_path / "out"), fmt="peft")
   assert "--merged" in refused.value.line()
+  busy = tmp_path / "busy"
+  busy.mkdir()
+  (busy / "notes.txt").write_text("mine")
+  with pytest.raises(errors.UserError, match="--out .*busy is not empty") as refused:
+    export.export_checkpoint(workdir, str(busy), fmt="merged")
+  assert "choose an empty or new folder" in refused.value.line()
+  assert os.listdir(busy) == ["notes.txt"]
 
   corrupt = str(tmp_path / "corrupt")
   shutil.copytree(workdir, corrupt)

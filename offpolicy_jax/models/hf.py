@@ -25,10 +25,12 @@ from flax import nnx
 from offpolicy_jax import files
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.models.decoder import Decoder
+from offpolicy_jax.models.tokenizers import Tokenizer
 from offpolicy_jax.scale import sharding
 
 _ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 _FAMILY_ARCH = {v: k for k, v in _ARCHS.items()}
+GENERATION_CONFIG = "generation_config.json"
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
 
 
@@ -353,13 +355,17 @@ def from_pretrained(
   return nnx.merge(graphdef, state)
 
 
-def save_pretrained(model: Decoder, path: str, dtype=None) -> None:
+def save_pretrained(
+  model: Decoder, path: str, dtype=None, *, tokenizer: Tokenizer | None = None
+) -> None:
   """Writes config.json + model.safetensors loadable by `transformers`.
 
   Args:
     model: the decoder.
     path: output directory (created).
     dtype: storage dtype (default: the parameter dtype), e.g. jnp.bfloat16.
+    tokenizer: the model's tokenizer, written beside it by `save_tokenizer`
+      (then `AutoTokenizer` loads it and `generate()` stops at its EOS).
   """
   config = model.config
   np_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
@@ -374,5 +380,35 @@ def save_pretrained(model: Decoder, path: str, dtype=None) -> None:
   safetensors.numpy.save_file(
     tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"}
   )
-  with open(os.path.join(path, "config.json"), "w") as f:
-    json.dump(config_to_hf(config, jnp.dtype(np_dtype).name), f, indent=2)
+  _write_json(os.path.join(path, "config.json"), config_to_hf(config, jnp.dtype(np_dtype).name))
+  if tokenizer is not None:
+    save_tokenizer(tokenizer, path)
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str) -> None:
+  """Writes `tokenizer` into the HF checkpoint `path`, with the token ids that end generation.
+
+  Beside `tokenizer.json` and `tokenizer_config.json`, its `bos_token_id`,
+  `eos_token_id` and `pad_token_id` go into `config.json` and a
+  `generation_config.json`: `transformers`' `generate()` reads them there, and
+  without an EOS id it never stops before `max_new_tokens`.
+
+  Args:
+    tokenizer: the model's tokenizer.
+    path: a directory holding the checkpoint's config.json.
+  """
+  ids = {
+    "bos_token_id": tokenizer.bos_id,
+    "eos_token_id": tokenizer.eos_id,
+    "pad_token_id": tokenizer.pad_id,
+  }
+  ids = {k: int(v) for k, v in ids.items() if v is not None}
+  config_file = os.path.join(path, "config.json")
+  _write_json(config_file, {**files.read_json_object(config_file), **ids})
+  _write_json(os.path.join(path, GENERATION_CONFIG), ids)
+  tokenizer.save_pretrained(path)
+
+
+def _write_json(file: str, obj: dict) -> None:
+  with open(file, "w") as f:
+    json.dump(obj, f, indent=2)

@@ -97,23 +97,43 @@ class CharTokenizer:
     """Writes the same character vocabulary as a Hugging Face fast tokenizer into `path`.
 
     `transformers.AutoTokenizer.from_pretrained(path)` then encodes and decodes
-    exactly as this class does (one id per character; `<bos>`, `<eos>`, `<pad>`).
+    exactly as this class does (one id per character; `<bos>`, `<eos>`, `<pad>`;
+    no unknown token, so no id beyond the vocabulary), whichever class it picks:
+    the file is a byte-level BPE without merges, the form `Qwen2Tokenizer`
+    rebuilds from a `tokenizer.json` (transformers picks that class for any
+    qwen2 checkpoint, whatever `tokenizer_class` says). Characters outside the
+    vocabulary are dropped there, where `encode` raises.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {c: i for i, c in enumerate(self._itos)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    symbols = _byte_symbols()
+    vocab = {c if c in _CHAR_SPECIALS else symbols[c]: i for i, c in enumerate(self._itos)}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(_CHAR_SPECIALS))
     config = {
       "tokenizer_class": "PreTrainedTokenizerFast",
       "bos_token": _CHAR_SPECIALS[self.bos_id],
       "eos_token": _CHAR_SPECIALS[self.eos_id],
       "pad_token": _CHAR_SPECIALS[self.pad_id],
+      "unk_token": None,
       "model_max_length": 1 << 20,
     }
     _write(path, tok, config)
+
+
+def _byte_symbols() -> dict[str, str]:
+  """GPT-2's byte-level alphabet: the printable character that stands for each byte.
+
+  Printable Latin-1 bytes stand for themselves; the others (space, newline,
+  controls) map in order to U+0100 and up, so " " is "Ġ" and "\n" is "Ċ".
+  """
+  kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+  moved = [b for b in range(256) if b not in kept]
+  table = {chr(b): chr(b) for b in kept}
+  table.update({chr(b): chr(256 + i) for i, b in enumerate(moved)})
+  return table
 
 
 def _token_content(tok: Any) -> str | None:

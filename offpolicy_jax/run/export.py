@@ -19,6 +19,12 @@ by name, as `start.evaluate_checkpoint` reads them. Formats:
 - ``merged``: one HF checkpoint with W + (alpha / r) A B in every adapted
   projection (`models.lora.save_merged`); for a run without adapters, the
   trained model itself.
+
+Every HF checkpoint written (the merged model, OUT/base) holds the run's
+tokenizer and its special token ids (`models.hf.save_tokenizer`), so
+`AutoTokenizer` and `AutoModelForCausalLM` load it as it is and `generate()`
+stops at EOS; an adapter directory holds the tokenizer files. OUT must be new
+or empty: an export never mixes its files with others.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from flax import nnx
 
 from offpolicy_jax import errors, models
 from offpolicy_jax.config_spec import RunSpec
-from offpolicy_jax.models import hub
+from offpolicy_jax.models import hf, hub
 from offpolicy_jax.run import components, start
 from offpolicy_jax.store import checkpointing
 from offpolicy_jax.store import workdir as workdir_lib
@@ -79,7 +85,7 @@ def export_checkpoint(
 
   Args:
     workdir: the run directory (config.json, checkpoints/).
-    out: output directory (created).
+    out: output directory (created); a non-empty one is refused.
     fmt: "peft" (LoRA runs only) or "merged".
     step: checkpoint step; None for the latest.
     dtype: storage dtype (default: the parameter dtype).
@@ -89,7 +95,9 @@ def export_checkpoint(
     `out` (and a base written under it) also holds the run's tokenizer files.
 
   Raises:
-    ValueError: an unknown format, "peft" for a run without adapters, or a base mismatch.
+    errors.UserError: an unknown format or dtype, "peft" for a run without adapters,
+      an `out` that is a file or a non-empty directory (before anything is written).
+    ValueError: a base mismatch.
     FileNotFoundError / checkpointing.CheckpointError: no checkpoint, or a corrupt step.
   """
   if fmt not in FORMATS:
@@ -103,6 +111,11 @@ def export_checkpoint(
       ) from None
   if os.path.exists(out) and not os.path.isdir(out):
     raise errors.UserError(f"--out {out} is a file", "give a directory to write the export into")
+  if os.path.isdir(out) and os.listdir(out):
+    raise errors.UserError(
+      f"--out {out} is not empty: the export would mix its files with what is there",
+      "choose an empty or new folder",
+    )
   config = recorded_config(workdir)
   if fmt == "peft" and not RunSpec.from_config(config).lora.rank:
     raise errors.UserError(
@@ -118,27 +131,26 @@ def export_checkpoint(
   comps = components.build_components(config)
   base, params, meta = _restore(workdir, comps, step)
   model = nnx.merge(comps.fns.model.graphdef, models.lora.join(base, params))
-  base_path = None
+  tokenizer, base_path = comps.fns.model.tokenizer, None
   if fmt == "merged":
     models.lora.save_merged(model, out, dtype)
+    hf.save_tokenizer(tokenizer, out)
   else:
-    base_path = _base_path(config, model, out, dtype)
-    if base_path.startswith(os.path.abspath(out)):
-      comps.fns.model.tokenizer.save_pretrained(base_path)
+    base_path = _base_path(config, model, out, dtype, tokenizer)
     models.lora.save_peft(model, out, base_model_name_or_path=base_path, dtype=dtype)
-  # The run's tokenizer beside the weights: `transformers` loads both from `out`.
-  comps.fns.model.tokenizer.save_pretrained(out)
+    tokenizer.save_pretrained(out)  # `transformers` loads it from the adapter's directory too
   return {"step": meta["step"], "format": fmt, "out": out, "base": base_path}
 
 
-def _base_path(config, model, out: str, dtype) -> str:
+def _base_path(config, model, out: str, dtype, tokenizer) -> str:
   """The HF directory of the adapter's base: `config.model`, or the base written to OUT/base."""
   spec = RunSpec.from_config(config)
   local = hub.model_dir(spec.model)
   if local is not None and not spec.sft.enabled:
     return os.path.abspath(local)
   path = os.path.join(out, BASE_DIR)
-  models.save_pretrained(models.lora.without_adapters(_zeroed(model)), path, dtype)
+  base = models.lora.without_adapters(_zeroed(model))
+  models.save_pretrained(base, path, dtype, tokenizer=tokenizer)
   return os.path.abspath(path)
 
 
