@@ -38,6 +38,14 @@ EXTRAS_REQUIRE = {
         "math-verify==0.9.0",
         "pyarrow>=15",
     ],
+    # Loading an export in the Hugging Face ecosystem (docs/getting_started.md#exporting):
+    # AutoModelForCausalLM / AutoTokenizer on a merged export, peft on an adapter.
+    "hf": [
+        "torch==2.13.0",
+        "transformers==5.24.0",
+        "peft==0.21.2",
+        "safetensors==0.8.0",
+    ],
     "test": [
         "pytest>=8",
         "pytest-xdist>=3.5",
