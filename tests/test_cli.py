@@ -157,6 +157,11 @@ def _cases(root):
     ),
     (["eval", f"--workdir={afile}"], ["is a file"], afile),
     (["export", f"--workdir={run}", f"--out={afile}", "--merged"], ["--out", "is a file"], afile),
+    (
+      ["export", f"--workdir={run}", f"--out={run}", "--merged"],
+      ["--out", "is not empty", "choose an empty or new folder"],
+      run,
+    ),
   ]
 
 
