@@ -22,7 +22,12 @@ from ml_collections import config_flags
 from offpolicy_jax import cli, errors
 from offpolicy_jax.store import workdir
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  "config",
+  None,
+  cli.config_help(fields=("model", "task", "eval_prompts", "eval_samples", "seed")),
+  lock_config=True,
+)
 _WORKDIR = flags.DEFINE_string(
   "workdir", None, "Run directory (its config.json is used); omit to evaluate config.model."
 )

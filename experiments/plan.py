@@ -17,7 +17,7 @@ from ml_collections import config_flags
 from offpolicy_jax import cli
 from offpolicy_jax.run import planner
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", None, cli.config_help(), lock_config=True)
 _DEVICES = flags.DEFINE_string("devices", None, "<type>-<count> (e.g. v5e-8) or a device count.")
 _MEMORY_GIB = flags.DEFINE_float(
   "memory_gib", None, "Memory per device in GiB (default: the device type's)."

@@ -28,7 +28,14 @@ from ml_collections import config_flags
 from offpolicy_jax import cli, errors
 from offpolicy_jax.store import workdir
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Study config (with a `study` block).")
+_CONFIG = config_flags.DEFINE_config_file(
+  "config",
+  None,
+  cli.config_help(
+    "Study config (with a `study` block)",
+    ("study.methods", "study.lags", "study.seeds", "study.baseline", "total_steps", "task"),
+  ),
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory of the study's cells and reports.")
 _REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rewrite the reports.")
 _INLINE = flags.DEFINE_bool(

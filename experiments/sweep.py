@@ -41,7 +41,9 @@ from offpolicy_jax.study.sweeps import (
   run_sweep,
 )
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file with get_sweep().")
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, cli.config_help("Config file with get_sweep() (overrides here: every run)")
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Parent directory of the runs.")
 _PRINT_ONLY = flags.DEFINE_bool("print_only", False, "Print one train command per run and exit.")
 _INLINE = flags.DEFINE_bool(

@@ -27,7 +27,7 @@ from ml_collections import config_flags
 
 from offpolicy_jax import cli
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", None, cli.config_help(), lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics and checkpoints.")
 _MULTIHOST = flags.DEFINE_bool(
   "multihost", False, "Call jax.distributed.initialize() (one process per host)."

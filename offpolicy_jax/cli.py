@@ -8,6 +8,10 @@ override that does not parse) ends the command with one line on stderr,
 and exit status 1, no traceback; `--verbose` (or `OFFPOLICY_JAX_VERBOSE=1`)
 re-raises it with its traceback. Every other exception is a bug and keeps its
 traceback.
+
+`config_help()` is the help of the binaries' `--config` flag, so `--help`
+names docs/config.md and lists the most used fields (`HELP_FIELDS`) with their
+docs from `config_schema`; an error about a config field points there too.
 """
 
 from __future__ import annotations
@@ -25,9 +29,58 @@ from offpolicy_jax import errors
 VERBOSE_ENV = "OFFPOLICY_JAX_VERBOSE"
 USAGE_EXIT = 1  # as absl's own flag errors; a crash exits 1 too, with its traceback
 
+CONFIG_DOC_HINT = "docs/config.md describes every field"
+# The fields `--help` shows, with their docs from the schema: what most commands set.
+HELP_FIELDS = (
+  "model",
+  "task",
+  "total_steps",
+  "seed",
+  "loss.name",
+  "advantage.name",
+  "lag.sync_interval",
+  "lag.sync_offset",
+  "group_size",
+  "prompts_per_step",
+  "optimizer.learning_rate",
+  "eval_every",
+  "checkpoint_every",
+)
+
 _VERBOSE = flags.DEFINE_bool(
   "verbose", False, f"Show tracebacks of usage errors (also: {VERBOSE_ENV}=1)."
 )
+
+
+def config_help(what: str = "Config file", fields: Sequence[str] = HELP_FIELDS) -> str:
+  """The help of a `--config` flag: how to set a field, where all are described, a few of them.
+
+  Args:
+    what: what the file is, e.g. "Config file with get_sweep()".
+    fields: dotted names of `config_schema` fields to list, each with the
+      first clause of its doc.
+  """
+  from offpolicy_jax import config_schema
+
+  lines = [
+    f"{what}: a .py whose get_config() returns the config (FILE.py:ARG passes ARG to it). "
+    "Set a field with --config.FIELD=VALUE; docs/config.md describes every field. Some:"
+  ]
+  for name in fields:
+    field = config_schema.field(name)
+    assert field is not None and field.name == name, name
+    lines.append(f"--config.{name}: {_first_clause(field.doc)}.")
+  return "\n".join(lines)
+
+
+def _first_clause(doc: str) -> str:
+  """`doc` up to its first `. ` or `; ` outside parentheses (an `e.g. ` does not end it)."""
+  depth = 0
+  for i, char in enumerate(doc):
+    depth += (char == "(") - (char == ")")
+    if depth == 0 and doc[i : i + 2] in (". ", "; ") and not doc[:i].endswith(("e.g", "i.e")):
+      return doc[:i]
+  return doc.rstrip(".")
 
 
 def verbose(argv: Sequence[str] = ()) -> bool:
@@ -46,11 +99,13 @@ def _override_error(argv: Sequence[str], e: Exception) -> errors.UserError:
     key = unknown.group(1)
     for arg in argv:
       name = arg.split("=", 1)[0]
-      if name.startswith("--") and name.rsplit(".", 1)[-1] == key:
+      parts = name.split(".")
+      if name.startswith("--") and key in parts[1:]:  # the leaf, or a parent of it
         hint = None
         if better:
-          hint = f"did you mean {name.rsplit('.', 1)[0]}.{better.group(1)}?"
-        return errors.UserError(f"{name}: no such config field", hint or "see docs/config.md")
+          parts[parts.index(key, 1)] = better.group(1)
+          hint = f"did you mean {'.'.join(parts)}?"
+        return errors.UserError(f"{name}: no such config field", hint or CONFIG_DOC_HINT)
   if isinstance(e, SyntaxError):
     return errors.UserError(f"--config: {e.filename}, line {e.lineno}: {e.msg}")
   lines = [ln for ln in text.splitlines() if ln.strip()]
@@ -78,6 +133,8 @@ def _flag_error(e: Exception) -> errors.UserError:
     return errors.UserError(
       f"{head.removeprefix('flag ')}: the config file raised {last}", _CONFIG_HINT
     )
+  if text.startswith("flag --config."):  # a field's value: the fields are not absl flags
+    return errors.UserError(text, CONFIG_DOC_HINT)
   return errors.UserError(text, "--helpfull lists the flags")
 
 

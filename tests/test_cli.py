@@ -73,7 +73,11 @@ def _cases(root):
       new,
     ),
     ([*train, f"--workdir={new}", "--config.total_steps=-5"], ["config.total_steps", ">= 1"], new),
-    ([*train, f"--workdir={new}", "--config.total_steps=abc"], ["--config.total_steps"], new),
+    (
+      [*train, f"--workdir={new}", "--config.total_steps=abc"],
+      ["--config.total_steps", "docs/config.md"],
+      new,
+    ),
     ([*train, f"--workdir={new}", "--config.top_p=0"], ["config.top_p"], new),
     ([*train, f"--workdir={new}", "--config.group_size=1"], ["config.group_size"], new),
     ([*train, f"--workdir={new}", "--config.model=qwen9-77b"], ["config.model", "qwen9-77b"], new),
@@ -85,6 +89,11 @@ def _cases(root):
     (
       [*train, f"--workdir={new}", "--config.advantage.name=rlo"],
       ["config.advantage.name", "did you mean 'rloo'?"],
+      new,
+    ),
+    (
+      [*train, f"--workdir={new}", "--config.optimizr.learning_rate=1e-3"],
+      ["--config.optimizr.learning_rate", "did you mean --config.optimizer.learning_rate?"],
       new,
     ),
     ([*train, f"--workdir={new}", "--config.mesh.data=3"], ["config.mesh"], new),
@@ -187,6 +196,20 @@ def test_user_mistakes_end_in_one_line(places):
       assert w in lines[0], what
     assert _listing(path) == before[path], what
   assert not os.path.exists(places / "new.png")
+
+
+def test_help_names_the_config_reference_and_the_main_fields():
+  out = _run(["train", "--help"])
+  assert out.returncode in (0, 1), out.stderr  # absl's --help exits 1
+  assert "Traceback" not in out.stderr + out.stdout
+  for words in (
+    "docs/config.md",
+    "--config.FIELD=VALUE",
+    *(f"--config.{f}:" for f in cli.HELP_FIELDS),
+  ):
+    assert words in out.stdout, words
+  schema_doc = config_schema.field("total_steps").doc
+  assert schema_doc.split(" (")[0] in out.stdout  # the field's doc, from the schema
 
 
 def test_verbose_shows_the_traceback(places):
