@@ -1,6 +1,6 @@
 r"""Evaluates a run's checkpoint, or a Hugging Face directory, on a task.
 
-  python -m experiments.eval --workdir=/tmp/opj_default [--step=200]
+  python -m experiments.eval --workdir=workdirs/default [--step=200]
   python -m experiments.eval --config=configs/gsm8k_qwen25_1p5b.py \
       --config.model=/ckpt/Qwen2.5-1.5B-Instruct --config.eval_samples=8
 

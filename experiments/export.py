@@ -2,7 +2,7 @@ r"""Exports a run's checkpoint as a PEFT adapter or a Hugging Face checkpoint.
 
   python -m experiments.export --workdir=/tmp/opj_lora --out=/tmp/adapter            # PEFT
   python -m experiments.export --workdir=/tmp/opj_lora --out=/tmp/merged --merged    # HF
-  python -m experiments.export --workdir=/tmp/opj_default --out=/tmp/hf --merged     # no LoRA
+  python -m experiments.export --workdir=workdirs/default --out=/tmp/hf --merged     # no LoRA
 
 The run's recorded config rebuilds the model; the latest checkpoint step (or
 --step) is read. An HF checkpoint written holds the run's tokenizer and a

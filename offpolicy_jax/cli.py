@@ -16,6 +16,7 @@ docs from `config_schema`; an error about a config field points there too.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -138,8 +139,31 @@ def _flag_error(e: Exception) -> errors.UserError:
   return errors.UserError(text, "--helpfull lists the flags")
 
 
+def _installed_configs(argv: list[str]) -> list[str]:
+  """`argv` with `--config=configs/<file>.py` read from the installed `configs` package.
+
+  Only when that path does not exist from here: the binaries and the configs
+  they name install with the package (setup.py), so the README's commands also
+  work from outside the repository.
+  """
+  spec = importlib.util.find_spec("configs")
+  if spec is None or not spec.submodule_search_locations:
+    return argv
+  root = os.path.dirname(next(iter(spec.submodule_search_locations)))
+  out = []
+  for arg in argv:
+    name, sep, value = arg.partition("=")
+    path = value.split(":", 1)[0]
+    if sep and name == "--config" and path.startswith("configs/") and not os.path.exists(path):
+      if os.path.exists(os.path.join(root, path)):
+        arg = f"{name}={os.path.join(root, value)}"
+    out.append(arg)
+  return out
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing with every failure turned into a `UserError`."""
+  argv = _installed_configs(argv)
   try:
     rest = flags.FLAGS(argv)
   except flags.Error as e:

@@ -212,6 +212,19 @@ def test_help_names_the_config_reference_and_the_main_fields():
   assert schema_doc.split(" (")[0] in out.stdout  # the field's doc, from the schema
 
 
+def test_the_binaries_and_their_configs_work_from_outside_the_repo(tmp_path):
+  """Once installed, `python -m experiments.*` and `--config=configs/...` work from anywhere."""
+  env = {k: v for k, v in os.environ.items() if k not in (cli.VERBOSE_ENV, "PYTHONPATH")}
+  train = [sys.executable, "-m", "experiments.train", "--config=configs/default.py"]
+  cmd = [*train, f"--workdir={tmp_path / 'run'}", "--config.totl_steps=5"]
+  out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+  # The module and the config file were found: the one error is the misspelt field's.
+  assert out.stderr.strip() == (
+    "error: --config.totl_steps: no such config field (did you mean --config.total_steps?)"
+  ), out.stderr[-2000:]
+  assert not os.path.exists(tmp_path / "run")
+
+
 def test_verbose_shows_the_traceback(places):
   out = _run(["eval", f"--workdir={places / 'empty'}", "--verbose"])
   assert out.returncode != 0
