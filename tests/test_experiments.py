@@ -123,7 +123,7 @@ def test_signals_and_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path)
   reference = loop.train_and_evaluate(cfg, str(tmp_path / "reference"))
   out, _ = resumed.communicate(timeout=240)
   assert resumed.returncode == 0, out.decode()[-3000:]
-  assert "resumed from step" in out.decode()
+  assert f"resumed from step {stopped_at} of 40 in {workdir}" in out.decode()
 
   got_train, got_eval = metrics_files.split_rows(metrics_files.read_metrics(workdir))
   want_train, want_eval = metrics_files.split_rows(reference)
