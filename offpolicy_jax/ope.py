@@ -80,16 +80,15 @@ class _Rows(NamedTuple):
   mask_bt: jax.Array  # bool
 
 
+_WHERE = {
+  "behavior_logp": "; the replay buffer stores them as TrainBatch.behavior_logp (the sampler's)",
+}
+
+
 def _check(name: str, x, shape: tuple[int, ...] | None, what: str) -> jax.Array:
+  """`x` as float32, or a one-line ValueError naming `name` when it is None or of another shape."""
   if x is None:
-    raise ValueError(
-      f"{name}: {what} is needed by off-policy evaluation"
-      + (
-        "; the replay buffer stores it as TrainBatch.behavior_logp, the sampler's log-probs."
-        if name == "behavior_logp"
-        else "."
-      )
-    )
+    raise ValueError(f"{name}: missing; off-policy evaluation needs {what}{_WHERE.get(name, '')}.")
   x = jnp.asarray(x, jnp.float32)
   if shape is not None and x.shape != shape:
     raise ValueError(f"{name}: expected shape {shape}, got {x.shape}.")
@@ -102,7 +101,10 @@ def _rows(logp, behavior_logp, mask, clip: float | None) -> _Rows:
   if logp.ndim != 2:
     raise ValueError(f"logp: expected [B, T] log-probs, got shape {logp.shape}.")
   behavior_logp = _check(
-    "behavior_logp", behavior_logp, logp.shape, "the behaviour policy's log-probs [B, T]"
+    "behavior_logp",
+    behavior_logp,
+    logp.shape,
+    "the behaviour policy's log-probs of the stored tokens [B, T]",
   )
   if mask is not None and not isinstance(mask, jax.core.Tracer):
     values = np.unique(np.asarray(mask))
@@ -276,10 +278,12 @@ def per_decision_wis(
 
 
 def _critic(rows: _Rows, values, q) -> tuple[jax.Array, jax.Array]:
-  """(V(s_0) [B], Q of the last token [B]): `values` at the first valid token, `q` (default
-  `values` at the last valid token)."""
+  """(V(s_0), Q of the last token), [B] each: `values` at the first valid token, and `q`.
+
+  `q` defaults to `values` at the last valid token.
+  """
   shape = rows.mask_bt.shape
-  what = "the critic's V(s_t) [B, T] at each token, needed by the doubly robust estimators"
+  what = "a critic's V(s_t) [B, T] at each token for the doubly robust estimators (dr, wdr)"
   values = jnp.where(rows.mask_bt, _check("values", values, shape, what), 0.0)
   v0_b = jnp.sum(rows.first_bt * values, axis=1)
   if q is None:
