@@ -11,7 +11,7 @@ rewards; none samples. `estimate` is the single entry point:
 
 Weights. With `d_t = logp_t - behavior_logp_t` on valid tokens (0 on padding),
 the prefix weight is `W_t = exp(sum_{k <= t} d_k)` and the sequence weight
-`w = W_{L-1}` (L = the row's last valid token). Log-weights are summed in
+`w = W_{L-1}` (L - 1: the row's last valid token). Log-weights are summed in
 float32; `clip` truncates every weight, `W_t <- min(W_t, clip)` (None: none).
 
 Rows. A row with no valid token is excluded: it weighs 0, is not counted in
