@@ -18,7 +18,9 @@ from offpolicy_jax.study import reports
 _WORKDIRS = flags.DEFINE_list("workdirs", None, "Run directories holding metrics.jsonl.")
 _LABELS = flags.DEFINE_list("labels", None, "Curve labels (default: workdir basenames).")
 _OUT = flags.DEFINE_string("out", "curves.png", "Output PNG path (a directory with --study_csv).")
-_SMOOTH = flags.DEFINE_integer("smooth", 5, "Moving-average window over steps.")
+_SMOOTH = flags.DEFINE_integer(
+  "smooth", 5, "Moving-average window over steps (staleness: rounded up to whole sync cycles)."
+)
 _STUDY_CSV = flags.DEFINE_string("study_csv", None, "A study.csv to redraw the study's plots from.")
 _BASELINE = flags.DEFINE_string("baseline", "grpo@onpolicy", "The study's baseline <method>@<lag>.")
 

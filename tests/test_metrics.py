@@ -272,7 +272,7 @@ def test_tensorboard_tags_are_grouped_and_jsonl_keys_are_not(tmp_path):
   assert rows == [{"step": 2, **row}, {"step": 2, "eval/accuracy": 0.5}]
 
 
-def test_summary_and_plot(tmp_path):
+def test_summary_and_plot(tmp_path, monkeypatch):
   runs = {}
   for name, slope in [("a", 1.0), ("b", -1.0)]:
     d = str(tmp_path / name)
@@ -282,7 +282,7 @@ def test_summary_and_plot(tmp_path):
           s,
           {
             "reward_mean": slope * s,
-            "staleness_mean": 1.0,
+            "staleness_mean": float(s % 4),  # the sawtooth of sync_interval 4
             "clip_frac": 0.0,
             "entropy": 1.0,
             "kl_k3": 0.0,
@@ -299,8 +299,26 @@ def test_summary_and_plot(tmp_path):
   md = reports.write_summary_table(runs, str(tmp_path))
   text = open(md).read()
   assert "| a | 10 | 1.5000 | 9.5000" in text and "| b |" in text
+  import matplotlib.pyplot as plt
+
+  figures = []
+  monkeypatch.setattr(plt, "close", figures.append)
   png = reports.plot_runs(runs, str(tmp_path / "c.png"))
   assert os.path.getsize(png) > 1000
+  # Staleness 1, 2, 3, 0, 1, ...: a mean over whole 4-step cycles (the 5-step window
+  # rounded up to 8), flat at 1.5, not a band between 0 and 3; the legend says so.
+  (ax,) = [ax for ax in figures[0].axes if ax.get_title() == "staleness"]
+  assert [len(line.get_ydata()) for line in ax.get_lines()] == [3, 3]
+  for line in ax.get_lines():
+    np.testing.assert_allclose(line.get_ydata(), 1.5)
+  assert ax.get_legend().get_texts()[0].get_text() == "a (8-step mean)"
+  steps, mean, lo, hi, width = reports.rolling_staleness(
+    list(range(1, 11)), [1, 2, 3, 0] * 2 + [1, 2], 5
+  )
+  assert width == 8 and list(steps) == [8, 9, 10]
+  np.testing.assert_array_equal(np.stack([mean, lo, hi]), [[1.5] * 3, [0] * 3, [3] * 3])
+  monkeypatch.undo()
+  plt.close(figures[0])
 
 
 @pytest.fixture(scope="module")

@@ -35,13 +35,66 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
   return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+def _sawtooth_period(values: list[float]) -> int:
+  """The period of a sawtooth series: the steps between its drops, when they are regular.
+
+  Staleness under `lag.sync_interval` m cycles 0, 1, ..., m-1 and drops back every
+  m steps. A series whose drops are not at least 3/4 the same distance apart (noisy,
+  constant, on-policy, too short) has period 1.
+  """
+  gaps = np.diff(np.flatnonzero(np.diff(values) < 0))
+  if len(gaps) == 0:
+    return 1
+  counts = np.bincount(gaps)
+  period = int(np.argmax(counts))
+  return period if counts[period] >= 0.75 * len(gaps) else 1
+
+
+def rolling_staleness(
+  steps: list[int], values: list[float], smooth: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+  """Rolling mean, min and max of per-step staleness over whole sync cycles.
+
+  The window is `smooth` steps rounded up to a multiple of the series' sawtooth
+  period (at most the series' length), so the mean of a regular sawtooth is flat:
+  0, 1, 2, 3, 0, ... averages to 1.5 at every step instead of a band.
+
+  Args:
+    steps: [S] step of each value.
+    values: [S] staleness of each step's batch (S >= 1).
+    smooth: the smallest window, in steps.
+
+  Returns:
+    (steps_w, mean_w, min_w, max_w, width): [S - width + 1] each, a window's
+    statistics at its last step, and the window's width.
+  """
+  period = _sawtooth_period(values)
+  width = min(len(values), -(-max(1, smooth) // period) * period)
+  windows = np.lib.stride_tricks.sliding_window_view(np.asarray(values, float), width)
+  steps_w = np.asarray(steps)[width - 1 :]
+  return steps_w, windows.mean(axis=1), windows.min(axis=1), windows.max(axis=1), width
+
+
+def _draw_staleness(ax: Any, steps: list[int], values: list[float], smooth: int, **line) -> None:
+  """A run's rolling-mean staleness (labelled with its window) over a light min-max band."""
+  steps_w, mean, lo, hi, width = rolling_staleness(steps, values, smooth)
+  line["label"] = f"{line['label']} ({width}-step mean)"
+  ax.plot(steps_w, mean, **line)
+  ax.fill_between(steps_w, lo, hi, color=line["color"], alpha=0.15, linewidth=0)
+
+
 def plot_runs(runs: Mapping[str, str], out_path: str, *, smooth: int = 5) -> str:
   """Draws reward, accuracy, staleness, clip fraction, entropy and KL curves of runs.
+
+  Staleness cycles with the sync interval (0, 1, 2, 3, 0, ... under a sawtooth
+  lag of 4), so its panel shows a rolling mean over whole cycles with the
+  window's min-max range shaded (`rolling_staleness`).
 
   Args:
     runs: label -> workdir (or metrics.jsonl path).
     out_path: PNG file to write.
-    smooth: moving-average window over steps for train curves (1 = raw).
+    smooth: moving-average window over steps for train curves (1 = raw); the
+      staleness window is this rounded up to whole sync cycles.
 
   Returns:
     `out_path`.
@@ -70,6 +123,9 @@ def plot_runs(runs: Mapping[str, str], out_path: str, *, smooth: int = 5) -> str
         steps, values = _series(rows, key)
         if not steps:
           continue
+        if title == "staleness":
+          _draw_staleness(ax, steps, values, smooth, label=label, color=colors[label])
+          break
         if smooth > 1 and not key.startswith("eval/") and len(values) >= smooth:
           kernel = np.ones(smooth) / smooth
           values = list(np.convolve(values, kernel, mode="valid"))
@@ -80,6 +136,9 @@ def plot_runs(runs: Mapping[str, str], out_path: str, *, smooth: int = 5) -> str
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
+  staleness_ax = axes.flat[[t for t, _ in PLOT_PANELS].index("staleness")]
+  staleness_ax.set_ylabel("steps behind (line: mean, shaded: min-max)")
+  staleness_ax.legend(fontsize=7)
   axes.flat[0].legend(fontsize=7)
   fig.tight_layout()
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
