@@ -44,6 +44,7 @@ __all__ = [
   "losses",
   "models",
   "reductions",
+  "returns",
   "rewards",
   "rollout",
   "run",
