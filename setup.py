@@ -58,6 +58,10 @@ EXTRAS_REQUIRE = {
         "transformers>=4.50",
         # The LoRA round trip (tests/test_lora.py): our adapters loaded by peft onto HF.
         "peft==0.21.2",
+        # GAE, V-trace and Retrace are checked against DeepMind's reference (tests/test_returns.py).
+        "rlax==0.1.9",
+        # distrax (rlax's dependency) takes tfp-nightly unpinned: pinned to the tested build.
+        "tfp-nightly==0.26.0.dev20261027",
         "nbformat>=5.10",
         "nbclient>=0.10",
         "ipykernel>=6",

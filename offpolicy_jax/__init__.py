@@ -15,7 +15,8 @@ The package is a stack of wings, each importing only from the ones below it
   sampling   the KV-cache sampler, partial rollouts
   models     the NNX decoder, presets, HF import/export, tokenizers
   scale      meshes, logical-axis sharding, disaggregated sampler/trainer meshes
-  maths      losses, advantages, reductions, types, lag (the schedule and snapshots), files;
+  maths      losses, advantages, returns (GAE, V-trace, Retrace), ope (off-policy evaluation),
+             reductions, types, lag (the schedule and snapshots), files;
              config_schema: every config field once (default, role, check, doc)
 
 The names of the public contract: `losses`, `advantages`, `models`, `sampling`,
@@ -43,6 +44,7 @@ __all__ = [
   "loop",
   "losses",
   "models",
+  "ope",
   "reductions",
   "returns",
   "rewards",
