@@ -73,6 +73,19 @@ def _cli_overrides() -> list[str]:
   return [a for a in sys.argv[1:] if a.startswith("--config.")]
 
 
+def _refuse_swept_overrides(sweep: list[dict]) -> None:
+  """A `--config.<field>` that a run of the sweep sets too would be silently replaced: refused."""
+  swept = {k for run in sweep for k in run if k != "name"}
+  for arg in _cli_overrides():
+    field = arg.split("=", 1)[0].removeprefix("--config.")
+    if field in swept:
+      raise errors.UserError(
+        f"--config.{field}: the sweep's runs set {field} themselves, so this flag would be "
+        "replaced without a word",
+        "drop the flag, or change get_sweep() in the config file",
+      )
+
+
 def _print_file(path: str) -> None:
   with open(path) as f:
     print(f.read())
@@ -119,6 +132,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config_path = config_flags.get_config_filename(flags.FLAGS["config"])
   sweep = load_sweep(config_path)
+  _refuse_swept_overrides(sweep)
   launcher = "local" if _PRINT_ONLY.value else _LAUNCHER.value
   if launcher:
     try:

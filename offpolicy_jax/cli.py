@@ -105,7 +105,7 @@ def _override_error(argv: Sequence[str], e: Exception) -> errors.UserError:
         hint = None
         if better:
           parts[parts.index(key, 1)] = better.group(1)
-          hint = f"did you mean {'.'.join(parts)}?"
+          hint = f"did you mean {'.'.join(parts)}? {CONFIG_DOC_HINT}"
         return errors.UserError(f"{name}: no such config field", hint or CONFIG_DOC_HINT)
   if isinstance(e, SyntaxError):
     return errors.UserError(f"--config: {e.filename}, line {e.lineno}: {e.msg}")

@@ -160,6 +160,12 @@ def _cases(root):
     (["study", "--config=configs/default.py", f"--workdir={new}"], ["not a study config"], new),
     (["study", "--config=configs/lag_study.py", f"--workdir={afile}"], ["is a file"], afile),
     (
+      ["sweep", "--config=configs/lag_study.py", f"--workdir={new}", "--print_only"]
+      + ["--config.loss.name=grpoo"],
+      ["--config.loss.name", "the sweep's runs set loss.name themselves", "drop the flag"],
+      new,
+    ),
+    (
       ["sweep", "--config=configs/lag_study.py", f"--workdir={new}", "--print_only", "--hosts=0"],
       ["hosts"],
       new,
@@ -220,7 +226,8 @@ def test_the_binaries_and_their_configs_work_from_outside_the_repo(tmp_path):
   out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
   # The module and the config file were found: the one error is the misspelt field's.
   assert out.stderr.strip() == (
-    "error: --config.totl_steps: no such config field (did you mean --config.total_steps?)"
+    "error: --config.totl_steps: no such config field (did you mean --config.total_steps? "
+    "docs/config.md describes every field)"
   ), out.stderr[-2000:]
   assert not os.path.exists(tmp_path / "run")
 

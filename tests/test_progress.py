@@ -26,6 +26,22 @@ def test_a_log_gets_plain_lines_about_every_tenth_of_the_run(monkeypatch):
   assert len(lines) == 7
 
 
+def test_the_rate_starts_after_the_first_chunks_rows_and_a_finished_run_compiles_nothing(
+  monkeypatch,
+):
+  # The first chunk's 3 rows arrive together after compiling; the next 10 steps take 1 s.
+  clock = iter([100.0, 100.01, 100.02, 101.02])
+  monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+  out = io.StringIO()
+  bar = progress.Progress(30, 0, stream=out)
+  for step in (1, 2, 3, 13):
+    bar.update(step)
+  assert out.getvalue().splitlines()[-1] == "step 13/30, 10 steps/s, about 2 s left"
+  done = io.StringIO()
+  progress.Progress(30, 30, stream=done).close()
+  assert done.getvalue() == ""
+
+
 def test_a_resumed_log_counts_its_tenths_from_the_resumed_step():
   out = io.StringIO()
   bar = progress.Progress(200, 80, stream=out)

@@ -16,6 +16,9 @@ from typing import IO, Any
 
 # A plain line is printed each time the run crosses another tenth of its steps.
 _PLAIN_LINES = 10
+# Rows of one chunk arrive together: the first rows, each this close to the one before, are
+# the first chunk's.
+_BURST_S = 0.05
 
 
 def _duration(seconds: float) -> str:
@@ -58,6 +61,7 @@ class Progress:
     self._bar = None
     self._timed: tuple[int, float] | None = None  # (step, time) once the first chunk is done
     self._shown = -1  # the last tenth a plain line was printed for
+    self._burst = True  # still in the first chunk's rows
     if terminal:
       from tqdm.auto import tqdm
 
@@ -69,15 +73,18 @@ class Progress:
         desc="compiling",
         file=stream,
       )
-    else:
+    elif start < total:
       self.write(f"steps {start} -> {total}: compiling the first chunk of steps")
 
   def update(self, step: int, **postfix: Any) -> None:
     """The run is after `step`; `postfix` (e.g. reward=0.4) is shown beside it."""
     now = time.perf_counter()
-    first = self._timed is None
+    # The rate counts from the last row of the first chunk (its time was compilation).
+    first = self._timed is None or (self._burst and now - self._timed[1] < _BURST_S)
     if first:
       self._timed = (step, now)
+    else:
+      self._burst = False
     if self._bar is not None:
       self._update_bar(step, postfix, first)
       return
