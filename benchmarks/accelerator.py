@@ -49,9 +49,9 @@ import roofline  # noqa: E402
 
 from offpolicy_jax import config_schema, models  # noqa: E402
 from offpolicy_jax.learn import train_state  # noqa: E402
-from offpolicy_jax.rollout import run_state  # noqa: E402
 from offpolicy_jax.run import planner  # noqa: E402
 from offpolicy_jax.sampling import sampler as sampling  # noqa: E402
+from offpolicy_jax.step import run_state  # noqa: E402
 
 # device_kind substring -> (dense bf16 FLOP/s, HBM bytes/s), per chip, from the vendors' sheets.
 NOMINAL = {

@@ -30,8 +30,8 @@ from flax import nnx
 from offpolicy_jax import losses, models
 from offpolicy_jax.learn import scorer, train_state, train_step
 from offpolicy_jax.learn.step_options import StepOptions
-from offpolicy_jax.rollout import run_state
 from offpolicy_jax.sampling import sampler as sampling
+from offpolicy_jax.step import run_state
 
 PROGRAMS = ("sampler", "scorer", "train")
 

@@ -6,9 +6,10 @@ The package is a stack of wings, each importing only from the ones below it
   study      the lag study, its statistics and reports, the bandit, sweeps, launchers
   run        components (the config's one reader), loop, evaluation, warm start,
              validation, export, planner
-  rollout    prompts, the rollout kinds, pipeline (score, pi_old, pack), the run's records
-             (run_state), the step's halves (acting, learning), rl_step / host_step,
-             drivers, producer, the disaggregated sampler
+  step       one RL step (act -> score -> pack -> learn): the run's records (run_state),
+             the step's halves (acting, learning), scoring, packing, rl_step / host_step,
+             programs, drivers, the async producer, the sampler choice
+  rollout    the Rollout protocol and its kinds, pi_old, prompt rows, the disaggregated sampler
   learn      train step, train state, batch splits, replay buffer, off-policy diagnostics
   store      checkpoints, the workdir record, metrics files
   rewards    tasks, host scoring in sandboxed verifier workers
@@ -52,6 +53,7 @@ __all__ = [
   "run",
   "sampling",
   "scale",
+  "step",
   "store",
   "study",
   "tasks",

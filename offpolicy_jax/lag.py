@@ -15,7 +15,7 @@ with ``m = sync_interval`` and ``n = sync_offset``; the lag is
 The snapshot store keeps device-resident copies of recent parameter versions
 so the trainer can sample with exactly the parameters the schedule names.
 Staleness has one measure, `row_staleness` (the trainer's version minus the
-oldest version in a row), and one bound, `rollout.producer.SamplerThread`'s ``max_staleness``:
+oldest version in a row), and one bound, `step.producer.SamplerThread`'s ``max_staleness``:
 batches beyond it are dropped, or their stale rows reweighted by
 `staleness_weights`.
 """

@@ -106,8 +106,8 @@ def test_a_dropped_step_fns_is_freed_with_what_was_built_from_it():
   import gc
   import weakref
 
-  from offpolicy_jax.rollout import programs, run_state, sampler_choice
   from offpolicy_jax.run import evaluation
+  from offpolicy_jax.step import programs, run_state, sampler_choice
 
   components.clear_cache()
   comps = components.build_components(
@@ -131,7 +131,7 @@ def test_bfloat16_moments_reach_the_run_state():
   import jax
   import jax.numpy as jnp
 
-  from offpolicy_jax.rollout import run_state
+  from offpolicy_jax.step import run_state
 
   comps = components.build_components(small_config(**{"optimizer.moment_dtype": "bfloat16"}))
   fns = comps.fns

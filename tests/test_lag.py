@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from offpolicy_jax import lag
-from offpolicy_jax.rollout import producer
+from offpolicy_jax.step import producer
 from offpolicy_jax.types import TrainBatch
 
 SCHEDULES = [(1, 0), (1, 3), (4, 0), (3, 2), (10**9, 0)]

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs import default  # noqa: E402
 from offpolicy_jax.rewards import tasks  # noqa: E402
-from offpolicy_jax.rollout import pipeline
+from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.run import components, loop, observability, validation  # noqa: E402
 from offpolicy_jax.store import checkpointing, metrics, metrics_files  # noqa: E402
 from offpolicy_jax.study import reports  # noqa: E402
@@ -464,7 +464,7 @@ def test_global_prompts_on_one_process_equal_the_local_batch():
     "index": np.arange(8, dtype=np.int64),
     "valid": np.ones(8, bool),
   }
-  out = pipeline.assemble_global(mesh, local)
+  out = prompt_rows.assemble_global(mesh, local)
   for k in ("prompt_tokens", "prompt_lengths", "answer_tokens"):
     assert isinstance(out[k], jax.Array)
     np.testing.assert_array_equal(np.asarray(out[k]), local[k])
@@ -472,20 +472,20 @@ def test_global_prompts_on_one_process_equal_the_local_batch():
     assert len(out[k].addressable_shards) == 8
   assert out["index"] is local["index"] and out["valid"] is local["valid"]
   # Not divisible by data*fsdp on one process: replicated, same values.
-  odd = pipeline.assemble_global(mesh, {k: v[:3] for k, v in local.items()})
+  odd = prompt_rows.assemble_global(mesh, {k: v[:3] for k, v in local.items()})
   assert odd["prompt_tokens"].sharding.spec == PartitionSpec()
   np.testing.assert_array_equal(np.asarray(odd["prompt_tokens"]), local["prompt_tokens"][:3])
 
 
 def test_each_process_reads_its_own_block_of_the_global_batch(monkeypatch):
   fns = components.build_components(small_config(**{"prompts_per_step": 4})).fns
-  one = pipeline.prompt_iterator(fns, 0, "train")
+  one = fns.prompts(0, "train")
   whole = [next(one) for _ in range(3)]
   assert whole[0]["prompt_tokens"].shape[0] == 4
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   for shard in (0, 1):
     monkeypatch.setattr(jax, "process_index", lambda shard=shard: shard)
-    it = pipeline.prompt_iterator(fns, 0, "train")
+    it = fns.prompts(0, "train")
     for t in range(3):
       batch = next(it)
       assert batch["prompt_tokens"].shape[0] == 2  # prompts_per_step / process_count
@@ -495,7 +495,7 @@ def test_each_process_reads_its_own_block_of_the_global_batch(monkeypatch):
         np.testing.assert_array_equal(batch[k], v[2 * shard : 2 * shard + 2])
     assert it.get_state() == one.get_state()  # one checkpointed state resumes every process
   # Evaluation reads the whole split on every process.
-  assert next(pipeline.prompt_iterator(fns, 0, "eval", batch_size=4))["index"].tolist() == [
+  assert next(fns.prompts(0, "eval", batch_size=4))["index"].tolist() == [
     0,
     1,
     2,

@@ -266,7 +266,8 @@ def main():
   from types import SimpleNamespace
   from offpolicy_jax.models import tokenizers
   from offpolicy_jax.rewards import scoring as rewards, tasks
-  from offpolicy_jax.rollout import data, pipeline, run_state
+  from offpolicy_jax.rollout import data
+  from offpolicy_jax.step import run_state, scoring
   from offpolicy_jax.scale import sharding
 
   task, tok = tasks.get_task("reverse"), tokenizers.CharTokenizer()
@@ -289,7 +290,7 @@ def main():
   rewards.score_batch = lambda fn, ex, t, **kw: (seen.extend(t), score_batch(fn, ex, t, **kw))[1]
   fns = SimpleNamespace(task=task, model=SimpleNamespace(tokenizer=tok), reward=run_state.Reward(
       host=task.reward, pool=rewards.get_pool(1, 1024, "warn")))
-  scores, stats = pipeline.score_on_host(
+  scores, stats = scoring.score_on_host(
       fns, {"index": np.arange(4)}, out, split="eval", group_size=2)
   full = np.asarray(multihost_utils.process_allgather(scores, tiled=True))
   print("RESULT " + json.dumps({"scored": seen, "scores": full.tolist(), "stats": stats}))

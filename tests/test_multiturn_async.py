@@ -10,8 +10,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import types  # noqa: E402
-from offpolicy_jax.rollout import episodes, host_step, pipeline  # noqa: E402
+from offpolicy_jax.rollout import episodes  # noqa: E402
 from offpolicy_jax.run import components, loop  # noqa: E402
+from offpolicy_jax.step import host_step, run_state  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from tests.test_multiturn_run import _config  # noqa: E402
 
@@ -34,7 +35,7 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
   components.clear_cache()
   cfg = _config(**{"rollout.score_old": True, "sft.enabled": False})
   fns = components.build_components(cfg).fns
-  prompts = next(pipeline.prompt_iterator(fns, seed=0))
+  prompts = next(fns.prompts(seed=0))
   p0 = fns.model.init_params(0)
   p1 = _perturbed(p0, 1)
   asked = []
@@ -57,7 +58,7 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
     fns.rollout.ep,
     p0,
     prompts,
-    pipeline.step_key(0, 3, pipeline.SAMPLE),
+    run_state.step_key(0, 3, run_state.SAMPLE),
     task=fns.task,
     split="train",
     group_size=fns.sizes.group_size,

@@ -109,19 +109,20 @@ def test_episode_pool_emits_the_oldest_groups_first():
   """Slots are reused after emission, so slot order is not age: the batch puts the oldest
   admissions first, for the replay buffer's FIFO (the first token's version is the step it
   came in: version = step here)."""
-  from offpolicy_jax.rollout import learning, pipeline
+  from offpolicy_jax.rollout import prompt_rows
+  from offpolicy_jax.step import learning, run_state
 
   comps = components.build_components(_config(**{"rollout.partial_budget": 2}))
   fns, k = comps.fns, comps.fns.sizes.group_size
   rollout = fns.rollout
   pool = rollout.init()
   _, params = start.initial_weights(comps, log_fn=lambda *a: None)  # episodes of 1 to 4 turns
-  prompts_it = pipeline.prompt_iterator(fns, 0)
+  prompts_it = fns.prompts(0)
   came_in, reused = [], False
   for step in range(1, 31):
-    prompts = pipeline.assemble_global(comps.mesh, next(prompts_it))
+    prompts = prompt_rows.assemble_global(comps.mesh, next(prompts_it))
     occupied = pool.occupied.copy()
-    key = pipeline.step_key(0, step, pipeline.SAMPLE)
+    key = run_state.step_key(0, step, run_state.SAMPLE)
     pool, fin, _ = rollout.advance(pool, params, step, prompts, step, key)
     batch, keep = learning.pack_finished(fns, fin, fin.rewards, step, 0, jitted=True)
     first = np.asarray(batch.versions)[::k, 0][np.asarray(keep)]

@@ -15,10 +15,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import default  # noqa: E402
 from offpolicy_jax import losses, models
 from offpolicy_jax.learn import replay, scorer, step_options, train_state, train_step
-from offpolicy_jax.rollout import pipeline, protocol, run_state
+from offpolicy_jax.rollout import protocol
 from offpolicy_jax.run import components, loop
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
+from offpolicy_jax.step import packing, run_state
 from offpolicy_jax.store import metrics_files
 
 G, K, N, B_TOK = 2, 3, 8, 3  # prompts, group size, max_new_tokens, budget (L = 3 steps)
@@ -172,15 +173,15 @@ def test_record_old_keeps_each_tokens_own_versions_learner_logprob(tiny):
 
 
 def _emit(pool, rewards):
-  """The finished groups packed as a step packs them (`sampling.partial.emit`, `pipeline.pack`).
+  """The finished groups packed as a step packs them (`sampling.partial.emit`, `packing.pack`).
 
   Returns `(batch, keep, pool with the finished slots freed, finished)`.
   """
   out, keep, order, freed = partial_rollouts.emit(pool)
   fin = protocol.Finished(pool.prompts, out, pool.versions, valid=keep, order=order)
-  packing = run_state.Packing(group_size=K, advantage="group_mean")
+  spec = run_state.Packing(group_size=K, advantage="group_mean")
   args = (fin.out, rewards, fin.versions, jax.random.key(0), fin.valid, fin.order)
-  batch = pipeline.pack(packing, fin.prompts, *args)
+  batch = packing.pack(spec, fin.prompts, *args)
   return batch, fin.valid[fin.order], freed, fin
 
 

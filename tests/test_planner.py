@@ -14,9 +14,9 @@ from configs import default
 from offpolicy_jax import lag, models
 from offpolicy_jax.learn import train_step
 from offpolicy_jax.rollout import partial as partial_rollout
-from offpolicy_jax.rollout import run_state
 from offpolicy_jax.run import components, planner
 from offpolicy_jax.scale import disagg, sharding
+from offpolicy_jax.step import run_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 0.2  # the bar: estimates within 20% of what is measured

@@ -12,8 +12,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from offpolicy_jax import lag  # noqa: E402
-from offpolicy_jax.rollout import pipeline, rl_step, run_state  # noqa: E402
+from offpolicy_jax.rollout import prompt_rows  # noqa: E402
 from offpolicy_jax.run import components  # noqa: E402
+from offpolicy_jax.step import rl_step, run_state  # noqa: E402
 from tests.test_loop import small_config  # noqa: E402
 
 
@@ -44,9 +45,9 @@ def _state(fns, seed):
 
 
 def _prompts(fns, seed, steps):
-  it = pipeline.prompt_iterator(fns, seed)
+  it = fns.prompts(seed)
   batches = [next(it) for _ in range(steps)]
-  return [{k: jnp.asarray(b[k]) for k in pipeline.DEVICE_FIELDS} for b in batches]
+  return [{k: jnp.asarray(b[k]) for k in prompt_rows.DEVICE_FIELDS} for b in batches]
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offpolicy_jax import advantages, types  # noqa: E402
 from offpolicy_jax.rewards import tasks  # noqa: E402
 from offpolicy_jax.rewards.tasks import agentic  # noqa: E402
-from offpolicy_jax.rollout import episodes, pipeline, run_state  # noqa: E402
+from offpolicy_jax.rollout import episodes, prompt_rows  # noqa: E402
 from offpolicy_jax.run import components, loop  # noqa: E402
 from offpolicy_jax.sampling import SampleOutput  # noqa: E402
+from offpolicy_jax.step import packing, run_state  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from tests.test_multiturn_run import _config  # noqa: E402
 
@@ -90,9 +91,9 @@ def test_pack_gives_each_turns_tokens_its_reward_to_go():
     kept=jnp.ones((2, n), jnp.int32),
     old_logprobs=None,
   )
-  packing = run_state.Packing(group_size=2, advantage="grpo", gamma=0.9)
+  spec = run_state.Packing(group_size=2, advantage="grpo", gamma=0.9)
   prompts = {"prompt_tokens": jnp.ones((1, 3), jnp.int32), "prompt_lengths": jnp.array([3])}
-  batch = pipeline.pack(packing, prompts, out, r_bt, 0, jax.random.key(0))
+  batch = packing.pack(spec, prompts, out, r_bt, 0, jax.random.key(0))
   a_t = np.asarray(advantages.per_turn("grpo", r_bt[None], gamma=0.9))[0]  # [2, 3]
   turn = np.asarray(types.turn_ids(jnp.asarray(mask)))
   want = np.take_along_axis(a_t, turn, axis=1) * mask
@@ -114,14 +115,14 @@ def test_pack_computes_advantages_over_the_valid_groups_only(per_turn):
     kept=jnp.ones((g * k, n), jnp.int32),
     old_logprobs=None,
   )
-  packing = run_state.Packing(group_size=k, advantage="batch_whiten", gamma=1.0)
+  spec = run_state.Packing(group_size=k, advantage="batch_whiten", gamma=1.0)
   prompts = {"prompt_tokens": jnp.ones((g, 3), jnp.int32), "prompt_lengths": jnp.full((g,), 3)}
   valid = jnp.array([True, False, True])
 
   def adv(rewards):
     r = np.asarray(rewards, np.float32)
     r = r[:, None] if per_turn else r
-    batch = pipeline.pack(packing, prompts, out, r, 0, jax.random.key(0), valid)
+    batch = packing.pack(spec, prompts, out, r, 0, jax.random.key(0), valid)
     return np.asarray(batch.advantages).reshape(g * k, -1)[:, 0]
 
   a = adv([1.0, 0.0, 5.0, 7.0, 0.0, 1.0])
@@ -162,7 +163,7 @@ def test_played_episodes_pack_to_per_turn_advantages_and_the_run_trains(tmp_path
   cfg = _step_paid_config(**{"multiturn.credit": "turn", "multiturn.gamma": 0.9})
   fns = components.build_components(cfg).fns
   assert fns.rollout.ep.credit == "turn"
-  it = pipeline.prompt_iterator(fns, seed=0)
+  it = fns.prompts(seed=0)
   prompts = next(it)
   params = fns.model.init_params(0)
   examples = [dict(e) for e in _examples(fns, prompts)]
@@ -180,8 +181,8 @@ def test_played_episodes_pack_to_per_turn_advantages_and_the_run_trains(tmp_path
   taken = ~np.isnan(played.turn_rewards)
   np.testing.assert_array_equal(taken.sum(1), played.turns)  # NaN after the last turn
   assert (played.turn_rewards[:, 1:][taken[:, 1:]] != 0).any()  # later turns were paid
-  device = {k: jnp.asarray(prompts[k]) for k in pipeline.DEVICE_FIELDS}
-  batch = pipeline.pack(fns.packing, device, played.out, played.turn_rewards, 0, jax.random.key(0))
+  device = {k: jnp.asarray(prompts[k]) for k in prompt_rows.DEVICE_FIELDS}
+  batch = packing.pack(fns.packing, device, played.out, played.turn_rewards, 0, jax.random.key(0))
   a_t = np.asarray(
     advantages.per_turn(
       fns.packing.advantage,

@@ -10,7 +10,7 @@ A decoder built with `ModelConfig.lora` holds, besides its base weights, an
 
 The run trains the adapter only: `params` of the train state, snapshots,
 reference and proximal policies and the sampler's copies are adapters, and the
-frozen base is held once (`rollout.run_state.RunState.base`).
+frozen base is held once (`step.run_state.RunState.base`).
 
 PEFT format (`save_peft` / `load_peft`): ``adapter_model.safetensors`` with
 ``base_model.model.model.layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}.weight``

@@ -50,8 +50,8 @@ import numpy as np
 
 from offpolicy_jax import types
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.rollout import data, episodes, run_state
-from offpolicy_jax.rollout.protocol import Finished, pi_old
+from offpolicy_jax.rollout import data, episodes, prompt_rows
+from offpolicy_jax.rollout.protocol import Finished, Rollout, pi_old
 from offpolicy_jax.sampling import SampleOutput, multiturn, turn_pieces
 from offpolicy_jax.sampling import partial as partial_rollouts
 
@@ -68,7 +68,7 @@ _MASK_FIELDS = ("policy", "observation", "turn_ids")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class EpisodePool:
+class EpisodePool(Rollout):
   """Episodes in flight across loop steps as a `protocol.Rollout` (module docstring; host).
 
   Its carried state is a `PoolState` (host arrays and the environments'
@@ -80,13 +80,13 @@ class EpisodePool:
     sizes: the run's batch shape (G prompts, K trajectories, N tokens).
     budget: b, policy tokens per trajectory per loop step.
     prompt_fields: `{name: (shape without the group axis, dtype)}` of the
-      prompts' device fields (`pipeline.DEVICE_FIELDS`).
+      prompts' device fields (`prompt_rows.DEVICE_FIELDS`).
     score_old: the learner's scorer of log pi_old, or None.
   """
 
   ep: episodes.Episodes
   task: tasks.Task
-  sizes: run_state.Sizes
+  sizes: prompt_rows.Sizes
   budget: int
   prompt_fields: dict[str, tuple[tuple[int, ...], Any]]
   score_old: Callable | None = None
@@ -101,7 +101,7 @@ class EpisodePool:
     return partial_rollouts.steps_to_finish(n, self.budget) * g
 
   def signature(self) -> dict[str, Any]:
-    """What a checkpoint's pool must match to be resumed (`run_state.state_meta`)."""
+    """What a checkpoint's pool must match to be resumed (`step.run_state.state_meta`)."""
     return {"item": self.item, "slots": self.slots, "budget": self.budget}
 
   def init(self) -> PoolState:
@@ -158,7 +158,7 @@ class PoolState:
 
     Args:
       params: the behaviour parameters (the whole model state) of this step.
-      prompts: the step's prompts (`pipeline.DEVICE_FIELDS` and `index`).
+      prompts: the step's prompts (`prompt_rows.DEVICE_FIELDS` and `index`).
       step: the loop step (the groups' admission step).
       key: the step's sampling key.
       version: the behaviour parameters' version (optimizer steps).

@@ -48,8 +48,8 @@ import numpy as np
 
 from offpolicy_jax import types
 from offpolicy_jax.rewards import environments, tasks
-from offpolicy_jax.rollout import data, pipeline
-from offpolicy_jax.rollout.protocol import Finished, Stateless, pi_old
+from offpolicy_jax.rollout import data, protocol
+from offpolicy_jax.rollout.protocol import Finished, Rollout, Stateless, pi_old
 from offpolicy_jax.sampling import SampleOutput
 
 # Per-step episode statistics (every metrics row of a multi-turn run carries them).
@@ -168,7 +168,7 @@ class Played(NamedTuple):
     turns: int32 [B] policy turns of each trajectory.
     tool_calls: int32 [B] tool calls the environment counted (0 if it does not).
     failures: int32 [B] environment calls that failed (timeout, error, garbage).
-    stats: host statistics (`pipeline.REWARD_STATS` keys and `EPISODE_STATS`).
+    stats: host statistics (`scoring.REWARD_STATS` keys and `EPISODE_STATS`).
   """
 
   out: SampleOutput
@@ -309,7 +309,7 @@ def trajectory_rewards(turns_cb: Turns, rows: np.ndarray, turns: np.ndarray):
 
 
 def episode_stats(ep: Episodes, turns_cb: Turns, rows: np.ndarray, turns, seconds: float):
-  """Host statistics (`pipeline.REWARD_STATS`, `EPISODE_STATS`) of the finished `rows`.
+  """Host statistics (`scoring.REWARD_STATS`, `EPISODE_STATS`) of the finished `rows`.
 
   The counters of observations and timeouts are `turns_cb`'s since its last
   `clear` (the calls of this batch or loop step).
@@ -336,7 +336,7 @@ def episode_stats(ep: Episodes, turns_cb: Turns, rows: np.ndarray, turns, second
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class WholeEpisodes(Stateless):
+class WholeEpisodes(Stateless, Rollout):
   """Multi-turn episodes played to their end within the step (`protocol.Rollout`, host).
 
   Each row plays one episode against the task's environment in the verifier
@@ -399,7 +399,7 @@ class WholeEpisodes(Stateless):
       out = out._replace(old_logprobs=old)
     rewards = played.turn_rewards if self.ep.credit == "turn" else played.rewards
     stats = dict(played.stats)
-    stats["sampler/decode_waste"] = pipeline.decode_waste(out.mask)
+    stats["sampler/decode_waste"] = protocol.decode_waste(out.mask)
     if latest is not None:
       stats["episode/parameter_updates"] = len(used) - 1
     fin = Finished(prompts, out, jnp.asarray(versions), rewards=jnp.asarray(rewards))

@@ -27,13 +27,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax.rollout.protocol import Finished, pi_old
+from offpolicy_jax.rollout.protocol import Finished, Rollout, pi_old
 from offpolicy_jax.sampling import partial as programs
 from offpolicy_jax.sampling.partial import PartialSampler, PartialState
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Partial:
+class Partial(Rollout):
   """Partial rollouts of single-turn responses (module docstring).
 
   Attributes:
@@ -58,10 +58,10 @@ class Partial:
     example = {name: jnp.zeros((g, *shape), dt) for name, (shape, dt) in self.prompt_fields.items()}
     return programs.shard(self.sampler.init(example), self.mesh)
 
-  def advance(self, pool: PartialState, params, version, prompts, step, key, latest=None):
+  def advance(self, rstate: PartialState, params, version, prompts, step, key, latest=None):
     """Admits, advances b tokens, emits, scores pi_old (traceable; module docstring)."""
     del latest
-    pool, dropped = programs.admit(pool, prompts, step)
+    pool, dropped = programs.admit(rstate, prompts, step)
     version = jnp.asarray(version, jnp.int32)
     pool = self.sampler.advance(params, pool, version, key)
     out, keep, order, left = programs.emit(pool)

@@ -12,10 +12,13 @@ hands back the groups it finished as a `Finished` record: tokens, masks,
 behaviour log-probs, per-token versions, kept-set sizes, log pi_old when the
 run scores it, rewards when the rollout earned them itself (episodes), and
 which groups are valid and in which order they go to the replay buffer.
-Everything after it is the same for every kind: score (`pipeline.score`),
-pack (`pipeline.pack`, the one packer) and learn (`learning.learn`).
+Everything after it is the same for every kind: score (`scoring.score`),
+pack (`packing.pack`, the one packer) and learn (`learning.learn`).
 
-Kinds (chosen and built once, in `run.components_rollout.rollout_kind`):
+Kinds (chosen and built once, in `run.components_rollout.rollout_kind`), each
+declared against the protocol (a subclass of `Rollout`, so the type checker
+checks it; `tests/test_rollout_kinds.py` checks that each implements every
+member and keeps `advance`'s signature):
 
   `whole.Whole`                 static or continuous batching: every response to its end
   `partial.Partial`             APRIL partial rollouts: groups in flight across steps (device)
@@ -202,3 +205,16 @@ def pi_old(
     own = (jnp.asarray(versions) == version) & (out.mask > 0)
     old = jnp.where(own, s, jnp.zeros_like(s) if old is None else old)
   return old
+
+
+def decode_waste(mask_bn) -> jax.Array:
+  """The static batch's decode waste on these responses: row-steps decoded after a row ended.
+
+  The static sampler decodes all B rows until the longest ends, B * max_b L_b
+  row-steps for sum_b L_b tokens; the waste is 1 - sum_b L_b / (B * max_b L_b)
+  (0 when every response has the same length). Computed from the lengths, so
+  it is the same whichever sampler produced them.
+  """
+  lengths = jnp.sum(jnp.asarray(mask_bn, jnp.float32), axis=1)
+  longest = jnp.maximum(jnp.max(lengths), 1.0)
+  return 1.0 - jnp.sum(lengths) / (lengths.shape[0] * longest)

@@ -20,12 +20,12 @@ import jax
 from jax.sharding import Mesh
 
 from offpolicy_jax import models
-from offpolicy_jax.rollout import pipeline
+from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.rollout.protocol import Finished, Rollout
 from offpolicy_jax.scale.disagg import SamplerParams, row_shardings, transfer
 
 
-class OnSamplerMesh:
+class OnSamplerMesh(Rollout):
   """`rollout` run on the sampler's own mesh (module docstring).
 
   Args:
@@ -78,14 +78,14 @@ class OnSamplerMesh:
     info: dict[str, Any] = {"reshard_time_s": 0.0, "reshard_bytes": 0}
     if version != self.copy.version:
       info = self.copy.sync(trainable, version)
-    device = pipeline.device_prompts(prompts)
+    device = prompt_rows.device_prompts(prompts)
     placed = {**prompts, **transfer(device, row_shardings(device, self.mesh))}
     with jax.set_mesh(self.mesh):
       whole = models.lora.join(self.base, self.copy.params)
       rstate, fin, inner = self.inner.advance(rstate, whole, version, placed, step, key, latest)
     back = lambda tree: transfer(tree, row_shardings(tree, self.trainer_mesh))
     fin = Finished(
-      {**prompts, **back(pipeline.device_prompts(fin.prompts))},
+      {**prompts, **back(prompt_rows.device_prompts(fin.prompts))},
       back(fin.out),
       fin.versions if isinstance(fin.versions, int) else back(fin.versions),
       None if fin.rewards is None else back(fin.rewards),

@@ -16,12 +16,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from offpolicy_jax.rollout import pipeline
-from offpolicy_jax.rollout.protocol import Finished, Stateless, pi_old
+from offpolicy_jax.rollout import protocol
+from offpolicy_jax.rollout.protocol import Finished, Rollout, Stateless, pi_old
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Whole(Stateless):
+class Whole(Stateless, Rollout):
   """Every response of the step's prompts sampled to its end (module docstring).
 
   Attributes:
@@ -40,5 +40,5 @@ class Whole(Stateless):
     out = self.sampler(params, prompts["prompt_tokens"], prompts["prompt_lengths"], key)
     if self.score_old is not None:
       out = out._replace(old_logprobs=pi_old(self.score_old, [(params, version)], prompts, out, 0))
-    info: dict[str, Any] = {"sampler/decode_waste": pipeline.decode_waste(out.mask)}
+    info: dict[str, Any] = {"sampler/decode_waste": protocol.decode_waste(out.mask)}
     return rstate, Finished(prompts, out, version), info

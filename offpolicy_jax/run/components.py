@@ -40,13 +40,13 @@ from offpolicy_jax.learn.step_options import LearnerParts, StepOptions
 from offpolicy_jax.models import hub, tokenizers
 from offpolicy_jax.models.parts import ModelParts
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.rollout import run_state
-from offpolicy_jax.rollout.pipeline import INIT, step_key
 from offpolicy_jax.run import components_rollout, data_checks, evaluation, validation
 from offpolicy_jax.sampling import continuous
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.scale import disagg, sharding
+from offpolicy_jax.step import run_state
+from offpolicy_jax.step.run_state import INIT, step_key
 
 
 @dataclasses.dataclass(frozen=True)

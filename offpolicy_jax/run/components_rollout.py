@@ -15,11 +15,12 @@ import numpy as np
 
 from offpolicy_jax.rewards import environments
 from offpolicy_jax.rewards import scoring as rewards
-from offpolicy_jax.rollout import episode_pool, episodes, run_state, whole
+from offpolicy_jax.rollout import episode_pool, episodes, whole
 from offpolicy_jax.rollout import partial as partial_rollout
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.sampling import multiturn
 from offpolicy_jax.sampling import partial as partial_rollouts
+from offpolicy_jax.step import run_state
 
 
 def recorded_logp(config) -> str:

@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import models
-from offpolicy_jax.rollout import episodes, pipeline
+from offpolicy_jax.rollout import episodes
 from offpolicy_jax.rollout.protocol import EvalRows
-from offpolicy_jax.rollout.run_state import StepFns
+from offpolicy_jax.step import scoring
+from offpolicy_jax.step.run_state import StepFns
 
 
 def _memo(fns: StepFns, key, build: Callable) -> Any:
@@ -47,7 +48,7 @@ def eval_prompts(fns: StepFns, num_prompts: int, batch_size: int = 0) -> list[di
   size = min(num_prompts, batch_size or fns.sizes.prompts_per_step)
 
   def build():
-    it = pipeline.prompt_iterator(fns, 0, "eval", batch_size=size)
+    it = fns.prompts(0, "eval", batch_size=size)
     batches, seen = [], 0
     for batch in it:
       keep = np.arange(size) < num_prompts - seen
@@ -170,7 +171,7 @@ def sampled_rows(
   rows = []
   for seed in range(keys.shape[0]):
     one = out if not over_seeds else jax.tree.map(lambda x, seed=seed: x[seed], out)
-    r, stats = pipeline.score(fns, prompts, one, split="eval", group_size=k)
+    r, stats = scoring.score(fns, prompts, one, split="eval", group_size=k)
     rows.append(EvalRows(np.asarray(r), np.asarray(one.lengths), stats["reward_failures"]))
   return rows
 

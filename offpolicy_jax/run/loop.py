@@ -5,7 +5,7 @@ builds what the run needs from the config, `rl_step` holds the pure step
 (see its docstring for the lag schedule and versions), and this module feeds
 it prompts, writes a metrics row per loop step, evaluates and checkpoints.
 
-Steps run through one driver (`rollout.drivers`). Chunks: with a traced
+Steps run through one driver (`step.drivers`). Chunks: with a traced
 rollout and a device reward, a chunk of steps runs as one jitted `lax.scan`
 and its metrics reach the host once per chunk; the chunk length is
 `gcd(log_every, eval_every, checkpoint_every)`, so evaluations and
@@ -24,7 +24,7 @@ state in their meta; a run killed at any moment resumes from its last
 checkpoint and reproduces the uninterrupted run's rows exactly (sync mode).
 
 Multi-host: every process runs this same loop (SPMD) on its own block of
-prompt rows (`pipeline.assemble_global`); every process saves and restores
+prompt rows (`prompt_rows.assemble_global`); every process saves and restores
 the checkpoints; only process 0 writes metrics.
 """
 
@@ -40,12 +40,11 @@ from typing import Any
 import jax
 
 from offpolicy_jax import errors
-from offpolicy_jax.rollout import drivers, pipeline, producer, sampler_choice
-from offpolicy_jax.rollout.pipeline import EVAL, step_key
-from offpolicy_jax.rollout.run_state import RunState, weights
 from offpolicy_jax.run import evaluation, observability, stopping, validation
 from offpolicy_jax.run import start as start_lib
 from offpolicy_jax.run.components import Components, build_components
+from offpolicy_jax.step import drivers, producer, sampler_choice
+from offpolicy_jax.step.run_state import EVAL, RunState, step_key, weights
 from offpolicy_jax.store import checkpointing, metrics
 from offpolicy_jax.store import workdir as workdir_lib
 
@@ -117,7 +116,7 @@ def _start(config, workdir: str, allow_config_change: bool):
       start_lib.check_rollout(ckpt, comps.fns.rollout)
     if latest and primary:
       workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
-    data_iter = producer.LockedIterator(pipeline.prompt_iterator(comps.fns, comps.run.seed))
+    data_iter = producer.LockedIterator(comps.fns.prompts(comps.run.seed))
     begin = start_lib.restore_or_init(comps, ckpt, data_iter, workdir, comps.run.model)
     if primary and begin.step:
       print(_resume_line(workdir, begin.step, comps.run.total_steps), flush=True)
@@ -201,7 +200,7 @@ class _Loop:
   """Iterates chunks of loop steps, writing rows, evaluating and checkpointing at boundaries.
 
   How the steps themselves run (one scanned program, two halves around the
-  host, or an async sampler thread) is the driver's (`rollout.drivers`).
+  host, or an async sampler thread) is the driver's (`step.drivers`).
   """
 
   def __init__(self, comps: Components, ckpt, writer, data_iter, workdir: str, on_step, stop):

@@ -72,10 +72,10 @@ from offpolicy_jax import config_schema, models
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import batch_splits, replay, train_state, train_step
 from offpolicy_jax.models.tokenizers import CharTokenizer
-from offpolicy_jax.rollout import run_state
 from offpolicy_jax.run import components, validation
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.scale import disagg, sharding
+from offpolicy_jax.step import run_state
 
 GIB = 2**30
 

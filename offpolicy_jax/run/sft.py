@@ -30,8 +30,8 @@ from offpolicy_jax import models, types
 from offpolicy_jax.learn import train_state
 from offpolicy_jax.models import tokenizers
 from offpolicy_jax.rewards import tasks, text_episodes
-from offpolicy_jax.rollout import data, pipeline
-from offpolicy_jax.rollout.run_state import StepFns
+from offpolicy_jax.rollout import data
+from offpolicy_jax.step.run_state import StepFns
 
 
 class SFTBatch(NamedTuple):
@@ -315,7 +315,7 @@ def warm_start(
   cache_key = json.dumps([fns.model.key, seed, steps, batch_size, learning_rate, distractor])
   if cache_key not in _WARM_START_CACHE:
     # Its own prompt stream (seed + 1): the RL iterator still starts from the beginning.
-    it = pipeline.prompt_iterator(fns, seed + 1, "train", batch_size=batch_size)
+    it = fns.prompts(seed + 1, "train", batch_size=batch_size)
     batches = reference_batches(
       fns.task, fns.model.tokenizer, it, fns.sizes.max_new_tokens, distractor
     )

@@ -14,17 +14,18 @@ import os
 from typing import Any, NamedTuple
 
 from offpolicy_jax import models
-from offpolicy_jax.rollout.pipeline import EVAL, step_key
 from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.rollout.run_state import (
+from offpolicy_jax.run import evaluation, sft
+from offpolicy_jax.run.components import Components, build_components, snapshot_slots
+from offpolicy_jax.step.run_state import (
+  EVAL,
   RunState,
   init_state,
   state_from_items,
   state_items,
   state_meta,
+  step_key,
 )
-from offpolicy_jax.run import evaluation, sft
-from offpolicy_jax.run.components import Components, build_components, snapshot_slots
 from offpolicy_jax.store import checkpointing
 from offpolicy_jax.store import workdir as workdir_lib
 

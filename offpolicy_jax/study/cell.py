@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from offpolicy_jax.rollout import drivers, pipeline, programs, run_state
+from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.run import components, evaluation
+from offpolicy_jax.step import drivers, programs, run_state
 from offpolicy_jax.study import sweeps
 from offpolicy_jax.study.grid import AA_STREAM_OFFSET, Grid, grid_snapshot_slots
 from offpolicy_jax.study.warm_starts import Starts
@@ -62,7 +63,7 @@ def evaluate(
   held-out prompts, `batch_size` at a time (0: all at once), pass@k sampled
   with each seed's EVAL key of `step`.
   """
-  keys = jax.vmap(lambda s: pipeline.step_key(s, step, pipeline.EVAL))(jnp.asarray(seeds))
+  keys = jax.vmap(lambda s: run_state.step_key(s, step, run_state.EVAL))(jnp.asarray(seeds))
   ev = evaluation.evaluate_seeds(
     fns, params, keys, num_prompts, k, batch_size=batch_size or num_prompts, base=base
   )
@@ -71,7 +72,7 @@ def evaluate(
 
 def _prompt_chunk(iters: list, n: int, host_fields: bool) -> dict[str, Any]:
   """[S, n, ...] prompts: n batches from each seed's iterator."""
-  fields = pipeline.DEVICE_FIELDS + (("index", "valid") if host_fields else ())
+  fields = prompt_rows.DEVICE_FIELDS + (("index", "valid") if host_fields else ())
   per_seed = []
   for it in iters:
     batches = [next(it) for _ in range(n)]
@@ -139,7 +140,7 @@ def _run_seeds(
       for _, p in starts
     ]
   )._replace(base=starts[0][0])
-  iters = [pipeline.prompt_iterator(fns, s) for s in seeds]
+  iters = [fns.prompts(s) for s in seeds]
   streams = tuple(s + stream_offset for s in seeds)
   seeds_a = jnp.asarray(streams, jnp.int32)
   schedule = run_state.LagSchedule(*(jnp.int32(x) for x in schedule_mn))

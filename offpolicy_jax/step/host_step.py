@@ -23,9 +23,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax.rollout import acting, learning, pipeline
 from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.rollout.run_state import Sampled, StepFns
+from offpolicy_jax.step import acting, learning, scoring
+from offpolicy_jax.step.run_state import Sampled, StepFns
 from offpolicy_jax.store import metrics
 
 
@@ -108,7 +108,7 @@ def collect(
     `(rstate, batch, host metrics)`.
   """
   rstate, fin, info = acting.advance(rollout, rstate, params, version, prompts, step, seed, latest)
-  rewards, stats = pipeline.rewards_of(fns, fin)
+  rewards, stats = scoring.rewards_of(fns, fin)
   batch, keep = learning.pack_finished(fns, fin, rewards, step, seed, jitted=True)
   if keep is not None:
     raise ValueError("a rollout with groups in flight cannot feed the async producer")

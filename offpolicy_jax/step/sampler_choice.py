@@ -5,7 +5,7 @@ the static batch decodes every row until the longest one ends. Whether they
 vary is known only once the run samples, so with
 `rollout.continuous_auto_steps = W > 0` the run samples its first W steps
 with the static batch, each row logging `sampler/decode_waste` (the fraction
-of decoded row-steps after a row had ended, `pipeline.decode_waste`). After
+of decoded row-steps after a row had ended, `protocol.decode_waste`). After
 step W the mean over steps 1..W is compared with
 `rollout.continuous_waste_threshold`: above it, steps W+1.. sample with the
 continuous sampler (`StepFns.continuous`, `rollout.continuous_slots` slots),
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, cast
 
-from offpolicy_jax.rollout.run_state import StepFns
+from offpolicy_jax.step.run_state import StepFns
 
 
 def continuous_fns(fns: StepFns) -> StepFns:

@@ -27,22 +27,13 @@ from offpolicy_jax.learn import replay, step_options, train_state
 from offpolicy_jax.learn.train_state import TrainState
 from offpolicy_jax.models.parts import ModelParts
 from offpolicy_jax.rewards import tasks
+from offpolicy_jax.rollout import prompt_rows
+from offpolicy_jax.rollout.prompt_rows import Sizes
 from offpolicy_jax.rollout.protocol import EvalRows, Finished, Rollout
 from offpolicy_jax.types import TrainBatch
 
-
-class Sizes(NamedTuple):
-  """Static batch shape: G prompts of K responses, P prompt and N response tokens.
-
-  `token_advantages`: advantages are per token, [B, N] (turn-level credit of
-  multi-turn trajectories), not per row.
-  """
-
-  prompts_per_step: int
-  group_size: int
-  max_prompt_len: int
-  max_new_tokens: int
-  token_advantages: bool = False
+# Streams of per-step randomness: step_key(seed, t, stream).
+SAMPLE, ADV, REPLAY, TRAIN, EVAL, INIT = range(6)
 
 
 class Packing(NamedTuple):
@@ -99,7 +90,7 @@ class StepFns:
       loop steps into parameter versions.
     task: the task (prompts, answers, its reward function).
     sizes: the static batch shape.
-    packing: what `pipeline.pack` needs: group size, advantage estimator, turn discount.
+    packing: what `packing.pack` needs: group size, advantage estimator, turn discount.
     reward: the task's reward (device, or host in the sandboxed workers).
     truncate_prompts: cut prompts longer than `sizes.max_prompt_len` (else an error).
     rollout: how the run samples (`protocol.Rollout`).
@@ -137,6 +128,22 @@ class StepFns:
   # its compiled programs alive: ~2k memory mappings and ~100 MB per run of a sweep.)
   # Not an init argument: `dataclasses.replace` gives a copy its own, empty memo.
   memo: dict[str, Any] = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+  def prompts(self, seed: int, split: str = "train", batch_size: int | None = None):
+    """The run's prompt iterator (`prompt_rows.prompt_iterator`), shuffled by `seed`.
+
+    No `batch_size`: training batches, this process's block of rows; an
+    explicit one (evaluation, warm start) reads the whole split.
+    """
+    return prompt_rows.prompt_iterator(
+      self.task,
+      self.model.tokenizer,
+      self.sizes,
+      seed,
+      split,
+      batch_size=batch_size,
+      truncate=self.truncate_prompts,
+    )
 
 
 class RunState(NamedTuple):
@@ -287,3 +294,8 @@ def state_from_items(
     rollout=carried,
     base=like.base,
   )
+
+
+def step_key(seed, step, stream: int) -> jax.Array:
+  """The PRNG key of `stream` at loop step `step`: a pure function of (seed, step); traceable."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), stream)

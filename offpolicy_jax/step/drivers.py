@@ -34,11 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag
-from offpolicy_jax.rollout import host_step, pipeline, producer, sampler_mesh
-from offpolicy_jax.rollout.programs import programs
+from offpolicy_jax.rollout import prompt_rows, sampler_mesh
 from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.rollout.run_state import LagSchedule, ReplayOptions, StepFns
 from offpolicy_jax.scale import sharding
+from offpolicy_jax.step import host_step, producer, scoring
+from offpolicy_jax.step.programs import programs
+from offpolicy_jax.step.run_state import LagSchedule, ReplayOptions, StepFns
 from offpolicy_jax.store import metrics
 
 # `read(n)`: the local prompt batches of the next n loop steps, and per batch how many of its
@@ -159,8 +160,8 @@ class Scanned:
   def steps(self, state, step: int, n: int):
     run = self._run
     local, truncated = self._read(n)
-    stacked = {k: np.stack([p[k] for p in local]) for k in pipeline.DEVICE_FIELDS}
-    prompts = pipeline.assemble_global(self.fns.model.mesh, stacked, leading_axes=1)
+    stacked = {k: np.stack([p[k] for p in local]) for k in prompt_rows.DEVICE_FIELDS}
+    prompts = prompt_rows.assemble_global(self.fns.model.mesh, stacked, leading_axes=1)
     steps = jax.device_put(
       np.arange(step + 1, step + n + 1, dtype=np.int32), sharding.replicated(run.mesh)
     )
@@ -171,7 +172,7 @@ class Scanned:
     device = (time.perf_counter() - begin) / n
     rows = _rows_of(out, n)
     for row, t in zip(rows, truncated, strict=True):
-      row.update(pipeline.no_reward_stats(), prompts_truncated=t)
+      row.update(scoring.no_reward_stats(), prompts_truncated=t)
       row["time/device_s"] = device
     return state, rows
 
@@ -209,7 +210,7 @@ class Split:
 
   def _read_one(self) -> tuple[dict[str, Any], int]:
     (local,), (truncated,) = self._read(1)
-    return pipeline.assemble_global(self.fns.model.mesh, local), truncated
+    return prompt_rows.assemble_global(self.fns.model.mesh, local), truncated
 
   def steps(self, state, step: int, n: int):
     assert n == 1, n

@@ -22,9 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag
-from offpolicy_jax.rollout import pipeline
+from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.rollout.run_state import (
+from offpolicy_jax.scale import sharding
+from offpolicy_jax.step import run_state
+from offpolicy_jax.step.run_state import (
   LagSchedule,
   RunState,
   Sampled,
@@ -32,7 +34,6 @@ from offpolicy_jax.rollout.run_state import (
   StepFns,
   weights,
 )
-from offpolicy_jax.scale import sharding
 
 
 def behaviour_params(state: RunState, step, schedule: LagSchedule):
@@ -55,7 +56,7 @@ def rollout(fns: StepFns, state: RunState, prompts: dict, step, seed, schedule):
     and whether its snapshot was present.
   """
   params, v, found = behaviour_params(state, step, schedule)
-  key = pipeline.step_key(seed, step, pipeline.SAMPLE)
+  key = run_state.step_key(seed, step, run_state.SAMPLE)
   rstate, fin, info = fns.rollout.advance(
     state.rollout, weights(state, params), fns.learner.version(v), prompts, step, key
   )
@@ -69,7 +70,7 @@ def sample(
   mesh = fns.model.mesh
   step_a, seed_a = sharding.replicated_int(mesh, step), sharding.replicated_int(mesh, seed)
   if rollout.traced:
-    device = pipeline.device_prompts(prompts)
+    device = prompt_rows.device_prompts(prompts)
     rstate, fin, info, v, found = progs.rollout(state, device, step_a, seed_a, schedule)
     # A traced rollout's groups are the step's prompts: they keep their host fields.
     return Sampled(rstate, fin._replace(prompts={**prompts, **fin.prompts}), info, {}, v, found)
@@ -86,7 +87,7 @@ def advance(rollout: Rollout, rstate, params, version, prompts: dict, step: int,
   `params` are the whole behaviour model at `version`; `latest` (`Rollout.advance`)
   lets episodes continue under parameters published while they run (async mode).
   """
-  key = pipeline.step_key(seed, step, pipeline.SAMPLE)
+  key = run_state.step_key(seed, step, run_state.SAMPLE)
   return rollout.advance(rstate, params, version, prompts, step, key, latest)
 
 
@@ -101,9 +102,9 @@ def sample_over_seeds(
   rollout = fns.rollout
   seeds_l = np.asarray(seeds).tolist()
   if rollout.traced:
-    device = pipeline.device_prompts(prompts)
+    device = prompt_rows.device_prompts(prompts)
     rstate, fin, info, v, found = progs.rollout(state, device, step, seeds, schedule)
-    stacked = pipeline.device_finished(fin)  # already [S, ...]: sliced per seed only for scoring
+    stacked = prompt_rows.device_finished(fin)  # already [S, ...]: sliced per seed only for scoring
     fin = fin._replace(prompts={**prompts, **fin.prompts})
     per_seed = [jax.tree.map(lambda x, s=s: x[s], fin) for s in range(len(seeds_l))]
     return SampledSeeds(rstate, stacked, per_seed, info, [{} for _ in seeds_l], v, found)
@@ -117,5 +118,5 @@ def sample_over_seeds(
     per_seed.append(fin_s)
     host.append(host_s)
   stack = lambda *x: jnp.stack([jnp.asarray(y) for y in x])
-  stacked = jax.tree.map(stack, *map(pipeline.device_finished, per_seed))
+  stacked = jax.tree.map(stack, *map(prompt_rows.device_finished, per_seed))
   return SampledSeeds(None, stacked, per_seed, {}, host, v, found)

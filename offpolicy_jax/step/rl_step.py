@@ -14,7 +14,7 @@ secretly an off-policy algorithm", arXiv:2509.24203):
 The rollout is the run's `protocol.Rollout` (`StepFns.rollout`: whole
 responses, partial rollouts, episodes, the episode pool), and every step is
 
-  rollout (`advance`) -> score -> pack (`pipeline.pack`) -> learn
+  rollout (`advance`) -> score -> pack (`packing.pack`) -> learn
 
 The two halves have their own modules: `acting` (the behaviour parameters,
 then `advance`) and `learning` (pack, replay, train step, snapshot); this
@@ -41,8 +41,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax.rollout import acting, learning, pipeline
-from offpolicy_jax.rollout.run_state import ReplayOptions, RunState, StepFns
+from offpolicy_jax.step import acting, learning, scoring
+from offpolicy_jax.step.run_state import ReplayOptions, RunState, StepFns
 
 
 def rl_step(fns: StepFns, opts: ReplayOptions, state: RunState, prompts, step, seed, schedule):
@@ -52,7 +52,7 @@ def rl_step(fns: StepFns, opts: ReplayOptions, state: RunState, prompts, step, s
   """
   assert fns.reward.device is not None, "rl_step needs a device reward"
   rstate, fin, info, v, found = acting.rollout(fns, state, prompts, step, seed, schedule)
-  rewards = pipeline.score_on_device(fns, fin.prompts, fin.out)
+  rewards = scoring.score_on_device(fns, fin.prompts, fin.out)
   state, metrics = learning.learn_finished(
     fns, opts, state, rstate, fin, rewards, info, v, step, seed, schedule
   )

@@ -1,6 +1,6 @@
 """The learning half of a step: pack the scored groups, buffer them, train, snapshot.
 
-  batch    = pack(finished groups, rewards)               `pipeline.pack`
+  batch    = pack(finished groups, rewards)               `packing.pack`
   buffer   = replay.add(buffer, batch);  batch = replay.sample(buffer)
   theta_t  = train_step(theta_{t-1}, batch)               U optimizer steps
   snapshot[t] = theta_t                                   when m divides t
@@ -9,7 +9,7 @@
 `learn` alone takes an already packed batch (the async trainer's
 `Programs.learn`). `learn_sampled` is the learning half of a step driven from
 the host (`host_step`): the rewards (the rollout's own, or scored on device or
-in the sandboxed verifier workers: `pipeline.rewards_of`), then
+in the sandboxed verifier workers: `scoring.rewards_of`), then
 `Programs.learn_finished`; `learn_sampled_over_seeds` is the same for the
 study's S seeds, each seed's rows scored apart.
 """
@@ -23,16 +23,17 @@ import jax.numpy as jnp
 
 from offpolicy_jax import lag
 from offpolicy_jax.learn import replay, train_step
-from offpolicy_jax.rollout import episodes, pipeline
+from offpolicy_jax.rollout import episodes, prompt_rows
 from offpolicy_jax.rollout.protocol import Finished
-from offpolicy_jax.rollout.run_state import (
+from offpolicy_jax.scale import sharding
+from offpolicy_jax.step import packing, run_state, scoring
+from offpolicy_jax.step.run_state import (
   ReplayOptions,
   RunState,
   Sampled,
   SampledSeeds,
   StepFns,
 )
-from offpolicy_jax.scale import sharding
 from offpolicy_jax.store import metrics as metrics_files
 
 
@@ -46,7 +47,7 @@ def learn(
   """
   buffer, sampled, info = replay.sample(
     replay.add(state.replay, batch, keep),
-    pipeline.step_key(seed, step, pipeline.REPLAY),
+    run_state.step_key(seed, step, run_state.REPLAY),
     batch_size=fns.sizes.prompts_per_step,
     policy=opts.policy,
     max_reuse=opts.max_reuse,
@@ -60,7 +61,7 @@ def learn(
     fns.learner.options,
     state.train,
     sampled,
-    pipeline.step_key(seed, step, pipeline.TRAIN),
+    run_state.step_key(seed, step, run_state.TRAIN),
     state.ref_params,
     base=state.base,
   )
@@ -77,13 +78,13 @@ def learn(
 
 
 def pack_finished(fns: StepFns, fin: Finished, rewards, step, seed, *, jitted: bool = False):
-  """`(batch, keep)`: the finished groups packed (`pipeline.pack`), and which to buffer.
+  """`(batch, keep)`: the finished groups packed (`packing.pack`), and which to buffer.
 
   `keep` (bool [G'], in batch order) is None when every group is kept.
   """
-  packer = pipeline.pack_jit if jitted else pipeline.pack
-  prompts = {k: fin.prompts[k] for k in pipeline.DEVICE_FIELDS if k in fin.prompts}
-  key = pipeline.step_key(seed, step, pipeline.ADV)
+  packer = packing.pack_jit if jitted else packing.pack
+  prompts = {k: fin.prompts[k] for k in prompt_rows.DEVICE_FIELDS if k in fin.prompts}
+  key = run_state.step_key(seed, step, run_state.ADV)
   args = (fin.out, rewards, fin.versions, key, fin.valid, fin.order)
   batch = packer(fns.packing, prompts, *args)
   keep = fin.valid
@@ -130,14 +131,14 @@ def learn_sampled(fns: StepFns, progs, state, sampled: Sampled, step: int, seed:
     `time/reward_s`).
   """
   fin, begin = sampled.fin, time.perf_counter()
-  rewards, stats = pipeline.rewards_of(fns, fin)
+  rewards, stats = scoring.rewards_of(fns, fin)
   reward_s = time.perf_counter() - begin
   rstate = sampled.rstate
   if not fns.rollout.traced:  # host objects stay outside the programs (`programs._traced`)
     state, rstate = state._replace(rollout=rstate), None
   mesh = fns.model.mesh
   step_a, seed_a = sharding.replicated_int(mesh, step), sharding.replicated_int(mesh, seed)
-  device = pipeline.device_finished(fin)
+  device = prompt_rows.device_finished(fin)
   args = (rstate, device, rewards, sampled.info, sampled.v, step_a, seed_a, schedule)
   state, out = progs.learn_finished(state, *args)
   row = {k: metrics_files.to_python(x) for k, x in jax.device_get(out).items()}
@@ -153,7 +154,7 @@ def learn_sampled_over_seeds(
 ):
   """The learning half of one step of S seeds' runs: each seed's rewards (`rewards_of`),
   then the vmapped `Programs.learn_finished`. Returns `(state, metrics [S])`."""
-  scored = [pipeline.rewards_of(fns, fin) for fin in sampled.per_seed]
+  scored = [scoring.rewards_of(fns, fin) for fin in sampled.per_seed]
   rewards = jnp.stack([jnp.asarray(r) for r, _ in scored])
   args = (sampled.rstate, sampled.fin, rewards, sampled.info, sampled.v, step, seeds, schedule)
   state, out = progs.learn_finished(state, *args)

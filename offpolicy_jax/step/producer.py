@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag, models
-from offpolicy_jax.rollout import host_step, pipeline, run_state
+from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.scale import disagg, sharding
+from offpolicy_jax.step import host_step, run_state
 
 
 class LockedIterator:
@@ -95,7 +96,7 @@ class AsyncProducer:
     self._produced += 1
     step, start = self._produced, time.perf_counter()
     local = next(self._data)
-    prompts = pipeline.assemble_global(self._mesh, local)
+    prompts = prompt_rows.assemble_global(self._mesh, local)
     own_mesh = jax.set_mesh(self._mesh) if self._copy else contextlib.nullcontext()
     # An episode continues under parameters published while it runs.
     latest = lambda: self._joined(*self.sampler.latest())

@@ -19,11 +19,11 @@ from typing import NamedTuple
 
 import jax
 
-from offpolicy_jax.rollout.acting import behaviour_params, rollout
-from offpolicy_jax.rollout.learning import learn, learn_finished
-from offpolicy_jax.rollout.rl_step import rl_steps
-from offpolicy_jax.rollout.run_state import ReplayOptions, RunState, StepFns
 from offpolicy_jax.scale import sharding
+from offpolicy_jax.step.acting import behaviour_params, rollout
+from offpolicy_jax.step.learning import learn, learn_finished
+from offpolicy_jax.step.rl_step import rl_steps
+from offpolicy_jax.step.run_state import ReplayOptions, RunState, StepFns
 
 
 class Programs(NamedTuple):
