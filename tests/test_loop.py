@@ -221,6 +221,19 @@ def test_resume_reproduces_uninterrupted_run(tmp_path, capsys):
   text = reports.format_run_summary(part, wall_s=1.0)
   assert f"{walls[-1]:.0f} s to the last step, every command counted (this command: 1 s)" in text
 
+  # Cost totals go on from the checkpoint's: the token totals are the sums of the steps'
+  # counts (the rows above equal the uninterrupted run's, totals included), and each side's
+  # seconds are busy or idle.
+  last = got_train[-1]
+  assert last["cost/sampled_tokens"] == sum(r["sampled_tokens"] for r in got_train) > 0
+  assert last["cost/trained_tokens"] == sum(r["tokens"] for r in got_train) > 0
+  assert last["cost/sampled_prompt_tokens"] == sum(r["sampled_prompt_tokens"] for r in got_train)
+  fused = [r["time/run_device_busy_s"] for r in got_train]
+  assert fused == sorted(fused) and fused[-1] <= walls[-1]
+  assert last["time/run_sampler_idle_s"] == pytest.approx(walls[-1] - fused[-1])
+  assert summary["sampled_tokens"] == last["cost/sampled_tokens"]
+  assert f"{last['cost/sampled_tokens']:.0f} sampled" in text
+
 
 @pytest.mark.parametrize(
   "overrides,field",
@@ -348,6 +361,16 @@ def test_async_mode_runs_with_bounded_staleness(tmp_path):
   for row in rows:
     assert 0 <= row["staleness_max"] <= 2
     assert row["staleness_mean"] == row["step"] - 1 - row["behavior_version"]
+  # The producer's sampling and the trainer's learning overlap: each side is busy or idle
+  # within the run's wall clock, and the tokens of dropped batches are counted as sampled.
+  last = rows[-1]
+  wall = last["time/run_wall_s"]
+  for side in ("sampler", "learner"):
+    assert 0 < last[f"time/run_{side}_busy_s"] <= wall
+    assert last[f"time/run_{side}_busy_s"] + last[f"time/run_{side}_idle_s"] == pytest.approx(wall)
+  assert last["time/run_learner_busy_s"] == pytest.approx(sum(r["time/train_s"] for r in rows))
+  dropped = sum(r["async_dropped_tokens"] for r in rows)
+  assert last["cost/sampled_tokens"] == sum(r["sampled_tokens"] for r in rows) + dropped
 
 
 def test_sharded_mesh_matches_single_device(tmp_path):

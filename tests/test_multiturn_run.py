@@ -40,7 +40,8 @@ def _config(**overrides):
 
 
 def _no_timing(rows):
-  return [{k: v for k, v in r.items() if k != "reward_time_s"} for r in strip_timing(rows)]
+  timing = ("reward_time_s", "episode/env_s")
+  return [{k: v for k, v in r.items() if k not in timing} for r in strip_timing(rows)]
 
 
 def _check_training_rows(rows):
@@ -54,7 +55,10 @@ def _check_training_rows(rows):
     assert r["tokens"] <= 3 * 4 * 8
     assert r["response_tokens"] == pytest.approx(r["tokens"])
     assert r["reward_failures"] == 0
+    assert r["episode/env_s"] > 0  # the environments' answers, counted in the run's costs
   assert any(r["grad_norm"] > 0 for r in train)
+  env_s = sum(r["episode/env_s"] for r in train)
+  assert train[-1]["time/run_environment_s"] == pytest.approx(env_s)
   assert "eval/turns" in evals[-1] and "eval/tool_calls_per_solved" in evals[-1]
 
 

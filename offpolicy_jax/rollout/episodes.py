@@ -61,6 +61,7 @@ EPISODE_STATS = (
   "episode/observation_tokens",
   "episode/observations_cut",
   "episode/env_failures",
+  "episode/env_s",
 )
 
 
@@ -199,14 +200,18 @@ class Turns:
     self.cut = 0
     self.obs_tokens = 0
     self.timeouts = 0
+    self.env_s = 0.0  # seconds the environments took to answer
 
   def clear(self) -> None:
-    """Zeroes the counters of cut observations, observation tokens and timeouts."""
+    """Zeroes the counters of cut observations, observation tokens, timeouts and env seconds."""
     self.cut = self.obs_tokens = self.timeouts = 0
+    self.env_s = 0.0
 
   def reset(self, rows: Sequence[int] | np.ndarray, examples: Sequence[dict[str, Any]]) -> None:
     """Starts the episodes of `rows` on `examples` (one each)."""
+    begin = time.perf_counter()
     first = self.ep.runner.reset(list(examples))
+    self.env_s += time.perf_counter() - begin
     for i, r in zip(rows, first, strict=True):
       for records in (self.rewards, self.turn_rewards, self.failures, self.tool_calls, self.dead):
         records[i] = 0
@@ -230,7 +235,9 @@ class Turns:
     live = [r for r in ids if not self.dead[r]]
     actions_of = {r: a.tolist() for r, a in zip(ids, actions, strict=True)}
     texts = {r: self.ep.fmt.action_text(a) for r, a in actions_of.items()}
+    begin = time.perf_counter()
     results = self.ep.runner.step([self.states[r] for r in live], [texts[r] for r in live])
+    self.env_s += time.perf_counter() - begin
     replies: dict[int, tuple[np.ndarray, bool]] = {}
     for r, res in zip(live, results, strict=True):
       self._record(r, res, turn)
@@ -332,6 +339,7 @@ def episode_stats(ep: Episodes, turns_cb: Turns, rows: np.ndarray, turns, second
     "episode/observation_tokens": turns_cb.obs_tokens / b,
     "episode/observations_cut": int(turns_cb.cut),
     "episode/env_failures": int(failures.sum()),
+    "episode/env_s": float(turns_cb.env_s),
   }
 
 

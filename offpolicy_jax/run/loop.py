@@ -43,7 +43,7 @@ from offpolicy_jax import errors
 from offpolicy_jax.run import evaluation, observability, stopping, validation
 from offpolicy_jax.run import start as start_lib
 from offpolicy_jax.run.components import Components, build_components
-from offpolicy_jax.step import drivers, producer, sampler_choice
+from offpolicy_jax.step import costs, drivers, producer, sampler_choice
 from offpolicy_jax.step.run_state import EVAL, RunState, step_key, weights
 from offpolicy_jax.store import checkpointing, metrics
 from offpolicy_jax.store import workdir as workdir_lib
@@ -161,7 +161,7 @@ class _RunClock:
 def _run(comps, ckpt, writer, data_iter, begin, clock, workdir: str, on_step, stop) -> list[dict]:
   """Runs the loop from the restored state to `total_steps` (or a signal), then closes."""
   loop = _Loop(comps, ckpt, writer, data_iter, workdir, on_step, stop)
-  loop.base_record, loop.clock = begin.base, clock
+  loop.base_record, loop.clock, loop.costs = begin.base, clock, begin.costs
   loop.resume_choice(begin.choice)
   start_accuracy = begin.start_accuracy
   try:
@@ -213,6 +213,8 @@ class _Loop:
     self.start_accuracy = None
     self.base_record: dict[str, str] | None = None  # a LoRA run's base (checkpoint meta)
     self.clock = _RunClock(time.perf_counter(), 0.0)
+    # The run's cost totals (`step.costs`); None when its checkpoint predates them.
+    self.costs: costs.Costs | None = costs.Costs()
     self._first_rows: list[dict[str, Any]] | None = []  # until `_check_signal` has looked
     self.compiles = observability.CompileCounter()
     self.profiler = observability.Profiler(
@@ -310,6 +312,9 @@ class _Loop:
     run_s = self.clock.run_s(at)  # cumulative: not one of the step's phases above
     if run_s is not None:
       row["time/run_wall_s"] = run_s
+    if self.costs is not None:
+      self.costs = costs.add(self.costs, costs.of_row(row))
+      row.update(costs.fields(self.costs, run_s))
     row["compiles"] = self.compiles.count
     self.rows.append(self.writer.write(step, row))
     self._check_signal(self.rows[-1])
@@ -371,6 +376,8 @@ class _Loop:
       "start_accuracy": self.start_accuracy,
       "wall_s": self.clock.run_s(),
     }
+    if self.costs is not None:
+      meta["costs"] = costs.to_meta(self.costs)
     if self.base_record is not None:
       meta["base"] = self.base_record
     if self.choice.auto:

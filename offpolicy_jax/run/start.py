@@ -17,6 +17,7 @@ from offpolicy_jax import models
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.run import evaluation, sft
 from offpolicy_jax.run.components import Components, build_components, snapshot_slots
+from offpolicy_jax.step import costs as costs_lib
 from offpolicy_jax.step.run_state import (
   EVAL,
   RunState,
@@ -117,6 +118,8 @@ class Begin(NamedTuple):
     choice: the automatic sampler choice (`sampler_choice.SamplerChoice.state`), or None.
     wall_s: the run's wall time up to the checkpoint, every command's included
       (0 for a fresh run; None for a checkpoint written before it was recorded).
+    costs: the run's cost totals up to the checkpoint (`step.costs`; zero for a
+      fresh run, None for a checkpoint written before they were recorded).
   """
 
   state: RunState
@@ -125,6 +128,7 @@ class Begin(NamedTuple):
   base: dict[str, str] | None
   choice: dict[str, Any] | None
   wall_s: float | None
+  costs: costs_lib.Costs | None
 
 
 def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str) -> Begin:
@@ -149,6 +153,10 @@ def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str
         f"{meta.get('base')}, but this run's base is {record} (config.model, the warm start "
         "or the checkpoint's files changed); refusing to resume on another base"
       )
+    try:
+      costs = costs_lib.from_meta(meta.get("costs"))
+    except ValueError as e:
+      raise ValueError(f"{workdir}: the checkpoint of step {start}: {e}") from None
     data_iter.set_state(meta["data_state"])
     state = state_from_items(items, template, fns.rollout, meta)
     return Begin(
@@ -158,9 +166,11 @@ def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str
       record,
       meta.get("sampler_choice"),
       meta.get("wall_s"),
+      costs,
     )
   base, params = initial_weights(comps)
-  return Begin(fresh_state(comps, params, base), 0, None, base_record(base, model), None, 0.0)
+  fresh = fresh_state(comps, params, base)
+  return Begin(fresh, 0, None, base_record(base, model), None, 0.0, costs_lib.Costs())
 
 
 def require_step(workdir: str, step: int | None) -> None:

@@ -43,8 +43,12 @@ def learn(
   """Buffers `batch`, draws the step's training batch, takes U optimizer steps, snapshots.
 
   With `keep` (bool [G'] over the groups of `batch`), only the kept groups are
-  buffered (partial rollouts emit a variable number per step).
+  buffered (partial rollouts emit a variable number per step). The metrics
+  count the tokens of the buffered rows (`sampled_tokens`, and
+  `sampled_prompt_tokens`, one prefill per group): the run's cost accounting
+  (`step.costs`) sums them.
   """
+  sampled_counts = _sampled_tokens(batch, keep, fns.sizes.group_size)
   buffer, sampled, info = replay.sample(
     replay.add(state.replay, batch, keep),
     run_state.step_key(seed, step, run_state.REPLAY),
@@ -74,7 +78,21 @@ def learn(
       snapshots,
     )
   state = state._replace(train=train, replay=buffer, snapshots=snapshots)
-  return state, {**stats, **metrics, "replay_selected": info.num_selected}
+  return state, {**stats, **metrics, **sampled_counts, "replay_selected": info.num_selected}
+
+
+def _sampled_tokens(batch, keep, group_size: int) -> dict[str, jax.Array]:
+  """Response tokens of the rows of `batch` to buffer, and their groups' prompt tokens."""
+  rows = batch.weights > 0
+  if keep is not None:
+    rows = rows & jnp.repeat(jnp.asarray(keep, bool), group_size)
+  rows_f = rows.astype(jnp.float32)
+  groups_f = rows_f.reshape(-1, group_size).max(axis=1)
+  prompt_g = batch.prompt_mask.reshape(-1, group_size, batch.prompt_mask.shape[-1])[:, 0]
+  return {
+    "sampled_tokens": jnp.sum(batch.mask * rows_f[:, None]),
+    "sampled_prompt_tokens": jnp.sum(prompt_g.sum(axis=1) * groups_f),
+  }
 
 
 def pack_finished(fns: StepFns, fin: Finished, rewards, step, seed, *, jitted: bool = False):

@@ -77,6 +77,7 @@ class AsyncProducer:
     base=None,
   ):
     self._fns, self._data, self._seed = fns, data_iter, seed
+    self._counted = (0.0, 0.0)  # the sampler's busy seconds and dropped tokens already reported
     self._produced = step
     self._mesh = fns.sampler_mesh or fns.model.mesh
     self._copy, place = None, None
@@ -118,7 +119,12 @@ class AsyncProducer:
     """The next batch within the staleness bound for loop step `step`, and its host info."""
     current = self._fns.learner.version(step - 1)
     batch, info = self.sampler.get(current_version=current, timeout=600.0, with_info=True)
-    info["async_dropped_batches"] = self.sampler.stats["dropped_batches"]
+    stats = self.sampler.stats
+    info["async_dropped_batches"] = stats["dropped_batches"]
+    # Since the previous step (the run's cost accounting, `step.costs`).
+    info["async_sampler_busy_s"] = stats["busy_s"] - self._counted[0]
+    info["async_dropped_tokens"] = stats["dropped_tokens"] - self._counted[1]
+    self._counted = (stats["busy_s"], stats["dropped_tokens"])
     return batch, info
 
   def publish(self, params, step: int) -> dict[str, Any]:
@@ -197,7 +203,14 @@ class SamplerThread:
     self.max_staleness = max_staleness
     self.mode = mode
     self.stale_weight = stale_weight
-    self.stats = {"produced": 0, "consumed": 0, "dropped_batches": 0, "downweighted_rows": 0}
+    self.stats: dict[str, float] = {
+      "produced": 0,
+      "consumed": 0,
+      "dropped_batches": 0,
+      "downweighted_rows": 0,
+    }
+    # Seconds in `sample_fn` (its batch ready), and response tokens of dropped batches.
+    self.stats |= {"busy_s": 0.0, "dropped_tokens": 0.0}
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
 
@@ -220,9 +233,11 @@ class SamplerThread:
       while not self._stop.is_set():
         with self._lock:
           params, version = self._latest
+        begin = time.perf_counter()
         out = self._sample_fn(params, version)
         batch, info = out if isinstance(out, tuple) and not hasattr(out, "_fields") else (out, None)
         jax.block_until_ready(batch)
+        self.stats["busy_s"] += time.perf_counter() - begin
         self.stats["produced"] += 1
         while not self._stop.is_set():
           try:
@@ -259,6 +274,8 @@ class SamplerThread:
       too_old = stale > self.max_staleness
       if self.mode == "drop" and too_old.any():
         self.stats["dropped_batches"] += 1
+        kept = np.asarray(batch.weights) > 0
+        self.stats["dropped_tokens"] += float(np.asarray(batch.mask)[kept].sum())
         continue
       if too_old.any():
         self.stats["downweighted_rows"] += int(too_old.sum())

@@ -14,6 +14,17 @@ from offpolicy_jax.store.metrics_files import read_metrics, split_rows
 
 # The run's wall time so far, every command's (written by the loop in each train row).
 RUN_WALL_KEY = "time/run_wall_s"
+# A run's cost totals (`step.costs`) its summary keeps: summary name -> row key.
+COST_KEYS = {
+  "sampled_tokens": "cost/sampled_tokens",
+  "sampled_prompt_tokens": "cost/sampled_prompt_tokens",
+  "trained_tokens": "cost/trained_tokens",
+  "sampler_busy_s": "time/run_sampler_busy_s",
+  "sampler_idle_s": "time/run_sampler_idle_s",
+  "learner_busy_s": "time/run_learner_busy_s",
+  "learner_idle_s": "time/run_learner_idle_s",
+  "device_busy_s": "time/run_device_busy_s",
+}
 
 # Longest text a markdown summary cell shows (the CSV keeps it whole).
 _MD_CELL_CHARS = 300
@@ -156,8 +167,9 @@ def summarize_run(path: str) -> dict[str, Any]:
   Returns:
     dict with steps, reward_first_fifth, reward_last_fifth, staleness_mean,
     clip_frac, run_wall_s (the run's wall time, every command's, when its rows
-    record it), start_accuracy (the evaluation at step 0: after the warm
-    start), and every `eval/` metric of the last evaluation.
+    record it), the cost totals of `COST_KEYS` (when recorded), start_accuracy
+    (the evaluation at step 0: after the warm start), and every `eval/` metric
+    of the last evaluation.
   """
   train, evals = split_rows(read_metrics(path))
   out: dict[str, Any] = {"steps": len(train)}
@@ -171,6 +183,9 @@ def summarize_run(path: str) -> dict[str, Any]:
       out[key] = float(np.mean(vals)) if vals else float("nan")
     if isinstance(train[-1].get(RUN_WALL_KEY), (int, float)):
       out["run_wall_s"] = float(train[-1][RUN_WALL_KEY])
+    for name, key in COST_KEYS.items():
+      if isinstance(train[-1].get(key), (int, float)):
+        out[name] = float(train[-1][key])
   if evals and evals[0]["step"] == 0 and "eval/accuracy" in evals[0]:
     out["start_accuracy"] = evals[0]["eval/accuracy"]
   if evals:
@@ -195,6 +210,10 @@ def format_run_summary(path: str, *, wall_s: float | None = None, lora: bool = F
     first, last = s["reward_first_fifth"], s["reward_last_fifth"]
     rows.append(("reward", f"{first:.3f} (first fifth of steps) -> {last:.3f} (last fifth)"))
     rows.append(("staleness", f"{s['staleness_mean']:.3g} steps behind (mean)"))
+  if "sampled_tokens" in s:
+    rows.append(("tokens", f"{s['sampled_tokens']:.0f} sampled, {s['trained_tokens']:.0f} trained"))
+  if "sampler_idle_s" in s:
+    rows.append(("busy / idle", _sides_text(s)))
   if "start_accuracy" in s and "eval/accuracy" in s:
     start, end = s["start_accuracy"], s["eval/accuracy"]
     rows.append(("accuracy", f"{start:.3f} at step 0 (after the warm start, if any) -> {end:.3f}"))
@@ -219,6 +238,17 @@ def _wall_text(run_s: float | None, command_s: float | None) -> str:
     return this
   whole = f"{run_s:.0f} s to the last step, every command counted"
   return f"{whole} ({this})" if this else whole
+
+
+def _sides_text(s: Mapping[str, float]) -> str:
+  """Each side's busy and idle seconds (a fused step's device time is busy time of both)."""
+  fused = s.get("device_busy_s", 0.0)
+  sides = [
+    f"{side} {s[f'{side}_busy_s'] + fused:.0f} s / {s[f'{side}_idle_s']:.0f} s"
+    for side in ("sampler", "learner")
+  ]
+  note = " (sampling and learning in one program)" if fused else ""
+  return ", ".join(sides) + note
 
 
 def _md_cell(text: str) -> str:
