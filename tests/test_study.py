@@ -199,6 +199,14 @@ def test_miniature_study_writes_tables_csv_and_plots(mini):
     offline = cell["lag"] == "offline"
     stale = [max(r["staleness_mean"]) for r in cell["runs"]]
     assert stale == ([3.0, 3.0] if offline else [0.0, 0.0])
+    # What each run spent: tokens are its own, seconds the vmapped program's share.
+    for run in cell["runs"]:
+      c = run["costs"]
+      assert c["sampled_tokens"] > 0 and c["trained_tokens"] > 0
+      assert c["train_wall_s"] > 0 and c["seeds_per_program"] == 2
+  spent = {(r["method"], r["lag"], r["seed"]) for r in rows if r["metric"] == "sampled_tokens"}
+  assert len(spent) == len(finals)
+  assert "## Cost per run" in text and "`train_wall_s`" in text
 
 
 def test_interrupted_study_reruns_only_missing_cells_and_gets_the_same_numbers(mini, tmp_path):

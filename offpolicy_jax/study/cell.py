@@ -12,6 +12,7 @@ the lags of one method share one compiled program.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import jax
@@ -36,6 +37,21 @@ OFF_POLICY_METRICS = (
   "corr_seq_masked_frac",
   "corr_token_truncated_frac",
 )
+
+
+def _costs(out: dict[str, np.ndarray], i: int, train_s: float, seeds: int) -> dict[str, float]:
+  """Seed `i`'s cost totals (`step.costs`): tokens sampled and trained, and seconds.
+
+  The S seeds of one vmapped program share its seconds: `train_wall_s` is
+  their share, the program's training seconds / S (`seeds_per_program`).
+  """
+  return {
+    "sampled_tokens": float(out["sampled_tokens"][i].sum()),
+    "sampled_prompt_tokens": float(out["sampled_prompt_tokens"][i].sum()),
+    "trained_tokens": float(out["tokens"][i].sum()),
+    "train_wall_s": train_s / seeds,
+    "seeds_per_program": float(seeds),
+  }
 
 
 def _stack(trees: list) -> Any:
@@ -149,12 +165,15 @@ def _run_seeds(
   acc0, _, eval_fails = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
   eval_steps, accs, metrics_l, pass_k = [0], [acc0], [], None
   advance = drivers.over_seeds(fns)
+  train_s = 0.0  # the training steps' seconds, evaluations excluded (compilation included)
   for start in range(0, run.total_steps, run.eval_every):
     prompts = _prompt_chunk(iters, run.eval_every, not device)
     steps = jnp.arange(start + 1, start + run.eval_every + 1, dtype=jnp.int32)
     progs = programs.programs(fns, comps.replay, state, over_seeds=True)
+    begin = time.perf_counter()
     state, out = advance(progs, state, prompts, steps, seeds_a, schedule)
     metrics_l.append(jax.device_get(out))
+    train_s += time.perf_counter() - begin
     end = start + run.eval_every
     k = run.eval_samples if end == run.total_steps else 0
     acc, solved, fails = evaluate(
@@ -177,6 +196,7 @@ def _run_seeds(
       f"pass@{run.eval_samples}": None if pass_k is None else float(pass_k[i]),
       "snapshot_missing": bool(out["snapshot_missing"][i].any()),
       "off_policy": {k: float(np.mean(out[k][i])) for k in OFF_POLICY_METRICS if k in out},
+      "costs": _costs(out, i, train_s, len(seeds)),
       # Sandboxed rewards that failed (scored 0) in evaluations and in training.
       "reward_failures": {
         "eval_reward_failures": float(eval_fails[i]),

@@ -47,6 +47,7 @@ def cell_rows(cell: Mapping[str, Any], eval_last: int) -> list[dict[str, Any]]:
     summary |= {k: v for k, v in run.items() if k.startswith("pass@") and v is not None}
     summary |= run.get("off_policy", {})
     summary |= run.get("reward_failures", {})
+    summary |= run.get("costs", {})
     for metric, value in summary.items():
       rows.append({**base, "seed": run["seed"], "metric": metric, "step": "", "value": value})
     curves = {

@@ -30,6 +30,8 @@ FASTER = {study_stats.WORSE: "faster", study_stats.BETTER: "slower", study_stats
 # Off-policy diagnostics tabulated when the runs recorded them (`study.cell.OFF_POLICY_METRICS`).
 # Per-run counts of sandboxed rewards scored 0 after a timeout, error or crash (`study.cell`).
 REWARD_FAILURES = ("eval_reward_failures", "train_reward_failures")
+# What a run spent (`study.cell._costs`), tabulated when the runs recorded it.
+COST_TABLES = ("sampled_tokens", "trained_tokens", "train_wall_s")
 OFF_POLICY_TABLES = (
   "staleness_kl_k3",
   "mismatch_kl_k3",
@@ -436,5 +438,13 @@ def _run_sections(values, main, lags, seeds) -> list[str]:
     "or a rollout correction masked.",
     [k for k in OFF_POLICY_TABLES if any(key[2] == k for key in values)],
     lambda metric: _md(["method", *lags], grid(metric, lambda x: f"{float(np.mean(x)):.3g}")),
+  )
+  lines += _metric_tables(
+    "Cost per run",
+    "Mean over seeds of what one run spent (docs/metrics.md, `cost/`): response tokens "
+    "sampled, tokens trained on (each optimizer step's), and training seconds (evaluations "
+    "excluded; the seeds of one vmapped program share its seconds, so this is its time / S).",
+    [k for k in COST_TABLES if any(key[2] == k for key in values)],
+    lambda metric: _md(["method", *lags], grid(metric, lambda x: f"{float(np.mean(x)):.4g}")),
   )
   return lines
