@@ -15,6 +15,12 @@ short supervised warm start on one-call episodes leaves it far from perfect
 the default sawtooth lag, sampling at temperature 0.7;
 `episode/tool_calls_per_solved` and `eval/tool_calls_per_solved` report tool
 use (docs/multiturn.md).
+
+Variant `configs/calculator.py:latency`: the tool answers after a log-normal
+delay (median 200 ms, shape 1.0, at most 2 s), like a real tool or search call,
+so a step that waits for its episodes waits on the slowest calls. Compare
+`--config.lag.mode=sync` with `--config.lag.mode=async` on it: the rows'
+`time/run_*` keys say where the wall clock went (docs/metrics.md).
 """
 
 import ml_collections
@@ -22,10 +28,16 @@ import ml_collections
 from configs import default
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config(variant: str = "") -> ml_collections.ConfigDict:
+  if variant not in ("", "latency"):
+    raise ValueError(f"configs/calculator.py: unknown variant {variant!r} (known: latency)")
   c = default.base_config()
   c.task = "calculator"
   c.task_kwargs = ml_collections.ConfigDict({"kind": "mul", "max_turns": 3})
+  if variant == "latency":
+    c.task_kwargs.tool_latency_ms = 200.0
+    c.task_kwargs.tool_latency_sigma = 1.0
+    c.task_kwargs.tool_latency_max_ms = 2000.0
   c.multiturn.max_turns = 3
   # The longest turn: "<calc>123*45</calc>\n" (20 characters).
   c.multiturn.turn_tokens = 24

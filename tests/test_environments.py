@@ -312,6 +312,29 @@ def test_calculator_episodes_get_the_documented_rewards(pool):
   )
 
 
+def test_calculator_tool_latency_is_log_normal_cut_at_its_maximum_and_checked(pool):
+  lat = agentic.ToolLatency(median_s=0.2, sigma=1.0, max_s=2.0)
+  rng = np.random.default_rng(0)
+  draws = np.array([lat.draw(rng) for _ in range(20000)])
+  assert np.median(draws) == pytest.approx(0.2, rel=0.05)
+  assert np.quantile(draws, 0.9) == pytest.approx(0.2 * np.exp(1.2816), rel=0.05)
+  assert draws.max() == 2.0 and np.mean(draws == 2.0) == pytest.approx(0.011, abs=0.004)
+  # The environment sleeps in its worker on tool calls only: 3 calls of exactly 50 ms.
+  task = tasks.get_task("calculator", tool_latency_ms=50, tool_latency_sigma=0.0)
+  runner = EnvRunner(task.environment, pool, timeout_s=5.0, max_observation_chars=16)
+  ex = {"prompt": "123*45=?\n", "expr": "123*45", "answer": "5535"}
+  begin = time.perf_counter()
+  _play(runner, [ex], ["<calc>1+1</calc>", "<calc>2+2</calc>", "<calc>123*45</calc>", "=5535"])
+  assert time.perf_counter() - begin >= 0.15
+  for kwargs, field in [
+    ({"tool_latency_ms": -1.0}, "tool_latency_ms"),
+    ({"tool_latency_ms": 200.0, "tool_latency_sigma": float("nan")}, "tool_latency_sigma"),
+    ({"tool_latency_ms": 200.0, "tool_latency_max_ms": 100.0}, "tool_latency_max_ms"),
+  ]:
+    with pytest.raises(ValueError, match=f"calculator: {field} must be"):
+      tasks.get_task("calculator", **kwargs)
+
+
 def _assert_demonstration_matches_the_environment(runner, task, examples):
   """The demonstrations' env turns are what the environment answers to their policy turns."""
   tok = CharTokenizer()

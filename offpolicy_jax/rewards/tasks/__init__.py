@@ -55,7 +55,7 @@ def get_task(name: str, **kwargs) -> Task:
       partial_credit, num_shown, num_hidden, max_value; mbpp/humaneval:
       train_path, eval_path, partial_credit, instruction; guess_number: seed,
       hi, max_turns, turn_penalty; calculator: seed, num_eval, kind, num_terms,
-      max_turns, max_expr_chars.
+      max_turns, max_expr_chars, tool_latency_ms, tool_latency_sigma, tool_latency_max_ms.
 
   Returns:
     The Task; its `reward` is a `rewards.SandboxedReward` (scored in sandboxed

@@ -37,6 +37,15 @@ prompt is 0 mod 10).
   123*45=?        <calc>123*45</calc>      |5535      =5535
   (prompt)        policy                   env        policy: r=1, 1 tool call
 
+A tool with latency (`tool_latency_ms` > 0): each tool call takes a
+log-normal time before it answers, median `tool_latency_ms` and shape
+`tool_latency_sigma` (`delay = median * exp(sigma * z)`, z standard normal; 1.0
+puts the 99th percentile about 10x above the median), cut at
+`tool_latency_max_ms`. The environment sleeps that long in its verifier
+worker, so a step that waits for its episodes waits for the slowest tool
+calls: the workload where sampling ahead of the learner (asynchrony, episodes
+in flight) pays on one machine (docs/lag_and_study.md).
+
 Each task's `demonstration(example)` is a solved episode (binary search; one
 tool call then the answer); its text is the task's `answer`, for the
 supervised warm start.
@@ -44,7 +53,9 @@ supervised warm start.
 
 import ast
 import functools
+import math
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -238,8 +249,9 @@ class Calculator(Environment):
   `turns`, `solved` (0 or 1).
   """
 
-  def __init__(self, max_turns: int, max_expr_chars: int):
-    self.max_turns, self.max_expr_chars = max_turns, max_expr_chars
+  def __init__(self, max_turns: int, max_expr_chars: int, latency: "ToolLatency | None" = None):
+    self.max_turns, self.max_expr_chars, self.latency = max_turns, max_expr_chars, latency
+    self._rng = np.random.default_rng()  # delays change timing only, never a number of the run
 
   def reset(self, example: Example) -> EnvResult:
     answer = int(example["answer"])
@@ -253,6 +265,8 @@ class Calculator(Environment):
     done, solved, obs = False, False, INVALID
     if call is not None:
       calls += 1
+      if self.latency is not None:
+        time.sleep(self.latency.draw(self._rng))
       try:
         obs = str(safe_eval(call.group(1), self.max_expr_chars))
       except ValueError:
@@ -265,6 +279,30 @@ class Calculator(Environment):
     if done or turn >= self.max_turns:
       return EnvResult("", float(solved), True, state, info=info)
     return EnvResult(obs, 0.0, False, state, info=info)
+
+
+class ToolLatency:
+  """A tool call's delay in seconds: log-normal, `median_s * exp(sigma * z)`, at most `max_s`."""
+
+  def __init__(self, median_s: float, sigma: float, max_s: float):
+    self.median_s, self.sigma, self.max_s = median_s, sigma, max_s
+
+  def draw(self, rng: np.random.Generator) -> float:
+    return min(self.median_s * math.exp(self.sigma * float(rng.standard_normal())), self.max_s)
+
+
+def _latency(median_ms: float, sigma: float, max_ms: float) -> ToolLatency | None:
+  """The calculator's tool latency (None for none); ValueError naming the bad argument."""
+  for name, value in (("tool_latency_ms", median_ms), ("tool_latency_sigma", sigma)):
+    if not math.isfinite(value) or value < 0:
+      raise ValueError(f"calculator: {name} must be a finite number >= 0, got {value}.")
+  if not median_ms:
+    return None
+  if not math.isfinite(max_ms) or max_ms < median_ms:
+    raise ValueError(
+      f"calculator: tool_latency_max_ms must be >= tool_latency_ms ({median_ms}), got {max_ms}."
+    )
+  return ToolLatency(median_ms / 1e3, sigma, max_ms / 1e3)
 
 
 def _gen_calc(kind: str, num_terms: int):
@@ -297,6 +335,9 @@ def make_calculator(
   num_terms: int = 3,
   max_turns: int = 4,
   max_expr_chars: int = 32,
+  tool_latency_ms: float = 0.0,
+  tool_latency_sigma: float = 1.0,
+  tool_latency_max_ms: float = 5000.0,
 ) -> Task:
   """The calculator task (see the module docstring).
 
@@ -307,6 +348,10 @@ def make_calculator(
     num_terms: terms of a "sum" problem (2..8).
     max_turns: policy turns per episode (>= 2: a tool call and the answer).
     max_expr_chars: longest expression the tool evaluates.
+    tool_latency_ms: median delay of a tool call (0: answered at once).
+    tool_latency_sigma: the delay's log-normal shape (0: always the median).
+    tool_latency_max_ms: the longest delay (heavier tails are cut here; keep
+      it below `reward_timeout`, or slow calls time out and score 0).
 
   Returns:
     The Task, with its `environment` and `demonstration`.
@@ -325,7 +370,8 @@ def make_calculator(
   longest = 3 + 1 + 2 if kind == "mul" else 4 * num_terms - 1  # characters of the expression
   if max_expr_chars < longest:
     raise ValueError(f"calculator: max_expr_chars must be >= {longest}, got {max_expr_chars}.")
-  env = Calculator(max_turns, max_expr_chars)
+  latency = _latency(tool_latency_ms, tool_latency_sigma, tool_latency_max_ms)
+  env = Calculator(max_turns, max_expr_chars, latency)
   answer_len = 6 if kind == "mul" else 4  # digits of the largest value
   return Task(
     name="calculator",
