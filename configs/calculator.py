@@ -38,6 +38,10 @@ def get_config(variant: str = "") -> ml_collections.ConfigDict:
     c.task_kwargs.tool_latency_ms = 200.0
     c.task_kwargs.tool_latency_sigma = 1.0
     c.task_kwargs.tool_latency_max_ms = 2000.0
+    # Sleeping workers cost no CPU: one per CPU (the default) queues a step's 64 calls, and
+    # those still queued after reward_timeout fail (about 15 of 64 per step, and the run
+    # learnt nothing); 32 keep them in flight together (docs/lag_and_study.md).
+    c.reward_workers = 32
   c.multiturn.max_turns = 3
   # The longest turn: "<calc>123*45</calc>\n" (20 characters).
   c.multiturn.turn_tokens = 24
