@@ -7,6 +7,14 @@ r"""Prints the per-device memory plan of a config on a device mesh, and whether 
 --devices is <type>-<count> (types: v4, v5e, v5p, v6e, a100-40, a100-80,
 h100-80, cpu) or a bare count with --memory_gib. Nothing is allocated: see
 offpolicy_jax/run/planner.py for what is counted and how.
+
+With --timeline=DIR it also predicts a step's wall clock in each layout (sync or
+async, shared or own sampler devices) from the per-phase costs of the run in DIR
+(a split or async run; offpolicy_jax/timeline.py lists the assumptions), with
+--sampler_factor / --learner_factor for other device counts per side:
+
+  python -m experiments.plan --config=configs/calculator.py:latency --devices=8 \
+      --memory_gib=16 --timeline=/tmp/opj_calc_latency
 """
 
 import math
@@ -14,8 +22,9 @@ import math
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from offpolicy_jax import cli
+from offpolicy_jax import cli, timeline
 from offpolicy_jax.run import planner
+from offpolicy_jax.store import metrics_files
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, cli.config_help(), lock_config=True)
 _DEVICES = flags.DEFINE_string("devices", None, "<type>-<count> (e.g. v5e-8) or a device count.")
@@ -28,6 +37,15 @@ _ACTIVATIONS = flags.DEFINE_enum(
   ["auto", "compiled", "analytic"],
   "Train-step temporaries: compiled on this machine (auto: when the mesh fits here and the "
   "platform matches) or the analytic estimate.",
+)
+_TIMELINE = flags.DEFINE_string(
+  "timeline", None, "A run's workdir: predict a step's wall clock per layout from its rows."
+)
+_SAMPLER_FACTOR = flags.DEFINE_float(
+  "sampler_factor", 1.0, "--timeline: the sampler's devices relative to the measured run's."
+)
+_LEARNER_FACTOR = flags.DEFINE_float(
+  "learner_factor", 1.0, "--timeline: the learner's devices relative to the measured run's."
 )
 flags.mark_flags_as_required(["config", "devices"])
 
@@ -94,9 +112,20 @@ def main(argv):
       device_type=device_type,
       activations=_ACTIVATIONS.value,
     )
+    extra = ""
+    if _TIMELINE.value:
+      rows = metrics_files.split_rows(metrics_files.read_metrics(_TIMELINE.value))[0]
+      if not rows:
+        raise ValueError(f"timeline: {_TIMELINE.value} holds no training rows (metrics.jsonl)")
+      costs = timeline.from_rows(rows)
+      extra = f"timeline from {_TIMELINE.value} ({len(rows)} steps), " + timeline.report(
+        costs, _SAMPLER_FACTOR.value, _LEARNER_FACTOR.value
+      )
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
   print(format_plan(result))
+  if extra:
+    print(extra)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ The package is a stack of wings, each importing only from the ones below it
   models     the NNX decoder, presets, HF import/export, tokenizers
   scale      meshes, logical-axis sharding, disaggregated sampler/trainer meshes
   maths      losses, advantages, returns (GAE, V-trace, Retrace), ope (off-policy evaluation),
-             reductions, types, lag (the schedule and snapshots), files;
+             timeline (a step's wall clock per layout), reductions, types, lag (the
+             schedule and snapshots), files;
              config_schema: every config field once (default, role, check, doc)
 
 The names of the public contract: `losses`, `advantages`, `models`, `sampling`,
@@ -57,6 +58,7 @@ __all__ = [
   "store",
   "study",
   "tasks",
+  "timeline",
   "types",
 ]
 
