@@ -18,6 +18,7 @@ async, shared or own sampler devices) from the per-phase costs of the run in DIR
 """
 
 import math
+import os
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -114,13 +115,15 @@ def main(argv):
     )
     extra = ""
     if _TIMELINE.value:
+      if not os.path.exists(_TIMELINE.value):
+        raise ValueError(f"timeline: {_TIMELINE.value} does not exist")
       rows = metrics_files.split_rows(metrics_files.read_metrics(_TIMELINE.value))[0]
       if not rows:
         raise ValueError(f"timeline: {_TIMELINE.value} holds no training rows (metrics.jsonl)")
       costs = timeline.from_rows(rows)
-      extra = f"timeline from {_TIMELINE.value} ({len(rows)} steps), " + timeline.report(
-        costs, _SAMPLER_FACTOR.value, _LEARNER_FACTOR.value
-      )
+      skip = timeline.COMPILE_ROWS
+      extra = f"timeline from {_TIMELINE.value} (means of steps {skip + 1}..{len(rows)}), "
+      extra += timeline.report(costs, _SAMPLER_FACTOR.value, _LEARNER_FACTOR.value)
   except ValueError as e:
     raise SystemExit(f"error: {e}") from None
   print(format_plan(result))

@@ -55,7 +55,7 @@ class Layout(NamedTuple):
 def check(costs: PhaseCosts, layout: Layout) -> None:
   """Raises ValueError naming the first field that cannot describe a run."""
   for name, value in costs._asdict().items():
-    if not math.isfinite(value) or value < 0:
+    if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
       raise ValueError(f"timeline: {name} must be a finite number of seconds >= 0, got {value}")
   if costs.env_s > costs.sample_s:
     raise ValueError(
@@ -63,8 +63,13 @@ def check(costs: PhaseCosts, layout: Layout) -> None:
     )
   if layout.mode not in ("sync", "async"):
     raise ValueError(f"timeline: mode must be 'sync' or 'async', got {layout.mode!r}")
-  if layout.max_staleness < 0:
-    raise ValueError(f"timeline: max_staleness must be >= 0, got {layout.max_staleness}")
+  staleness = layout.max_staleness
+  if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+    raise ValueError(f"timeline: max_staleness must be an int >= 0, got {staleness!r}")
+  if not isinstance(layout.own_sampler_devices, bool):
+    raise ValueError(
+      f"timeline: own_sampler_devices must be True or False, got {layout.own_sampler_devices!r}"
+    )
 
 
 def step_time(costs: PhaseCosts, layout: Layout) -> float:
@@ -92,7 +97,11 @@ def scaled(costs: PhaseCosts, sampler_factor: float, learner_factor: float) -> P
   return costs._replace(sample_s=device + costs.env_s, train_s=costs.train_s / learner_factor)
 
 
-def from_rows(rows: Sequence[Mapping[str, Any]], skip: int = 2) -> PhaseCosts:
+# Training rows `from_rows` leaves out by default: the first steps compile.
+COMPILE_ROWS = 2
+
+
+def from_rows(rows: Sequence[Mapping[str, Any]], skip: int = COMPILE_ROWS) -> PhaseCosts:
   """Mean per-step costs of a run's training rows (a split or async run: `time/sample_s`).
 
   The first `skip` rows are left out (compilation). In an async run a row's

@@ -54,5 +54,11 @@ def test_the_checkpoint_record_round_trips_and_a_bad_one_is_refused():
   assert costs.from_meta(None) is None  # a checkpoint from before cost accounting
   with pytest.raises(ValueError, match="unknown totals \\['sampled_tokenz'\\]"):
     costs.from_meta({"sampled_tokenz": 1.0})
-  with pytest.raises(ValueError, match="\\['sync_s'\\] are not numbers"):
-    costs.from_meta({"sync_s": "1"})
+  full = costs.to_meta(total)
+  for bad in ("1", float("nan"), -1.0, True):
+    with pytest.raises(ValueError, match="\\['sync_s'\\] are not finite numbers >= 0"):
+      costs.from_meta({**full, "sync_s": bad})
+  with pytest.raises(ValueError, match="totals \\['sampled_tokens'\\] are missing"):
+    costs.from_meta({k: v for k, v in full.items() if k != "sampled_tokens"})
+  with pytest.raises(ValueError, match="not a record of totals \\(str\\)"):
+    costs.from_meta("oops")

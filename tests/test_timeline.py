@@ -74,7 +74,10 @@ def test_costs_from_a_runs_rows_skip_compilation():
     (COSTS._replace(sync_s=float("nan")), Layout(), "sync_s must be a finite number"),
     (COSTS._replace(env_s=2.0), Layout(), "env_s .* is part of sample_s"),
     (COSTS, Layout("sometimes"), "mode must be 'sync' or 'async'"),
-    (COSTS, Layout("async", -1), "max_staleness must be >= 0"),
+    (COSTS, Layout("async", -1), "max_staleness must be an int >= 0"),
+    (COSTS, Layout("async", 0.5), "max_staleness must be an int >= 0"),  # type: ignore[arg-type]
+    (COSTS, Layout("async", 1, "no"), "own_sampler_devices must be True or False"),  # type: ignore[arg-type]
+    (COSTS._replace(train_s="2"), Layout(), "train_s must be a finite number"),  # type: ignore[arg-type]
   ],
 )
 def test_bad_input_is_refused_naming_the_field(costs, layout, match):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
-from offpolicy_jax import models
+from offpolicy_jax import errors, models
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.run import evaluation, sft
 from offpolicy_jax.run.components import Components, build_components, snapshot_slots
@@ -156,7 +156,11 @@ def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str
     try:
       costs = costs_lib.from_meta(meta.get("costs"))
     except ValueError as e:
-      raise ValueError(f"{workdir}: the checkpoint of step {start}: {e}") from None
+      raise errors.WorkdirError(
+        f"{workdir}: the checkpoint of step {start}: {e}",
+        "the record is written by the run itself: restore the checkpoint's files, or start "
+        "the run afresh in another workdir",
+      ) from None
     data_iter.set_state(meta["data_state"])
     state = state_from_items(items, template, fns.rollout, meta)
     return Begin(

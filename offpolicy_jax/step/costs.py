@@ -31,6 +31,7 @@ the same ones as an uninterrupted run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -100,14 +101,24 @@ def from_meta(meta: Mapping[str, Any] | None) -> Costs | None:
   """The totals a checkpoint recorded; None when it predates cost accounting.
 
   Raises:
-    ValueError: the record names a total this version does not keep, or one is not a number.
+    ValueError: the record is not a mapping of exactly `Costs`' totals, each a
+      finite number >= 0 (a missing total is not taken as 0).
   """
   if meta is None:
     return None
+  if not isinstance(meta, Mapping):
+    raise ValueError(f"checkpoint meta 'costs': not a record of totals ({type(meta).__name__})")
   unknown = sorted(set(meta) - set(Costs._fields))
   if unknown:
     raise ValueError(f"checkpoint meta 'costs': unknown totals {unknown}")
-  bad = [k for k, v in meta.items() if not isinstance(v, int | float) or isinstance(v, bool)]
+  missing = [k for k in Costs._fields if k not in meta]
+  if missing:
+    raise ValueError(f"checkpoint meta 'costs': totals {missing} are missing")
+  bad = [
+    k
+    for k, v in meta.items()
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v < 0
+  ]
   if bad:
-    raise ValueError(f"checkpoint meta 'costs': {bad} are not numbers")
+    raise ValueError(f"checkpoint meta 'costs': {bad} are not finite numbers >= 0")
   return Costs(**{k: float(v) for k, v in meta.items()})
