@@ -207,6 +207,14 @@ def test_miniature_study_writes_tables_csv_and_plots(mini):
   spent = {(r["method"], r["lag"], r["seed"]) for r in rows if r["metric"] == "sampled_tokens"}
   assert len(spent) == len(finals)
   assert "## Cost per run" in text and "`train_wall_s`" in text
+  # Tokens to the threshold: the running total at the step the run reached it (or the end).
+  by = {(r["method"], r["lag"], r["seed"], r["metric"]): r["value"] for r in rows if not r["step"]}
+  for cell in cells.values():
+    for run in cell["runs"]:
+      steps, _ = study_stats.steps_to_threshold(run["eval_steps"], run["eval_accuracy"])
+      at = run["eval_sampled_tokens"][run["eval_steps"].index(steps)]
+      key = (cell["method"], cell["lag"], run["seed"], "tokens_to_threshold")
+      assert by[key] == at > 0 and run["eval_sampled_tokens"][-1] == run["costs"]["sampled_tokens"]
 
 
 def test_interrupted_study_reruns_only_missing_cells_and_gets_the_same_numbers(mini, tmp_path):

@@ -99,6 +99,10 @@ def test_steps_to_threshold_and_auc_on_hand_made_curves():
   # Never reached: censored at the budget.
   assert stats.steps_to_threshold(steps, [0.3, 0.39, 0.35, 0.3, 0.2]) == (200, False)
   assert stats.steps_to_threshold(steps, [0.3, 0.3, 0.3, 0.3, 0.4]) == (200, True)
+  # What was spent when the threshold was first reached (censored runs: the whole budget).
+  tokens = [0, 1000, 2500, 3000, 4200]
+  assert stats.spent_to_threshold(steps, [0.3, 0.35, 0.40, 0.5, 0.6], tokens) == 2500
+  assert stats.spent_to_threshold(steps, [0.3, 0.39, 0.35, 0.3, 0.2], tokens) == 4200
   # AUC / steps: a flat curve gives its level; a ramp 0 -> 1 gives 0.5; trapezoids.
   assert stats.accuracy_auc(steps, [0.4] * 5) == pytest.approx(0.4)
   assert stats.accuracy_auc([0, 100], [0.0, 1.0]) == pytest.approx(0.5)

@@ -54,6 +54,12 @@ def _costs(out: dict[str, np.ndarray], i: int, train_s: float, seeds: int) -> di
   }
 
 
+def _at_evals(per_step: np.ndarray, eval_steps: list[int]) -> list[float]:
+  """The running total of a per-step count at each evaluated step (0 at step 0)."""
+  total = np.concatenate([[0.0], np.cumsum(np.asarray(per_step, np.float64))])
+  return [float(total[s]) for s in eval_steps]
+
+
 def _stack(trees: list) -> Any:
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
@@ -164,6 +170,7 @@ def _run_seeds(
   ev = dict(batch_size=grid.eval_batch, base=state.base)
   acc0, _, eval_fails = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
   eval_steps, accs, metrics_l, pass_k = [0], [acc0], [], None
+  train_s_at = [0.0]  # the program's training seconds at each evaluation
   advance = drivers.over_seeds(fns)
   train_s = 0.0  # the training steps' seconds, evaluations excluded (compilation included)
   for start in range(0, run.total_steps, run.eval_every):
@@ -181,6 +188,7 @@ def _run_seeds(
     )
     eval_fails = eval_fails + fails
     eval_steps.append(end)
+    train_s_at.append(train_s)
     accs.append(acc)
     pass_k = solved if solved is not None else pass_k
   out = {key: np.concatenate([o[key] for o in metrics_l], axis=1) for key in metrics_l[0]}
@@ -197,6 +205,9 @@ def _run_seeds(
       "snapshot_missing": bool(out["snapshot_missing"][i].any()),
       "off_policy": {k: float(np.mean(out[k][i])) for k in OFF_POLICY_METRICS if k in out},
       "costs": _costs(out, i, train_s, len(seeds)),
+      # Running totals at each evaluation (time- and tokens-to-accuracy).
+      "eval_sampled_tokens": _at_evals(out["sampled_tokens"][i], eval_steps),
+      "eval_train_wall_s": [t / len(seeds) for t in train_s_at],
       # Sandboxed rewards that failed (scored 0) in evaluations and in training.
       "reward_failures": {
         "eval_reward_failures": float(eval_fails[i]),

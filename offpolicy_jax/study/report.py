@@ -48,6 +48,10 @@ def cell_rows(cell: Mapping[str, Any], eval_last: int) -> list[dict[str, Any]]:
     summary |= run.get("off_policy", {})
     summary |= run.get("reward_failures", {})
     summary |= run.get("costs", {})
+    steps, acc = run["eval_steps"], run["eval_accuracy"]
+    for name, key in (("tokens", "eval_sampled_tokens"), ("train_wall_s", "eval_train_wall_s")):
+      if key in run:
+        summary[f"{name}_to_threshold"] = study_stats.spent_to_threshold(steps, acc, run[key])
     for metric, value in summary.items():
       rows.append({**base, "seed": run["seed"], "metric": metric, "step": "", "value": value})
     curves = {

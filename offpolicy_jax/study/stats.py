@@ -300,6 +300,19 @@ def steps_to_threshold(
   return int(eval_steps[-1]), False
 
 
+def spent_to_threshold(
+  eval_steps: Sequence[int], eval_accuracy: _Floats, spent: _Floats, *, gain: float = LEARNING_GAIN
+) -> float:
+  """What a run had spent (`spent`: a running total at each evaluation, e.g. sampled
+  tokens) when it first reached the threshold of `steps_to_threshold`.
+
+  Censored like the steps: a run that never reaches it gives its total at the
+  last evaluation, a lower bound.
+  """
+  steps, _ = steps_to_threshold(eval_steps, eval_accuracy, gain=gain)
+  return float(np.asarray(spent, np.float64)[list(eval_steps).index(steps)])
+
+
 def accuracy_auc(eval_steps: Sequence[int], eval_accuracy: _Floats) -> float:
   """Area under the held-out accuracy curve (trapezoids) divided by the steps it spans.
 
