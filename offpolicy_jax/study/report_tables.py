@@ -30,14 +30,8 @@ FASTER = {study_stats.WORSE: "faster", study_stats.BETTER: "slower", study_stats
 # Off-policy diagnostics tabulated when the runs recorded them (`study.cell.OFF_POLICY_METRICS`).
 # Per-run counts of sandboxed rewards scored 0 after a timeout, error or crash (`study.cell`).
 REWARD_FAILURES = ("eval_reward_failures", "train_reward_failures")
-# What a run spent (`study.cell._costs`), tabulated when the runs recorded it.
-COST_TABLES = (
-  "sampled_tokens",
-  "trained_tokens",
-  "train_wall_s",
-  "tokens_to_threshold",
-  "train_wall_s_to_threshold",
-)
+# What a run spent (`study.cell._costs`; to the threshold: `study.report.cell_rows`).
+COST_TABLES = ("sampled_tokens", "trained_tokens", "train_wall_s", "tokens_to_threshold")
 OFF_POLICY_TABLES = (
   "staleness_kl_k3",
   "mismatch_kl_k3",
@@ -447,12 +441,9 @@ def _run_sections(values, main, lags, seeds) -> list[str]:
   )
   lines += _metric_tables(
     "Cost per run",
-    "Mean over seeds of what one run spent (docs/metrics.md, `cost/`): response tokens "
-    "sampled, tokens trained on (each optimizer step's), and training seconds (evaluations "
-    "excluded; the seeds of one vmapped program share its seconds, so this is its time / S); "
-    "then the sampled tokens and training seconds spent when a run first reached the "
-    "threshold of steps-to-threshold (a run that never did counts its whole budget: a lower "
-    "bound, as for the steps).",
+    "Mean over seeds of a run's sampled and trained tokens, training seconds (a vmapped "
+    "program's / S), and sampled tokens when it first reached the threshold of steps to "
+    "threshold (censored at the budget: a lower bound); docs/lag_and_study.md.",
     [k for k in COST_TABLES if any(key[2] == k for key in values)],
     lambda metric: _md(["method", *lags], grid(metric, lambda x: f"{float(np.mean(x)):.4g}")),
   )
