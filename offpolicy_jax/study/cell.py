@@ -22,7 +22,7 @@ import numpy as np
 
 from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.run import components, evaluation
-from offpolicy_jax.step import drivers, programs, run_state
+from offpolicy_jax.step import costs, drivers, programs, run_state
 from offpolicy_jax.study import sweeps
 from offpolicy_jax.study.grid import AA_STREAM_OFFSET, Grid, grid_snapshot_slots
 from offpolicy_jax.study.warm_starts import Starts
@@ -45,10 +45,11 @@ def _costs(out: dict[str, np.ndarray], i: int, train_s: float, seeds: int) -> di
   The S seeds of one vmapped program share its seconds: `train_wall_s` is
   their share, the program's training seconds / S (`seeds_per_program`).
   """
+  spent = costs.of_row({k: float(np.sum(v[i])) for k, v in out.items()})  # the loop's sums
   return {
-    "sampled_tokens": float(out["sampled_tokens"][i].sum()),
-    "sampled_prompt_tokens": float(out["sampled_prompt_tokens"][i].sum()),
-    "trained_tokens": float(out["tokens"][i].sum()),
+    "sampled_tokens": spent.sampled_tokens,
+    "sampled_prompt_tokens": spent.sampled_prompt_tokens,
+    "trained_tokens": spent.trained_tokens,
     "train_wall_s": train_s / seeds,
     "seeds_per_program": float(seeds),
   }
