@@ -9,7 +9,7 @@ import pytest
 from offpolicy_jax import timeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = os.path.join(REPO, "experiments", "results", "what_lag_buys")
+RUNS = os.path.join(REPO, "docs", "results", "what_lag_buys")
 DOC = os.path.join(REPO, "docs", "what_lag_buys.md")
 
 
