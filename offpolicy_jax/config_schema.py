@@ -135,7 +135,8 @@ RUN_FIELDS: tuple[Field, ...] = (
      "Partial rollouts (APRIL): decode at most this many tokens per response per loop step; "
      "unfinished responses continue at the next step under the newer parameters (re-prefilled), "
      "every token keeping its own version (0 = off: whole responses). With multi-turn episodes: "
-     "at most this many policy tokens per trajectory per step (rollout.episode_pool).",
+     "at most this many policy tokens per trajectory per step (rollout.episode_pool). Under "
+     "lag.mode='async' the sampler thread carries the pool.",
      Int(0, note=" (0 = off)")),
   _F("temperature", 1.0, PROGRAM, "Sampling temperature of the behaviour policy.",
      Float(0, lo_open=True)),
@@ -223,7 +224,8 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("lag.sync_offset", 0, NUMBERS,
      "n: the first n steps use version 0; afterwards a constant extra lag of n.", _NONNEG),
   _F("lag.max_staleness", 0, NUMBERS,
-     "Async mode: batches more than this many loop steps old are dropped (0 = no bound).",
+     "Async mode: batches more than this many loop steps old are dropped (0 = no bound). "
+     "With partial rollouts, 0 or at least ceil(max_new_tokens / rollout.partial_budget).",
      Int(0, note=" (0 = no bound)")),
   _F("replay.capacity_batches", 2, NUMBERS,
      "Buffer capacity in batches of G groups of K responses (the capacity is G * this groups; "

@@ -57,7 +57,8 @@ class RolloutSpec:
   #: Partial rollouts (APRIL): decode at most this many tokens per response per loop step;
   #: unfinished responses continue at the next step under the newer parameters (re-prefilled),
   #: every token keeping its own version (0 = off: whole responses). With multi-turn episodes:
-  #: at most this many policy tokens per trajectory per step (rollout.episode_pool).
+  #: at most this many policy tokens per trajectory per step (rollout.episode_pool). Under
+  #: lag.mode='async' the sampler thread carries the pool.
   partial_budget: int
 
   #: What the sampler records as the behaviour log-prob mu, and so what the learner scores
@@ -159,7 +160,8 @@ class LagSpec:
   #: n: the first n steps use version 0; afterwards a constant extra lag of n.
   sync_offset: int
 
-  #: Async mode: batches more than this many loop steps old are dropped (0 = no bound).
+  #: Async mode: batches more than this many loop steps old are dropped (0 = no bound). With
+  #: partial rollouts, 0 or at least ceil(max_new_tokens / rollout.partial_budget).
   max_staleness: int
 
 

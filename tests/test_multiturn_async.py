@@ -44,7 +44,7 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
     asked.append(1)
     return p1, 7
 
-  _, batch, stats = host_step.collect(fns, fns.rollout, None, p0, 5, prompts, 3, 0, latest)
+  _, batch, _, stats = host_step.collect(fns, fns.rollout, None, p0, 5, prompts, 3, 0, latest)
   assert asked and stats["episode/parameter_updates"] == 1
   mask = np.asarray(batch.mask) > 0
   turn = np.asarray(types.turn_ids(batch.mask))
@@ -86,3 +86,37 @@ def test_async_multi_turn_run_trains(tmp_path):
     assert r["behavior_version"] <= r["step"] - 1
   assert any(r["grad_norm"] > 0 for r in train)
   assert "eval/turns" in evals[-1]
+
+
+def test_the_episode_pool_runs_under_async_with_exact_per_token_scores(tmp_path):
+  """Episodes in flight across steps (`rollout.episode_pool`) on the sampler thread: the
+  thread owns the pool, trajectories span versions, and pi_old is each token's own score."""
+  common = {"rollout.partial_budget": 2, "rollout.score_old": True, "lag.mode": "async"}
+  rows = loop.train_and_evaluate(_config(total_steps=6, **common), str(tmp_path / "run"))
+  train, _ = metrics_files.split_rows(rows)
+  assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+  assert sum(r["partial_emitted_groups"] for r in train) > 0
+  assert max(r["partial_inflight_groups"] for r in train) >= 4
+  assert sum(r["partial_mixed_rows"] for r in train) > 0  # trajectories spanning versions
+  for r in train:
+    assert r["partial_dropped_prompts"] == 0 and r["reward_failures"] == 0
+    assert abs(r["mismatch_kl_k3"]) < 1e-5, r["mismatch_kl_k3"]
+    assert r["behavior_version"] <= r["step"] - 1
+
+
+def test_a_carried_copy_shares_nothing_with_the_pool_it_copies():
+  """`producer.carried`: the trainer's copy of the thread's pool is its own."""
+  from offpolicy_jax.step import producer
+
+  comps = components.build_components(_config(**{"rollout.partial_budget": 2}))
+  rollout = comps.fns.rollout
+  pool = rollout.init()
+  pool.occupied[1] = True
+  pool.rows["tokens"][3, 2] = 7
+  pool.turns.states[0] = {"x": [1]}
+  copy = rollout.restore(rollout.init(), *producer.carried(rollout, pool))
+  assert copy is not pool and copy.occupied[1] and copy.rows["tokens"][3, 2] == 7
+  assert copy.turns.states[0] == {"x": [1]}
+  pool.occupied[1], pool.rows["tokens"][3, 2] = False, 0
+  pool.turns.states[0]["x"].append(2)
+  assert copy.occupied[1] and copy.rows["tokens"][3, 2] == 7 and copy.turns.states[0] == {"x": [1]}

@@ -199,7 +199,10 @@ def test_flaky_environment_is_counted_and_the_run_goes_on(tmp_path):
 @pytest.mark.parametrize(
   "overrides, field",
   [
-    ({"rollout.partial_budget": 4, "lag.mode": "async"}, "rollout.partial_budget"),
+    (
+      {"rollout.partial_budget": 2, "lag.mode": "async", "lag.max_staleness": 3},
+      "lag.max_staleness",
+    ),
     ({"rollout.continuous_slots": 2}, "rollout.continuous_slots"),
     ({"mesh.sampler_devices": 2}, "mesh.sampler_devices"),
     ({"multiturn.turn_tokens": 99}, "multiturn.turn_tokens"),

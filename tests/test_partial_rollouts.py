@@ -307,9 +307,28 @@ def test_partial_run_on_eight_devices_mixes_versions_and_resumes_exactly(tmp_pat
   assert any(r["grad_norm"] > 0 for r in want)
 
 
-def test_partial_rollouts_refuse_async_mode_and_host_rewards():
-  with pytest.raises(ValueError, match="^config.rollout.partial_budget: .*sync"):
-    components.build_components(_run_config(**{"lag.mode": "async"}))
+def test_partial_run_under_async_carries_the_pool_into_its_checkpoint(tmp_path):
+  """The sampler thread advances the pool; each batch brings the pool it left, which the
+  trainer checkpoints: a resumed run's first batch finishes groups admitted before it."""
+  cfg = lambda steps: _run_config(total_steps=steps, **{"lag.mode": "async"})
+  run = str(tmp_path / "run")
+  loop.train_and_evaluate(cfg(3), run)
+  loop.train_and_evaluate(cfg(5), run)  # resumes from step 3
+  train, _ = metrics_files.split_rows(metrics_files.read_metrics(run))
+  assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
+  assert sum(r["partial_emitted_groups"] for r in train) >= 2
+  assert all(r["partial_dropped_prompts"] == 0 and r["async_dropped_batches"] == 0 for r in train)
+  # A fresh pool could only emit groups drawn after step 3 (version >= 3): the first batch
+  # after the resume holds tokens of the pool the checkpoint carried.
+  after = train[3]
+  assert after["partial_emitted_groups"] > 0 and after["behavior_version"] < 3
+  assert any(r["grad_norm"] > 0 for r in train)
+
+
+def test_partial_rollouts_refuse_a_staleness_bound_they_cannot_meet_and_host_rewards():
+  # Budget 2 of 6 tokens: a group is in flight up to 3 steps.
+  with pytest.raises(ValueError, match=r"^config\.lag\.max_staleness: .* = 3 loop steps"):
+    components.build_components(_run_config(**{"lag.mode": "async", "lag.max_staleness": 2}))
   cfg = _run_config(task="code", max_prompt_len=64)
   with pytest.raises(ValueError, match="^config.rollout.partial_budget: .*device reward"):
     components.build_components(cfg)

@@ -195,10 +195,15 @@ def _validate_sampling(c) -> None:
       f"{c.lag.mode!r} (set rollout.continuous_slots without it)",
     )
   if c.rollout.partial_budget:
+    # A group stays in flight up to L = ceil(N / b) loop steps, so under async its oldest
+    # token is at least L - 1 steps older than the batch that emits it (`step.producer`).
+    steps = math.ceil(c.max_new_tokens / c.rollout.partial_budget)
     _need(
-      c.lag.mode == "sync",
-      "rollout.partial_budget",
-      f"partial rollouts run in lag.mode='sync' only, got {c.lag.mode!r}",
+      c.lag.mode == "sync" or not c.lag.max_staleness or c.lag.max_staleness >= steps,
+      "lag.max_staleness",
+      f"partial rollouts keep a group in flight for up to ceil(max_new_tokens / "
+      f"rollout.partial_budget) = {steps} loop steps, so a bound of {c.lag.max_staleness} "
+      f"would drop the batches that finish one; use 0 (no bound) or >= {steps}",
     )
     _need(
       not c.rollout.continuous_slots,
@@ -206,7 +211,8 @@ def _validate_sampling(c) -> None:
       "continuous batching samples whole responses; it does not take partial rollouts "
       "(rollout.partial_budget > 0)",
     )
-    # The pool lives with the trainer's state; a disaggregated sampler holds no state.
+    # The pool is placed on the trainer's mesh (`rollout.partial.Partial.mesh`); placing it on a
+    # disaggregated sampler's mesh is not built.
     _need(
       not c.mesh.sampler_devices,
       "mesh.sampler_devices",

@@ -17,6 +17,8 @@ study's S seeds (vmapped programs, each seed's host rollout on its own rows).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,9 +88,19 @@ def advance(rollout: Rollout, rstate, params, version, prompts: dict, step: int,
 
   `params` are the whole behaviour model at `version`; `latest` (`Rollout.advance`)
   lets episodes continue under parameters published while they run (async mode).
+  A traced kind that carries state (partial rollouts' pool) advances as one
+  jitted program over the prompts' device fields, so its state stays on device.
   """
   key = run_state.step_key(seed, step, run_state.SAMPLE)
+  if rollout.traced and rollout.item:
+    device = prompt_rows.device_prompts(prompts)
+    return _advance_jit(rollout, rstate, params, jnp.int32(version), device, jnp.int32(step), key)
   return rollout.advance(rstate, params, version, prompts, step, key, latest)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _advance_jit(rollout: Rollout, rstate, params, version, prompts: dict, step, key):
+  return rollout.advance(rstate, params, version, prompts, step, key)
 
 
 def sample_over_seeds(

@@ -12,8 +12,9 @@ sampler, `switch`); `over_seeds` is the same choice for the study's seeds:
            runs its rollout and learning halves, with the next step's
            rollout dispatched ahead where the loop allows it.
   Async    a sampler thread produces scored batches ahead
-           (`producer.AsyncProducer`); the trainer learns each and publishes
-           its parameters.
+           (`producer.AsyncProducer`), advancing the rollout's carried state
+           for a kind that has one; the trainer learns each batch, takes the
+           carried state it came with, and publishes its parameters.
 
 Scanned and Split take the loop's prompts from `read(n)` (the local prompt
 batches of n steps and how many prompts of each were truncated); Async's
@@ -258,18 +259,22 @@ class Async:
         self._run.seed_int,
         self._max_staleness,
         state.base,
+        state.rollout,
       )
     step += 1
     t0 = time.perf_counter()
     batch, info = self._prod.get(step)
     t1 = time.perf_counter()
-    run = self._run
+    run, keep, carried = self._run, info.pop("keep"), info.pop("carried")
+    if carried is not None:  # the groups in flight after this batch: what a checkpoint holds
+      state = state._replace(rollout=self.rollout.restore(state.rollout, *carried))
     fn = programs(self.fns, run.replay, state).learn
     step_a = sharding.replicated_int(run.mesh, step)
-    state, row = fn(state, batch, step_a, run.seed, run.schedule)
+    state, row = fn(state, batch, step_a, run.seed, run.schedule, keep)
     published = self._prod.publish(state.train.params, step)
     big = jnp.iinfo(jnp.int32).max
-    oldest_a = jnp.min(jnp.where(batch.mask > 0, batch.versions, big))
+    rows = (batch.mask > 0) & (batch.weights > 0)[:, None]  # the groups that finished
+    oldest_a = jnp.min(jnp.where(rows, batch.versions, big))
     row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
     oldest = int(oldest_a)
     row["behavior_version"] = oldest if oldest != big else self.fns.learner.version(step - 1)

@@ -97,23 +97,36 @@ class Stepper:
 
 
 def collect(
-  fns: StepFns, rollout: Rollout, rstate, params, version, prompts, step: int, seed, latest=None
+  fns: StepFns,
+  rollout: Rollout,
+  rstate,
+  params,
+  version,
+  prompts: dict,
+  step: int,
+  seed,
+  latest=None,
 ):
   """The acting half with given parameters, scored and packed, from the host (the async producer).
 
-  `latest` (`Rollout.advance`) lets episodes continue under parameters
-  published while they run.
+  `rstate` is the rollout's carried state (None for a stateless kind); `latest`
+  (`Rollout.advance`) lets episodes continue under parameters published while
+  they run.
 
   Returns:
-    `(rstate, batch, host metrics)`.
+    `(rstate, batch, keep, host metrics)`: `keep` (bool [G'], or None for every
+    group) says which groups of `batch` finished and are to be buffered
+    (`learning.learn`); the rows of the others weigh 0, so that staleness
+    bounds and token counts see only the groups that finished.
   """
   rstate, fin, info = acting.advance(rollout, rstate, params, version, prompts, step, seed, latest)
   rewards, stats = scoring.rewards_of(fns, fin)
   batch, keep = learning.pack_finished(fns, fin, rewards, step, seed, jitted=True)
   if keep is not None:
-    raise ValueError("a rollout with groups in flight cannot feed the async producer")
+    rows = jnp.repeat(jnp.asarray(keep, jnp.float32), fns.sizes.group_size)
+    batch = batch._replace(weights=batch.weights * rows)
   info = {k: metrics.to_python(x) for k, x in jax.device_get(info).items()}
-  return rstate, batch, {**stats, **info}  # a rollout's own reward statistics win
+  return rstate, batch, keep, {**stats, **info}  # a rollout's own reward statistics win
 
 
 def steps_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, schedule):

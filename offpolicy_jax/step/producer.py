@@ -8,14 +8,22 @@ trainer mesh on the thread, so sampling overlaps training. Batches
 more than `lag.max_staleness` loop steps old are dropped (and counted).
 Multi-turn episodes (`rollout.episodes.WholeEpisodes`) look for newer parameters before
 every turn: an episode in flight continues under them, and each policy token
-records the version that drew it. Not
-bit-reproducible (thread timing decides versions), and on resume the batches
-that were queued when the checkpoint was taken are not replayed.
+records the version that drew it.
+
+A kind with carried state (partial rollouts, the episode pool) runs here as in
+a sync run: the thread owns the state and advances it batch after batch, and
+each batch brings a copy of the state it was produced with
+(`Rollout.arrays` / `meta`), which the trainer takes into its own run state
+before learning the batch. A checkpoint therefore holds the groups in flight
+as they were after the last batch learnt. Not bit-reproducible (thread timing
+decides versions), and on resume the batches that were queued when the
+checkpoint was taken are not replayed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import queue
 import threading
 import time
@@ -28,6 +36,7 @@ import numpy as np
 
 from offpolicy_jax import lag, models
 from offpolicy_jax.rollout import prompt_rows
+from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.scale import disagg, sharding
 from offpolicy_jax.step import host_step, run_state
 
@@ -64,6 +73,7 @@ class AsyncProducer:
     max_staleness: in loop steps; 0 for no bound.
     base: the frozen base of adapter `params` (`RunState.base`), placed on the
       sampler's mesh once; only adapters are published afterwards.
+    rstate: the rollout's carried state to start from (`RunState.rollout`; copied).
   """
 
   def __init__(
@@ -75,8 +85,13 @@ class AsyncProducer:
     seed: int,
     max_staleness,
     base=None,
+    rstate=None,
   ):
     self._fns, self._data, self._seed = fns, data_iter, seed
+    rollout = fns.rollout
+    self._rstate = (
+      rollout.restore(rollout.init(), *carried(rollout, rstate)) if rollout.item else None
+    )
     self._counted = (0.0, 0.0)  # the sampler's busy seconds and dropped tokens already reported
     self._produced = step
     self._mesh = fns.sampler_mesh or fns.model.mesh
@@ -103,9 +118,12 @@ class AsyncProducer:
     latest = lambda: self._joined(*self.sampler.latest())
     with own_mesh:
       full = models.lora.join(self._base, params)
-      _, batch, info = host_step.collect(
-        fns, fns.rollout, None, full, version, prompts, step, self._seed, latest
-      )
+      rollout, rstate = fns.rollout, self._rstate
+      args = (full, version, prompts, step, self._seed, latest)
+      rstate, batch, keep, info = host_step.collect(fns, rollout, rstate, *args)
+    self._rstate = rstate
+    info["keep"] = keep
+    info["carried"] = carried(rollout, rstate) if rollout.item else None
     if self._copy is not None:  # to the trainer mesh, on this thread
       batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.model.mesh))
     info["prompts_truncated"] = int((local["truncated"] & local["valid"]).sum())
@@ -116,7 +134,11 @@ class AsyncProducer:
     return models.lora.join(self._base, params), version
 
   def get(self, step: int) -> tuple[Any, dict[str, Any]]:
-    """The next batch within the staleness bound for loop step `step`, and its host info."""
+    """The next batch within the staleness bound for loop step `step`, and its host info.
+
+    The info holds `keep` (`host_step.collect`) and `carried`: the rollout's
+    carried state after this batch (`carried`), or None for a stateless kind.
+    """
     current = self._fns.learner.version(step - 1)
     batch, info = self.sampler.get(current_version=current, timeout=600.0, with_info=True)
     stats = self.sampler.stats
@@ -148,6 +170,21 @@ class AsyncProducer:
 
   def close(self) -> None:
     self.sampler.close()
+
+
+def carried(rollout: Rollout, rstate) -> tuple[Any, dict[str, Any]]:
+  """A copy of a rollout's carried state in its checkpoint form: `(arrays, meta)`.
+
+  `rollout.restore(like, *carried(rollout, rstate))` gives a state that shares
+  nothing with `rstate`: the sampler thread goes on advancing its own while
+  the trainer checkpoints (or donates) the copy.
+  """
+  arrays = jax.tree.map(_copy, rollout.arrays(rstate))
+  return arrays, copy.deepcopy(rollout.meta(rstate))
+
+
+def _copy(x):
+  return jnp.copy(x) if isinstance(x, jax.Array) else np.array(x, copy=True)
 
 
 class SamplerThread:
@@ -270,7 +307,9 @@ class SamplerThread:
           if timeout <= 0:
             raise TimeoutError("SamplerThread.get: no batch") from None
         continue
-      stale = np.asarray(lag.row_staleness(batch.versions, batch.mask, current_version))
+      # Rows that weigh nothing (groups still in flight) do not make a batch stale.
+      mask = np.asarray(batch.mask) * (np.asarray(batch.weights) > 0)[:, None]
+      stale = np.asarray(lag.row_staleness(batch.versions, mask, current_version))
       too_old = stale > self.max_staleness
       if self.mode == "drop" and too_old.any():
         self.stats["dropped_batches"] += 1
