@@ -126,7 +126,7 @@ def make(
     placed = sampler_mesh.OnSamplerMesh(
       fns.rollout, fns.sampler_mesh, fns.model.mesh, fns.model.split
     )
-    return Split(run, placed, read, may_prefetch)
+    return Split(run, placed, read, may_prefetch, placed=placed)
   if one_program(fns):
     return Scanned(run, read)
   return Split(run, fns.rollout, read, may_prefetch)
@@ -189,8 +189,17 @@ class Split:
 
   max_chunk = 1
 
-  def __init__(self, run: _Run, rollout: Rollout, read: Read, may_prefetch: Callable[[int], bool]):
-    self.fns, self.rollout, self._run = run.fns, rollout, run
+  def __init__(
+    self,
+    run: _Run,
+    rollout: Rollout,
+    read: Read,
+    may_prefetch: Callable[[int], bool],
+    placed: sampler_mesh.OnSamplerMesh | None = None,
+  ):
+    """`rollout` is the one the step advances: `placed` (the run's rollout on a sampler mesh,
+    whose copy of the parameters a switched sampler keeps) or the run's own."""
+    self.fns, self.rollout, self._run, self._placed = run.fns, rollout, run, placed
     self._read, self._may_prefetch = read, may_prefetch
     self._host = host_step.Stepper(run.fns, rollout, run.seed_int, run.schedule)
 
@@ -224,8 +233,8 @@ class Split:
 
   def switch(self, fns: StepFns) -> None:
     self.fns = fns
-    if isinstance(self.rollout, sampler_mesh.OnSamplerMesh):  # the same placement and copy
-      self.rollout.inner = fns.rollout
+    if self._placed is not None:  # the same placement and parameter copy
+      self._placed.inner = fns.rollout
     else:
       self.rollout = fns.rollout
     self._host.fns, self._host.rollout = fns, self.rollout
