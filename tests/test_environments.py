@@ -221,6 +221,30 @@ def _echo(x):
   return x
 
 
+def _pid_after(seconds):
+  time.sleep(seconds)
+  return os.getpid()
+
+
+def test_a_lane_has_workers_of_its_own(pool):
+  """Calls inside `verifiers.lane(1)` go to lane 1's workers (a pool of the same settings),
+  so two threads' batches do not queue behind each other's."""
+  pids = {}
+
+  def call(i):
+    with verifiers.lane(i):
+      pids[i] = {o.value for o in pool.call(_pid_after, [(0.0,), (0.0,)]).outcomes}
+
+  call(0)
+  call(1)
+  assert pids[0] <= set(pool.pids()) and pids[1].isdisjoint(pool.pids())
+  lane_1 = verifiers.get_pool(*pool.settings, lane=1)
+  assert lane_1 is not pool and lane_1.lane == 1 and pids[1] <= set(lane_1.pids())
+  with pytest.raises(ValueError, match="lane must be >= 0"):
+    with verifiers.lane(-1):
+      pass
+
+
 def test_safe_eval_computes_integers_and_refuses_everything_else():
   ev = agentic.safe_eval
   assert ev("123*45") == 5535 and ev("100+200+300") == 600 and ev("-(2-5)*3") == 9

@@ -1,5 +1,7 @@
 """Tests for the lag schedule, snapshot store and bounded-staleness sampler."""
 
+import contextlib
+import itertools
 import threading
 import time
 
@@ -132,6 +134,37 @@ def test_async_sampler_drop_counts_stale_batches():
     assert sampler.stats["dropped_batches"] >= 1
   finally:
     sampler.close()
+
+
+def test_async_sampler_threads_keep_batches_in_flight_at_once():
+  """`threads=3`: three batches are sampled at once (a barrier that needs all three passes),
+  each thread inside its own context, and busy seconds count the time any was sampling."""
+  barrier, entered, calls = threading.Barrier(3, timeout=20), [], itertools.count()
+
+  @contextlib.contextmanager
+  def context(i):
+    entered.append(i)
+    yield
+
+  def sample_fn(params, version):
+    if next(calls) < 3:  # one thread alone would wait here until the barrier breaks
+      barrier.wait()
+    return _batch(version)
+
+  begin = time.perf_counter()
+  sampler = producer.SamplerThread(
+    sample_fn, None, 0, max_staleness=0, threads=3, thread_context=context, queue_size=4
+  )
+  try:
+    batches = [sampler.get(current_version=0, timeout=30) for _ in range(6)]
+    wall = time.perf_counter() - begin
+    assert len(batches) == 6 and sorted(entered) == [0, 1, 2]
+    assert not barrier.broken
+    assert 0 < sampler.stats["busy_s"] <= wall
+  finally:
+    sampler.close()
+  with pytest.raises(ValueError, match="threads must be >= 1"):
+    producer.SamplerThread(sample_fn, None, 0, max_staleness=0, threads=0)
 
 
 def test_async_sampler_weight_mode():

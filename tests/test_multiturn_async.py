@@ -88,6 +88,26 @@ def test_async_multi_turn_run_trains(tmp_path):
   assert "eval/turns" in evals[-1]
 
 
+def test_two_sampler_threads_play_episodes_on_lanes_of_their_own(tmp_path):
+  """`lag.sampler_threads=2`: two batches of episodes in flight, the second thread's
+  environment calls on verifier workers of its own (lane 1)."""
+  from offpolicy_jax.rewards import verifiers
+
+  cfg = _config(total_steps=4, **{"lag.mode": "async", "lag.sampler_threads": 2})
+  rows = loop.train_and_evaluate(cfg, str(tmp_path / "run"))
+  train, _ = metrics_files.split_rows(rows)
+  assert [r["step"] for r in train] == [1, 2, 3, 4]
+  for r in train:
+    assert np.isfinite(r["loss"]) and r["reward_failures"] == 0
+    assert r["behavior_version"] <= r["step"] - 1
+  settings = (int(cfg.reward_workers or os.cpu_count()), cfg.reward_memory_mb, cfg.reward_sandbox)
+  assert (*settings, 1) in verifiers._POOLS  # started by the second thread's calls
+  pool_1 = verifiers.get_pool(*settings, lane=1)
+  assert pool_1.pids() and set(pool_1.pids()).isdisjoint(verifiers.get_pool(*settings).pids())
+  last = train[-1]
+  assert 0 < last["time/run_sampler_busy_s"] <= last["time/run_wall_s"]
+
+
 def test_the_episode_pool_runs_under_async_with_exact_per_token_scores(tmp_path):
   """Episodes in flight across steps (`rollout.episode_pool`) on the sampler thread: the
   thread owns the pool, trajectories span versions, and pi_old is each token's own score."""

@@ -93,6 +93,8 @@ BAD = [
   ("lag.sync_interval", 0, "lag.sync_interval"),
   ("lag.sync_offset", -1, "lag.sync_offset"),
   ("lag.max_staleness", -1, "lag.max_staleness"),
+  ("lag.sampler_threads", 0, "lag.sampler_threads"),
+  ("lag.sampler_threads", 2, "lag.sampler_threads"),  # sync mode
   ("replay.capacity_batches", 0, "replay.capacity_batches"),
   ("replay.policy", "lifo", "replay.policy"),
   ("replay.max_reuse", -1, "replay.max_reuse"),
@@ -178,6 +180,15 @@ def test_continuous_auto_needs_sync_mode():
   validation.validate_config(_config(**auto))
   with pytest.raises(ValueError, match="^config.rollout.continuous_auto_steps:.*'sync' only"):
     validation.validate_config(_config(**auto, **{"lag.mode": "async"}))
+
+
+def test_sampler_threads_need_async_and_a_rollout_without_carried_state():
+  validation.validate_config(_config(**{"lag.mode": "async", "lag.sampler_threads": 3}))
+  with pytest.raises(ValueError, match="^config.lag.sampler_threads: 2 sampler threads need"):
+    validation.validate_config(_config(**{"lag.sampler_threads": 2}))
+  partial = {"lag.mode": "async", "lag.sampler_threads": 2, "rollout.partial_budget": 4}
+  with pytest.raises(ValueError, match="^config.lag.sampler_threads: partial rollouts"):
+    validation.validate_config(_config(**partial))
 
 
 def test_a_study_refuses_the_automatic_sampler_choice():

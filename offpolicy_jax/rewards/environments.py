@@ -42,6 +42,7 @@ worker resolves once to the environment `factory(**kwargs)` is or carries
 
 import math
 import numbers
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -242,6 +243,7 @@ class EnvRunner:
     self.max_observation_chars, self.wrap = int(max_observation_chars), wrap
     self.alphabet = None if alphabet is None else frozenset(alphabet)
     self._stats: dict[str, float] = {**dict.fromkeys(_COUNTERS, 0), "seconds": 0.0}
+    self._lock = threading.Lock()
     self.errors: tuple[str, ...] = ()
     if check:
       pool.check(self._fn, self.name, timeout_s=max(60.0, self.timeout_s))
@@ -273,22 +275,23 @@ class EnvRunner:
     res = self.pool.call(self._fn, args, self.timeout_s, self.batch_timeout_s)
     errors = list(res.errors)
     out = []
-    for i, o in enumerate(res.outcomes):
-      r, why = (None, o.error) if o.failure else _check_result(o.value)
-      if r is not None:
-        r, why = self._observation(r)
-      if r is None:
-        failure = o.failure or verifier_results.GARBAGE
-        self._stats[_COUNTER[failure]] += 1
-        self._stats["failures"] += 1
-        if not o.failure and len(errors) < 5:
-          errors.append(f"row {i}: {why}")
-        r = failed(failure)
-      out.append(r)
-    self._stats["calls"] += len(args)
-    self._stats["restarts"] += res.restarts
-    self._stats["seconds"] += time.monotonic() - start
-    self.errors = tuple(errors)
+    with self._lock:  # the async sampler's threads share the counters (`verifiers.lane`)
+      for i, o in enumerate(res.outcomes):
+        r, why = (None, o.error) if o.failure else _check_result(o.value)
+        if r is not None:
+          r, why = self._observation(r)
+        if r is None:
+          failure = o.failure or verifier_results.GARBAGE
+          self._stats[_COUNTER[failure]] += 1
+          self._stats["failures"] += 1
+          if not o.failure and len(errors) < 5:
+            errors.append(f"row {i}: {why}")
+          r = failed(failure)
+        out.append(r)
+      self._stats["calls"] += len(args)
+      self._stats["restarts"] += res.restarts
+      self._stats["seconds"] += time.monotonic() - start
+      self.errors = tuple(errors)
     return out
 
   def _observation(self, r: EnvResult) -> tuple[EnvResult | None, str]:

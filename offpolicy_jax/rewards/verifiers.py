@@ -36,6 +36,13 @@ reply must echo, and a worker that sends more than one reply to a call is
 replaced (its call fails as crashed). So code that takes over a worker's pipe
 can at worst forge the value of its own call, never that of a later one.
 
+Lanes: calls made inside `with verifiers.lane(i)` (i > 0) go to the workers of
+the pool's lane i, a pool of its own with the same settings (started on its
+first call), never to the pool's own. A pool serves one batch at a time, so
+threads that each keep a batch in flight (the async sampler's, `lag.
+sampler_threads`) give each its lane: their environments' waits overlap
+instead of queuing behind one another.
+
 Callables reach a worker by pickling: a module-level function, a
 `functools.partial` of one, or a `worker.Rebuild` (`RebuildReward`,
 `environments.RebuildEnv`) that rebuilds a registered task in the worker from
@@ -48,6 +55,7 @@ the messages on its pipes and `RebuildReward` are in `worker`.
 
 import atexit
 import collections
+import contextlib
 import logging
 import math
 import multiprocessing.connection as mp_connection
@@ -94,6 +102,8 @@ class VerifierPool:
   def __init__(self, num_workers: int | None = None, memory_mb: int = 2048, sandbox_mode="strict"):
     if sandbox_mode not in ("strict", "warn"):
       raise ValueError(f"sandbox_mode must be 'strict' or 'warn', got {sandbox_mode!r}")
+    self.settings = (int(num_workers or os.cpu_count() or 1), int(memory_mb), sandbox_mode)
+    self.lane = 0  # `get_pool` sets the lane of the pools it makes
     self._ctx = forkserver_context()
     self._limits = sandbox.Limits(memory_mb=int(memory_mb))
     self._strict = sandbox_mode == "strict"
@@ -246,6 +256,9 @@ class VerifierPool:
   def _run(self, fn, kind, args, timeout_s, batch_timeout_s) -> CallResult:
     if not (timeout_s > 0 and math.isfinite(timeout_s)):
       raise ValueError(f"timeout_s must be finite and > 0, got {timeout_s}")
+    lane = getattr(_LANE, "value", 0)
+    if lane != self.lane:  # this thread's calls go to its own lane's workers
+      return get_pool(*self.settings, lane=lane)._run(fn, kind, args, timeout_s, batch_timeout_s)
     fn_id, data = self._fn_id(fn)
     with self._lock:
       try:
@@ -372,15 +385,32 @@ _POOLS: dict[tuple, VerifierPool] = {}
 _POOLS_LOCK = threading.Lock()
 
 
+_LANE = threading.local()
+
+
 def get_pool(
-  num_workers: int | None = None, memory_mb: int = 2048, sandbox_mode: str = "strict"
+  num_workers: int | None = None, memory_mb: int = 2048, sandbox_mode: str = "strict", lane=0
 ) -> VerifierPool:
-  """The process-wide pool with these settings (started on first use, stopped at exit)."""
-  key = (int(num_workers or os.cpu_count() or 1), int(memory_mb), sandbox_mode)
+  """The process-wide pool with these settings and lane (started on first use, stopped at exit)."""
+  key = (int(num_workers or os.cpu_count() or 1), int(memory_mb), sandbox_mode, int(lane))
   with _POOLS_LOCK:
     if key not in _POOLS:
-      _POOLS[key] = VerifierPool(*key)
+      _POOLS[key] = VerifierPool(*key[:3])
+      _POOLS[key].lane = key[3]
     return _POOLS[key]
+
+
+@contextlib.contextmanager
+def lane(i: int):
+  """Within it, this thread's calls to any pool go to that pool's lane `i` (module docstring)."""
+  if int(i) < 0:
+    raise ValueError(f"lane must be >= 0, got {i}")
+  before = getattr(_LANE, "value", 0)
+  _LANE.value = int(i)
+  try:
+    yield
+  finally:
+    _LANE.value = before
 
 
 @atexit.register
@@ -398,4 +428,5 @@ __all__ = [
   "VerifierPool",
   "close_pools",
   "get_pool",
+  "lane",
 ]

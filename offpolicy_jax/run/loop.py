@@ -276,6 +276,7 @@ class _Loop:
       may_prefetch=self._may_prefetch,
       data=self.data,
       max_staleness=run.lag.max_staleness,
+      sampler_threads=run.lag.sampler_threads,
     )
     step = start
     # A step's wall time runs from the end of the previous chunk's row writing

@@ -194,6 +194,17 @@ def _validate_sampling(c) -> None:
       f"the automatic switch to continuous batching runs in lag.mode='sync' only, got "
       f"{c.lag.mode!r} (set rollout.continuous_slots without it)",
     )
+  if c.lag.sampler_threads > 1:
+    _need(
+      c.lag.mode == "async",
+      "lag.sampler_threads",
+      f"{c.lag.sampler_threads} sampler threads need lag.mode='async', got {c.lag.mode!r}",
+    )
+    _need(
+      not c.rollout.partial_budget,
+      "lag.sampler_threads",
+      "partial rollouts carry one pool of groups in flight: they take one sampler thread",
+    )
   if c.rollout.partial_budget:
     # A group stays in flight up to L = ceil(N / b) loop steps, so under async its oldest
     # token is at least L - 1 steps older than the batch that emits it (`step.producer`).

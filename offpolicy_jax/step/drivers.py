@@ -104,6 +104,7 @@ def make(
   may_prefetch: Callable[[int], bool],
   data=None,
   max_staleness: int = 0,
+  sampler_threads: int = 1,
 ) -> Driver:
   """The run's driver: `Async` in lag mode async, else `Scanned` or `Split` (module docstring).
 
@@ -115,13 +116,13 @@ def make(
     seed: the run's seed; `sync`: its `(lag.sync_interval, lag.sync_offset)`.
     may_prefetch: whether the loop allows step t + 1's rollout before step t learns
       (no signal, no checkpoint after t, no pending sampler choice at t).
-    data, max_staleness: the async producer's (`lag_mode="async"`): the shared
-      prompt iterator and `lag.max_staleness`. It starts with the first call of
-      `steps`, from the state and loop step that call gives.
+    data, max_staleness, sampler_threads: the async producer's (`lag_mode="async"`):
+      the shared prompt iterator, `lag.max_staleness` and `lag.sampler_threads`. It
+      starts with the first call of `steps`, from the state and loop step that call gives.
   """
   run = _Run(fns, replay, seed, sync)
   if lag_mode == "async":
-    return Async(run, data, max_staleness)
+    return Async(run, data, max_staleness, sampler_threads)
   if fns.sampler_mesh is not None:  # a sync run samples on its own mesh
     placed = sampler_mesh.OnSamplerMesh(
       fns.rollout, fns.sampler_mesh, fns.model.mesh, fns.model.split
@@ -248,9 +249,9 @@ class Async:
 
   max_chunk = 1
 
-  def __init__(self, run: _Run, data, max_staleness: int):
+  def __init__(self, run: _Run, data, max_staleness: int, threads: int = 1):
     self.fns, self.rollout, self._run = run.fns, run.fns.rollout, run
-    self._data, self._max_staleness = data, max_staleness
+    self._data, self._max_staleness, self._threads = data, max_staleness, threads
     self._prod: producer.AsyncProducer | None = None
 
   @property
@@ -269,6 +270,7 @@ class Async:
         self._max_staleness,
         state.base,
         state.rollout,
+        self._threads,
       )
     step += 1
     t0 = time.perf_counter()

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag, models
+from offpolicy_jax.rewards import verifiers
 from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.scale import disagg, sharding
@@ -74,6 +75,9 @@ class AsyncProducer:
     base: the frozen base of adapter `params` (`RunState.base`), placed on the
       sampler's mesh once; only adapters are published afterwards.
     rstate: the rollout's carried state to start from (`RunState.rollout`; copied).
+    threads: sampler threads (`lag.sampler_threads`), each with a batch in flight and
+      its own lane of verifier workers (`rewards.verifiers.lane`); a kind with
+      carried state takes one.
   """
 
   def __init__(
@@ -86,9 +90,13 @@ class AsyncProducer:
     max_staleness,
     base=None,
     rstate=None,
+    threads: int = 1,
   ):
     self._fns, self._data, self._seed = fns, data_iter, seed
     rollout = fns.rollout
+    if rollout.item and threads > 1:
+      raise ValueError(f"a rollout with carried state ({rollout.item}) takes one sampler thread")
+    self._step_lock = threading.Lock()
     self._rstate = (
       rollout.restore(rollout.init(), *carried(rollout, rstate)) if rollout.item else None
     )
@@ -104,14 +112,21 @@ class AsyncProducer:
         self._base = jax.block_until_ready(disagg.SamplerParams(fns.sampler_mesh).place(base))
     bound = fns.learner.version(max_staleness) or 2**30
     self.sampler = SamplerThread(
-      self._sample, params, fns.learner.version(step), max_staleness=bound, place=place
+      self._sample,
+      params,
+      fns.learner.version(step),
+      max_staleness=bound,
+      place=place,
+      threads=threads,
+      thread_context=verifiers.lane,
     )
 
   def _sample(self, params, version: int):
     fns = self._fns
-    self._produced += 1
-    step, start = self._produced, time.perf_counter()
-    local = next(self._data)
+    with self._step_lock:
+      self._produced += 1
+      step, local = self._produced, next(self._data)
+    start = time.perf_counter()
     prompts = prompt_rows.assemble_global(self._mesh, local)
     own_mesh = jax.set_mesh(self._mesh) if self._copy else contextlib.nullcontext()
     # An episode continues under parameters published while it runs.
@@ -200,7 +215,10 @@ class SamplerThread:
   ``TrainBatch.weights`` are multiplied by ``stale_weight``. Both are counted
   in :attr:`stats`. ``place`` makes the sampler's copy of published
   parameters (default: a device copy; a disaggregated run reshards them onto
-  the sampler's mesh, `disagg.SamplerParams.place`).
+  the sampler's mesh, `disagg.SamplerParams.place`). With ``threads`` > 1,
+  that many threads call ``sample_fn`` at once (it must allow that), each
+  inside ``thread_context(i)`` when given, so several batches are in flight;
+  ``stats["busy_s"]`` counts the seconds in which at least one was sampling.
 
   Example::
 
@@ -223,6 +241,8 @@ class SamplerThread:
     stale_weight: float = 0.0,
     queue_size: int = 2,
     place: Callable[[Any], Any] | None = None,
+    threads: int = 1,
+    thread_context: Callable[[int], Any] | None = None,
   ):
     if mode not in ("drop", "weight"):
       raise ValueError(f"mode must be 'drop' or 'weight', got {mode!r}")
@@ -230,6 +250,8 @@ class SamplerThread:
       raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     if queue_size < 1:
       raise ValueError(f"queue_size must be >= 1, got {queue_size}")
+    if threads < 1:
+      raise ValueError(f"threads must be >= 1, got {threads}")
     self._sample_fn = sample_fn
     self._place = place or (lambda p: jax.tree.map(jnp.copy, p))
     self._latest = (self._place(params), int(version))
@@ -248,8 +270,13 @@ class SamplerThread:
     }
     # Seconds in `sample_fn` (its batch ready), and response tokens of dropped batches.
     self.stats |= {"busy_s": 0.0, "dropped_tokens": 0.0}
-    self._thread = threading.Thread(target=self._run, daemon=True)
-    self._thread.start()
+    self._sampling, self._busy_since = 0, 0.0  # threads in `sample_fn`; its last change
+    context = thread_context or (lambda i: contextlib.nullcontext())
+    self._threads = [
+      threading.Thread(target=self._run, args=(context(i),), daemon=True) for i in range(threads)
+    ]
+    for t in self._threads:
+      t.start()
 
   def latest(self) -> tuple[Any, int]:
     """The newest published ``(params, version)`` (the sampler's copy)."""
@@ -265,25 +292,42 @@ class SamplerThread:
     with self._lock:
       self._latest = (params, int(version))
 
-  def _run(self) -> None:
+  def _count_busy(self, change: int) -> None:
+    """A thread starts (+1) or ends (-1) sampling; adds the time since the last change
+    during which any was (under `_lock`)."""
+    now = time.perf_counter()
+    if self._sampling:
+      self.stats["busy_s"] += now - self._busy_since
+    self._sampling += change
+    self._busy_since = now
+
+  def _run(self, context) -> None:
     try:
-      while not self._stop.is_set():
-        with self._lock:
-          params, version = self._latest
-        begin = time.perf_counter()
+      with context:
+        self._loop()
+    except BaseException as e:  # surfaced to the trainer by get()
+      self._error = e
+
+  def _loop(self) -> None:
+    while not self._stop.is_set():
+      with self._lock:
+        params, version = self._latest
+        self._count_busy(+1)
+      try:
         out = self._sample_fn(params, version)
         batch, info = out if isinstance(out, tuple) and not hasattr(out, "_fields") else (out, None)
         jax.block_until_ready(batch)
-        self.stats["busy_s"] += time.perf_counter() - begin
+      finally:
+        with self._lock:
+          self._count_busy(-1)
+      with self._lock:
         self.stats["produced"] += 1
-        while not self._stop.is_set():
-          try:
-            self._queue.put((batch, info), timeout=0.05)
-            break
-          except queue.Full:
-            continue
-    except BaseException as e:  # surfaced to the trainer by get()
-      self._error = e
+      while not self._stop.is_set():
+        try:
+          self._queue.put((batch, info), timeout=0.05)
+          break
+        except queue.Full:
+          continue
 
   def get(self, current_version: int, timeout: float | None = 60.0, with_info: bool = False):
     """Next batch within the staleness bound relative to ``current_version``.
@@ -326,6 +370,7 @@ class SamplerThread:
       return (batch, info) if with_info else batch
 
   def close(self) -> None:
-    """Stops the thread and waits for it."""
+    """Stops the threads and waits for them."""
     self._stop.set()
-    self._thread.join(timeout=30)
+    for t in self._threads:
+      t.join(timeout=30)
