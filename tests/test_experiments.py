@@ -248,6 +248,24 @@ def test_lag_study_sweep_covers_presets_and_lags():
     sweeps.apply_overrides(base, r)
 
 
+def test_what_lag_buys_sweep_pairs_every_setting_over_the_same_seeds():
+  from offpolicy_jax.run import validation
+  from offpolicy_jax.study import paired_runs
+
+  module = _load("what_lag_buys")
+  runs, base = module.get_sweep(), module.get_config()
+  groups = {}
+  for r in runs:
+    m = paired_runs.RUN_NAME.match(r["name"])
+    assert m and int(m["seed"]) == r["seed"]
+    groups.setdefault(m["group"], set()).add(r["seed"])
+    validation.validate_settings(sweeps.apply_overrides(base, r))
+  assert (
+    set(groups) == {"sync", "async", "async_t4"} and len(set(map(frozenset, groups.values()))) == 1
+  )
+  assert len(groups["sync"]) >= 8
+
+
 def test_paper_gsm8k_config_runs_at_toy_scale(tmp_path):
   """The GSM8K config end to end: local HF dir, chat template, host math-verify rewards."""
   import json
