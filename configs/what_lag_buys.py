@@ -6,7 +6,7 @@
 The calculator task with tool latency (`configs/calculator.py:latency`: every
 tool call answers after a log-normal delay, median 200 ms, at most 2 s),
 100 REC-OneSide-NoIS steps after the 220-step warm start, evaluated every
-25 steps on 64 held-out problems, in three settings per seed:
+25 steps on 64 held-out problems (greedy), in three settings per seed:
 
   sync      on-policy synchronous steps (lag.sync_interval 1): each step
             waits for its episodes' slowest tool calls, then learns
@@ -37,6 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.unlock()
   c.total_steps = 100
   c.eval_every = 25
+  c.eval_samples = 1  # greedy accuracy only: the comparison needs no pass@k
   c.checkpoint_every = 100
   c.progress = False
   c.tensorboard = False
