@@ -11,29 +11,32 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import losses, models, types
+from offpolicy_jax import losses, metric_names, models, types
 from offpolicy_jax import reductions as red
 from offpolicy_jax.learn import diagnostics
 from offpolicy_jax.learn.scorer import token_logprobs
 from offpolicy_jax.learn.step_options import StepOptions
 from offpolicy_jax.types import TrainBatch
 
+# A loss metric's declared reduction (`metric_names`) -> its typed value; a mean is
+# weighted by the loss's valid tokens, so that it combines exactly.
+_TYPED = {
+  metric_names.MEAN: lambda v, n: red.mean(v, n),
+  metric_names.SUM: lambda v, n: red.Sum(v),
+  metric_names.MAX: lambda v, n: red.Max(v),
+  metric_names.MIN: lambda v, n: red.Min(v),
+}
+
 
 def _typed(loss_metrics: dict[str, jax.Array]) -> dict[str, Any]:
-  """The loss's per-micro-batch metrics as typed reductions.
-
-  The loss reports token means over its valid tokens and `*_max`/`*_min`
-  extremes; the means are weighted by those tokens so that they combine exactly.
-  """
+  """The loss's per-micro-batch metrics as typed reductions, each by its declared reduction
+  (`metric_names.reduction`: a token-weighted mean unless declared otherwise)."""
   n = loss_metrics["valid_tokens"]
-  out: dict[str, Any] = {}
-  for k, v in loss_metrics.items():
-    if k in ("valid_tokens", "loss_sum"):
-      continue
-    out[k] = (
-      red.Max(v) if k.endswith("_max") else red.Min(v) if k.endswith("_min") else red.mean(v, n)
-    )
-  return out
+  return {
+    k: _TYPED[metric_names.reduction(k)](v, n)
+    for k, v in loss_metrics.items()
+    if k not in ("valid_tokens", "loss_sum")
+  }
 
 
 def _behavior_ratio(logp, mb: TrainBatch) -> dict[str, Any]:

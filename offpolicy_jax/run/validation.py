@@ -206,8 +206,7 @@ def _validate_sampling(c) -> None:
       "partial rollouts carry one pool of groups in flight: they take one sampler thread",
     )
   if c.rollout.partial_budget:
-    # A group stays in flight up to L = ceil(N / b) loop steps, so under async its oldest
-    # token is at least L - 1 steps older than the batch that emits it (`step.producer`).
+    # In flight up to L = ceil(N / b) steps: under async, tokens L - 1 older than their batch.
     steps = math.ceil(c.max_new_tokens / c.rollout.partial_budget)
     _need(
       c.lag.mode == "sync" or not c.lag.max_staleness or c.lag.max_staleness >= steps,
@@ -222,8 +221,7 @@ def _validate_sampling(c) -> None:
       "continuous batching samples whole responses; it does not take partial rollouts "
       "(rollout.partial_budget > 0)",
     )
-    # The pool is placed on the trainer's mesh (`rollout.partial.Partial.mesh`); placing it on a
-    # disaggregated sampler's mesh is not built.
+    # The pool is on the trainer's mesh (`Partial.mesh`); a sampler mesh's is not built.
     _need(
       not c.mesh.sampler_devices,
       "mesh.sampler_devices",

@@ -32,6 +32,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from offpolicy_jax import metric_names
 from offpolicy_jax.store.metrics_files import (
   BAD_SUFFIX,
   METRICS_FILE,
@@ -47,56 +48,12 @@ TB_DIR = "tb"
 # Where a fresh start moves an earlier run's files: workdir/previous/<timestamp>/.
 PREVIOUS_DIR = "previous"
 
-# TensorBoard groups (docs/metrics.md): a row key without a "/" is shown as
-# "<group>/<key>", the group whose names match it (a name ending in "*" is a
-# prefix), else TB_DEFAULT_GROUP; a key with a "/" (eval/..., time/...,
-# sampler/..., episode/...) keeps its own. Only the TensorBoard tag changes:
-# metrics.jsonl and W&B keep the row's keys.
-TB_GROUPS: dict[str, tuple[str, ...]] = {
-  # How far the batch is from the policy being trained, and what limits it.
-  "offpolicy": (
-    "staleness_*",
-    "behavior_*",
-    "mismatch_*",
-    "ratio_*",
-    "clip_frac*",
-    "kl_k*",
-    "ess",
-    "version",
-    "corr_*",
-    "opsm_*",
-    "m2po_*",
-    "bapo_*",
-    "replay_*",
-    "partial_*",
-    "async_*",
-  ),
-  # Wall time, throughput, compilations.
-  "speed": ("step_time_s", "tokens_per_s", "compiles", "reward_time_s", "reshard_*"),
-  # Counts that stay 0 in a healthy run.
-  "health": (
-    "skipped",
-    "num_skipped",
-    "nonfinite",
-    "reward_failures",
-    "reward_timeouts",
-    "reward_worker_restarts",
-    "prompts_truncated",
-  ),
-}
-# Everything else: reward, accuracy, lengths, advantages, loss, entropy, gradient norm.
-TB_DEFAULT_GROUP = "train"
-
 
 def tb_tag(key: str) -> str:
-  """The TensorBoard tag of a row key: `<group>/<key>` (`TB_GROUPS`), or the key if it has a "/"."""
-  if "/" in key:
-    return key
-  for group, names in TB_GROUPS.items():
-    for name in names:
-      if key == name or (name.endswith("*") and key.startswith(name[:-1])):
-        return f"{group}/{key}"
-  return f"{TB_DEFAULT_GROUP}/{key}"
+  """The TensorBoard tag of a row key: `<group>/<key>` (`metric_names.group_of`), or the key
+  itself when it has a "/" (its prefix is its group). Only the TensorBoard tag has the group:
+  metrics.jsonl and W&B keep the row's keys."""
+  return key if "/" in key else f"{metric_names.group_of(key)}/{key}"
 
 
 def to_python(value: Any) -> Any:

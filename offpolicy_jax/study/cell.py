@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from offpolicy_jax import metric_names
 from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.run import components, evaluation
 from offpolicy_jax.step import costs, drivers, programs, run_state
@@ -27,16 +28,11 @@ from offpolicy_jax.study import sweeps
 from offpolicy_jax.study.grid import AA_STREAM_OFFSET, Grid, grid_snapshot_slots
 from offpolicy_jax.study.warm_starts import Starts
 
-# Off-policy diagnostics a run's record keeps (means over its steps; docs/off_policyness.md).
-OFF_POLICY_METRICS = (
-  "behavior_kl_k3",
-  "staleness_kl_k3",
-  "mismatch_kl_k3",
-  "clip_frac",
-  "corr_token_masked_frac",
-  "corr_seq_masked_frac",
-  "corr_token_truncated_frac",
-)
+
+def study_means(out: dict[str, np.ndarray], i: int) -> dict[str, float]:
+  """Seed `i`'s mean over its steps of each metric declared for the study
+  (`metric_names.study_metrics`) that the rows hold: its record's `off_policy`."""
+  return {k: float(np.mean(out[k][i])) for k in metric_names.study_metrics() if k in out}
 
 
 def _costs(out: dict[str, np.ndarray], i: int, train_s: float, seeds: int) -> dict[str, float]:
@@ -204,7 +200,7 @@ def _run_seeds(
       "skipped": float(out["skipped"][i].sum()),
       f"pass@{run.eval_samples}": None if pass_k is None else float(pass_k[i]),
       "snapshot_missing": bool(out["snapshot_missing"][i].any()),
-      "off_policy": {k: float(np.mean(out[k][i])) for k in OFF_POLICY_METRICS if k in out},
+      "off_policy": study_means(out, i),
       "costs": _costs(out, i, train_s, len(seeds)),
       # Running totals at each evaluation (time- and tokens-to-accuracy).
       "eval_sampled_tokens": _at_evals(out["sampled_tokens"][i], eval_steps),

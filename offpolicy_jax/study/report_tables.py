@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from offpolicy_jax import metric_names
 from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import stats as study_stats
 
@@ -27,18 +28,10 @@ MARK = {
 FASTER = {study_stats.WORSE: "faster", study_stats.BETTER: "slower", study_stats.SAME: "~"}
 
 
-# Off-policy diagnostics tabulated when the runs recorded them (`study.cell.OFF_POLICY_METRICS`).
 # Per-run counts of sandboxed rewards scored 0 after a timeout, error or crash (`study.cell`).
 REWARD_FAILURES = ("eval_reward_failures", "train_reward_failures")
 # What a run spent (`study.cell._costs`; to the threshold: `study.report.cell_rows`).
 COST_TABLES = ("sampled_tokens", "trained_tokens", "train_wall_s", "tokens_to_threshold")
-OFF_POLICY_TABLES = (
-  "staleness_kl_k3",
-  "mismatch_kl_k3",
-  "clip_frac",
-  "corr_token_masked_frac",
-  "corr_seq_masked_frac",
-)
 
 
 def summary_table(rows: list[dict]) -> tuple[list[str], list[str], dict]:
@@ -436,7 +429,7 @@ def _run_sections(values, main, lags, seeds) -> list[str]:
     "KL(mu || pi) estimate k3 of the staleness factor pi / pi_old and of the engine mismatch "
     "pi_old / mu (0 where pi_old is not scored), and the fraction of tokens the loss clipped "
     "or a rollout correction masked.",
-    [k for k in OFF_POLICY_TABLES if any(key[2] == k for key in values)],
+    [k for k in metric_names.study_metrics(True) if any(key[2] == k for key in values)],
     lambda metric: _md(["method", *lags], grid(metric, lambda x: f"{float(np.mean(x)):.3g}")),
   )
   lines += _metric_tables(
