@@ -183,17 +183,21 @@ class Field(NamedTuple):
 
 
 class Names(NamedTuple):
-  """A comma-separated, non-empty list of words from `choices`."""
+  """A comma-separated list of distinct words from `choices` (non-empty unless `empty_ok`)."""
 
   choices: tuple[str, ...]
+  empty_ok: bool = False
 
   def describe(self) -> str:
     """What it accepts, in the words of its complaint."""
-    return f"comma-separated names from {', '.join(self.choices)}"
+    none = ' ("" = none)' if self.empty_ok else ""
+    return f"comma-separated names from {', '.join(self.choices)}{none}"
 
   def __call__(self, v: Any) -> str | None:
+    if self.empty_ok and isinstance(v, str) and not v.strip():
+      return None
     words = [w.strip() for w in v.split(",")] if isinstance(v, str) else None
-    if words and all(w in self.choices for w in words):
+    if words and all(w in self.choices for w in words) and len(set(words)) == len(words):
       return None
     return f"must be {self.describe()}, got {v!r}"
 

@@ -48,7 +48,7 @@ _SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
   ("Mesh (`mesh.*`)", "Device meshes ([scaling_out.md](scaling_out.md)).", ("mesh",)),
   ("Warm start (`sft.*`)", "The supervised warm start before RL.", ("sft",)),
   ("Evaluation", "Held-out evaluation during the run.",
-   ("eval_every", "eval_prompts", "eval_samples")),
+   ("eval_every", "eval_prompts", "eval_samples", "eval_ope")),
   ("Checkpoints and logging", "What the run writes, and how often.",
    ("checkpoint_every", "log_every", "profile_steps", "keep_checkpoints", "async_checkpoint",
     "tensorboard", "wandb_project", "progress")),

@@ -960,6 +960,138 @@ GROUPS: dict[str, Group] = {
       ),
     ),
   ),
+  "ope": Group(
+    "the current policy's worth from the replay buffer",
+    "In eval rows when `eval_ope` names estimators (default: is, wis, pdwis) and the replay "
+    "buffer holds rows (not at step 0): the trainer's current policy's expected training "
+    "reward estimated from the buffer's lagged rows with the off-policy estimators of "
+    "docs/ope.md, without sampling.",
+    (
+      M(
+        "ope/is",
+        "default",
+        "reward",
+        "Ordinary importance sampling: the current policy's expected reward estimated from the "
+        "replay buffer's rows, nothing sampled (`learn.buffer_ope`, docs/ope.md). In an on-policy"
+        " run, compare with the next step's `reward_mean`.",
+      ),
+      M(
+        "ope/is_low",
+        "default",
+        "reward",
+        "Lower end of the 95% interval of `ope/is`.",
+      ),
+      M(
+        "ope/is_high",
+        "default",
+        "reward",
+        "Upper end of the 95% interval of `ope/is`.",
+      ),
+      M(
+        "ope/is_ess",
+        "default",
+        "rows",
+        "Kish's effective sample size of `ope/is`'s sequence weights: near `ope/rows` the buffer "
+        "is close to on-policy; far below it, the estimate rests on a few rows.",
+      ),
+      M(
+        "ope/wis",
+        "default",
+        "reward",
+        "Weighted (self-normalised) importance sampling of the same value: biased, lower variance.",
+      ),
+      M(
+        "ope/wis_low",
+        "default",
+        "reward",
+        "Lower end of the 95% interval of `ope/wis`.",
+      ),
+      M(
+        "ope/wis_high",
+        "default",
+        "reward",
+        "Upper end of the 95% interval of `ope/wis`.",
+      ),
+      M(
+        "ope/wis_ess",
+        "default",
+        "rows",
+        "Kish's effective sample size of `ope/wis`'s sequence weights: near `ope/rows` the buffer"
+        " is close to on-policy; far below it, the estimate rests on a few rows.",
+      ),
+      M(
+        "ope/pdis",
+        "`eval_ope` names it",
+        "reward",
+        "Per-decision importance sampling of the same value (each token's reward weighted by its "
+        "prefix's ratio).",
+      ),
+      M(
+        "ope/pdis_low",
+        "`eval_ope` names it",
+        "reward",
+        "Lower end of the 95% interval of `ope/pdis`.",
+      ),
+      M(
+        "ope/pdis_high",
+        "`eval_ope` names it",
+        "reward",
+        "Upper end of the 95% interval of `ope/pdis`.",
+      ),
+      M(
+        "ope/pdis_ess",
+        "`eval_ope` names it",
+        "rows",
+        "Kish's effective sample size of `ope/pdis`'s sequence weights: near `ope/rows` the "
+        "buffer is close to on-policy; far below it, the estimate rests on a few rows.",
+      ),
+      M(
+        "ope/pdwis",
+        "default",
+        "reward",
+        "Per-decision weighted importance sampling of the same value.",
+      ),
+      M(
+        "ope/pdwis_low",
+        "default",
+        "reward",
+        "Lower end of the 95% interval of `ope/pdwis`.",
+      ),
+      M(
+        "ope/pdwis_high",
+        "default",
+        "reward",
+        "Upper end of the 95% interval of `ope/pdwis`.",
+      ),
+      M(
+        "ope/pdwis_ess",
+        "default",
+        "rows",
+        "Kish's effective sample size of `ope/pdwis`'s sequence weights: near `ope/rows` the "
+        "buffer is close to on-policy; far below it, the estimate rests on a few rows.",
+      ),
+      M(
+        "ope/rows",
+        "default",
+        "rows",
+        "Rows of the replay buffer the estimates used (valid rows with a valid token).",
+      ),
+      M(
+        "ope/behavior_reward",
+        "default",
+        "reward",
+        "Mean reward of those rows: what the policies that sampled them earned. The estimates "
+        "correct it for the gap to the current policy.",
+      ),
+      M(
+        "ope/staleness_mean",
+        "default",
+        "optimizer steps",
+        "Mean over the rows' valid tokens of the current version minus the token's version: how "
+        "stale the data the estimates rest on is.",
+      ),
+    ),
+  ),
 }
 
 # TensorBoard groups of the keys not declared one by one (a name ending in "*" is a prefix).

@@ -93,6 +93,8 @@ BAD = [
   ("lag.sync_interval", 0, "lag.sync_interval"),
   ("lag.sync_offset", -1, "lag.sync_offset"),
   ("lag.max_staleness", -1, "lag.max_staleness"),
+  ("eval_ope", "dr", "eval_ope"),  # needs a critic
+  ("eval_ope", "is,is", "eval_ope"),
   ("lag.sampler_threads", 0, "lag.sampler_threads"),
   ("lag.sampler_threads", 2, "lag.sampler_threads"),  # sync mode
   ("replay.capacity_batches", 0, "replay.capacity_batches"),

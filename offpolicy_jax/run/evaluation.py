@@ -17,6 +17,7 @@ eval split), so the numbers do not depend on the number of processes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,10 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import models
+from offpolicy_jax.learn import buffer_ope
 from offpolicy_jax.rollout import episodes
 from offpolicy_jax.rollout.protocol import EvalRows
 from offpolicy_jax.step import scoring
-from offpolicy_jax.step.run_state import StepFns
+from offpolicy_jax.step.run_state import RunState, StepFns, weights
+from offpolicy_jax.store import metrics
 
 
 def _memo(fns: StepFns, key, build: Callable) -> Any:
@@ -213,3 +216,18 @@ def evaluate(fns: StepFns, params, key: jax.Array, num_prompts: int, k: int) -> 
   out = {f"eval/{m}": float(v[0]) for m, v in ev.items()}
   out["eval/reward_failures"] = int(out["eval/reward_failures"])
   return out
+
+
+def ope_from_buffer(fns: StepFns, state: RunState, names: tuple[str, ...]) -> dict[str, Any]:
+  """`learn.buffer_ope`'s `ope/` metrics of the run's replay buffer under its current
+  parameters: nothing before the buffer holds a row, or without `names`."""
+  if not names or not int(jax.device_get(state.replay.num_added)):
+    return {}
+
+  def build():
+    fn = functools.partial(buffer_ope.estimate, fns.model.graphdef, fns.learner.options)
+    return jax.jit(fn, static_argnames="names")
+
+  with jax.set_mesh(fns.model.mesh):
+    out = _memo(fns, "ope", build)(weights(state), state.replay, state.train.version, names=names)
+  return {k: metrics.to_python(v) for k, v in jax.device_get(out).items()}

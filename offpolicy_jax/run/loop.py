@@ -40,6 +40,7 @@ from typing import Any
 import jax
 
 from offpolicy_jax import errors
+from offpolicy_jax.learn import buffer_ope
 from offpolicy_jax.run import evaluation, observability, stopping, validation
 from offpolicy_jax.run import start as start_lib
 from offpolicy_jax.run.components import Components, build_components
@@ -246,9 +247,10 @@ class _Loop:
     ev = evaluation.evaluate(
       self.comps.fns, weights(state), key, run.eval_prompts, run.eval_samples
     )
-    if ev:
+    if ev:  # with the current policy's worth estimated from the buffer's lagged rows
+      ev |= evaluation.ope_from_buffer(self.comps.fns, state, buffer_ope.parse(run.eval_ope))
       self.rows.append(self.writer.write(step, ev))
-      text = ", ".join(f"{k}={v:.3f}" for k, v in ev.items())
+      text = ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if k.startswith("eval/"))
       self.writer.log_text(f"eval at step {step}: {text}")
     return ev
 
