@@ -18,6 +18,14 @@ and a layout (`Layout`) says which of them overlap. The predicted step time:
                                                            environments and rewards overlap)
   async, own sampler devices   max(S + R, T + C) + H      (a pipeline: the slower side sets it)
 
+With k batches in flight (`lag.sampler_threads`, `Layout.inflight`), each
+batch's environment waits and rewards overlap the other batches' decoding and
+waits (each batch has verifier workers of its own), while the devices still
+run every batch's decoding in turn:
+
+  async, shared devices        max(D + T, (S + R) / k) + H
+  async, own sampler devices   max(D, (S + R) / k, T + C) + H
+
 Asynchrony needs a staleness bound of at least one step to overlap anything;
 with `max_staleness = 0` an async layout is predicted as the sync one. Moving
 to another device split scales the device work with the devices each side
@@ -45,11 +53,13 @@ class PhaseCosts(NamedTuple):
 
 
 class Layout(NamedTuple):
-  """How the sides run: `mode` "sync" or "async"; whether the sampler has devices of its own."""
+  """How the sides run: `mode` "sync" or "async"; whether the sampler has devices of its own;
+  how many batches it samples at once."""
 
   mode: str = "sync"
   max_staleness: int = 0
   own_sampler_devices: bool = False
+  inflight: int = 1  # batches sampled at once (async only)
 
 
 def check(costs: PhaseCosts, layout: Layout) -> None:
@@ -66,6 +76,11 @@ def check(costs: PhaseCosts, layout: Layout) -> None:
   staleness = layout.max_staleness
   if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
     raise ValueError(f"timeline: max_staleness must be an int >= 0, got {staleness!r}")
+  k = layout.inflight
+  if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    raise ValueError(f"timeline: inflight must be an int >= 1, got {k!r}")
+  if k > 1 and layout.mode != "async":
+    raise ValueError(f"timeline: {k} batches in flight need mode 'async', got {layout.mode!r}")
   if not isinstance(layout.own_sampler_devices, bool):
     raise ValueError(
       f"timeline: own_sampler_devices must be True or False, got {layout.own_sampler_devices!r}"
@@ -79,9 +94,10 @@ def step_time(costs: PhaseCosts, layout: Layout) -> float:
   device = s - e
   if layout.mode == "sync" or layout.max_staleness == 0:
     return s + r + t + (c if layout.own_sampler_devices else 0.0) + h
+  k = layout.inflight
   if layout.own_sampler_devices:
-    return max(s + r, t + c) + h
-  return max(device + t, s + r) + h
+    return max(device, (s + r) / k, t + c) + h
+  return max(device + t, (s + r) / k) + h
 
 
 def scaled(costs: PhaseCosts, sampler_factor: float, learner_factor: float) -> PhaseCosts:
@@ -140,6 +156,7 @@ LAYOUTS = {
   "async (staleness >= 1), shared devices": Layout("async", 1),
   "sync, own sampler devices": Layout("sync", 0, True),
   "async (staleness >= 1), own sampler devices": Layout("async", 1, True),
+  "async, 4 batches in flight, shared devices": Layout("async", 4, False, 4),
 }
 
 

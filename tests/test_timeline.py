@@ -20,6 +20,10 @@ COSTS = PhaseCosts(sample_s=1.0, train_s=2.0, env_s=0.75, reward_s=0.5, sync_s=0
     (Layout("async", 1), max(0.25 + 2.0, 1.0 + 0.5) + 0.125),
     (Layout("async", 4, True), max(1.0 + 0.5, 2.0 + 0.25) + 0.125),
     (Layout("async", 0), 1.0 + 0.5 + 2.0 + 0.125),  # no staleness allowed: nothing overlaps
+    # Four batches in flight: each batch's 1.5 s of sampling and rewards overlap the others';
+    # the devices still run the sampling and the learning in turn (0.25 + 2.0).
+    (Layout("async", 4, False, 4), max(0.25 + 2.0, (1.0 + 0.5) / 4) + 0.125),
+    (Layout("async", 4, True, 4), max(0.25, (1.0 + 0.5) / 4, 2.0 + 0.25) + 0.125),
   ],
 )
 def test_step_time_by_hand(layout, want):
@@ -78,6 +82,8 @@ def test_costs_from_a_runs_rows_skip_compilation():
     (COSTS, Layout("async", 0.5), "max_staleness must be an int >= 0"),  # type: ignore[arg-type]
     (COSTS, Layout("async", 1, "no"), "own_sampler_devices must be True or False"),  # type: ignore[arg-type]
     (COSTS._replace(train_s="2"), Layout(), "train_s must be a finite number"),  # type: ignore[arg-type]
+    (COSTS, Layout("async", 4, False, 0), "inflight must be an int >= 1"),
+    (COSTS, Layout("sync", 0, False, 2), "2 batches in flight need mode 'async'"),
   ],
 )
 def test_bad_input_is_refused_naming_the_field(costs, layout, match):
@@ -91,5 +97,9 @@ def test_the_report_prints_each_layout():
   lines = {line[:46].strip(): line[46:].split() for line in text.splitlines()[2:]}
   assert lines["sync, shared devices"] == ["2", "1.00x"]
   assert lines["async (staleness >= 1), own sampler devices"] == ["1", "2.00x"]
+  # Sampling bound by its environments: four batches in flight divide it by four.
+  waits = PhaseCosts(sample_s=4.0, train_s=0.5, env_s=3.8)
+  lines = {line[:46].strip(): line[46:].split() for line in timeline.report(waits).splitlines()[2:]}
+  assert lines["async, 4 batches in flight, shared devices"] == ["1", "4.50x"]
   with pytest.raises(ValueError, match="sampler_factor must be a finite number > 0"):
     timeline.report(costs, sampler_factor=0.0)
