@@ -109,7 +109,11 @@ LR_METHODS = ",".join(
 )
 
 
-TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "lr")
+TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "lr", "reuse")
+# `reuse`: what data reuse buys in sampled tokens (docs/what_lag_buys.md): GRPO on-policy
+# with 1, 2 and 4 optimizer steps per sampled batch (train.num_epochs: each batch reused
+# that many times), evaluated every 20 steps so that the tokens to the threshold resolve.
+REUSE_METHODS = "grpo,grpo_reuse2=grpo;train.num_epochs=2,grpo_reuse4=grpo;train.num_epochs=4"
 
 
 def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
@@ -174,7 +178,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   else:
     raise ValueError(
       f"configs/lag_study.py: unknown scale {scale!r} "
-      "(toy, toy_full, deep, deep_full, lr, gsm8k, code, spell or calculator)"
+      "(toy, toy_full, deep, deep_full, lr, reuse, gsm8k, code, spell or calculator)"
     )
   c.eval_every = 50
   # pass@k of the final parameters, k samples per prompt at the training temperature.
@@ -228,6 +232,13 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     # (167-249 s each beside other work) put the 27 cells at 80-90 minutes, over the hour.
     c.study.lags = "onpolicy=1/0,offline=offline"
     c.study.baseline = "narrow_lr3e-4@onpolicy"
+    c.study.aa_lags = ""
+  if scale == "reuse":
+    c.eval_every = 20
+    c.eval_samples = 1  # greedy accuracy only
+    c.study.methods = REUSE_METHODS
+    c.study.lags = "onpolicy=1/0"
+    c.study.seeds = 8
     c.study.aa_lags = ""
   c.lock()
   return c

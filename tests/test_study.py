@@ -194,6 +194,10 @@ def test_miniature_study_writes_tables_csv_and_plots(mini):
   assert line.count(" ≈ ") == 2
   assert "+0.000 [+0.000, +0.000]" in text.split("## Paired difference")[1].split("##")[0]
   assert "## Bandit" in text
+  # Tokens to the threshold: per cell with k/n reached, paired with the baseline method.
+  tokens = text.split("### Sampled tokens to reach it")[1].split("###")[0]
+  assert "(2/2)" in tokens or "(1/2)" in tokens or "(0/2)" in tokens
+  assert "Paired difference to grpo in the same lag" in tokens
   for cell in cells.values():
     assert {r["seed"] for r in cell["runs"]} == {0, 1}
     offline = cell["lag"] == "offline"

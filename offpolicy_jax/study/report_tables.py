@@ -70,6 +70,7 @@ def _md(header: Sequence[str], body: Iterable[Sequence[str]]) -> list[str]:
 # Learning-speed summaries of a run (`study_stats.run_summary`), compared within a lag.
 SPEED_METRICS = (
   ("steps_to_threshold", f"Steps to reach the warm start + {study_stats.LEARNING_GAIN:.2f}"),
+  ("tokens_to_threshold", "Sampled tokens to reach it (censored like the steps)"),
   ("accuracy_auc", "Area under the held-out accuracy curve, divided by the steps"),
   ("final_accuracy", "Final greedy accuracy"),
 )
@@ -135,8 +136,8 @@ def _speed_section(values, main, lags, baseline_method, seeds, alpha, margin) ->
   for metric, title in SPEED_METRICS:
     if not any(values.get((m, g, metric)) for m in main for g in lags):
       continue
-    steps = metric == "steps_to_threshold"
-    fmt = "+.1f" if steps else "+.3f"
+    steps = metric in ("steps_to_threshold", "tokens_to_threshold")  # fewer is faster
+    fmt = "+.4g" if metric == "tokens_to_threshold" else "+.1f" if steps else "+.3f"
 
     def cell(m, g, metric=metric, steps=steps):
       got = values.get((m, g, metric))
@@ -147,7 +148,8 @@ def _speed_section(values, main, lags, baseline_method, seeds, alpha, margin) ->
         return str(iv)
       reached = values.get((m, g, "threshold_reached"), {})
       k = int(sum(_by_seed(reached, seeds))) if reached else "?"
-      return f"{iv.mean:.1f} [{iv.low:.1f}, {iv.high:.1f}] ({k}/{len(seeds)})"
+      f = ".4g" if metric == "tokens_to_threshold" else ".1f"
+      return f"{iv.mean:{f}} [{iv.low:{f}}, {iv.high:{f}}] ({k}/{len(seeds)})"
 
     comps = {
       (m, g): study_stats.compare(
