@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 from offpolicy_jax.study import report as study_report
-from offpolicy_jax.study import report_tables
+from offpolicy_jax.study import report_aa, report_tables
 from offpolicy_jax.study import stats as study_stats
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,9 +150,9 @@ class Study:
     return self._same_lag[metric]
 
   def aa(self, metric: str) -> dict[str, tuple[study_stats.Comparison, str]]:
-    """{lag: (comparison, mark)} of the A/A pairs on one metric (`report_tables.aa_tests`)."""
+    """{lag: (comparison, mark)} of the A/A pairs on one metric (`report_aa.aa_tests`)."""
     aa_methods = [m for m in self.methods if m.startswith("aa-")]
-    tests = report_tables.aa_tests(self.values, aa_methods, self.lags, self.seeds, self.alpha)
+    tests = report_aa.aa_tests(self.values, aa_methods, self.lags, self.seeds, self.alpha)
     return {g: (c, report_tables.MARK[v]) for _, g, met, c, v in tests if met == metric}
 
   def aa_rate(self, metric: str) -> tuple[int, int, float, float, float]:
@@ -1142,11 +1142,11 @@ fact(
 )
 fact(
   LAG,
-  "(and the report's `≈` for REINFORCE and the wide mask on-policy at 3e-4, against the narrow "
-  "mask there, is a difference of exactly 0 on every seed:",
+  "(and the report marks REINFORCE and the wide mask on-policy at 3e-4, against the narrow "
+  "mask there, `=`: a difference of exactly 0 on every seed,",
   LR,
   lambda: all(
-    _lr().mark(m, "onpolicy") == "≈" and not np.any(_lr().tests[m, "onpolicy"][0].diff.high)
+    _lr().mark(m, "onpolicy") == "=" and not np.any(_lr().tests[m, "onpolicy"][0].diff.high)
     for m in ("reinforce_lr3e-4", "wide_lr3e-4")
   ),
 )
@@ -1491,7 +1491,7 @@ fact(
   "lag_study_lr/study.csv, lag_study_calculator/study.csv",
   lambda: (
     not np.any(_lr().tests["reinforce_lr3e-4", "onpolicy"][0].diff.high)
-    and S("lag_study_calculator").mark("reinforce", "onpolicy") == "≈"
+    and S("lag_study_calculator").mark("reinforce", "onpolicy") == "="
     and not np.any(S("lag_study_calculator").diff("reinforce", "onpolicy").high)
   ),
 )
@@ -1620,10 +1620,10 @@ claim(
 )
 fact(
   MT,
-  "the report's `≈` for REINFORCE on-policy is a difference of exactly 0 on every seed:",
+  "report marks REINFORCE on-policy `=`: a difference of exactly 0 on every seed,",
   CALC,
   lambda: (
-    _k().mark("reinforce", "onpolicy") == "≈"
+    _k().mark("reinforce", "onpolicy") == "="
     and _k().same(("reinforce", "onpolicy"), ("rec_oneside_nois", "onpolicy"))
   ),
 )

@@ -17,7 +17,7 @@ from configs import lag_study  # noqa: E402
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.run import components
 from offpolicy_jax.store import workdir
-from offpolicy_jax.study import bandit, report_tables
+from offpolicy_jax.study import bandit, report_aa, report_tables
 from offpolicy_jax.study import cell as study_cell
 from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import report as study_report
@@ -189,9 +189,9 @@ def test_miniature_study_writes_tables_csv_and_plots(mini):
     "threshold_reached",
   }
   text = open(os.path.join(path, "study.md")).read()
-  # The twin's runs equal grpo's: difference exactly 0, marked equivalent (within 0.03).
+  # The twin's runs equal grpo's: difference exactly 0, marked `=` (no test, not counted).
   line = next(x for x in text.splitlines() if x.startswith("| twin |"))
-  assert line.count(" ≈ ") == 2
+  assert line.count(" = ") == 2
   assert "+0.000 [+0.000, +0.000]" in text.split("## Paired difference")[1].split("##")[0]
   assert "## Bandit" in text
   # Tokens to the threshold: per cell with k/n reached, paired with the baseline method.
@@ -528,9 +528,9 @@ def test_aa_twin_runs_the_baseline_with_other_streams_and_the_report_counts_it(m
       assert a["off_policy"]["behavior_kl_k3"] != b["off_policy"]["behavior_kl_k3"]
   rows = study_report.read_csv(os.path.join(path, "study.csv"))
   _, lags, values = report_tables.summary_table(rows)
-  tests = report_tables.aa_tests(values, ["aa-grpo"], lags, [0, 1], 0.05)
+  tests = report_aa.aa_tests(values, ["aa-grpo"], lags, [0, 1], 0.05)
   assert [(t[1], t[2]) for t in tests] == [
-    (g, m) for g in ("onpolicy", "offline") for m in report_tables.AA_METRICS
+    (g, m) for g in ("onpolicy", "offline") for m in report_aa.AA_METRICS
   ]
   text = open(os.path.join(path, "study.md")).read()
   # With 2 seeds a two-sided sign-flip p-value is at least 2/4: no A/A verdict can be false.
@@ -545,7 +545,9 @@ def test_aa_twin_runs_the_baseline_with_other_streams_and_the_report_counts_it(m
   assert sum(x.startswith("| aa-grpo |") for x in section.splitlines()) == 6
   # The twin is no method of the grid's tables.
   grid_table = text.split("## Final greedy accuracy")[1].split("## Paired")[0]
-  assert "aa-grpo" not in grid_table and "verdict is attainable here" in grid_table
+  # Every difference is 0: each comparison is `=` and none is tested (nor counted by Holm).
+  assert "aa-grpo" not in grid_table and "The grid has no comparison to test." in grid_table
+  assert "`=` when every per-seed difference is exactly 0 (3 of the 3" in grid_table
 
 
 def test_aa_lags_and_reserved_names_are_checked():

@@ -154,7 +154,7 @@ def test_report_verdicts_holm_power_note_and_aa_rate(tmp_path):
   # Learning speed: differences within the lag; grpo reaches +0.10 nowhere (censored, 0/12).
   speed = text.split("### Steps to reach the warm start + 0.10")[1]
   assert "| grpo | 20.0 [20.0, 20.0] (0/12) |" in speed
-  assert "| ok | +0.0 [+0.0, +0.0] p=1 ~ |" in speed.split("### ")[0]
+  assert "| ok | +0.0 [+0.0, +0.0] p=1 = |" in speed.split("### ")[0]  # identical: no test
   # A/A: 1 of the 2 final-accuracy pairs is called different: 1/2 [0.013, 0.987].
   assert "permutation test at alpha = 0.05): 1/2 = 0.500 [0.013, 0.987]; nominal 0.05." in text
   assert "aa-grpo" not in text.split("## Final greedy accuracy")[1].split("## Paired")[0]
@@ -232,3 +232,15 @@ def test_verdicts_mark_equivalence_only_where_shown_and_differences_first():
   assert stats.verdicts({"edge": one}, 0.05)["edge"][1] == stats.EQUIVALENT
   many = {i: one for i in range(10)}
   assert {v[1] for v in stats.verdicts(many, 0.05).values()} == {stats.SAME}
+
+
+def test_identical_runs_are_marked_and_left_out_of_holms_count():
+  """Differences exactly 0 on every seed (one update, two names): `identical`, p 1, and not
+  counted, so the other comparison keeps its own p (Holm over one, not two)."""
+  zero = stats.compare([0.5] * 6, [0.5] * 6, margin=0.03)
+  real = stats.compare([0.6, 0.7, 0.65, 0.6, 0.7, 0.66], [0.5] * 6)
+  out = stats.verdicts({"same": zero, "real": real}, 0.05)
+  assert out["same"] == (1.0, stats.IDENTICAL)
+  assert out["real"][0] == pytest.approx(real.p)  # m = 1
+  assert out["real"][1] == stats.BETTER
+  assert stats.verdicts({"same": zero}, 0.05) == {"same": (1.0, stats.IDENTICAL)}

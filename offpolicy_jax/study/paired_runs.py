@@ -178,7 +178,13 @@ def compare(
   return records
 
 
-_MARK = {stats.WORSE: "lower", stats.BETTER: "higher", stats.SAME: "~", stats.EQUIVALENT: "≈"}
+_MARK = {
+  stats.WORSE: "lower",
+  stats.BETTER: "higher",
+  stats.SAME: "~",
+  stats.EQUIVALENT: "≈",
+  stats.IDENTICAL: "=",
+}
 
 
 def report(records: Sequence[Mapping[str, Any]], baseline: str, margin, alpha: float) -> str:

@@ -10,23 +10,18 @@ the off-policy diagnostics.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from offpolicy_jax import metric_names
 from offpolicy_jax.study import grid as study_grid
+from offpolicy_jax.study import report_aa
 from offpolicy_jax.study import stats as study_stats
-
-MARK = {
-  study_stats.WORSE: "worse",
-  study_stats.BETTER: "better",
-  study_stats.SAME: "~",
-  study_stats.EQUIVALENT: "≈",
-}
-# Marks of a difference in steps to the threshold (more steps: slower).
-FASTER = {study_stats.WORSE: "faster", study_stats.BETTER: "slower", study_stats.SAME: "~"}
-
+from offpolicy_jax.study.report_md import FASTER, MARK
+from offpolicy_jax.study.report_md import by_seed as _by_seed
+from offpolicy_jax.study.report_md import md as _md
+from offpolicy_jax.study.report_md import signed as _signed
 
 # Per-run counts of sandboxed rewards scored 0 after a timeout, error or crash (`study.cell`).
 REWARD_FAILURES = ("eval_reward_failures", "train_reward_failures")
@@ -58,15 +53,6 @@ def _metric_tables(
   return lines
 
 
-def _by_seed(d: Mapping[int, float], seeds: Sequence[int]) -> list[float]:
-  return [d[s] for s in seeds]
-
-
-def _md(header: Sequence[str], body: Iterable[Sequence[str]]) -> list[str]:
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  return lines + ["| " + " | ".join(row) + " |" for row in body]
-
-
 # Learning-speed summaries of a run (`study_stats.run_summary`), compared within a lag.
 SPEED_METRICS = (
   ("steps_to_threshold", f"Steps to reach the warm start + {study_stats.LEARNING_GAIN:.2f}"),
@@ -74,12 +60,6 @@ SPEED_METRICS = (
   ("accuracy_auc", "Area under the held-out accuracy curve, divided by the steps"),
   ("final_accuracy", "Final greedy accuracy"),
 )
-# The metrics an A/A pair is tested on (a false-verdict rate per metric).
-AA_METRICS = ("final_accuracy", "accuracy_auc", "steps_to_threshold")
-
-
-def _signed(iv: study_stats.Interval, fmt: str = "+.3f") -> str:
-  return f"{iv.mean:{fmt}} [{iv.low:{fmt}}, {iv.high:{fmt}}]"
 
 
 def _final_accuracy_tests(values, main, lags, baseline, seeds, alpha, margin):
@@ -181,78 +161,6 @@ def _speed_section(values, main, lags, baseline_method, seeds, alpha, margin) ->
   return lines
 
 
-def aa_tests(
-  values, aa_methods, lags, seeds, alpha
-) -> list[tuple[str, str, str, study_stats.Comparison, str]]:
-  """(A/A method, lag, metric, Comparison, permutation verdict at alpha) of every A/A pair."""
-  out = []
-  for a in aa_methods:
-    base = a[len(study_grid.AA_PREFIX) :]
-    for g in lags:
-      for metric in AA_METRICS:
-        x, y = values.get((a, g, metric)), values.get((base, g, metric))
-        if not x or not y:
-          continue
-        c = study_stats.compare(_by_seed(x, seeds), _by_seed(y, seeds))
-        out.append((a, g, metric, c, c.verdict(c.p, alpha)))
-  return out
-
-
-def _aa_section(tests, alpha) -> tuple[list[str], str]:
-  """(the A/A section, its one-line false-verdict rate of final accuracy).
-
-  Rates are per metric, never pooled (a pair's metrics are correlated, and
-  one of them, the steps to the threshold, is often all ties). They leave out
-  pairs whose differences are all 0 (e.g. steps to the threshold when no run
-  reached it): no test can call those different.
-  """
-  skipped = sum(t[3].diff.low == t[3].diff.high == 0 for t in tests)
-  shown, tests = tests, [t for t in tests if not t[3].diff.low == t[3].diff.high == 0]
-
-  def rate(k, n):
-    return study_stats.rate(k, n) if n else "no informative pair"
-
-  def rates(metric):
-    of = [t for t in tests if t[2] == metric]
-    perm = sum(t[4] != study_stats.SAME for t in of)
-    rule = sum(t[3].interval_verdict != study_stats.SAME for t in of)
-    return rate(perm, len(of)), rate(rule, len(of))
-
-  headline = (
-    f"A/A false-verdict rate (final accuracy, permutation test at alpha = {alpha:g}): "
-    f"{rates('final_accuracy')[0]}; nominal {alpha:g}."
-  )
-  lines = [
-    "",
-    "## A/A calibration",
-    "",
-    "The baseline method run twice on the same warm starts and prompts with independent "
-    "random streams (sampling, advantages, replay, training; `study.grid.AA_STREAM_OFFSET`): "
-    "nothing differs but chance, so every `better`/`worse` here is a false verdict. Each pair "
-    f"is tested alone (no Holm correction, which only lowers the rate) at alpha = {alpha:g} "
-    "with the sign-flip permutation test, and by the interval rule (the 95% paired t "
-    "interval excludes 0). Rates per metric: false verdicts / comparisons with a 95% "
-    "Clopper-Pearson interval.",
-    "",
-  ]
-  rows = []
-  for a, g, metric, c, verdict in shown:
-    fmt = "+.1f" if metric == "steps_to_threshold" else "+.3f"
-    rows.append(
-      [a, g, metric, _signed(c.diff, fmt), f"{c.p:.3g}", MARK[verdict], MARK[c.interval_verdict]]
-    )
-  lines += _md(["A/A", "lag", "metric", "difference [95%]", "p", "verdict", "interval rule"], rows)
-  lines += [""]
-  for metric in AA_METRICS:
-    perm, rule = rates(metric)
-    lines += [
-      f"- {metric}: permutation test {perm} (nominal {alpha:g}); interval rule {rule} "
-      "(nominal 0.05)"
-    ]
-  lines += [f"- left out of the rates: {skipped} comparisons whose per-seed differences are all 0"]
-  return lines, headline
-
-
 def write_tables(
   rows: list[dict],
   path: str,
@@ -296,8 +204,8 @@ def tables(
   seeds = sorted(ref)
   margin_or_none = margin if margin > 0 else None
   tests = _final_accuracy_tests(values, main, lags, baseline, seeds, alpha, margin_or_none)
-  aa = aa_tests(values, aa_methods, lags, seeds, alpha)
-  aa_lines, aa_headline = _aa_section(aa, alpha) if aa else ([], "")
+  aa = report_aa.aa_tests(values, aa_methods, lags, seeds, alpha)
+  aa_lines, aa_headline = report_aa.aa_section(aa, alpha) if aa else ([], "")
   lines = _accuracy_sections(
     values, main, lags, baseline, seeds, tests, (alpha, margin_or_none), title, aa_headline
   )
@@ -337,6 +245,14 @@ def _accuracy_sections(values, main, lags, baseline, seeds, tests, levels, title
         diff_cells[m, g] = _signed(tests[m, g][0].diff)
   start = study_stats.interval(_by_seed(values[baseline[0], baseline[1], "start_accuracy"], seeds))
   start_sd = float(np.std(_by_seed(values[baseline[0], baseline[1], "start_accuracy"], seeds)))
+  same = sum(v[2] == study_stats.IDENTICAL for v in tests.values())
+  tested = len(tests) - same  # identical runs are left out of Holm's count
+  identical = (
+    f"`=` when every per-seed difference is exactly 0 ({same} of the {len(tests)}: no test, "
+    "left out of the count); "
+    if same
+    else ""
+  )
   lines = [f"# {title}", ""]
   lines += [
     f"{len(seeds)} seeds per cell (seeds {seeds[0]}..{seeds[-1]}); the warm start's greedy "
@@ -348,9 +264,10 @@ def _accuracy_sections(values, main, lags, baseline, seeds, tests, levels, title
     "Mean over seeds of each run's final accuracy (the mean of its last evaluations), with a "
     "95% t interval over seeds. The mark compares with the baseline "
     f"**{baseline[0]}@{baseline[1]}** on the same seeds: a paired sign-flip permutation test "
-    f"of the mean per-seed difference, Holm-corrected over the {len(tests)} comparisons of "
+    f"of the mean per-seed difference, Holm-corrected over the {tested} comparisons of "
     f"the grid, at alpha = {alpha:g}: `worse` / `better` when the adjusted p-value is <= "
     "alpha; "
+    + identical
     + (
       f"otherwise `≈` (equivalent within +-{margin:g}, the margin declared in the config) "
       "when two one-sided t tests, Holm-corrected over the grid, show the mean difference "
@@ -359,7 +276,7 @@ def _accuracy_sections(values, main, lags, baseline, seeds, tests, levels, title
       if margin
       else "`~` otherwise (read `~` as 'no evidence of a difference', not as equality). "
     )
-    + _power_note(len(seeds), len(tests), alpha),
+    + _power_note(len(seeds), tested, alpha),
     "",
   ]
   lines += _md(["method", *lags], _grid(main, lags, lambda m, g: acc_cells.get((m, g), "-")))

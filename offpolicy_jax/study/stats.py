@@ -67,6 +67,9 @@ _Floats = Sequence[float] | np.ndarray
 
 WORSE, SAME, BETTER = "worse", "indistinguishable", "better"
 EQUIVALENT = "equivalent"
+# Every per-seed difference exactly 0 (e.g. two methods whose updates coincide on-policy):
+# no test is informative, and such a comparison does not count in Holm's m.
+IDENTICAL = "identical"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,19 +256,29 @@ def verdicts(comparisons: Mapping[K, Comparison], alpha: float) -> dict[K, tuple
   The verdict is `better`/`worse` from the Holm-adjusted permutation p-values;
   otherwise, for comparisons made with a margin, `equivalent` when the
   Holm-adjusted (over those comparisons) equivalence p-value is <= alpha;
-  otherwise `indistinguishable` (read: not shown either way).
+  otherwise `indistinguishable` (read: not shown either way). A comparison
+  whose per-seed differences are all exactly 0 is `identical` (p 1) and left
+  out of both Holm families: it is no evidence of anything, and counting it
+  would make the other comparisons' corrections stricter.
   """
   if not 0 < alpha < 1:
     raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
-  keys = list(comparisons)
+  out: dict[K, tuple[float, str]] = {
+    k: (1.0, IDENTICAL) for k, c in comparisons.items() if c.diff.low == c.diff.high == 0
+  }
+  keys = [k for k in comparisons if k not in out]
   if not keys:
-    return {}
+    return out
   adjusted = holm([comparisons[k].p for k in keys])
-  out = {
+  out |= {
     k: (float(a), comparisons[k].verdict(float(a), alpha))
     for k, a in zip(keys, adjusted, strict=True)
   }
-  p_eq = {k: c.p_equivalent for k, c in comparisons.items() if c.p_equivalent is not None}
+  p_eq: dict[K, float] = {}
+  for k in keys:
+    p = comparisons[k].p_equivalent
+    if p is not None:
+      p_eq[k] = p
   if p_eq:
     for k, p in zip(p_eq, holm(list(p_eq.values())), strict=True):
       if out[k][1] == SAME and p <= alpha:
