@@ -106,7 +106,7 @@ class Study:
     self, method: str, lag: str, base: tuple[str, str], metric: str = "final_accuracy"
   ) -> study_stats.Comparison:
     """Paired comparison of two cells over the same seeds (`study.stats.compare`)."""
-    margin = None if metric == "steps_to_threshold" else self.margin
+    margin = None if metric in ("steps_to_threshold", "tokens_to_threshold") else self.margin
     return study_stats.compare(self.x(method, lag, metric), self.x(*base, metric), margin=margin)
 
   @functools.cached_property
@@ -144,7 +144,8 @@ class Study:
         for g in self.lags
         if m != base and self.values.get((m, g, metric)) and self.values.get((base, g, metric))
       }
-      marks = report_tables.FASTER if metric == "steps_to_threshold" else report_tables.MARK
+      faster = metric in ("steps_to_threshold", "tokens_to_threshold")
+      marks = report_tables.FASTER if faster else report_tables.MARK
       verdicts = study_stats.verdicts(comps, self.alpha)
       self._same_lag[metric] = {k: (comps[k], marks[v]) for k, (_, v) in verdicts.items()}
     return self._same_lag[metric]
@@ -212,7 +213,7 @@ def changed_marks() -> set[tuple[str, str]]:
 # Matching.
 
 _NUMBER = r"([+-]?\d+(?:\.\d+)?(?:e[+-]?\d+)?)"
-_MARK = r"(worse|better|~|≈|faster|slower|\(baseline\))"
+_MARK = r"(worse|better|~|≈|=|faster|slower|\(baseline\))"
 
 
 def pattern(text: str) -> re.Pattern:
@@ -1626,6 +1627,56 @@ fact(
     _k().mark("reinforce", "onpolicy") == "="
     and _k().same(("reinforce", "onpolicy"), ("rec_oneside_nois", "onpolicy"))
   ),
+)
+
+# --- docs/what_lag_buys.md: data reuse on the default task --------------------------------------
+
+WLB = "docs/what_lag_buys.md"
+RE = "lag_study_reuse/study.csv"
+_re = lambda: S("lag_study_reuse")
+section(WLB, "## Data reuse on the default task")
+
+
+def _reuse_row(method: str) -> list[Any]:
+  """A reuse table row: accuracy, its paired difference and mark, tokens, reached, their
+  paired difference and p (GRPO's row: accuracy, tokens, reached)."""
+  r = _re()
+  out = [*ivs(r.iv(method, "onpolicy"))]
+  if method != "grpo":
+    out += [*ivs(r.diff(method, "onpolicy")), r.mark(method, "onpolicy")]
+  out += [*ivs(r.iv(method, "onpolicy", "tokens_to_threshold")), r.reached(method, "onpolicy")]
+  if method != "grpo":
+    c = r.compare(method, "onpolicy", ("grpo", "onpolicy"), "tokens_to_threshold")
+    out += [*ivs(c.diff), c.p]
+  return out
+
+
+claim(WLB, "| 1 (GRPO) | {} [{}, {}] | | {} [{}, {}] | {}/8 | |", RE, lambda: _reuse_row("grpo"))
+for _n, _m in (("2", "grpo_reuse2"), ("4", "grpo_reuse4")):
+  claim(
+    WLB,
+    f"| {_n} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] `{{m}}` | {{}} [{{}}, {{}}] | {{}}/8 | "
+    "{} [{}, {}], p {} |",
+    RE,
+    lambda m=_m: _reuse_row(m),
+  )
+claim(
+  WLB,
+  "fewer runs reached it at all ({}/8 against {}/8;",
+  RE,
+  lambda: [_re().reached("grpo_reuse2", "onpolicy"), _re().reached("grpo", "onpolicy")],
+)
+fact(
+  WLB,
+  "with 4 reuses the time-averaged accuracy was lower (`worse` in the report's",
+  RE,
+  lambda: _re().same_lag("accuracy_auc")["grpo_reuse4", "onpolicy"][1] == "worse",
+)
+claim(
+  WLB,
+  "where a GRPO run samples {} tokens in its 200 steps.",
+  RE,
+  lambda: [int(round(_re().mean("grpo", "onpolicy", "sampled_tokens")))],
 )
 
 # --- docs/results/off_policyness.md: the mismatch study -----------------------------------------
