@@ -230,9 +230,10 @@ RUN_FIELDS: tuple[Field, ...] = (
      "With partial rollouts, 0 or at least ceil(max_new_tokens / rollout.partial_budget).",
      Int(0, note=" (0 = no bound)")),
   _F("lag.sampler_threads", 1, NUMBERS,
-     "Async mode: sampler threads, each with a batch in flight and its own verifier workers "
-     "(reward_workers each), so one batch's environment and tool waits overlap another's "
-     "decoding. More threads mean staler batches. 1 with partial rollouts.", _POS),
+     "Async mode: sampler threads, each with a batch in flight; each thread after the first "
+     "has verifier workers of its own (reward_workers each), so one batch's environment and "
+     "tool waits overlap another's decoding. More threads mean staler batches. 1 with partial "
+     "rollouts.", _POS),
   _F("replay.capacity_batches", 2, NUMBERS,
      "Buffer capacity in batches of G groups of K responses (the capacity is G * this groups; "
      "at least ceil(max_new_tokens / rollout.partial_budget) with partial rollouts).",

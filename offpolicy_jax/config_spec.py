@@ -164,9 +164,10 @@ class LagSpec:
   #: partial rollouts, 0 or at least ceil(max_new_tokens / rollout.partial_budget).
   max_staleness: int
 
-  #: Async mode: sampler threads, each with a batch in flight and its own verifier workers
-  #: (reward_workers each), so one batch's environment and tool waits overlap another's
-  #: decoding. More threads mean staler batches. 1 with partial rollouts.
+  #: Async mode: sampler threads, each with a batch in flight; each thread after the first has
+  #: verifier workers of its own (reward_workers each), so one batch's environment and tool
+  #: waits overlap another's decoding. More threads mean staler batches. 1 with partial
+  #: rollouts.
   sampler_threads: int
 
 

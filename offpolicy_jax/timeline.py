@@ -81,6 +81,8 @@ def check(costs: PhaseCosts, layout: Layout) -> None:
     raise ValueError(f"timeline: inflight must be an int >= 1, got {k!r}")
   if k > 1 and layout.mode != "async":
     raise ValueError(f"timeline: {k} batches in flight need mode 'async', got {layout.mode!r}")
+  if k > 1 and layout.max_staleness < k:  # the queued batches would be dropped as too stale
+    raise ValueError(f"timeline: {k} batches in flight need max_staleness >= {k}")
   if not isinstance(layout.own_sampler_devices, bool):
     raise ValueError(
       f"timeline: own_sampler_devices must be True or False, got {layout.own_sampler_devices!r}"

@@ -21,7 +21,12 @@ def _write_run(path, accuracy, step_s, tokens_per_step, steps=4, eval_every=2):
   rows = [{"step": 0, "eval/accuracy": accuracy[0]}]
   for t in range(1, steps + 1):
     rows.append(
-      {"step": t, "loss": 0.1, "step_time_s": step_s, "cost/sampled_tokens": tokens_per_step * t}
+      {
+        "step": t,
+        "loss": 0.1,
+        "time/run_wall_s": 10.0 + step_s * t,  # 10 s of start-up before the first step
+        "cost/sampled_tokens": tokens_per_step * t,
+      }
     )
     if t % eval_every == 0:
       rows.append({"step": t, "eval/accuracy": accuracy[t // eval_every]})
@@ -44,8 +49,9 @@ def test_a_runs_values_count_seconds_and_tokens_to_the_threshold(tmp_path):
   _write_run(tmp_path / "a-s0", [0.5, 0.65, 0.7], 0.5, 10)
   v = paired_runs.run_values(str(tmp_path / "a-s0"))
   assert v["final_accuracy"] == 0.7 and v["steps_to_threshold"] == 2 and v["threshold_reached"] == 1
-  assert v["train_s_to_threshold"] == pytest.approx(1.0)  # two steps of 0.5 s
-  assert v["tokens_to_threshold"] == 20 and v["train_s"] == pytest.approx(2.0)
+  # Wall clock from the end of step 1: one more step of 0.5 s (the start-up is not counted).
+  assert v["wall_s_to_threshold"] == pytest.approx(0.5)
+  assert v["tokens_to_threshold"] == 20 and v["wall_s"] == pytest.approx(1.5)
   assert v["sampled_tokens"] == 40
   _write_run(tmp_path / "b-s0", [0.5, 0.5, 0.55], 0.5, 10)  # never reaches 0.6: censored
   v = paired_runs.run_values(str(tmp_path / "b-s0"))
@@ -57,12 +63,12 @@ def test_groups_are_compared_with_the_baseline_seed_by_seed(tmp_path):
   assert set(runs) == {"sync", "fast"} and sorted(runs["fast"]) == [0, 1, 2, 3]
   records = paired_runs.compare(runs, "sync", margin=0.05)
   rec = {(r["group"], r["metric"]): r for r in records}
-  time = rec["fast", "train_s_to_threshold"]
-  # Per seed: 0.5 s against 4 s for the three that learnt, 1 s (censored) against 4 s.
-  want = [0.5 / 4, 0.5 / 4, 0.5 / 4, 1.0 / 4]
+  time = rec["fast", "wall_s_to_threshold"]
+  # Per seed: 0.25 s against 3 s for the three that learnt, 0.75 s (censored) against 3 s.
+  want = [0.25 / 3, 0.25 / 3, 0.25 / 3, 0.75 / 3]
   assert time["ratio"].mean == pytest.approx(math.exp(np.mean(np.log(want))))
-  assert time["reached"] == (3, 4) and time["comparison"].diff.mean == pytest.approx(-3.375)
-  total = rec["fast", "train_s"]["ratio"]
+  assert time["reached"] == (3, 4) and time["comparison"].diff.mean == pytest.approx(-2.625)
+  total = rec["fast", "wall_s"]["ratio"]
   assert total.mean == pytest.approx(0.25) and total.low == pytest.approx(0.25)
   assert rec["fast", "sampled_tokens"]["comparison"].diff.mean == 0
   acc = rec["fast", "final_accuracy"]
@@ -81,7 +87,7 @@ def test_the_binary_writes_the_report_the_table_and_the_pareto_plot(tmp_path):
   for name in ("compare.md", "compare.csv", "pareto.png"):
     assert os.path.getsize(os.path.join(sweep, name)) > 0
   md = open(os.path.join(sweep, "compare.md")).read()
-  assert "## train_s_to_threshold" in md and "| fast | 0.625 [" in md and "(3/4)" in md
+  assert "## wall_s_to_threshold" in md and "| fast | 0.375 [" in md and "(3/4)" in md
   csv_rows = open(os.path.join(sweep, "compare.csv")).read().splitlines()
   assert csv_rows[0] == "group,seed,metric,value" and len(csv_rows) == 1 + 8 * 7
   bad = subprocess.run([*cmd[:-1], "--baseline=nope"], cwd=ROOT, capture_output=True, text=True)

@@ -13,10 +13,14 @@ samplers earned (`ope/behavior_reward`), how far they are from pi
 The estimate is of pi's expected training reward on the training prompts, at
 the sampling temperature: in an on-policy run (lag.sync_interval 1) the next
 step's `reward_mean` is an unbiased sample of the same value, so the two can
-be compared row by row (docs/ope.md).
+be compared row by row (docs/ope.md). The intervals treat the rows as
+independent; the K rows of a group share a prompt and the buffer mixes
+several behaviour versions, so they are narrower than the truth.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,26 +37,40 @@ def parse(spec: str) -> tuple[str, ...]:
 
 
 def estimate(
-  graphdef, options: StepOptions, params, replay: ReplayState, version, names: tuple[str, ...]
+  graphdef,
+  options: StepOptions,
+  groups_per_batch: int,
+  params,
+  replay: ReplayState,
+  version,
+  names: tuple[str, ...],
 ) -> dict[str, jax.Array]:
   """The `ope/` metrics of `replay`'s rows under `params` at trainer version `version`
-  (module docstring; traceable, `names` static)."""
-  k = options.group_size
+  (module docstring; traceable, `names` static). The rows are scored in chunks of at most
+  `groups_per_batch` groups (a training batch), not in one forward pass over the buffer."""
+  k, c = options.group_size, replay.valid.shape[0]
   rows = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), replay.data)  # [C K, ...]
   # Every slot written so far (a FIFO buffer retires the groups it trained on; their rows stay).
   written = jnp.arange(replay.valid.shape[0]) < replay.num_added
   live = jnp.repeat(written, k) & (rows.weights > 0)
   mask = rows.mask * live[:, None]
   shared = k if options.shared_prefix else 0
-  logp, _ = token_logprobs(
-    graphdef,
-    params,
-    rows,
-    options.temperature,
-    shared,
-    truncated=options.truncated,
-    top_k=options.top_k,
-  )
+  chunk = math.gcd(c, groups_per_batch)
+  chunks = jax.tree.map(lambda x: x.reshape(c // chunk, chunk * k, *x.shape[2:]), replay.data)
+
+  def score(part):
+    logp, _ = token_logprobs(
+      graphdef,
+      params,
+      part,
+      options.temperature,
+      shared,
+      truncated=options.truncated,
+      top_k=options.top_k,
+    )
+    return logp
+
+  logp = jax.lax.map(score, chunks).reshape(c * k, -1)
   out: dict[str, jax.Array] = {}
   for name in names:
     est = ope.estimate(name, logp, rows.behavior_logp, mask, rows.rewards)

@@ -264,7 +264,8 @@ class EnvRunner:
     Returns:
       `calls` (rows sent), `failures` (rows that failed) and by kind
       `timeouts`, `errors`, `garbage`, `crashes`; `truncated` observations;
-      worker `restarts`; `seconds` of wall-clock time in `reset` and `step`.
+      worker `restarts`; `seconds` in `reset` and `step`, summed over the threads that
+      call them (the async sampler's threads: more than the wall clock).
     """
     return dict(self._stats)
 

@@ -225,7 +225,12 @@ def ope_from_buffer(fns: StepFns, state: RunState, names: tuple[str, ...]) -> di
     return {}
 
   def build():
-    fn = functools.partial(buffer_ope.estimate, fns.model.graphdef, fns.learner.options)
+    fn = functools.partial(
+      buffer_ope.estimate,
+      fns.model.graphdef,
+      fns.learner.options,
+      fns.sizes.prompts_per_step,
+    )
     return jax.jit(fn, static_argnames="names")
 
   with jax.set_mesh(fns.model.mesh):

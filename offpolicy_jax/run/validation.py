@@ -211,9 +211,9 @@ def _validate_sampling(c) -> None:
     _need(
       c.lag.mode == "sync" or not c.lag.max_staleness or c.lag.max_staleness >= steps,
       "lag.max_staleness",
-      f"partial rollouts keep a group in flight for up to ceil(max_new_tokens / "
-      f"rollout.partial_budget) = {steps} loop steps, so a bound of {c.lag.max_staleness} "
-      f"would drop the batches that finish one; use 0 (no bound) or >= {steps}",
+      f"partial rollouts keep a group in flight up to ceil(max_new_tokens / rollout.partial_"
+      f"budget) = {steps} loop steps: a bound of {c.lag.max_staleness} drops every batch that "
+      f"finishes one; use 0 (no bound) or >= {steps} (a little more leaves room for the queue)",
     )
     _need(
       not c.rollout.continuous_slots,

@@ -12,7 +12,7 @@ records the version that drew it.
 
 A kind with carried state (partial rollouts, the episode pool) runs here as in
 a sync run: the thread owns the state and advances it batch after batch, and
-each batch brings a copy of the state it was produced with
+each batch brings a copy of the state as its advance left it
 (`Rollout.arrays` / `meta`), which the trainer takes into its own run state
 before learning the batch. A checkpoint therefore holds the groups in flight
 as they were after the last batch learnt. Not bit-reproducible (thread timing
@@ -95,7 +95,10 @@ class AsyncProducer:
     self._fns, self._data, self._seed = fns, data_iter, seed
     rollout = fns.rollout
     if rollout.item and threads > 1:
-      raise ValueError(f"a rollout with carried state ({rollout.item}) takes one sampler thread")
+      raise ValueError(
+        f"lag.sampler_threads: {threads} threads, but a rollout with carried state "
+        f"({rollout.item}: rollout.partial_budget > 0) takes one sampler thread"
+      )
     self._step_lock = threading.Lock()
     self._rstate = (
       rollout.restore(rollout.init(), *carried(rollout, rstate)) if rollout.item else None

@@ -13,23 +13,26 @@ is compared with the baseline group seed by seed, as in a study
   steps_to_threshold     the first evaluated step at which accuracy reaches the warm
                          start (the evaluation at step 0) + `stats.LEARNING_GAIN`;
                          a run that never does is censored at its last evaluation
-  train_s_to_threshold   training seconds by then: the sum of the steps'
-                         `step_time_s` (evaluations and checkpoints excluded,
-                         compilation included)
+  wall_s_to_threshold    wall-clock seconds by then, from the end of the first step
+                         (`time/run_wall_s`: evaluations and checkpoints included,
+                         since an async sampler goes on sampling through them; the
+                         start-up, warm start and first step's compilation are not)
   tokens_to_threshold    sampled tokens by then (`cost/sampled_tokens`)
-  train_s, sampled_tokens  the run's totals
+  wall_s, sampled_tokens   the run's totals (wall_s: from the end of the first step to
+                         the end of the last)
 
 Per group and metric: mean [95% t interval] over seeds (`k/n` reached for the
 threshold metrics, whose means are lower bounds when some run did not reach
 it). Against the baseline on the seeds both ran: the paired difference
 [95% t interval], the sign-flip p-value and the verdict from Holm-adjusted
 p-values over the table (for final accuracy with `margin`, `≈` for a
-difference shown to lie within +-margin), and for seconds and tokens the
-ratio to the baseline: the geometric mean of the per-seed ratios [95% t
-interval of the mean log ratio].
+difference shown to lie within +-margin; a censored run enters them at its
+last evaluation, so a difference involving one is a bound), and for seconds
+and tokens the ratio to the baseline: the geometric mean of the per-seed
+ratios [95% t interval of the mean log ratio].
 
 `write` puts `compare.md`, `compare.csv` (every run's values: the per-seed
-data) and `pareto.png` (final accuracy against training seconds and against
+data) and `pareto.png` (final accuracy against wall-clock seconds and against
 sampled tokens, one point per group with its intervals, seeds faint; the
 groups no other beats on both axes joined) in the sweep's directory.
 """
@@ -43,8 +46,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from offpolicy_jax import errors
 from offpolicy_jax.store import metrics_files
 from offpolicy_jax.study import stats
@@ -54,13 +55,14 @@ RUN_NAME = re.compile(r"^(?P<group>.+)-s(?P<seed>\d+)$")
 METRICS = (
   "final_accuracy",
   "steps_to_threshold",
-  "train_s_to_threshold",
+  "wall_s_to_threshold",
   "tokens_to_threshold",
-  "train_s",
+  "wall_s",
   "sampled_tokens",
 )
 # Costs whose ratio to the baseline is tabulated (lower is better).
-COSTS = ("train_s_to_threshold", "tokens_to_threshold", "train_s", "sampled_tokens")
+COSTS = ("wall_s_to_threshold", "tokens_to_threshold", "wall_s", "sampled_tokens")
+_THRESHOLD = ("steps_to_threshold", "wall_s_to_threshold", "tokens_to_threshold")
 
 
 def run_values(path: str) -> dict[str, float]:
@@ -80,18 +82,18 @@ def run_values(path: str) -> dict[str, float]:
       "(step 0) and at least one after it",
       "set config.eval_every to a divisor of total_steps",
     )
-  missing = [
-    r.get("step") for r in train if "step_time_s" not in r or "cost/sampled_tokens" not in r
-  ]
-  if missing:
+  keys = ("time/run_wall_s", "cost/sampled_tokens")
+  missing = [r.get("step") for r in train if any(k not in r for k in keys)]
+  if missing or not train:
     raise errors.WorkdirError(
-      f"{path}: training rows of steps {missing[:5]} lack step_time_s or cost/sampled_tokens",
+      f"{path}: training rows of steps {missing[:5]} lack time/run_wall_s or "
+      "cost/sampled_tokens (or there is none)",
       "rerun with this version of the trainer",
     )
   by_step = {int(r["step"]): r for r in train}
-  seconds = np.cumsum([by_step[s]["step_time_s"] for s in sorted(by_step)])
-  at = {s: i for i, s in enumerate(sorted(by_step))}
-  spent_s = [0.0 if s == 0 else float(seconds[at[s]]) for s in steps]
+  first = float(by_step[min(by_step)]["time/run_wall_s"])
+  wall = lambda s: float(by_step[s]["time/run_wall_s"]) - first
+  spent_s = [0.0 if s == 0 else wall(s) for s in steps]
   spent_tokens = [0.0 if s == 0 else float(by_step[s]["cost/sampled_tokens"]) for s in steps]
   accuracy = [float(r["eval/accuracy"]) for r in evals]
   to_step, reached = stats.steps_to_threshold(steps, accuracy)
@@ -99,10 +101,10 @@ def run_values(path: str) -> dict[str, float]:
     "final_accuracy": accuracy[-1],
     "steps_to_threshold": float(to_step),
     "threshold_reached": float(reached),
-    "train_s_to_threshold": stats.spent_to_threshold(steps, accuracy, spent_s),
+    "wall_s_to_threshold": stats.spent_to_threshold(steps, accuracy, spent_s),
     "tokens_to_threshold": stats.spent_to_threshold(steps, accuracy, spent_tokens),
-    "train_s": float(seconds[-1]) if len(seconds) else 0.0,
-    "sampled_tokens": float(by_step[max(by_step)]["cost/sampled_tokens"]) if by_step else 0.0,
+    "wall_s": wall(max(by_step)),
+    "sampled_tokens": float(by_step[max(by_step)]["cost/sampled_tokens"]),
   }
 
 
@@ -159,7 +161,7 @@ def compare(
     for metric in METRICS:
       mine = [by_seed[s][metric] for s in sorted(by_seed)]
       rec: dict[str, Any] = {"group": group, "metric": metric, "interval": stats.interval(mine)}
-      if metric in ("steps_to_threshold", "train_s_to_threshold", "tokens_to_threshold"):
+      if metric in _THRESHOLD:
         rec["reached"] = (int(sum(by_seed[s]["threshold_reached"] for s in by_seed)), len(by_seed))
       if group != baseline:
         x = [by_seed[s][metric] for s in seeds]
@@ -199,7 +201,8 @@ def report(records: Sequence[Mapping[str, Any]], baseline: str, margin, alpha: f
     + "); for seconds and tokens, the ratio to the baseline (geometric mean of the per-seed "
     "ratios [95% t interval]). `k/n`: runs that reached the warm start + "
     f"{stats.LEARNING_GAIN:.2f} (the others are censored at their last evaluation, so "
-    "their means are lower bounds).",
+    "their means, and differences involving them, are bounds). Seconds are wall clock "
+    "from the end of each run's first step, evaluations included.",
   ]
   for metric in METRICS:
     lines += ["", f"## {metric}", ""]
@@ -237,7 +240,7 @@ def pareto_front(points: Mapping[str, tuple[float, float]]) -> list[str]:
 
 
 def plot(runs: Mapping[str, Mapping[int, Mapping[str, float]]], out_path: str) -> str:
-  """`pareto.png`: final accuracy against training seconds and against sampled tokens."""
+  """`pareto.png`: final accuracy against wall-clock seconds and against sampled tokens."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -246,7 +249,7 @@ def plot(runs: Mapping[str, Mapping[int, Mapping[str, float]]], out_path: str) -
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
   cmap = plt.get_cmap("tab10")
   for ax, cost, label in zip(
-    axes, ("train_s", "sampled_tokens"), ("training seconds", "sampled tokens"), strict=True
+    axes, ("wall_s", "sampled_tokens"), ("wall-clock seconds", "sampled tokens"), strict=True
   ):
     means = {}
     for i, (group, by_seed) in enumerate(runs.items()):

@@ -251,7 +251,7 @@ def paired_verdict(method: Sequence[float], baseline: Sequence[float]) -> tuple[
 
 
 def verdicts(comparisons: Mapping[K, Comparison], alpha: float) -> dict[K, tuple[float, str]]:
-  """{key: (Holm-adjusted p over all `comparisons`, verdict at `alpha`)}.
+  """{key: (Holm-adjusted p over the `comparisons` tested, verdict at `alpha`)}.
 
   The verdict is `better`/`worse` from the Holm-adjusted permutation p-values;
   otherwise, for comparisons made with a margin, `equivalent` when the
