@@ -114,3 +114,9 @@ def test_a_run_without_the_warm_start_evaluation_is_named(tmp_path):
 def test_the_pareto_front_keeps_the_groups_nothing_beats_on_both_axes():
   points = {"a": (1.0, 0.5), "b": (2.0, 0.7), "c": (2.0, 0.6), "d": (3.0, 0.7), "e": (0.5, 0.4)}
   assert paired_runs.pareto_front(points) == ["e", "a", "b"]
+
+
+def test_the_csv_reads_back_the_values_it_was_written_from(tmp_path):
+  sweep = _sweep(tmp_path)
+  paired_runs.write(sweep, "sync")
+  assert paired_runs.read_csv(os.path.join(sweep, "compare.csv")) == paired_runs.read_runs(sweep)

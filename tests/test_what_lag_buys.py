@@ -57,3 +57,65 @@ def test_the_two_worker_run_timed_out_and_learnt_nothing():
   assert f"about {timeouts / len(rows):.0f} of the 64" in text
   assert f"a step took {np.mean([r['step_time_s'] for r in rows[2:]]):.1f} s" in text
   assert rows[-1]["reward_mean"] == pytest.approx(0.0)
+
+
+GRID = os.path.join(RUNS, "calculator_latency_grid")
+
+
+def _grid_steps() -> dict[tuple[str, int], list[dict]]:
+  import csv
+
+  out: dict[tuple[str, int], list[dict]] = {}
+  with open(os.path.join(GRID, "steps.csv"), newline="") as f:
+    for row in csv.DictReader(f):
+      values = {k: float(v) for k, v in row.items() if k not in ("group", "seed") and v != ""}
+      out.setdefault((row["group"], int(row["seed"])), []).append(values)
+  return out
+
+
+def test_the_grid_table_is_the_committed_per_seed_values():
+  from offpolicy_jax.study import paired_runs
+
+  runs = paired_runs.read_csv(os.path.join(GRID, "compare.csv"))
+  assert {g: sorted(r) for g, r in runs.items()} == {g: list(range(8)) for g in runs}
+  recs = {(r["group"], r["metric"]): r for r in paired_runs.compare(runs, "sync", margin=0.1)}
+  iv = lambda x, f: f"{x.mean:{f}} [{x.low:{f}}, {x.high:{f}}]"
+  text = open(DOC).read()
+  for group, label in (
+    ("sync", "sync"),
+    ("async", "async, 1 thread"),
+    ("async_t4", "async, 4 threads"),
+  ):
+    cells = [iv(recs[group, "wall_s"]["interval"], ".1f")]
+    cells.append(iv(recs[group, "wall_s"]["ratio"], ".3f") if group != "sync" else "")
+    cells.append(iv(recs[group, "sampled_tokens"]["interval"], ".0f"))
+    cells.append(iv(recs[group, "sampled_tokens"]["ratio"], ".3f") if group != "sync" else "")
+    cells.append(iv(recs[group, "final_accuracy"]["interval"], ".3f"))
+    assert f"| {label} | " + " | ".join(cells).replace("|  |", "| |") + " |" in text, group
+  assert recs["async_t4", "wall_s"]["verdict"] == "worse"  # lower: fewer seconds
+  assert recs["async_t4", "final_accuracy"]["verdict"] == "indistinguishable"
+  reached = {g: recs[g, "wall_s_to_threshold"]["reached"][0] for g in ("sync", "async", "async_t4")}
+  assert reached == {"sync": 0, "async": 1, "async_t4": 1}
+
+
+def test_the_grid_timeline_prediction_and_its_error():
+  steps = _grid_steps()
+  seeds = range(8)
+  measured = {
+    g: np.mean([np.mean([r["step_time_s"] for r in steps[g, s][2:]]) for s in seeds])
+    for g in ("async", "async_t4")
+  }
+  layouts = {
+    "async": timeline.Layout("async", 4),
+    "async_t4": timeline.Layout("async", 4, False, 4),
+  }
+  predicted = {
+    g: np.mean([timeline.step_time(timeline.from_rows(steps["sync", s]), lay) for s in seeds])
+    for g, lay in layouts.items()
+  }
+  text = open(DOC).read()
+  for g, name in (("async", "async (staleness >= 1)"), ("async_t4", "async, 4 batches in flight")):
+    line = f"| {name}, shared devices | {predicted[g]:.3f} | {measured[g]:.3f} | "
+    assert line + f"{predicted[g] / measured[g] - 1:+.1%} |" in text, g
+  dropped = np.mean([steps["async_t4", s][-1]["async_dropped_batches"] for s in seeds])
+  assert f"dropped {dropped:.1f} batches on average" in text

@@ -129,6 +129,16 @@ def read_runs(sweep_dir: str) -> dict[str, dict[int, dict[str, float]]]:
   return out
 
 
+def read_csv(path: str) -> dict[str, dict[int, dict[str, float]]]:
+  """The `{group: {seed: values}}` a `compare.csv` holds (what `read_runs` read from the runs)."""
+  out: dict[str, dict[int, dict[str, float]]] = {}
+  with open(path, newline="") as f:
+    for row in csv.DictReader(f):
+      seed = out.setdefault(row["group"], {}).setdefault(int(row["seed"]), {})
+      seed[row["metric"]] = float(row["value"])
+  return out
+
+
 def log_ratio(values: Sequence[float], baseline: Sequence[float]) -> stats.Interval:
   """Geometric mean of values_i / baseline_i [95% t interval], over seeds with both > 0."""
   pairs = [(a, b) for a, b in zip(values, baseline, strict=True) if a > 0 and b > 0]
