@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen3 / Llama decoders in Flax NNX, presets, HF checkpoints and log-probs.
+"""Qwen2 / Qwen3 / Llama / Qwen3-MoE / Mixtral decoders in Flax NNX, presets, HF checkpoints and log-probs.
 
 model = models.from_pretrained("/path/to/Qwen2.5-1.5B-Instruct")  # f32 params + compute
 model = models.Decoder(models.get_config("tiny"), rngs=nnx.Rngs(0))
@@ -11,10 +11,12 @@ models.lora.save_peft(model, "/tmp/adapter")                       # peft loads 
   decoder        `Decoder` (embeddings, layers, caches, shared-prefix passes) and `KVCache`
   attention      the grouped-query self-attention layer (projections, q/k norms, adapters)
   layers         parameters with logical axis names, RMSNorm, the SwiGLU MLP
+  moe            mixture-of-experts blocks: top-k routing, dropless grouped matmuls
   attention_ops  attention maths without parameters: RoPE, head projections, fused kernels
   lora_ops       the adapter on a projection in the forward pass, with input dropout
-  config         decoder hyper-parameters and named size presets
-  hf             Hugging Face checkpoint import / export
+  config         decoder hyper-parameters
+  presets        named size presets
+  hf             Hugging Face checkpoint import / export (feed-forward layouts: hf_moe)
   lora           base / adapter split, merging, PEFT import / export
   logprobs       memory-light teacher-forced log-probs and entropies
   tokenizers     a tiny character tokenizer and an HF `tokenizers` wrapper
@@ -23,13 +25,7 @@ models.lora.save_peft(model, "/tmp/adapter")                       # peft loads 
 
 from offpolicy_jax.models import lora
 from offpolicy_jax.models.attention_ops import default_positions
-from offpolicy_jax.models.config import (
-  LORA_TARGETS,
-  LoraConfig,
-  ModelConfig,
-  get_config,
-  preset_names,
-)
+from offpolicy_jax.models.config import LORA_TARGETS, LoraConfig, ModelConfig
 from offpolicy_jax.models.decoder import Decoder, KVCache
 from offpolicy_jax.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
 from offpolicy_jax.models.logprobs import (
@@ -38,6 +34,7 @@ from offpolicy_jax.models.logprobs import (
   sequence_logprobs,
   shared_prefix_logprobs,
 )
+from offpolicy_jax.models.presets import get_config, preset_names
 
 __all__ = [
   "Decoder",

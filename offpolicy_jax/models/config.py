@@ -1,20 +1,17 @@
-"""Decoder hyper-parameters and named size presets.
-
-Presets cover the Qwen2.5, Qwen3 and Llama 3.x families with the values of the
-published `config.json` files, plus two small random-init presets: "tiny"
-(about 100k parameters, for tests and the CPU default job) and "small" (about
-25M parameters, for benchmarks).
-"""
+"""Decoder hyper-parameters: `ModelConfig` and `LoraConfig` (named sizes: `models.presets`)."""
 
 import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
 
-_FAMILIES = ("qwen2", "qwen3", "llama")
+_FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral")
+# Families whose blocks are mixtures of experts (`models.moe`).
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 ATTENTION = ("xla", "dot_product")
 # The projections a low-rank adapter can target (HF / PEFT module names).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_ATTENTION_TARGETS = LORA_TARGETS[:4]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +80,21 @@ class ModelConfig:
       runs the blocks as one `lax.scan` over their stacked parameters, so
       compile time stays flat in depth (MaxText's `scan_layers`); parameters
       keep their per-layer layout, so checkpoints do not change.
-    family: "qwen2", "qwen3" or "llama" (selects the HF architecture on export).
+    family: "qwen2", "qwen3", "llama", "qwen3_moe" or "mixtral" (selects the HF
+      architecture on export).
     attention: "xla" (our einsum attention, head-major keys read in place) or
       "dot_product" (`jax.nn.dot_product_attention`, which JAX maps to cuDNN
       flash attention on GPU; the same numbers within float tolerance).
-    lora: low-rank adapters on the projections (`LoraConfig`), or None.
+    lora: low-rank adapters on the projections (`LoraConfig`), or None. With
+      experts, adapters target the attention projections only.
+    num_experts: E, experts per block (0: a dense SwiGLU block). With E > 0
+      every block's feed-forward is a mixture of experts (`models.moe`), as in
+      Qwen3-MoE and Mixtral (`family` "qwen3_moe" or "mixtral").
+    num_experts_per_tok: k, experts each token is routed to, 1 <= k <= E.
+    moe_intermediate_size: each expert's SwiGLU hidden width.
+    norm_topk_prob: if True the k routing weights are renormalised to sum to
+      1 (Mixtral always; Qwen3-MoE's `norm_topk_prob`), else they are the
+      softmax probabilities of the chosen experts.
   """
 
   vocab_size: int
@@ -111,6 +118,10 @@ class ModelConfig:
   family: str = "llama"
   attention: str = "xla"
   lora: LoraConfig | None = None
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = True
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):
@@ -137,6 +148,26 @@ class ModelConfig:
       raise ValueError(
         f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
       )
+    self._check_experts()
+
+  def _check_experts(self):
+    e, k = self.num_experts, self.num_experts_per_tok
+    if (self.family in MOE_FAMILIES) != (e > 0):
+      raise ValueError(
+        f"num_experts: family {self.family!r} needs "
+        f"{'num_experts >= 1' if self.family in MOE_FAMILIES else 'num_experts = 0'}, got {e}"
+      )
+    if e == 0:
+      return
+    if not 1 <= k <= e:
+      raise ValueError(f"num_experts_per_tok must be in [1, num_experts={e}], got {k}")
+    if self.moe_intermediate_size <= 0:
+      raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+    if self.lora is not None and set(self.lora.targets) - set(_ATTENTION_TARGETS):
+      raise ValueError(
+        f"lora targets: with experts adapters target {_ATTENTION_TARGETS} only, "
+        f"got {self.lora.targets}"
+      )
 
   @property
   def rope_scaling_dict(self) -> dict | None:
@@ -145,9 +176,8 @@ class ModelConfig:
 
   def num_params(self) -> int:
     """Number of parameters of the decoder built from this config."""
-    d, f, n, kv, h = (
+    d, n, kv, h = (
       self.hidden_size,
-      self.intermediate_size,
       self.num_heads,
       self.num_kv_heads,
       self.head_dim,
@@ -157,9 +187,20 @@ class ModelConfig:
       attn += n * h + 2 * kv * h
     if self.qk_norm:
       attn += 2 * h
-    layer = attn + 3 * d * f + 2 * d
+    layer = attn + self._feed_forward_params() + 2 * d
     embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
     return self.num_layers * layer + embed + d
+
+  def _feed_forward_params(self, active: bool = False) -> int:
+    d, e, k = self.hidden_size, self.num_experts, self.num_experts_per_tok
+    if e == 0:
+      return 3 * d * self.intermediate_size
+    return d * e + (k if active else e) * 3 * d * self.moe_intermediate_size
+
+  def num_active_params(self) -> int:
+    """Parameters a token is computed with: `num_params` with k of the E experts per block."""
+    dense = self._feed_forward_params(active=False) - self._feed_forward_params(active=True)
+    return self.num_params() - self.num_layers * dense
 
   def adapter_shapes(self) -> dict[str, tuple[int, int]]:
     """(in, out) of each projection an adapter can target (one layer)."""
@@ -191,210 +232,3 @@ class ModelConfig:
   def kv_bytes_per_token(self) -> int:
     """KV-cache bytes stored per token (all layers, keys and values)."""
     return 2 * self.num_layers * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
-
-
-def _qwen25(**kw) -> dict:
-  return dict(
-    family="qwen2",
-    qkv_bias=True,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=32768,
-    dtype="bfloat16",
-    **kw,
-  )
-
-
-def _qwen3(**kw) -> dict:
-  return dict(
-    family="qwen3",
-    qk_norm=True,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    head_dim=128,
-    max_position_embeddings=40960,
-    vocab_size=151936,
-    dtype="bfloat16",
-    **kw,
-  )
-
-
-def _llama3(factor: float, **kw) -> dict:
-  scaling = {
-    "rope_type": "llama3",
-    "factor": factor,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-  }
-  return dict(
-    family="llama",
-    rope_theta=500000.0,
-    rope_scaling=scaling,
-    rms_norm_eps=1e-5,
-    vocab_size=128256,
-    max_position_embeddings=131072,
-    dtype="bfloat16",
-    **kw,
-  )
-
-
-_PRESETS: dict[str, dict] = {
-  # ~103k parameters: tests and the CPU default job.
-  "tiny": dict(
-    family="qwen2",
-    qkv_bias=True,
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=192,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    tie_embeddings=True,
-    max_position_embeddings=512,
-  ),
-  # ~25M parameters: benchmarks.
-  "small": dict(
-    family="qwen2",
-    qkv_bias=True,
-    vocab_size=8192,
-    hidden_size=512,
-    intermediate_size=1792,
-    num_layers=6,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=64,
-    tie_embeddings=True,
-    max_position_embeddings=2048,
-  ),
-  "qwen2.5-0.5b": _qwen25(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_layers=24,
-    num_heads=14,
-    num_kv_heads=2,
-    head_dim=64,
-    tie_embeddings=True,
-  ),
-  "qwen2.5-1.5b": _qwen25(
-    vocab_size=151936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_layers=28,
-    num_heads=12,
-    num_kv_heads=2,
-    head_dim=128,
-    tie_embeddings=True,
-  ),
-  "qwen2.5-3b": _qwen25(
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=11008,
-    num_layers=36,
-    num_heads=16,
-    num_kv_heads=2,
-    head_dim=128,
-    tie_embeddings=True,
-  ),
-  "qwen2.5-7b": _qwen25(
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_layers=28,
-    num_heads=28,
-    num_kv_heads=4,
-    head_dim=128,
-    tie_embeddings=False,
-  ),
-  "qwen3-0.6b": _qwen3(
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_layers=28,
-    num_heads=16,
-    num_kv_heads=8,
-    tie_embeddings=True,
-  ),
-  "qwen3-1.7b": _qwen3(
-    hidden_size=2048,
-    intermediate_size=6144,
-    num_layers=28,
-    num_heads=16,
-    num_kv_heads=8,
-    tie_embeddings=True,
-  ),
-  "qwen3-4b": _qwen3(
-    hidden_size=2560,
-    intermediate_size=9728,
-    num_layers=36,
-    num_heads=32,
-    num_kv_heads=8,
-    tie_embeddings=True,
-  ),
-  "qwen3-8b": _qwen3(
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_layers=36,
-    num_heads=32,
-    num_kv_heads=8,
-    tie_embeddings=False,
-  ),
-  "llama3.2-1b": _llama3(
-    32.0,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_layers=16,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=64,
-    tie_embeddings=True,
-  ),
-  "llama3.2-3b": _llama3(
-    32.0,
-    hidden_size=3072,
-    intermediate_size=8192,
-    num_layers=28,
-    num_heads=24,
-    num_kv_heads=8,
-    head_dim=128,
-    tie_embeddings=True,
-  ),
-  "llama3.1-8b": _llama3(
-    8.0,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    tie_embeddings=False,
-  ),
-}
-
-
-def preset_names() -> list[str]:
-  """Names accepted by `get_config`."""
-  return list(_PRESETS)
-
-
-def get_config(preset_name: str, **overrides) -> ModelConfig:
-  """Returns the `ModelConfig` of a named preset, with field overrides.
-
-  Args:
-    preset_name: one of `preset_names()`.
-    **overrides: ModelConfig fields to replace (e.g. `dtype="float32"`, `remat=True`).
-
-  Returns:
-    The config.
-
-  Raises:
-    ValueError: unknown preset or unknown override field.
-  """
-  if preset_name not in _PRESETS:
-    raise ValueError(f"preset_name {preset_name!r} unknown; choose from {preset_names()}")
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  unknown = sorted(set(overrides) - fields)
-  if unknown:
-    raise ValueError(f"unknown ModelConfig override(s) {unknown}")
-  return ModelConfig(**{**_PRESETS[preset_name], **overrides})

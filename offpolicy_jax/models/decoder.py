@@ -5,7 +5,8 @@
   logits = RMSNorm(h_L) W_out   (W_out = E^T when embeddings are tied)
 
 Grouped-query attention with rotary embeddings (`attention_ops`), optional
-q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
+q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3). With `num_experts` the
+feed-forward is a mixture of experts (`models.moe`: Qwen3-MoE, Mixtral).
 
 With `config.lora`, each targeted projection carries a low-rank adapter,
 `y = x W + (alpha / r) dropout(x) A B` (`lora_ops`; `nnx.LoRA` holds A and B as
@@ -37,6 +38,7 @@ from offpolicy_jax.models.attention import Attention
 from offpolicy_jax.models.attention_ops import default_positions
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.models.layers import MLP, RMSNorm, param
+from offpolicy_jax.models.moe import MoE
 from offpolicy_jax.scale import sharding
 
 
@@ -61,7 +63,7 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = RMSNorm(
       config.hidden_size, config.rms_norm_eps, ("embed",), config
     )
-    self.mlp = MLP(config, rngs=rngs)
+    self.mlp = MoE(config, rngs=rngs) if config.num_experts else MLP(config, rngs=rngs)
 
   def __call__(
     self, h_btd, cos_bth, sin_bth, allowed_bts, cache_kv=None, cache_index=None, key=None
@@ -147,7 +149,8 @@ class Decoder(nnx.Module):
       mlp = tuple(t for t in c.lora.targets if t not in attn)
       for layer in self.layers:
         layer.self_attn.add_adapters(attn, adapter_rngs)
-        layer.mlp.add_adapters(mlp, adapter_rngs)
+        if isinstance(layer.mlp, MLP):  # a mixture of experts takes none (`ModelConfig`)
+          layer.mlp.add_adapters(mlp, adapter_rngs)
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
     """Zero KV cache of `max_len` slots for `batch` rows (compute dtype by default)."""

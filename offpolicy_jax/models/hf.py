@@ -1,6 +1,7 @@
 """Hugging Face checkpoint import / export (config.json + safetensors).
 
-Supports `Qwen2ForCausalLM`, `Qwen3ForCausalLM` and `LlamaForCausalLM` with
+Supports `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, `LlamaForCausalLM`,
+`Qwen3MoeForCausalLM` and `MixtralForCausalLM` (experts: `models.hf_moe`) with
 single-file or sharded (`model.safetensors.index.json`) checkpoints stored in
 float32, float16 or bfloat16. Tensors are memory-mapped and converted one at a
 time; with a mesh, every device reads only its own slice
@@ -23,12 +24,19 @@ import safetensors.numpy
 from flax import nnx
 
 from offpolicy_jax import files
+from offpolicy_jax.models import hf_moe
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.models.decoder import Decoder
 from offpolicy_jax.models.tokenizers import Tokenizer
 from offpolicy_jax.scale import sharding
 
-_ARCHS = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+_ARCHS = {
+  "Qwen2ForCausalLM": "qwen2",
+  "Qwen3ForCausalLM": "qwen3",
+  "LlamaForCausalLM": "llama",
+  "Qwen3MoeForCausalLM": "qwen3_moe",
+  "MixtralForCausalLM": "mixtral",
+}
 _FAMILY_ARCH = {v: k for k, v in _ARCHS.items()}
 GENERATION_CONFIG = "generation_config.json"
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
@@ -56,8 +64,8 @@ def config_from_hf(hf: Mapping, **overrides) -> ModelConfig:
     )
   if hf.get("hidden_act", "silu") != "silu":
     raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} (silu only)")
-  if hf.get("use_sliding_window"):
-    raise ValueError("use_sliding_window=True is not supported")
+  if hf.get("use_sliding_window") or (family == "mixtral" and hf.get("sliding_window")):
+    raise ValueError("use_sliding_window / sliding_window is not supported (full attention only)")
   if hf.get("mlp_bias"):
     raise ValueError("mlp_bias=True is not supported")
   if family != "qwen2" and hf.get("attention_bias"):
@@ -82,9 +90,10 @@ def config_from_hf(hf: Mapping, **overrides) -> ModelConfig:
     rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
     tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     qkv_bias=family == "qwen2",
-    qk_norm=family == "qwen3",
+    qk_norm=family in ("qwen3", "qwen3_moe"),
     max_position_embeddings=hf.get("max_position_embeddings", 4096),
     family=family,
+    **hf_moe.config_from_hf(hf, family),
   )
   fields.update(overrides)
   return ModelConfig(**fields)
@@ -120,12 +129,13 @@ def config_to_hf(config: ModelConfig, dtype: str) -> dict:
     hf["rope_scaling"] = c.rope_scaling_dict
   if c.family == "llama":
     hf["mlp_bias"] = False
-  if c.family in ("qwen2", "qwen3"):
+  if c.family in ("qwen2", "qwen3", "qwen3_moe"):
     hf["use_sliding_window"] = False
-  return hf
+  return {**hf, **hf_moe.config_to_hf(c)}
 
 
-_Row = tuple[tuple[str | int, ...], str, Callable, Callable]
+# (our path, HF name or names, hf -> ours, ours -> hf); several names: stacked experts.
+_Row = tuple[tuple[str | int, ...], str | tuple[str, ...], Callable, Callable]
 
 
 def _tensor_map(c: ModelConfig) -> list[_Row]:
@@ -162,9 +172,7 @@ def _tensor_map(c: ModelConfig) -> list[_Row]:
       ((*a, "self_attn", "k_proj"), p + "self_attn.k_proj.weight", *heads_in(kv)),
       ((*a, "self_attn", "v_proj"), p + "self_attn.v_proj.weight", *heads_in(kv)),
       ((*a, "self_attn", "o_proj"), p + "self_attn.o_proj.weight", *o_proj),
-      ((*a, "mlp", "gate_proj"), p + "mlp.gate_proj.weight", *tr),
-      ((*a, "mlp", "up_proj"), p + "mlp.up_proj.weight", *tr),
-      ((*a, "mlp", "down_proj"), p + "mlp.down_proj.weight", *tr),
+      *hf_moe.rows(c, p, a),
     ]
     if c.qkv_bias:
       rows += [
@@ -327,15 +335,18 @@ def from_pretrained(
   tensors = _open_checkpoint(path)
   values: dict = {}
   for ours, name, to_ours, _ in _tensor_map(config):
-    if name not in tensors:
-      raise ValueError(f"checkpoint {path} is missing tensor {name!r}")
+    names = (name,) if isinstance(name, str) else name
+    missing = [n for n in names if n not in tensors]
+    if missing:
+      raise ValueError(f"checkpoint {path} is missing tensor {missing[0]!r}")
     var = state
     for k in ours:
       var = var[k]
-    view = to_ours(tensors[name])
+    stored = [tensors[n] for n in names]
+    view = to_ours(stored[0] if isinstance(name, str) else stored)
     if tuple(view.shape) != tuple(var.shape):
       raise ValueError(
-        f"tensor {name!r} has shape {tensors[name].shape}; expected the equivalent of {var.shape}"
+        f"tensor {names[0]!r} has shape {stored[0].shape}; expected the equivalent of {var.shape}"
       )
     np_dtype = jnp.dtype(dtype)
     if mesh is None:
@@ -376,7 +387,11 @@ def save_pretrained(
     x: Any = values
     for k in ours:
       x = x[k]
-    tensors[name] = np.ascontiguousarray(to_hf(np.asarray(jax.device_get(x)).astype(np_dtype)))
+    out = to_hf(np.asarray(jax.device_get(x)).astype(np_dtype))
+    if isinstance(name, str):
+      tensors[name] = np.ascontiguousarray(out)
+    else:
+      tensors.update(zip(name, out, strict=True))
   safetensors.numpy.save_file(
     tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"}
   )

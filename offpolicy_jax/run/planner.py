@@ -208,6 +208,8 @@ def _analytic_activations(config, mc, mesh, params_bytes: int) -> int:
     tokens = sz.max_prompt_len / sz.group_size + sz.max_new_tokens
   isz = jnp.dtype(mc.dtype).itemsize
   n, kv, h, d, f = mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.hidden_size, mc.intermediate_size
+  if mc.num_experts:  # a token's activations run through k experts (`models.moe`)
+    f = mc.num_experts_per_tok * mc.moe_intermediate_size
   per_token_layer = isz * (4 * d + (4 * f + 3 * n * h + 3 * kv * h) / tp) + 8 * n / tp * t_len
   if mc.remat and mc.scan_layers:  # each block's input, and two blocks' intermediates
     kept_layers = mc.num_layers * isz * d / per_token_layer + 2

@@ -38,7 +38,8 @@ VOCAB = "vocab"
 HEAD_DIM = "head_dim"
 LENGTH = "length"
 LAYERS = "layers"
-LOGICAL_AXES = (BATCH, EMBED, MLP, HEADS, KV_HEADS, VOCAB, HEAD_DIM, LENGTH, LAYERS)
+EXPERT = "expert"
+LOGICAL_AXES = (BATCH, EMBED, MLP, HEADS, KV_HEADS, VOCAB, HEAD_DIM, LENGTH, LAYERS, EXPERT)
 
 # logical name -> mesh axis, tuple of mesh axes, or None (replicated).
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -51,6 +52,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
   (HEAD_DIM, None),
   (LENGTH, None),
   (LAYERS, None),
+  (EXPERT, None),
 )
 
 _METADATA_KEYS = ("out_sharding", "sharding_names", "sharding")

@@ -1,0 +1,153 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): top-k routing, dropless dispatch.
+
+  p_t        = softmax(x_t W_router)                       float32 [E]
+  S_t        = top-k(p_t)                                   the token's k experts
+  w_te       = p_te (/ sum_{e' in S_t} p_te' if norm_topk_prob),   e in S_t
+  y_t        = sum_{e in S_t} w_te * W_down_e (silu(x_t W_gate_e) * x_t W_up_e)
+
+Dropless: every (token, expert) pair is computed, whatever the load. The T*k
+pairs are sorted by expert and each expert's contiguous rows go through its
+weights with one grouped matmul (`jax.lax.ragged_dot`, a grouped GEMM on
+GPU/TPU), so no capacity factor drops or pads tokens and a token's output
+never depends on the other tokens of the batch: the sampler's one-token
+steps and the learner's teacher-forced pass compute the same function.
+
+Experts are stacked ``[E, ...]`` with logical axis ``expert`` (`scale.sharding`).
+`Routing` (the chosen experts and the router's probabilities) is what
+routing replay records and the load-balancing loss reads.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from offpolicy_jax.models.config import ModelConfig
+from offpolicy_jax.models.layers import param
+from offpolicy_jax.scale.sharding import EXPERT
+
+# `ragged_dot_general` dimension numbers of an expert's weight gradient:
+# dW_e = x_e^T g_e, contracting over the rows of group e (ragged rows of both sides).
+_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
+  dot_dimension_numbers=(((0,), (0,)), ((), ())),
+  lhs_ragged_dimensions=[0],
+  rhs_group_dimensions=[],
+)
+
+
+@jax.custom_vjp
+def grouped_matmul(x_rd: jax.Array, w_edf: jax.Array, sizes_e: jax.Array) -> jax.Array:
+  """Rows of group e times `w[e]`: [R, D] x [E, D, F] -> [R, F] (rows sorted by group).
+
+  `jax.lax.ragged_dot` with its own gradient: JAX's transposition of
+  `ragged_dot` does not batch under `vmap` (the study's seeds), while the
+  ragged-contraction form written here does.
+  """
+  return jax.lax.ragged_dot(x_rd, w_edf, sizes_e)
+
+
+def _grouped_fwd(x_rd, w_edf, sizes_e):
+  return grouped_matmul(x_rd, w_edf, sizes_e), (x_rd, w_edf, sizes_e)
+
+
+def _grouped_bwd(res, g_rf):
+  x_rd, w_edf, sizes_e = res
+  dx = jax.lax.ragged_dot(g_rf, jnp.swapaxes(w_edf, 1, 2), sizes_e)
+  dw = jax.lax.ragged_dot_general(x_rd, g_rf, sizes_e, _WEIGHT_GRAD)
+  return dx.astype(x_rd.dtype), dw.astype(w_edf.dtype), None
+
+
+grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+class Routing(NamedTuple):
+  """One block's routing of T tokens.
+
+  Attributes:
+    experts: int32 [T, k] the chosen experts, in decreasing probability.
+    weights: float32 [T, k] their mixing weights.
+    probs: float32 [T, E] the router's softmax over all experts.
+  """
+
+  experts: jax.Array
+  weights: jax.Array
+  probs: jax.Array
+
+
+def route(logits_te: jax.Array, k: int, normalize: bool, experts=None) -> Routing:
+  """Top-k routing of router logits [T, E]; with `experts` [T, k], those experts instead.
+
+  Given experts (routing replay), their weights are the router's current
+  probabilities of them, renormalised as configured.
+  """
+  probs = jax.nn.softmax(logits_te.astype(jnp.float32), axis=-1)
+  if experts is None:
+    weights, experts = jax.lax.top_k(probs, k)
+  else:
+    experts = jnp.asarray(experts, jnp.int32)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
+  if normalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  return Routing(experts.astype(jnp.int32), weights, probs)
+
+
+def load_balancing_loss(routing: Routing, mask_t=None) -> jax.Array:
+  """Switch-style auxiliary loss E * sum_e f_e P_e over the tokens with `mask_t` (all if None).
+
+  f_e is the fraction of the k chosen slots that go to expert e and P_e the
+  mean router probability of e (Fedus et al., arXiv:2101.03961; the
+  `load_balancing_loss_func` of transformers' Mixtral / Qwen3-MoE): k when
+  the load is balanced, up to E when every token goes to the same k experts.
+  """
+  t, e = routing.probs.shape
+  m = jnp.ones((t,), jnp.float32) if mask_t is None else jnp.asarray(mask_t, jnp.float32)
+  n = jnp.maximum(jnp.sum(m), 1.0)
+  chosen = jax.nn.one_hot(routing.experts, e, dtype=jnp.float32)  # [T, k, E]
+  f = jnp.sum(chosen * m[:, None, None], axis=0) / n  # [k, E]
+  p = jnp.sum(routing.probs * m[:, None], axis=0) / n  # [E]
+  return e * jnp.sum(f * p[None, :])
+
+
+class MoE(nnx.Module):
+  """A block's mixture of E SwiGLU experts with a linear top-k router (module docstring)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    pd = jnp.dtype(config.param_dtype)
+    self.config = config
+    d, e, f = config.hidden_size, config.num_experts, config.moe_intermediate_size
+    self.dtype = jnp.dtype(config.dtype)
+    self.router = param(rngs.params(), (d, e), ("embed", None), pd)
+    self.gate_proj = param(rngs.params(), (e, d, f), (EXPERT, "embed", "mlp"), pd)
+    self.up_proj = param(rngs.params(), (e, d, f), (EXPERT, "embed", "mlp"), pd)
+    self.down_proj = param(rngs.params(), (e, f, d), (EXPERT, "mlp", "embed"), pd)
+
+  def routing(self, x_td: jax.Array, experts=None) -> Routing:
+    """The routing of tokens [T, D]; `experts` [T, k] replays a recorded choice."""
+    c = self.config
+    logits = jnp.einsum(
+      "td,de->te", x_td, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32
+    )
+    return route(logits, c.num_experts_per_tok, c.norm_topk_prob, experts)
+
+  def __call__(self, x_btd: jax.Array, key=None) -> jax.Array:
+    """y [B, T, D] (`key`, the adapters' dropout key, is unused: experts carry no adapters)."""
+    del key
+    b, t, d = x_btd.shape
+    x_td = x_btd.reshape(b * t, d)
+    return self.mix(x_td, self.routing(x_td)).reshape(b, t, d)
+
+  def mix(self, x_td: jax.Array, routing: Routing) -> jax.Array:
+    """The experts' weighted outputs [T, D] for a given routing, dropless (module docstring)."""
+    dt = self.dtype
+    e, k = self.config.num_experts, self.config.num_experts_per_tok
+    flat = routing.experts.reshape(-1)  # [T*k], pair p = token p // k
+    order = jnp.argsort(flat, stable=True)
+    rows = order // k
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    xs = jnp.take(x_td, rows, axis=0)
+    gate = grouped_matmul(xs, self.gate_proj[...].astype(dt), sizes)
+    up = grouped_matmul(xs, self.up_proj[...].astype(dt), sizes)
+    ys = grouped_matmul(jax.nn.silu(gate) * up, self.down_proj[...].astype(dt), sizes)
+    ys = ys * routing.weights.reshape(-1)[order][:, None].astype(dt)
+    return jnp.zeros_like(x_td).at[rows].add(ys)
