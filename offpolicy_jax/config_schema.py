@@ -90,6 +90,10 @@ RUN_FIELDS: tuple[Field, ...] = (
      "fastest on CPU) or \"dot_product\" (jax.nn.dot_product_attention, which JAX lowers to "
      "cuDNN flash attention on GPU). The same numbers within float tolerance.",
      Choice(("xla", "dot_product"))),
+  _F("model_router_aux_coef", 0.001, NUMBERS,
+     "Coefficient of the load-balancing auxiliary loss of a model with experts (the Switch "
+     "loss, transformers' router_aux_loss_coef; models/moe.py), added to the policy loss "
+     "weighted like it; 0 turns it off. A dense model ignores it.", Float(0)),
   _F("rollout.decode_block", 32, PROGRAM,
      "Decode attention reads each row's own cached keys only up to the current step, in spans "
      "of this many slots, at most 3 spans (0 = the whole max_new_tokens cache at every step). "

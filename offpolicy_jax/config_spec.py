@@ -368,6 +368,11 @@ class RunSpec:
   #: attention on GPU). The same numbers within float tolerance.
   model_attention: str
 
+  #: Coefficient of the load-balancing auxiliary loss of a model with experts (the Switch loss,
+  #: transformers' router_aux_loss_coef; models/moe.py), added to the policy loss weighted like
+  #: it; 0 turns it off. A dense model ignores it.
+  model_router_aux_coef: float
+
   #: Tokenizer: "" uses the task's built-in character tokenizer; else a local HF directory.
   tokenizer: str
 

@@ -1092,6 +1092,31 @@ GROUPS: dict[str, Group] = {
       ),
     ),
   ),
+  "moe": Group(
+    "mixtures of experts",
+    "Rows of a model with experts (`num_experts` > 0, e.g. `--config.model=tiny-moe`; "
+    "[models.md](models.md#mixtures-of-experts)), from the train step's forward passes over "
+    "each micro-batch's real prompt and response tokens, every block's routing counted.",
+    (
+      M(
+        "moe/aux_loss",
+        "model with experts",
+        "loss",
+        "The load-balancing loss E * sum_e f_e P_e (`models.moe.RouterStats.loss`; f_e: share "
+        "of tokens with expert e among their k, P_e: mean router probability): k when the load "
+        "is balanced, up to E when every token takes the same experts. "
+        "`model_router_aux_coef` times it joins the loss.",
+      ),
+      M(
+        "moe/max_load",
+        "model with experts",
+        "ratio",
+        "The busiest expert's share of the chosen slots times E/k, the largest over the "
+        "step's micro-batches: 1 when balanced, E/k when one expert is in every token's k.",
+        reduction=MAX,
+      ),
+    ),
+  ),
 }
 
 # TensorBoard groups of the keys not declared one by one (a name ending in "*" is a prefix).

@@ -244,3 +244,71 @@ def test_active_parameters_count_k_of_e_experts():
   assert (
     dataclasses.replace(c, num_experts_per_tok=c.num_experts).num_active_params() == c.num_params()
   )
+
+
+def _batch_of(numpy_init, config, seed=0):
+  graphdef, params = numpy_init(config, scale=4.0, seed=seed)
+  rng = np.random.RandomState(seed)
+  g, k, p, n = 2, 3, 5, 6
+  prompt_mask = np.ones((g, p), np.int32)
+  prompt_mask[0, :2] = 0
+  mask = (rng.rand(g * k, n) > 0.2).astype(np.float32)
+  tokens = rng.randint(4, 64, (g * k, n)).astype(np.int32)
+  zeros_b = jnp.zeros(g * k)
+  batch = types.pack_groups(
+    rng.randint(4, 64, (g, p)).astype(np.int32),
+    prompt_mask.sum(1).astype(np.int32),
+    tokens,
+    mask,
+    jnp.zeros((g * k, n)),
+    jnp.zeros((g * k, n), jnp.int32),
+    zeros_b + 1.0,
+    zeros_b,
+    jnp.zeros((g * k, n), jnp.int32),
+  )
+  return graphdef, params, batch, k
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_router_stats_are_the_same_with_a_shared_prefix_and_scanned_layers(numpy_init, scan_layers):
+  config = dataclasses.replace(models.get_config("tiny-moe"), scan_layers=scan_layers)
+  graphdef, params, batch, k = _batch_of(numpy_init, config)
+  _, _, alone = scorer.token_logprobs(graphdef, params, batch, 1.0, 0, with_router_stats=True)
+  _, _, shared = scorer.token_logprobs(graphdef, params, batch, 1.0, k, with_router_stats=True)
+  real = float(np.sum(batch.prompt_mask) + np.sum(batch.mask))
+  assert float(alone.tokens) == real * config.num_layers
+  # A shared prefix counts each group's prompt once, not K times.
+  assert (
+    float(shared.tokens) == (real - np.sum(batch.prompt_mask) * (k - 1) / k) * config.num_layers
+  )
+  np.testing.assert_allclose(np.sum(alone.chosen), alone.tokens * config.num_experts_per_tok)
+  assert 1.0 <= float(alone.max_load()) <= config.num_experts / config.num_experts_per_tok
+  dense_graph, dense_params = numpy_init(models.get_config("tiny"))
+  assert (
+    scorer.token_logprobs(dense_graph, dense_params, batch, 1.0, 0, with_router_stats=True)[2]
+    is None
+  )
+
+
+def test_the_load_balancing_loss_joins_the_policy_loss_by_its_coefficient(numpy_init):
+  from offpolicy_jax import losses
+  from offpolicy_jax.learn import micro_batch_loss, step_options
+
+  graphdef, params, batch, k = _batch_of(numpy_init, models.get_config("tiny-moe"))
+  batch = batch._replace(advantages=jnp.ones_like(batch.mask))
+
+  def run(coef):
+    options = step_options.StepOptions(losses.get_spec("grpo"), group_size=k, router_aux_coef=coef)
+    fn = lambda p: micro_batch_loss.micro_batch_loss(p, batch, graphdef, options, None, None)
+    (loss_sum, metrics), grads = jax.value_and_grad(fn, has_aux=True)(params)
+    return loss_sum, metrics, grads
+
+  plain, metrics, g0 = run(0.0)
+  with_aux, _, g1 = run(0.5)
+  aux = metrics["moe/aux_loss"]
+  count = float(np.sum(batch.mask))  # token_mean: the loss's count is its valid tokens
+  np.testing.assert_allclose(
+    float(with_aux - plain), 0.5 * float(aux.total / aux.weight) * count, rtol=1e-5
+  )
+  router = lambda g: np.asarray(g["layers"][0]["mlp"]["router"][...])
+  assert np.abs(router(g1) - router(g0)).max() > 1e-6

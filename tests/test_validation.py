@@ -35,6 +35,7 @@ BAD = [
   ("model_scan_layers", "yes", "model_scan_layers"),
   ("model_remat", 1, "model_remat"),
   ("model_attention", "flash", "model_attention"),
+  ("model_router_aux_coef", -0.1, "model_router_aux_coef"),
   ("model", "no-such-preset", "model"),
   ("model", "/no/such/dir", "model"),
   ("model_dtype", "float64", "model_dtype"),

@@ -2,7 +2,9 @@
 
 The current policy's log-probs are recomputed (with adapter dropout when it
 has a key), the reference and proximal log-probs only when the loss needs
-them; the train step differentiates ``loss_sum`` (`learn.train_step`).
+them; the train step differentiates ``loss_sum`` (`learn.train_step`). A
+model with experts adds its load-balancing loss (`models.moe`), weighted by
+the micro-batch's ``loss_count`` so that it accumulates exactly like the policy loss.
 Metrics are typed reductions (`reductions.Mean`/`Sum`/`Max`/`Min`).
 """
 
@@ -72,7 +74,7 @@ def micro_batch_loss(
   spec, o = options.spec, options
   shared = options.group_size if options.shared_prefix else 0
   sg = jax.lax.stop_gradient
-  score = lambda p, key=None: token_logprobs(
+  score = lambda p, key=None, stats=False: token_logprobs(
     graphdef,
     models.lora.join(base, p),
     mb,
@@ -81,8 +83,9 @@ def micro_batch_loss(
     truncated=o.truncated,
     top_k=o.top_k,
     dropout_key=key,
+    with_router_stats=stats,
   )
-  logp, ent = score(params, key)
+  logp, ent, router = score(params, key, stats=True)
   extra = {}
   if spec.needs_ref:
     extra["ref_logp"] = sg(score(ref_params)[0])
@@ -110,4 +113,11 @@ def micro_batch_loss(
   if spec.ratio != "behavior":
     metrics.update(_behavior_ratio(sg(logp), mb))
   metrics.update(diagnostics.policy_terms(logp, mb))
-  return out.loss_sum, metrics
+  loss_sum = out.loss_sum
+  if router is not None:  # a model with experts (`models.moe.RouterStats`)
+    aux = router.loss()
+    if o.router_aux_coef > 0:
+      loss_sum = loss_sum + o.router_aux_coef * aux * out.loss_count
+    metrics["moe/aux_loss"] = red.Mean(sg(aux) * router.tokens, router.tokens)
+    metrics["moe/max_load"] = red.Max(sg(router.max_load()))
+  return loss_sum, metrics

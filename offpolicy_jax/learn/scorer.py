@@ -24,6 +24,7 @@ def token_logprobs(
   truncated: bool = False,
   top_k: int = 0,
   dropout_key: jax.Array | None = None,
+  with_router_stats: bool = False,
 ):
   """Teacher-forced log-probs and entropies [B, N] of `mb`'s responses under `params`.
 
@@ -32,6 +33,8 @@ def token_logprobs(
   the log-probs are those of the top-k / top-p truncated distribution of
   ``mb.behavior_kept`` tokens (`StepOptions.truncated`). `dropout_key` turns
   on the adapters' input dropout (the train step's current policy only).
+  `with_router_stats` also returns the experts' `moe.RouterStats` (None for a
+  dense model): `(logp, entropy, stats)`.
   """
   model = nnx.merge(graphdef, params)
   kept = mb.behavior_kept if truncated else None
@@ -47,6 +50,7 @@ def token_logprobs(
       kept=kept,
       top_k=top_k,
       dropout_key=dropout_key,
+      with_router_stats=with_router_stats,
     )
   return models.sequence_logprobs(
     model,
@@ -58,6 +62,7 @@ def token_logprobs(
     kept=kept,
     top_k=top_k,
     dropout_key=dropout_key,
+    with_router_stats=with_router_stats,
   )
 
 

@@ -33,6 +33,8 @@ class StepOptions(NamedTuple):
       (`models.logprobs`); False scores the full tempered softmax (no
       truncation, or ``rollout.behavior_logp = "full"``).
     top_k: the sampler's top-k (0 = off), which bounds the kept set when truncated.
+    router_aux_coef: the load-balancing loss's coefficient for a model with
+      experts (`models.moe`; a dense model ignores it, 0 turns it off).
   """
 
   spec: losses.LossSpec
@@ -47,6 +49,7 @@ class StepOptions(NamedTuple):
   skip_chunks: int = 4
   truncated: bool = False
   top_k: int = 0
+  router_aux_coef: float = 0.0
 
   @property
   def updates(self) -> int:

@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen3 / Llama / Qwen3-MoE / Mixtral decoders in Flax NNX, presets, HF checkpoints and log-probs.
+"""Qwen2 / Qwen3 / Llama / Qwen3-MoE / Mixtral decoders in Flax NNX, presets, HF io, log-probs.
 
 model = models.from_pretrained("/path/to/Qwen2.5-1.5B-Instruct")  # f32 params + compute
 model = models.Decoder(models.get_config("tiny"), rngs=nnx.Rngs(0))
@@ -9,6 +9,7 @@ model = models.Decoder(models.get_config("tiny", lora=models.LoraConfig(rank=8))
 models.lora.save_peft(model, "/tmp/adapter")                       # peft loads it
 
   decoder        `Decoder` (embeddings, layers, caches, shared-prefix passes) and `KVCache`
+  block          one decoder block: attention, then the MLP or the mixture of experts
   attention      the grouped-query self-attention layer (projections, q/k norms, adapters)
   layers         parameters with logical axis names, RMSNorm, the SwiGLU MLP
   moe            mixture-of-experts blocks: top-k routing, dropless grouped matmuls

@@ -1,4 +1,4 @@
-"""Flax NNX decoder for the Qwen2 / Qwen3 / Llama 3.x families.
+"""Flax NNX decoder for the Qwen2 / Qwen3 / Llama 3.x / Qwen3-MoE / Mixtral families.
 
   h_0 = E[tokens]
   h'  = h + Attn(RMSNorm(h)),   h_{l+1} = h' + W_down (silu(W_gate x) * W_up x),  x = RMSNorm(h')
@@ -6,7 +6,8 @@
 
 Grouped-query attention with rotary embeddings (`attention_ops`), optional
 q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3). With `num_experts` the
-feed-forward is a mixture of experts (`models.moe`: Qwen3-MoE, Mixtral).
+feed-forward is a mixture of experts (`models.moe`: Qwen3-MoE, Mixtral). One
+block is `models.block.DecoderLayer`.
 
 With `config.lora`, each targeted projection carries a low-rank adapter,
 `y = x W + (alpha / r) dropout(x) A B` (`lora_ops`; `nnx.LoRA` holds A and B as
@@ -34,11 +35,11 @@ from flax import nnx
 
 from offpolicy_jax.models import attention_ops as ops
 from offpolicy_jax.models import lora_ops
-from offpolicy_jax.models.attention import Attention
 from offpolicy_jax.models.attention_ops import default_positions
+from offpolicy_jax.models.block import DecoderLayer
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.models.layers import MLP, RMSNorm, param
-from offpolicy_jax.models.moe import MoE
+from offpolicy_jax.models.moe import RouterStats
 from offpolicy_jax.scale import sharding
 
 
@@ -54,64 +55,8 @@ class KVCache(NamedTuple):
   v: tuple
 
 
-class DecoderLayer(nnx.Module):
-  """Pre-norm block: h + Attn(norm(h)), then h + MLP(norm(h))."""
-
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-    self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ("embed",), config)
-    self.self_attn = Attention(config, rngs=rngs)
-    self.post_attention_layernorm = RMSNorm(
-      config.hidden_size, config.rms_norm_eps, ("embed",), config
-    )
-    self.mlp = MoE(config, rngs=rngs) if config.num_experts else MLP(config, rngs=rngs)
-
-  def __call__(
-    self, h_btd, cos_bth, sin_bth, allowed_bts, cache_kv=None, cache_index=None, key=None
-  ):
-    attn, cache_kv = self.self_attn(
-      self.input_layernorm(h_btd), cos_bth, sin_bth, allowed_bts, cache_kv, cache_index, key
-    )
-    return self._feed_forward(h_btd + attn, key), cache_kv
-
-  def _feed_forward(self, h_btd, key=None):
-    return h_btd + self.mlp(self.post_attention_layernorm(h_btd), key)
-
-  def shared_prefix(self, h_p, h_s, rope_p, rope_s, prompt_mask_gp, group_size, key=None):
-    """The block on prompts [G,P,D] and their continuations [G*K,N,D] (see `Attention`)."""
-    attn_p, attn_s = self.self_attn.shared_prefix(
-      self.input_layernorm(h_p),
-      self.input_layernorm(h_s),
-      rope_p,
-      rope_s,
-      prompt_mask_gp,
-      group_size,
-      key,
-    )
-    key_p, key_s = lora_ops.fold(key, 0), lora_ops.fold(key, 1)  # as in the attention
-    return self._feed_forward(h_p + attn_p, key_p), self._feed_forward(h_s + attn_s, key_s)
-
-  def decode_shared(self, h_b1d, rope, prefix_kv, suffix_kv, prompt_mask_gp, index, block=0):
-    """The block for one decode step against a per-group prompt cache (see `Attention`)."""
-    attn, suffix_kv = self.self_attn.decode_shared(
-      self.input_layernorm(h_b1d), rope, prefix_kv, suffix_kv, prompt_mask_gp, index, block
-    )
-    return self._feed_forward(h_b1d + attn), suffix_kv
-
-  def extend_shared(
-    self, h_btd, rope, prefix_kv, suffix_kv, prompt_mask_gp, index_b, counts_b, block=0
-  ):
-    """The block for T new tokens per row against a per-group prompt cache (see `Attention`)."""
-    attn, suffix_kv = self.self_attn.extend_shared(
-      self.input_layernorm(h_btd),
-      rope,
-      prefix_kv,
-      suffix_kv,
-      prompt_mask_gp,
-      index_b,
-      counts_b,
-      block,
-    )
-    return self._feed_forward(h_btd + attn), suffix_kv
+def _add_stats(total, stats):
+  return None if stats is None else total + stats
 
 
 def _constrain(h_btd: jax.Array) -> jax.Array:
@@ -176,6 +121,29 @@ class Decoder(nnx.Module):
     `dropout_key` turns on the adapters' input dropout (`lora_ops`; no cache
     only); ignored when the config has none.
     """
+    return self._forward(tokens, positions, attention_mask, cache, cache_index, dropout_key)[:2]
+
+  def hidden_states_and_router_stats(self, tokens, attention_mask, router_mask, dropout_key=None):
+    """`hidden_states` without a cache, and the experts' `moe.RouterStats` over `router_mask`.
+
+    The stats sum every block's routing of the tokens with `router_mask`
+    [B, T] (what the learner's load-balancing loss reads); None for a dense model.
+    """
+    router_mask = None if not self.config.num_experts else jnp.asarray(router_mask) > 0
+    h, _, stats = self._forward(tokens, None, attention_mask, None, None, dropout_key, router_mask)
+    return h, stats
+
+  def _no_stats(self, router_mask):
+    """The zero `moe.RouterStats` a sum over blocks starts from (None when not asked for)."""
+    if router_mask is None:
+      return None
+    zeros = jnp.zeros((self.config.num_experts,), jnp.float32)
+    return RouterStats(zeros, zeros, jnp.zeros((), jnp.float32))
+
+  def _forward(
+    self, tokens, positions, attention_mask, cache, cache_index, dropout_key, router_mask=None
+  ):
+    """`(h, cache, router stats)`: `hidden_states`, with stats over `router_mask` (or None)."""
     tokens = jnp.asarray(tokens)
     b, t = tokens.shape
     if cache is None:
@@ -196,17 +164,22 @@ class Decoder(nnx.Module):
     h = self._embed(tokens)
     if cache is None:
       keys = lora_ops.fold_range(lora_ops.dropout_key(self.config, dropout_key), len(self.layers))
-      block = lambda layer, h, key: _constrain(layer(h, cos, sin, allowed, key=key)[0])
-      return self.norm(self._apply_layers(block, h, keys)), None
-    if dropout_key is not None:
-      raise ValueError("dropout_key: adapter dropout runs in the teacher-forced forward only")
+
+      def block(layer, carry, key):
+        h, stats = layer(carry[0], cos, sin, allowed, key=key, router_mask=router_mask)[:2]
+        return _constrain(h), _add_stats(carry[1], stats)
+
+      h, stats = self._apply_layers(block, (h, self._no_stats(router_mask)), keys)
+      return self.norm(h), None, stats
+    if dropout_key is not None or router_mask is not None:
+      raise ValueError("dropout_key, router_mask: for the teacher-forced forward (no cache) only")
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
-      h, kv = layer(h, cos, sin, allowed, (cache.k[i], cache.v[i]), cache_index)
+      h, _, kv = layer(h, cos, sin, allowed, (cache.k[i], cache.v[i]), cache_index)
       h = _constrain(h)
       new_k.append(kv[0])
       new_v.append(kv[1])
-    return self.norm(h), KVCache(tuple(new_k), tuple(new_v))
+    return self.norm(h), KVCache(tuple(new_k), tuple(new_v)), None
 
   def shared_prefix_hidden_states(
     self, prompt_tokens, prompt_mask, tokens, group_size: int, dropout_key=None
@@ -228,6 +201,18 @@ class Decoder(nnx.Module):
     Returns:
       (h_prompt [G, P, D], h_tokens [G*K, N, D]).
     """
+    args = (prompt_tokens, prompt_mask, tokens, group_size, dropout_key)
+    return self.shared_prefix_hidden_states_and_router_stats(*args)[:2]
+
+  def shared_prefix_hidden_states_and_router_stats(
+    self, prompt_tokens, prompt_mask, tokens, group_size: int, dropout_key=None, router_mask=None
+  ):
+    """`shared_prefix_hidden_states` and the experts' `moe.RouterStats`.
+
+    The stats count the real prompt tokens (once per group) and the
+    continuation tokens with `router_mask` [G*K, N]; None for a dense model
+    or without `router_mask`. Returns `(h_prompt, h_tokens, stats)`.
+    """
     prompt_tokens, tokens = jnp.asarray(prompt_tokens), jnp.asarray(tokens)
     prompt_mask = jnp.asarray(prompt_mask) > 0
     n = tokens.shape[1]
@@ -236,14 +221,20 @@ class Decoder(nnx.Module):
     rope_p = self._rope(default_positions(prompt_mask))
     rope_s = self._rope(suffix_positions)
 
-    def block(layer, hs, key):
-      h_p, h_s = layer.shared_prefix(*hs, rope_p, rope_s, prompt_mask, group_size, key)
-      return _constrain(h_p), _constrain(h_s)
+    masks = None
+    if router_mask is not None and self.config.num_experts:
+      masks = (prompt_mask, jnp.asarray(router_mask) > 0)
 
-    hs = (self._embed(prompt_tokens), self._embed(tokens))
+    def block(layer, carry, key):
+      h_p, h_s, stats = layer.shared_prefix(
+        *carry[:2], rope_p, rope_s, prompt_mask, group_size, key, masks
+      )
+      return _constrain(h_p), _constrain(h_s), _add_stats(carry[2], stats)
+
+    carry = (self._embed(prompt_tokens), self._embed(tokens), self._no_stats(masks))
     keys = lora_ops.fold_range(lora_ops.dropout_key(self.config, dropout_key), len(self.layers))
-    h_p, h_s = self._apply_layers(block, hs, keys)
-    return self.norm(h_p), self.norm(h_s)
+    h_p, h_s, stats = self._apply_layers(block, carry, keys)
+    return self.norm(h_p), self.norm(h_s), stats
 
   def decode_shared(
     self, tokens_b, prefix: KVCache, suffix: KVCache, prompt_mask, index, block: int = 0

@@ -153,6 +153,7 @@ def sequence_logprobs(
   kept: ArrayLike | None = None,
   top_k: int = 0,
   dropout_key: jax.Array | None = None,
+  with_router_stats: bool = False,
 ):
   """Teacher-forced log-probs and entropies of response tokens after a left-padded prompt.
 
@@ -173,9 +174,12 @@ def sequence_logprobs(
     top_k: the sampler's top-k (0 = off), which bounds the kept set.
     dropout_key: the adapters' input dropout key (`models.lora_ops`; the
       train step's current-policy forward only); None runs without dropout.
+    with_router_stats: also return the experts' `moe.RouterStats` over the
+      real prompt and valid response tokens (None for a dense model).
 
   Returns:
-    (logp, entropy), float32 [B, N] each, zero where mask is 0.
+    (logp, entropy), float32 [B, N] each, zero where mask is 0; with
+    `with_router_stats`, (logp, entropy, stats).
   """
   prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   tokens = jnp.asarray(tokens, jnp.int32)
@@ -185,11 +189,12 @@ def sequence_logprobs(
   full_tokens = jnp.concatenate([prompt_tokens, tokens], axis=1)
   # Response tokens after the first invalid one never influence valid ones (causal).
   full_mask = jnp.concatenate([jnp.asarray(prompt_mask) > 0, jnp.ones(tokens.shape, bool)], axis=1)
-  h, _ = model.hidden_states(full_tokens, attention_mask=full_mask, dropout_key=dropout_key)
+  router_mask = jnp.concatenate([jnp.asarray(prompt_mask) > 0, mask > 0], axis=1)
+  h, stats = model.hidden_states_and_router_stats(full_tokens, full_mask, router_mask, dropout_key)
   h = h[:, p - 1 : p - 1 + n]
   logp, entropy = _token_logp_entropy(model, h, tokens, temperature, chunk_size, kept, top_k)
   m = (mask > 0).astype(jnp.float32)
-  return logp * m, entropy * m
+  return (logp * m, entropy * m, stats) if with_router_stats else (logp * m, entropy * m)
 
 
 def shared_prefix_logprobs(
@@ -204,6 +209,7 @@ def shared_prefix_logprobs(
   kept: ArrayLike | None = None,
   top_k: int = 0,
   dropout_key: jax.Array | None = None,
+  with_router_stats: bool = False,
 ):
   """`sequence_logprobs` for K responses per prompt, each prompt run once per group.
 
@@ -227,13 +233,15 @@ def shared_prefix_logprobs(
       None scores the full tempered softmax.
     top_k: the sampler's top-k (0 = off), which bounds the kept set.
     dropout_key: as for `sequence_logprobs`.
+    with_router_stats: as for `sequence_logprobs` (each prompt counted once).
 
   Returns:
-    (logp, entropy), float32 [G*K, N] each, zero where mask is 0.
+    (logp, entropy), float32 [G*K, N] each, zero where mask is 0; with
+    `with_router_stats`, (logp, entropy, stats).
   """
   tokens = jnp.asarray(tokens, jnp.int32)
-  h_p, h_s = model.shared_prefix_hidden_states(
-    jnp.asarray(prompt_tokens, jnp.int32), prompt_mask, tokens, group_size, dropout_key
+  h_p, h_s, stats = model.shared_prefix_hidden_states_and_router_stats(
+    jnp.asarray(prompt_tokens, jnp.int32), prompt_mask, tokens, group_size, dropout_key, mask
   )
   # Position t scores token t: the first from the prompt's last state, the rest
   # from the response's own states.
@@ -241,4 +249,4 @@ def shared_prefix_logprobs(
   h = jnp.concatenate([first, h_s[:, :-1]], axis=1)
   logp, entropy = _token_logp_entropy(model, h, tokens, temperature, chunk_size, kept, top_k)
   m = (jnp.asarray(mask) > 0).astype(jnp.float32)
-  return logp * m, entropy * m
+  return (logp * m, entropy * m, stats) if with_router_stats else (logp * m, entropy * m)

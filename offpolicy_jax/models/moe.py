@@ -92,21 +92,54 @@ def route(logits_te: jax.Array, k: int, normalize: bool, experts=None) -> Routin
   return Routing(experts.astype(jnp.int32), weights, probs)
 
 
+class RouterStats(NamedTuple):
+  """Sums over tokens (and blocks) of a routing: what the load-balancing loss reads.
+
+  Attributes:
+    chosen: float32 [E] how often each expert was among a token's k.
+    probs: float32 [E] the router's probabilities of each expert, summed.
+    tokens: float32 [] tokens counted (one per token per block).
+  """
+
+  chosen: jax.Array
+  probs: jax.Array
+  tokens: jax.Array
+
+  @classmethod
+  def of(cls, routing: Routing, mask_t=None) -> "RouterStats":
+    """The sums over the tokens with `mask_t` [T] (all if None)."""
+    t, e = routing.probs.shape
+    m = jnp.ones((t,), jnp.float32) if mask_t is None else jnp.asarray(mask_t, jnp.float32)
+    chosen = jnp.sum(jax.nn.one_hot(routing.experts, e, dtype=jnp.float32), axis=1)  # [T, E]
+    return cls(m @ chosen, m @ routing.probs, jnp.sum(m))
+
+  def __add__(self, other):  # stats of two blocks (or token sets) together
+    return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
+
+  def loss(self) -> jax.Array:
+    """Switch-style auxiliary loss E * sum_e f_e P_e (`load_balancing_loss`)."""
+    n = jnp.maximum(self.tokens, 1.0)
+    return self.chosen.shape[-1] * jnp.sum((self.chosen / n) * (self.probs / n), axis=-1)
+
+  def max_load(self) -> jax.Array:
+    """The busiest expert's share of the chosen slots, E / k times (1 when balanced)."""
+    return (
+      jnp.max(self.chosen, axis=-1)
+      * self.chosen.shape[-1]
+      / jnp.maximum(jnp.sum(self.chosen, axis=-1), 1.0)
+    )
+
+
 def load_balancing_loss(routing: Routing, mask_t=None) -> jax.Array:
   """Switch-style auxiliary loss E * sum_e f_e P_e over the tokens with `mask_t` (all if None).
 
-  f_e is the fraction of the k chosen slots that go to expert e and P_e the
-  mean router probability of e (Fedus et al., arXiv:2101.03961; the
-  `load_balancing_loss_func` of transformers' Mixtral / Qwen3-MoE): k when
-  the load is balanced, up to E when every token goes to the same k experts.
+  f_e is the fraction of tokens that have expert e among their k (summed over
+  the k slots) and P_e the mean router probability of e (Fedus et al.,
+  arXiv:2101.03961; the `load_balancing_loss_func` of transformers' Mixtral /
+  Qwen3-MoE, over every block's tokens at once): k when the load is balanced,
+  up to E when every token goes to the same k experts.
   """
-  t, e = routing.probs.shape
-  m = jnp.ones((t,), jnp.float32) if mask_t is None else jnp.asarray(mask_t, jnp.float32)
-  n = jnp.maximum(jnp.sum(m), 1.0)
-  chosen = jax.nn.one_hot(routing.experts, e, dtype=jnp.float32)  # [T, k, E]
-  f = jnp.sum(chosen * m[:, None, None], axis=0) / n  # [k, E]
-  p = jnp.sum(routing.probs * m[:, None], axis=0) / n  # [E]
-  return e * jnp.sum(f * p[None, :])
+  return RouterStats.of(routing, mask_t).loss()
 
 
 class MoE(nnx.Module):
@@ -132,10 +165,15 @@ class MoE(nnx.Module):
 
   def __call__(self, x_btd: jax.Array, key=None) -> jax.Array:
     """y [B, T, D] (`key`, the adapters' dropout key, is unused: experts carry no adapters)."""
-    del key
+    return self.with_stats(x_btd)[0]
+
+  def with_stats(self, x_btd: jax.Array, mask_bt=None) -> tuple[jax.Array, RouterStats]:
+    """y [B, T, D] and the `RouterStats` of the tokens with `mask_bt` [B, T] (all if None)."""
     b, t, d = x_btd.shape
     x_td = x_btd.reshape(b * t, d)
-    return self.mix(x_td, self.routing(x_td)).reshape(b, t, d)
+    routing = self.routing(x_td)
+    mask_t = None if mask_bt is None else jnp.reshape(mask_bt, (b * t,))
+    return self.mix(x_td, routing).reshape(b, t, d), RouterStats.of(routing, mask_t)
 
   def mix(self, x_td: jax.Array, routing: Routing) -> jax.Array:
     """The experts' weighted outputs [T, D] for a given routing, dropless (module docstring)."""

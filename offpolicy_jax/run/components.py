@@ -196,6 +196,7 @@ def step_options(config) -> StepOptions:
     skip_zero_advantage=config.train.skip_zero_advantage,
     truncated=_scores_truncation(config),
     top_k=config.top_k if _scores_truncation(config) else 0,
+    router_aux_coef=config.model_router_aux_coef,
   )
 
 
