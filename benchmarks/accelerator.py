@@ -209,7 +209,12 @@ def train_numbers(config, params, progs, s: Shapes, repeats: int, peaks: dict) -
 def run_preset(preset: str, s: Shapes, *, dtype: str, repeats: int, peaks: dict) -> dict:
   """One row of the table: `preset` at shapes `s` (parameters float32, compute `dtype`)."""
   config = models.get_config(preset, dtype=dtype, scan_layers=True, remat=True)
-  row: dict = {"preset": preset, "params_m": config.num_params() / 1e6, **dataclasses.asdict(s)}
+  row: dict = {
+    "preset": preset,
+    "params_m": config.num_params() / 1e6,
+    "active_params_m": config.num_active_params() / 1e6,  # with experts: k of E per block
+    **dataclasses.asdict(s),
+  }
   progs = compile_time.compile_programs(
     config,
     prompts=s.prompts,

@@ -6,12 +6,15 @@ attending to S of their own cached keys) must at least
   FLOPs  = B * 2 * N_mm  +  B * 4 * L * n * h * (P + S)
   bytes  = N_mm * w  +  2 * L * n_kv * h * c * (G * P + B * S)  +  B * V * 4
 
-with N_mm the matmul parameters (q, k, v, o, the MLP and the output
-projection; the embedding lookup reads B rows only), L layers of n query
+with N_mm the matmul parameters a token is computed with (q, k, v, o, the
+MLP and the output projection; the embedding lookup reads B rows only; with
+experts, the router and k of the E experts per block), L layers of n query
 heads and n_kv key/value heads of width h, w the bytes per weight and c per
 cached value: the weights read once, each prompt's keys and values read once
 per group (the sampler shares them), each row's own keys and values, and the
-float32 logits written. Its time is at least max(FLOPs / peak, bytes /
+float32 logits written. With experts the weights read are the dense ones
+and, per block, the experts the B rows touch: E (1 - (1 - k/E)^B) of them
+in expectation under uniform routing. Its time is at least max(FLOPs / peak, bytes /
 bandwidth) (Williams et al., "Roofline", CACM 2009); the fraction of that
 bound a measured step reaches is bound / measured time.
 
@@ -54,10 +57,33 @@ def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 
 
 def matmul_params(config: models.ModelConfig) -> int:
-  """N_mm: parameters used as matmul weights in one token's forward (output projection included)."""
+  """N_mm: parameters used as matmul weights in one token's forward (output projection included).
+
+  With experts: the router and the token's k experts per block (activated parameters).
+  """
   c = config
-  d, f, n, kv, h = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
-  return c.num_layers * (2 * d * n * h + 2 * d * kv * h + 3 * d * f) + c.vocab_size * d
+  d, n, kv, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+  return c.num_layers * (
+    2 * d * n * h + 2 * d * kv * h + _feed_forward(c, c.num_experts_per_tok)
+  ) + (c.vocab_size * d)
+
+
+def _feed_forward(c: models.ModelConfig, experts: float) -> float:
+  """Matmul parameters of one block's feed-forward computing `experts` of its experts."""
+  if not c.num_experts:
+    return 3 * c.hidden_size * c.intermediate_size
+  return c.hidden_size * c.num_experts + experts * 3 * c.hidden_size * c.moe_intermediate_size
+
+
+def weights_read(config: models.ModelConfig, rows: int) -> float:
+  """Weights one decode step over `rows` rows reads: with experts, those the rows touch."""
+  c = config
+  if not c.num_experts:
+    return matmul_params(c)
+  e, k = c.num_experts, c.num_experts_per_tok
+  touched = e * (1 - (1 - k / e) ** rows)  # expected, routing uniform
+  per_token = _feed_forward(c, k)
+  return matmul_params(c) + c.num_layers * (_feed_forward(c, touched) - per_token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,4 +117,5 @@ def decode_step_cost(
   cache = jnp.dtype(c.dtype).itemsize
   flops = b * 2 * n_mm + b * 4 * c.num_layers * c.num_heads * c.head_dim * (prompt_len + span)
   kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * cache * (prompts * prompt_len + b * span)
-  return StepCost(float(flops), float(n_mm * w + kv + b * c.vocab_size * 4))
+  weights = weights_read(c, b) * w
+  return StepCost(float(flops), float(weights + kv + b * c.vocab_size * 4))

@@ -94,6 +94,13 @@ RUN_FIELDS: tuple[Field, ...] = (
      "Coefficient of the load-balancing auxiliary loss of a model with experts (the Switch "
      "loss, transformers' router_aux_loss_coef; models/moe.py), added to the policy loss "
      "weighted like it; 0 turns it off. A dense model ignores it.", Float(0)),
+  _F("model_routing_replay", "off", NUMBERS,
+     "Routing replay for a model with experts (models/moe.py): \"record\" stores every "
+     "sampled token's experts with the batch and reports how often the learner's own routing "
+     "agrees (moe/router_agreement); \"replay\" also routes the learner along them (R3, "
+     "arXiv:2510.11370), its router still learning the mixing weights. The static sampler "
+     "only (no continuous slots, partial rollouts or multi-turn episodes).",
+     Choice(("off", "record", "replay"))),
   _F("rollout.decode_block", 32, PROGRAM,
      "Decode attention reads each row's own cached keys only up to the current step, in spans "
      "of this many slots, at most 3 spans (0 = the whole max_new_tokens cache at every step). "

@@ -373,6 +373,13 @@ class RunSpec:
   #: it; 0 turns it off. A dense model ignores it.
   model_router_aux_coef: float
 
+  #: Routing replay for a model with experts (models/moe.py): "record" stores every sampled
+  #: token's experts with the batch and reports how often the learner's own routing agrees
+  #: (moe/router_agreement); "replay" also routes the learner along them (R3, arXiv:2510.11370),
+  #: its router still learning the mixing weights. The static sampler only (no continuous slots,
+  #: partial rollouts or multi-turn episodes).
+  model_routing_replay: str
+
   #: Tokenizer: "" uses the task's built-in character tokenizer; else a local HF directory.
   tokenizer: str
 

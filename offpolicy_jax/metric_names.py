@@ -1115,6 +1115,23 @@ GROUPS: dict[str, Group] = {
         "step's micro-batches: 1 when balanced, E/k when one expert is in every token's k.",
         reduction=MAX,
       ),
+      M(
+        "moe/router_agreement",
+        "model_routing_replay record or replay",
+        "fraction",
+        "Share of (token, block) pairs whose experts under the learner's own router are the ones "
+        "the sampler recorded: 1 on-policy in float32; it falls with lag (routing drift) and "
+        "with an engine mismatch (a bf16 sampler). Under replay the learner routes along the "
+        "record anyway; this says how far its own router has moved.",
+      ),
+      M(
+        "moe/router_agreement_min",
+        "model_routing_replay record or replay",
+        "fraction",
+        "The lowest block's agreement, the lowest over the step's micro-batches: the block "
+        "whose routing drifted most.",
+        reduction=MIN,
+      ),
     ),
   ),
 }

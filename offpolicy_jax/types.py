@@ -37,6 +37,9 @@ class TrainBatch(NamedTuple):
       scored by the learner (`rollout.score_old`), so that pi / mu factors
       into staleness pi / pi_old and engine mismatch pi_old / mu (docs/science.md
       s7); equal to `behavior_logp` when not scored.
+    prompt_experts: int [B, P, L, k] the experts the sampler's prefill routed
+      each prompt token to in each block (routing replay, `models.moe`), or None.
+    experts: int [B, N, L, k] the same for each response token, or None.
   """
 
   prompt_tokens: jax.Array
@@ -50,6 +53,8 @@ class TrainBatch(NamedTuple):
   weights: jax.Array
   behavior_kept: jax.Array
   old_logp: jax.Array
+  prompt_experts: jax.Array | None = None
+  experts: jax.Array | None = None
 
 
 def turn_ids(mask_bn: ArrayLike) -> jax.Array:
@@ -80,6 +85,8 @@ def pack_groups(
   advantages_b: ArrayLike,
   kept_bn: ArrayLike,
   old_logp_bn: ArrayLike | None = None,
+  prompt_experts_gp: ArrayLike | None = None,
+  experts_bn: ArrayLike | None = None,
 ) -> TrainBatch:
   """The `TrainBatch` of G prompts and their K responses each (B = G * K rows, group-major).
 
@@ -95,6 +102,9 @@ def pack_groups(
     kept_bn: int32 [B, N] kept-set size of each token (`sampling.SampleOutput.kept`).
     old_logp_bn: float32 [B, N] the learner's log-probs at the behaviour's
       parameters (`TrainBatch.old_logp`); None: `logprobs_bn`.
+    prompt_experts_gp: int [G, P, L, k] the prompts' recorded experts
+      (`TrainBatch.prompt_experts`, repeated per row), or None.
+    experts_bn: int [B, N, L, k] the responses' (`TrainBatch.experts`), or None.
   """
   prompt_tokens_gp = jnp.asarray(prompt_tokens_gp)
   g, p = prompt_tokens_gp.shape
@@ -113,4 +123,8 @@ def pack_groups(
     weights=jnp.ones((b,), jnp.float32),
     behavior_kept=jnp.asarray(kept_bn, jnp.int32),
     old_logp=jnp.asarray(logprobs_bn if old_logp_bn is None else old_logp_bn, jnp.float32),
+    prompt_experts=None
+    if experts_bn is None or prompt_experts_gp is None
+    else jnp.repeat(jnp.asarray(prompt_experts_gp), k, axis=0),
+    experts=None if experts_bn is None else jnp.asarray(experts_bn),
   )

@@ -84,6 +84,7 @@ def micro_batch_loss(
     top_k=o.top_k,
     dropout_key=key,
     with_router_stats=stats,
+    replay=o.routing_replay == "replay",
   )
   logp, ent, router = score(params, key, stats=True)
   extra = {}
@@ -118,6 +119,10 @@ def micro_batch_loss(
     aux = router.loss()
     if o.router_aux_coef > 0:
       loss_sum = loss_sum + o.router_aux_coef * aux * out.loss_count
-    metrics["moe/aux_loss"] = red.Mean(sg(aux) * router.tokens, router.tokens)
+    tokens = jnp.sum(router.tokens)
+    metrics["moe/aux_loss"] = red.Mean(sg(aux) * tokens, tokens)
     metrics["moe/max_load"] = red.Max(sg(router.max_load()))
+    if mb.experts is not None:  # the sampler's routing was recorded
+      metrics["moe/router_agreement"] = red.Mean(jnp.sum(router.agree), tokens)
+      metrics["moe/router_agreement_min"] = red.Min(jnp.min(router.agreement()))
   return loss_sum, metrics

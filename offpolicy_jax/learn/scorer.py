@@ -25,6 +25,7 @@ def token_logprobs(
   top_k: int = 0,
   dropout_key: jax.Array | None = None,
   with_router_stats: bool = False,
+  replay: bool = False,
 ):
   """Teacher-forced log-probs and entropies [B, N] of `mb`'s responses under `params`.
 
@@ -34,10 +35,16 @@ def token_logprobs(
   ``mb.behavior_kept`` tokens (`StepOptions.truncated`). `dropout_key` turns
   on the adapters' input dropout (the train step's current policy only).
   `with_router_stats` also returns the experts' `moe.RouterStats` (None for a
-  dense model): `(logp, entropy, stats)`.
+  dense model): `(logp, entropy, stats)`. When `mb` carries the sampler's
+  routing (`TrainBatch.experts`), the stats compare with it and `replay`
+  routes along it (`models.moe`).
   """
   model = nnx.merge(graphdef, params)
   kept = mb.behavior_kept if truncated else None
+  recorded = None
+  if mb.experts is not None and mb.prompt_experts is not None:
+    prompt_experts = mb.prompt_experts[::shared_group] if shared_group else mb.prompt_experts
+    recorded = (prompt_experts, mb.experts)
   if shared_group:
     return models.shared_prefix_logprobs(
       model,
@@ -51,6 +58,8 @@ def token_logprobs(
       top_k=top_k,
       dropout_key=dropout_key,
       with_router_stats=with_router_stats,
+      recorded=recorded,
+      replay=replay,
     )
   return models.sequence_logprobs(
     model,
@@ -63,6 +72,8 @@ def token_logprobs(
     top_k=top_k,
     dropout_key=dropout_key,
     with_router_stats=with_router_stats,
+    recorded=recorded,
+    replay=replay,
   )
 
 
@@ -71,7 +82,8 @@ def make_scorer(graphdef: nnx.GraphDef, options: StepOptions):
 
   The learner's log-probs of a sampled rollout `out` (`sampling.SampleOutput`)
   at `params`, scored as the train step scores (temperature, truncation,
-  shared prefix): at the sampling parameters, log pi_old (docs/science.md s7).
+  shared prefix, routing replay): at the sampling parameters, log pi_old
+  (docs/science.md s7).
   """
   shared = options.group_size if options.shared_prefix else 0
 
@@ -87,6 +99,9 @@ def make_scorer(graphdef: nnx.GraphDef, options: StepOptions):
       zeros,
       zeros,
       out.kept,
+      None,
+      getattr(out, "prompt_experts", None),
+      getattr(out, "experts", None),
     )
     logp, _ = token_logprobs(
       graphdef,
@@ -96,6 +111,7 @@ def make_scorer(graphdef: nnx.GraphDef, options: StepOptions):
       shared,
       truncated=options.truncated,
       top_k=options.top_k,
+      replay=options.routing_replay == "replay",
     )
     return logp
 

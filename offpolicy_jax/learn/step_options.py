@@ -35,6 +35,9 @@ class StepOptions(NamedTuple):
     top_k: the sampler's top-k (0 = off), which bounds the kept set when truncated.
     router_aux_coef: the load-balancing loss's coefficient for a model with
       experts (`models.moe`; a dense model ignores it, 0 turns it off).
+    routing_replay: "off", "record" (batches carry the sampler's experts; the
+      learner routes by its own router and reports how often they agree) or
+      "replay" (the learner routes along them, R3; `models.moe`).
   """
 
   spec: losses.LossSpec
@@ -50,6 +53,7 @@ class StepOptions(NamedTuple):
   truncated: bool = False
   top_k: int = 0
   router_aux_coef: float = 0.0
+  routing_replay: str = "off"
 
   @property
   def updates(self) -> int:

@@ -39,7 +39,7 @@ from offpolicy_jax.models.attention_ops import default_positions
 from offpolicy_jax.models.block import DecoderLayer
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.models.layers import MLP, RMSNorm, param
-from offpolicy_jax.models.moe import RouterStats
+from offpolicy_jax.models.moe import Routed
 from offpolicy_jax.scale import sharding
 
 
@@ -55,8 +55,14 @@ class KVCache(NamedTuple):
   v: tuple
 
 
-def _add_stats(total, stats):
-  return None if stats is None else total + stats
+def _by_layer(experts_btlk):
+  """Recorded experts [B, T, L, k] as per-layer inputs [L, B, T, k] (None stays None)."""
+  return None if experts_btlk is None else jnp.moveaxis(jnp.asarray(experts_btlk), 2, 0)
+
+
+def _stack(ys):
+  """Per-layer outputs (pytrees, None leaves allowed) stacked on a leading [L] axis."""
+  return jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
 
 def _constrain(h_btd: jax.Array) -> jax.Array:
@@ -121,29 +127,35 @@ class Decoder(nnx.Module):
     `dropout_key` turns on the adapters' input dropout (`lora_ops`; no cache
     only); ignored when the config has none.
     """
-    return self._forward(tokens, positions, attention_mask, cache, cache_index, dropout_key)[:2]
+    return self.routed(tokens, positions, attention_mask, cache, cache_index, dropout_key)[:2]
 
-  def hidden_states_and_router_stats(self, tokens, attention_mask, router_mask, dropout_key=None):
-    """`hidden_states` without a cache, and the experts' `moe.RouterStats` over `router_mask`.
-
-    The stats sum every block's routing of the tokens with `router_mask`
-    [B, T] (what the learner's load-balancing loss reads); None for a dense model.
-    """
-    router_mask = None if not self.config.num_experts else jnp.asarray(router_mask) > 0
-    h, _, stats = self._forward(tokens, None, attention_mask, None, None, dropout_key, router_mask)
-    return h, stats
-
-  def _no_stats(self, router_mask):
-    """The zero `moe.RouterStats` a sum over blocks starts from (None when not asked for)."""
-    if router_mask is None:
-      return None
-    zeros = jnp.zeros((self.config.num_experts,), jnp.float32)
-    return RouterStats(zeros, zeros, jnp.zeros((), jnp.float32))
-
-  def _forward(
-    self, tokens, positions, attention_mask, cache, cache_index, dropout_key, router_mask=None
+  def routed(
+    self,
+    tokens,
+    positions=None,
+    attention_mask=None,
+    cache=None,
+    cache_index=None,
+    dropout_key=None,
+    router_mask=None,
+    recorded=None,
+    replay: bool = False,
   ):
-    """`(h, cache, router stats)`: `hidden_states`, with stats over `router_mask` (or None)."""
+    """`hidden_states` and the experts' routing: `(h, cache, Routed)` (None for a dense model).
+
+    Args:
+      tokens, positions, attention_mask, cache, cache_index, dropout_key: as
+        for `hidden_states`.
+      router_mask: [B, T] tokens the `moe.RouterStats` count (no cache only);
+        None: no stats.
+      recorded: int [B, T, L, k] the experts a sampler recorded for these
+        tokens (routing replay; no cache only), or None.
+      replay: route along `recorded` (R3) instead of the router's own top-k.
+
+    Returns:
+      (h, cache, routed): `moe.Routed` with the stats [L, ...] and the experts
+      each token took [B, T, L, k].
+    """
     tokens = jnp.asarray(tokens)
     b, t = tokens.shape
     if cache is None:
@@ -162,24 +174,33 @@ class Decoder(nnx.Module):
     q_idx = q_offset + jnp.arange(t)
     allowed = (jnp.arange(s)[None, :] <= q_idx[:, None])[None] & mask[:, None, :]
     h = self._embed(tokens)
+    counted = None if router_mask is None else jnp.asarray(router_mask) > 0
     if cache is None:
       keys = lora_ops.fold_range(lora_ops.dropout_key(self.config, dropout_key), len(self.layers))
 
-      def block(layer, carry, key):
-        h, stats = layer(carry[0], cos, sin, allowed, key=key, router_mask=router_mask)[:2]
-        return _constrain(h), _add_stats(carry[1], stats)
+      def block(layer, h, key, rec):
+        out = layer(h, cos, sin, allowed, key=key, route=(counted, rec, replay))
+        return _constrain(out[0]), out[1:3]
 
-      h, stats = self._apply_layers(block, (h, self._no_stats(router_mask)), keys)
-      return self.norm(h), None, stats
-    if dropout_key is not None or router_mask is not None:
-      raise ValueError("dropout_key, router_mask: for the teacher-forced forward (no cache) only")
-    new_k, new_v = [], []
+      h, (stats, experts) = self._apply_layers(block, h, keys, _by_layer(recorded))
+      return self.norm(h), None, self._routed(stats, experts)
+    if dropout_key is not None or router_mask is not None or recorded is not None:
+      raise ValueError("dropout_key, router_mask, recorded: teacher-forced forward (no cache) only")
+    new_k, new_v, experts = [], [], []
     for i, layer in enumerate(self.layers):
-      h, _, kv = layer(h, cos, sin, allowed, (cache.k[i], cache.v[i]), cache_index)
+      h, _, ex, kv = layer(h, cos, sin, allowed, (cache.k[i], cache.v[i]), cache_index)
       h = _constrain(h)
       new_k.append(kv[0])
       new_v.append(kv[1])
-    return self.norm(h), KVCache(tuple(new_k), tuple(new_v)), None
+      experts.append(ex)
+    routed = self._routed(None, _stack(experts))
+    return self.norm(h), KVCache(tuple(new_k), tuple(new_v)), routed
+
+  def _routed(self, stats, experts_l):
+    """`moe.Routed` of per-block stats [L, ...] and experts [L, B, T, k] (None: dense)."""
+    if not self.config.num_experts:
+      return None
+    return Routed(stats, jnp.moveaxis(experts_l, 0, 2))
 
   def shared_prefix_hidden_states(
     self, prompt_tokens, prompt_mask, tokens, group_size: int, dropout_key=None
@@ -202,16 +223,25 @@ class Decoder(nnx.Module):
       (h_prompt [G, P, D], h_tokens [G*K, N, D]).
     """
     args = (prompt_tokens, prompt_mask, tokens, group_size, dropout_key)
-    return self.shared_prefix_hidden_states_and_router_stats(*args)[:2]
+    return self.shared_prefix_routed(*args)[:2]
 
-  def shared_prefix_hidden_states_and_router_stats(
-    self, prompt_tokens, prompt_mask, tokens, group_size: int, dropout_key=None, router_mask=None
+  def shared_prefix_routed(
+    self,
+    prompt_tokens,
+    prompt_mask,
+    tokens,
+    group_size: int,
+    dropout_key=None,
+    router_mask=None,
+    recorded=None,
+    replay: bool = False,
   ):
-    """`shared_prefix_hidden_states` and the experts' `moe.RouterStats`.
+    """`shared_prefix_hidden_states` and the experts' `moe.RouterStats`: `(h_p, h_s, stats)`.
 
-    The stats count the real prompt tokens (once per group) and the
+    The stats [L, ...] count the real prompt tokens (once per group) and the
     continuation tokens with `router_mask` [G*K, N]; None for a dense model
-    or without `router_mask`. Returns `(h_prompt, h_tokens, stats)`.
+    or without `router_mask`. `recorded` is the pair (prompts' experts
+    [G, P, L, k], continuations' [G*K, N, L, k]) and `replay` as in `routed`.
     """
     prompt_tokens, tokens = jnp.asarray(prompt_tokens), jnp.asarray(tokens)
     prompt_mask = jnp.asarray(prompt_mask) > 0
@@ -220,20 +250,19 @@ class Decoder(nnx.Module):
     suffix_positions = jnp.repeat(lengths, group_size)[:, None] + jnp.arange(n)[None, :]
     rope_p = self._rope(default_positions(prompt_mask))
     rope_s = self._rope(suffix_positions)
+    counted = None if router_mask is None else (prompt_mask, jnp.asarray(router_mask) > 0)
+    rec_p, rec_s = recorded or (None, None)
 
-    masks = None
-    if router_mask is not None and self.config.num_experts:
-      masks = (prompt_mask, jnp.asarray(router_mask) > 0)
-
-    def block(layer, carry, key):
+    def block(layer, hs, key, rec):
+      routes = ((counted and counted[0], rec[0], replay), (counted and counted[1], rec[1], replay))
       h_p, h_s, stats = layer.shared_prefix(
-        *carry[:2], rope_p, rope_s, prompt_mask, group_size, key, masks
+        *hs, rope_p, rope_s, prompt_mask, group_size, key, routes
       )
-      return _constrain(h_p), _constrain(h_s), _add_stats(carry[2], stats)
+      return (_constrain(h_p), _constrain(h_s)), stats
 
-    carry = (self._embed(prompt_tokens), self._embed(tokens), self._no_stats(masks))
+    hs = (self._embed(prompt_tokens), self._embed(tokens))
     keys = lora_ops.fold_range(lora_ops.dropout_key(self.config, dropout_key), len(self.layers))
-    h_p, h_s, stats = self._apply_layers(block, carry, keys)
+    (h_p, h_s), stats = self._apply_layers(block, hs, keys, (_by_layer(rec_p), _by_layer(rec_s)))
     return self.norm(h_p), self.norm(h_s), stats
 
   def decode_shared(
@@ -258,6 +287,15 @@ class Decoder(nnx.Module):
     Returns:
       (h [G*K, D], updated suffix cache).
     """
+    return self.decode_shared_routed(tokens_b, prefix, suffix, prompt_mask, index, block)[:2]
+
+  def decode_shared_routed(
+    self, tokens_b, prefix: KVCache, suffix: KVCache, prompt_mask, index, block: int = 0
+  ):
+    """`decode_shared` and the experts each new token took: `(h, cache, experts [G*K, L, k])`.
+
+    experts is None for a dense model (what routing replay records).
+    """
     prompt_mask = jnp.asarray(prompt_mask) > 0
     rows = tokens_b.shape[0]
     lengths = jnp.sum(prompt_mask, axis=-1).astype(jnp.int32)
@@ -265,9 +303,9 @@ class Decoder(nnx.Module):
     positions = positions[:, None]
     rope = self._rope(positions)
     h = self._embed(tokens_b[:, None])
-    new_k, new_v = [], []
+    new_k, new_v, experts = [], [], []
     for i, layer in enumerate(self.layers):
-      h, (k, v) = layer.decode_shared(
+      h, ex, (k, v) = layer.decode_shared(
         h,
         rope,
         (prefix.k[i], prefix.v[i]),
@@ -279,7 +317,9 @@ class Decoder(nnx.Module):
       h = _constrain(h)
       new_k.append(k)
       new_v.append(v)
-    return self.norm(h)[:, 0], KVCache(tuple(new_k), tuple(new_v))
+      experts.append(ex)
+    routed = self._routed(None, _stack(experts))
+    return self.norm(h)[:, 0], KVCache(tuple(new_k), tuple(new_v)), routed and routed.experts[:, 0]
 
   def extend_shared(
     self,
@@ -355,10 +395,12 @@ class Decoder(nnx.Module):
     freqs = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(freqs), jnp.sin(freqs)
 
-  def _apply_layers(self, block, carry, keys=None):
-    """``carry = block(layer, carry, key)`` over the layers (no cache), remat / scan per config.
+  def _apply_layers(self, block, carry, keys=None, xs=None):
+    """``carry, y_l = block(layer, carry, key_l, x_l)`` over the layers (no cache).
 
-    `keys`: the layers' dropout keys [L] (`lora_ops.fold_range`), or None.
+    `keys`: the layers' dropout keys [L] (`lora_ops.fold_range`), or None;
+    `xs`: per-layer inputs stacked [L, ...] (a pytree, None leaves allowed).
+    Returns `(carry, ys)`, the y_l stacked [L, ...].
 
     ``scan_layers`` runs the blocks as one `lax.scan` over their stacked states
     (one block compiled); ``remat`` rematerialises each block in the backward pass.
@@ -369,24 +411,28 @@ class Decoder(nnx.Module):
       graphdef = splits[0][0]
       stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits))
 
-      def scanned(carry, xs):
-        return block(nnx.merge(graphdef, xs[0]), carry, xs[1]), None
+      def scanned(carry, layer_xs):
+        state, key, x = layer_xs
+        return block(nnx.merge(graphdef, state), carry, key, x)
 
       if c.remat:
         scanned = jax.checkpoint(scanned)
-      return jax.lax.scan(scanned, carry, (stacked, keys))[0]
+      return jax.lax.scan(scanned, carry, (stacked, keys, xs))
+    ys = []
     for i, layer in enumerate(self.layers):
       key = None if keys is None else keys[i]
+      x = jax.tree.map(lambda a, i=i: a[i], xs)
       if c.remat:
         layer_def, state = nnx.split(layer)
 
-        def run(state, carry, key, layer_def=layer_def):
-          return block(nnx.merge(layer_def, state), carry, key)
+        def run(state, carry, key, x, layer_def=layer_def):
+          return block(nnx.merge(layer_def, state), carry, key, x)
 
-        carry = jax.checkpoint(run)(state, carry, key)
+        carry, y = jax.checkpoint(run)(state, carry, key, x)
       else:
-        carry = block(layer, carry, key)
-    return carry
+        carry, y = block(layer, carry, key, x)
+      ys.append(y)
+    return carry, _stack(ys)
 
   def logits_from_hidden(self, h_btd: jax.Array) -> jax.Array:
     """float32 logits [..., V] from final hidden states [..., D]."""

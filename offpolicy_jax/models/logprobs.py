@@ -154,6 +154,8 @@ def sequence_logprobs(
   top_k: int = 0,
   dropout_key: jax.Array | None = None,
   with_router_stats: bool = False,
+  recorded=None,
+  replay: bool = False,
 ):
   """Teacher-forced log-probs and entropies of response tokens after a left-padded prompt.
 
@@ -175,7 +177,11 @@ def sequence_logprobs(
     dropout_key: the adapters' input dropout key (`models.lora_ops`; the
       train step's current-policy forward only); None runs without dropout.
     with_router_stats: also return the experts' `moe.RouterStats` over the
-      real prompt and valid response tokens (None for a dense model).
+      real prompt and valid response tokens, per block (None for a dense model).
+    recorded: the experts the sampler recorded, (prompts' [B, P, L, k],
+      responses' [B, N, L, k]) (`sampling.SampleOutput`), or None: the stats
+      then count how often the learner's own routing agrees with them.
+    replay: route along `recorded` (routing replay, R3; `models.moe`).
 
   Returns:
     (logp, entropy), float32 [B, N] each, zero where mask is 0; with
@@ -190,7 +196,10 @@ def sequence_logprobs(
   # Response tokens after the first invalid one never influence valid ones (causal).
   full_mask = jnp.concatenate([jnp.asarray(prompt_mask) > 0, jnp.ones(tokens.shape, bool)], axis=1)
   router_mask = jnp.concatenate([jnp.asarray(prompt_mask) > 0, mask > 0], axis=1)
-  h, stats = model.hidden_states_and_router_stats(full_tokens, full_mask, router_mask, dropout_key)
+  rec = None if recorded is None else jnp.concatenate(recorded, axis=1)
+  args = (full_tokens, None, full_mask, None, None, dropout_key, router_mask, rec, replay)
+  h, _, routed = model.routed(*args)
+  stats = None if routed is None else routed.stats
   h = h[:, p - 1 : p - 1 + n]
   logp, entropy = _token_logp_entropy(model, h, tokens, temperature, chunk_size, kept, top_k)
   m = (mask > 0).astype(jnp.float32)
@@ -210,6 +219,8 @@ def shared_prefix_logprobs(
   top_k: int = 0,
   dropout_key: jax.Array | None = None,
   with_router_stats: bool = False,
+  recorded=None,
+  replay: bool = False,
 ):
   """`sequence_logprobs` for K responses per prompt, each prompt run once per group.
 
@@ -234,14 +245,23 @@ def shared_prefix_logprobs(
     top_k: the sampler's top-k (0 = off), which bounds the kept set.
     dropout_key: as for `sequence_logprobs`.
     with_router_stats: as for `sequence_logprobs` (each prompt counted once).
+    recorded: as for `sequence_logprobs`, the prompts' experts per group [G, P, L, k].
+    replay: as for `sequence_logprobs`.
 
   Returns:
     (logp, entropy), float32 [G*K, N] each, zero where mask is 0; with
     `with_router_stats`, (logp, entropy, stats).
   """
   tokens = jnp.asarray(tokens, jnp.int32)
-  h_p, h_s, stats = model.shared_prefix_hidden_states_and_router_stats(
-    jnp.asarray(prompt_tokens, jnp.int32), prompt_mask, tokens, group_size, dropout_key, mask
+  h_p, h_s, stats = model.shared_prefix_routed(
+    jnp.asarray(prompt_tokens, jnp.int32),
+    prompt_mask,
+    tokens,
+    group_size,
+    dropout_key,
+    mask,
+    recorded,
+    replay,
   )
   # Position t scores token t: the first from the prompt's last state, the rest
   # from the response's own states.

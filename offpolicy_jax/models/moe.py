@@ -13,8 +13,14 @@ never depends on the other tokens of the batch: the sampler's one-token
 steps and the learner's teacher-forced pass compute the same function.
 
 Experts are stacked ``[E, ...]`` with logical axis ``expert`` (`scale.sharding`).
-`Routing` (the chosen experts and the router's probabilities) is what
-routing replay records and the load-balancing loss reads.
+
+Routing replay (R3, "Stabilizing MoE RL by Aligning Training and Inference
+Routers", arXiv:2510.11370): the sampler records each token's k experts in
+every block (`MoE.forward` returns them) and the learner, given them back as
+`recorded` with `replay`, routes each token to those experts, mixing them
+with the weights its own router gives them (so the router still learns).
+Given `recorded`, `RouterStats.agree` counts the tokens whose own top-k set
+is the recorded one, replayed or not.
 """
 
 from typing import NamedTuple
@@ -61,6 +67,11 @@ def _grouped_bwd(res, g_rf):
 grouped_matmul.defvjp(_grouped_fwd, _grouped_bwd)
 
 
+def index_dtype(num_experts: int):
+  """The integer dtype recorded expert indices are stored in: uint8 up to 256 experts."""
+  return jnp.uint8 if num_experts <= 256 else jnp.int16
+
+
 class Routing(NamedTuple):
   """One block's routing of T tokens.
 
@@ -93,41 +104,72 @@ def route(logits_te: jax.Array, k: int, normalize: bool, experts=None) -> Routin
 
 
 class RouterStats(NamedTuple):
-  """Sums over tokens (and blocks) of a routing: what the load-balancing loss reads.
+  """Sums over tokens of a block's routing: what the load-balancing loss and diagnostics read.
+
+  A decoder's stats stack its blocks on a leading axis ([L, E], [L]); the
+  methods reduce over every leading axis.
 
   Attributes:
-    chosen: float32 [E] how often each expert was among a token's k.
-    probs: float32 [E] the router's probabilities of each expert, summed.
-    tokens: float32 [] tokens counted (one per token per block).
+    chosen: float32 [..., E] how often each expert was among a token's k.
+    probs: float32 [..., E] the router's probabilities of each expert, summed.
+    tokens: float32 [...] tokens counted.
+    agree: float32 [...] of them, those whose own top-k set is the recorded one
+      (0 without a recorded routing).
   """
 
   chosen: jax.Array
   probs: jax.Array
   tokens: jax.Array
+  agree: jax.Array
 
   @classmethod
-  def of(cls, routing: Routing, mask_t=None) -> "RouterStats":
-    """The sums over the tokens with `mask_t` [T] (all if None)."""
+  def of(cls, routing: Routing, mask_t=None, own=None, recorded=None) -> "RouterStats":
+    """The sums over the tokens with `mask_t` [T] (all if None).
+
+    With `own` and `recorded` [T, k] (the router's own top-k and the sampler's
+    choice), `agree` counts the tokens where the two sets are equal.
+    """
     t, e = routing.probs.shape
     m = jnp.ones((t,), jnp.float32) if mask_t is None else jnp.asarray(mask_t, jnp.float32)
     chosen = jnp.sum(jax.nn.one_hot(routing.experts, e, dtype=jnp.float32), axis=1)  # [T, E]
-    return cls(m @ chosen, m @ routing.probs, jnp.sum(m))
+    agree = jnp.zeros((), jnp.float32)
+    if recorded is not None:
+      same = jnp.all(jnp.sort(own, axis=-1) == jnp.sort(recorded, axis=-1), axis=-1)
+      agree = m @ same.astype(jnp.float32)
+    return cls(m @ chosen, m @ routing.probs, jnp.sum(m), agree)
 
-  def __add__(self, other):  # stats of two blocks (or token sets) together
+  def __add__(self, other):  # stats of two token sets together
     return RouterStats(*(a + b for a, b in zip(self, other, strict=True)))
 
   def loss(self) -> jax.Array:
-    """Switch-style auxiliary loss E * sum_e f_e P_e (`load_balancing_loss`)."""
-    n = jnp.maximum(self.tokens, 1.0)
-    return self.chosen.shape[-1] * jnp.sum((self.chosen / n) * (self.probs / n), axis=-1)
+    """Switch-style auxiliary loss E * sum_e f_e P_e over every block's tokens at once."""
+    e = self.chosen.shape[-1]
+    n = jnp.maximum(jnp.sum(self.tokens), 1.0)
+    chosen, probs = self.chosen.reshape(-1, e).sum(0), self.probs.reshape(-1, e).sum(0)
+    return e * jnp.sum((chosen / n) * (probs / n))
 
   def max_load(self) -> jax.Array:
-    """The busiest expert's share of the chosen slots, E / k times (1 when balanced)."""
-    return (
-      jnp.max(self.chosen, axis=-1)
-      * self.chosen.shape[-1]
-      / jnp.maximum(jnp.sum(self.chosen, axis=-1), 1.0)
-    )
+    """The busiest expert's share of a block's chosen slots times E / k, the largest block's
+    (1 when balanced)."""
+    e = self.chosen.shape[-1]
+    chosen = self.chosen.reshape(-1, e)
+    return jnp.max(jnp.max(chosen, axis=-1) * e / jnp.maximum(jnp.sum(chosen, axis=-1), 1.0))
+
+  def agreement(self) -> jax.Array:
+    """Per block [...], the share of counted tokens whose own top-k is the recorded one."""
+    return self.agree / jnp.maximum(self.tokens, 1.0)
+
+
+class Routed(NamedTuple):
+  """A decoder forward's routing (`models.decoder.Decoder.routed`).
+
+  Attributes:
+    stats: `RouterStats` of every block stacked [L, ...], or None (not asked for).
+    experts: int32 [B, T, L, k] the experts each token took in each block.
+  """
+
+  stats: RouterStats | None
+  experts: jax.Array
 
 
 def load_balancing_loss(routing: Routing, mask_t=None) -> jax.Array:
@@ -158,22 +200,41 @@ class MoE(nnx.Module):
   def routing(self, x_td: jax.Array, experts=None) -> Routing:
     """The routing of tokens [T, D]; `experts` [T, k] replays a recorded choice."""
     c = self.config
-    logits = jnp.einsum(
-      "td,de->te", x_td, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32
-    )
-    return route(logits, c.num_experts_per_tok, c.norm_topk_prob, experts)
+    return route(self._logits(x_td), c.num_experts_per_tok, c.norm_topk_prob, experts)
+
+  def _logits(self, x_td):
+    w = self.router[...].astype(self.dtype)
+    return jnp.einsum("td,de->te", x_td, w, preferred_element_type=jnp.float32)
 
   def __call__(self, x_btd: jax.Array, key=None) -> jax.Array:
     """y [B, T, D] (`key`, the adapters' dropout key, is unused: experts carry no adapters)."""
-    return self.with_stats(x_btd)[0]
+    return self.forward(x_btd)[0]
 
-  def with_stats(self, x_btd: jax.Array, mask_bt=None) -> tuple[jax.Array, RouterStats]:
-    """y [B, T, D] and the `RouterStats` of the tokens with `mask_bt` [B, T] (all if None)."""
+  def forward(self, x_btd: jax.Array, mask_bt=None, recorded=None, replay: bool = False):
+    """`(y [B, T, D], stats, experts [B, T, k] int32)`: the block's output and routing.
+
+    Args:
+      x_btd: the block's normalised input.
+      mask_bt: [B, T] tokens the `RouterStats` count; None: no stats (None returned).
+      recorded: int [B, T, k] experts the sampler chose (routing replay), or None.
+      replay: route along `recorded` (R3) instead of the router's own top-k.
+    """
     b, t, d = x_btd.shape
+    c = self.config
     x_td = x_btd.reshape(b * t, d)
-    routing = self.routing(x_td)
-    mask_t = None if mask_bt is None else jnp.reshape(mask_bt, (b * t,))
-    return self.mix(x_td, routing).reshape(b, t, d), RouterStats.of(routing, mask_t)
+    logits = self._logits(x_td)
+    own = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+    rec = None if recorded is None else jnp.reshape(recorded, (b * t, -1)).astype(jnp.int32)
+    routing = own
+    if replay:
+      if rec is None:
+        raise ValueError("replay: routing replay needs the recorded experts")
+      routing = route(logits, c.num_experts_per_tok, c.norm_topk_prob, rec)
+    stats = None
+    if mask_bt is not None:
+      stats = RouterStats.of(routing, jnp.reshape(mask_bt, (b * t,)), own.experts, rec)
+    out = self.mix(x_td, routing).reshape(b, t, d)
+    return out, stats, routing.experts.reshape(b, t, -1)
 
   def mix(self, x_td: jax.Array, routing: Routing) -> jax.Array:
     """The experts' weighted outputs [T, D] for a given routing, dropless (module docstring)."""

@@ -35,7 +35,9 @@ class Sizes(NamedTuple):
   """Static batch shape: G prompts of K responses, P prompt and N response tokens.
 
   `token_advantages`: advantages are per token, [B, N] (turn-level credit of
-  multi-turn trajectories), not per row.
+  multi-turn trajectories), not per row. `routing`: (L blocks, k experts per
+  token, E experts) when batches carry the sampler's routing (routing replay,
+  `models.moe`), else None.
   """
 
   prompts_per_step: int
@@ -43,6 +45,7 @@ class Sizes(NamedTuple):
   max_prompt_len: int
   max_new_tokens: int
   token_advantages: bool = False
+  routing: tuple[int, int, int] | None = None
 
 
 def device_prompts(prompts: dict[str, Any]) -> dict[str, Any]:

@@ -197,6 +197,7 @@ def step_options(config) -> StepOptions:
     truncated=_scores_truncation(config),
     top_k=config.top_k if _scores_truncation(config) else 0,
     router_aux_coef=config.model_router_aux_coef,
+    routing_replay=config.model_routing_replay,
   )
 
 
@@ -217,14 +218,19 @@ def _whole_groups(config) -> bool:
   return validation.micro_batch_rows(config) % config.group_size == 0
 
 
-def sizes(config) -> run_state.Sizes:
-  """The static batch shape of `config`."""
+def sizes(config, model_config=None) -> run_state.Sizes:
+  """The static batch shape of `config` (with its model's config: the recorded routing's too)."""
+  routing = None
+  if model_config is not None and config.model_routing_replay != "off":
+    mc = model_config
+    routing = (mc.num_layers, mc.num_experts_per_tok, mc.num_experts)
   return run_state.Sizes(
     config.prompts_per_step,
     config.group_size,
     config.max_prompt_len,
     config.max_new_tokens,
     token_advantages=bool(config.multiturn.max_turns) and config.multiturn.credit == "turn",
+    routing=routing,
   )
 
 
@@ -256,7 +262,9 @@ def _build_fns(config) -> run_state.StepFns:
   task = tasks.get_task(c.task, **c.task_kwargs.to_dict())
   tokenizer = _tokenizer(c)
   model_fn = _model_constructor(c, mesh, tokenizer)
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: model_fn(0)))
+  abstract = nnx.eval_shape(lambda: model_fn(0))
+  graphdef, _ = nnx.split(abstract)
+  components_rollout.check_routing_replay(c, abstract.config)
   sampler_graphdef = graphdef
   if c.rollout.sampler_dtype and c.rollout.sampler_dtype != c.model_dtype:
     # The same float32 parameters, run by the sampler in another compute dtype.
@@ -276,7 +284,8 @@ def _build_fns(config) -> run_state.StepFns:
     decode_block=c.rollout.decode_block,
     **sample_kw,
   )
-  sampler = sampling.make_sampler(sampler_graphdef, **behaviour_kw)
+  record = c.model_routing_replay != "off"
+  sampler = sampling.make_sampler(sampler_graphdef, **behaviour_kw, record_routing=record)
   continuous_sampler = None
   if c.rollout.continuous_slots:
     continuous_sampler = continuous.make_continuous_sampler(
@@ -294,12 +303,12 @@ def _build_fns(config) -> run_state.StepFns:
     model=model,
     learner=LearnerParts(options, optimizer(c)),
     task=task,
-    sizes=sizes(c),
+    sizes=sizes(c, abstract.config),
     packing=run_state.Packing(c.group_size, validation.advantage_name(c), gamma),
     reward=components_rollout.reward(c, task),
     truncate_prompts=c.data.truncate_prompts,
     rollout=components_rollout.rollout_kind(
-      c, task, sampler, partial, eps, score_old, mesh, sizes(c)
+      c, task, sampler, partial, eps, score_old, mesh, sizes(c, abstract.config)
     ),
     sampler=sampler,
     eval_sampler=functools.partial(_eval_sampler, graphdef, sample_kw, c.temperature),

@@ -141,3 +141,26 @@ def rollout_kind(config, task, sampler, partial, eps, score_old, mesh, sizes) ->
   if partial is not None:
     return partial_rollout.Partial(partial, fields, mesh, score_old)
   return whole.Whole(sampler, score_old)
+
+
+def check_routing_replay(c, model_config) -> None:
+  """Refuses `model_routing_replay` where nothing records routing, naming the field."""
+  mode = c.model_routing_replay
+  if mode == "off":
+    return
+  if not model_config.num_experts:
+    raise ValueError(
+      f"model_routing_replay={mode!r}: model {c.model!r} has no experts to route "
+      "(a mixture of experts such as tiny-moe; or model_routing_replay='off')"
+    )
+  others = (
+    ("rollout.continuous_slots", c.rollout.continuous_slots),
+    ("rollout.partial_budget", c.rollout.partial_budget),
+    ("multiturn.max_turns", c.multiturn.max_turns),
+  )
+  for field, value in others:
+    if value:
+      raise ValueError(
+        f"model_routing_replay={mode!r}: the sampler of {field}={value} does not record "
+        f"routing (only the static sampler does); set {field}=0 or model_routing_replay='off'"
+      )

@@ -41,6 +41,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from offpolicy_jax import types
+from offpolicy_jax.models import moe
 
 
 class SampleOutput(NamedTuple):
@@ -56,6 +57,11 @@ class SampleOutput(NamedTuple):
     old_logprobs: float32 [B, N] the learner's log-probs of the tokens at the
       sampling parameters (`rollout.protocol.pi_old` with `rollout.score_old`), or
       None: not scored.
+    prompt_experts: int [G, P, L, k] the experts the prefill routed each prompt
+      token to in each block (`make_sampler(record_routing=True)` with a model
+      with experts: routing replay, `models.moe`), or None.
+    experts: int [B, N, L, k] the experts each response token was routed to
+      when it was fed back (the token's own hidden state), or None.
   """
 
   tokens: jax.Array
@@ -64,6 +70,8 @@ class SampleOutput(NamedTuple):
   lengths: jax.Array
   kept: jax.Array
   old_logprobs: jax.Array | None = None
+  prompt_experts: jax.Array | None = None
+  experts: jax.Array | None = None
 
 
 BEHAVIOR_LOGP = ("sampled", "full")
@@ -193,6 +201,7 @@ def make_sampler(
   stop_sequences: Sequence[Sequence[int]] | None = None,
   behavior_logp: str = "sampled",
   decode_block: int = DECODE_BLOCK,
+  record_routing: bool = False,
 ):
   """Builds a jitted `fn(params, prompt_tokens[G,P], prompt_lengths[G], key) -> SampleOutput`.
 
@@ -216,6 +225,8 @@ def make_sampler(
     decode_block: decode step i attends to its rows' own keys 0..i only, read
       in spans of this many cache slots (0: all N slots at every step; the
       same numbers either way; at most `attention_ops.MAX_SPANS` spans).
+    record_routing: with a model with experts, record every prompt and
+      response token's experts (`SampleOutput.prompt_experts`, `.experts`).
 
   Returns:
     The jitted sampling function; `params` is the state from `nnx.split(model)`.
@@ -242,11 +253,16 @@ def make_sampler(
     prompt_mask = types.prompt_mask(prompt_lengths, p)
     # The prompts' cache is filled once and read once per group at every step;
     # each of the B rows has its own cache for the tokens it generates.
-    h, prefix = model.hidden_states(
+    h, prefix, routed = model.routed(
       prompt_tokens, attention_mask=prompt_mask, cache=model.init_cache(g, p), cache_index=0
     )
     logits = jnp.repeat(model.logits_from_hidden(h[:, -1]), k_rep, axis=0)
     cache = model.init_cache(b, n)
+    record = record_routing and routed is not None
+    c = model.config
+    index = moe.index_dtype(c.num_experts)
+    prompt_experts = routed.experts.astype(index) if record else None
+    experts = jnp.zeros((b, n, c.num_layers, c.num_experts_per_tok), index) if record else None
 
     def cond(carry):
       i, done = carry[0], carry[4]
@@ -254,7 +270,7 @@ def make_sampler(
 
     def body(carry):
       i, cache, logits, out, done = carry
-      tokens, logps, kept, valid = out
+      tokens, logps, kept, valid, experts = out
       draw = select_token(
         logits, jax.random.fold_in(key, i), temperature, top_k, top_p, behavior_logp
       )
@@ -271,16 +287,21 @@ def make_sampler(
       if max_lengths is not None:
         finished = finished | (i + 1 >= max_lengths)
       done = done | finished
-      h, cache = model.decode_shared(token, prefix, cache, prompt_mask, i, decode_block)
+      h, cache, step_experts = model.decode_shared_routed(
+        token, prefix, cache, prompt_mask, i, decode_block
+      )
+      if record:
+        experts = experts.at[:, i].set(step_experts.astype(experts.dtype))
       logits = model.logits_from_hidden(h)
-      return i + 1, cache, logits, (tokens, logps, kept, valid), done
+      return i + 1, cache, logits, (tokens, logps, kept, valid, experts), done
 
     zeros = lambda dtype: jnp.zeros((b, n), dtype)
-    out = (zeros(jnp.int32), zeros(jnp.float32), zeros(jnp.int32), zeros(bool))
+    out = (zeros(jnp.int32), zeros(jnp.float32), zeros(jnp.int32), zeros(bool), experts)
     carry = (jnp.int32(0), cache, logits, out, jnp.zeros((b,), bool))
-    _, _, _, (tokens, logps, kept, valid), _ = jax.lax.while_loop(cond, body, carry)
+    _, _, _, (tokens, logps, kept, valid, experts), _ = jax.lax.while_loop(cond, body, carry)
     mask = valid.astype(jnp.float32)
-    return SampleOutput(tokens, logps, mask, valid.sum(axis=1).astype(jnp.int32), kept)
+    lengths = valid.sum(axis=1).astype(jnp.int32)
+    return SampleOutput(tokens, logps, mask, lengths, kept, None, prompt_experts, experts)
 
   return jax.jit(sample)
 

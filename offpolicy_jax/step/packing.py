@@ -46,6 +46,9 @@ def pack(
   # G groups: the step's prompts, or the slots of a partial-rollout pool.
   g, k = jnp.shape(prompts["prompt_tokens"])[0], packing.group_size
   rewards_b = jnp.asarray(rewards_b, jnp.float32)
+  prompt_experts = getattr(rollout, "prompt_experts", None)  # per group, not per row
+  if prompt_experts is not None:
+    rollout = rollout._replace(prompt_experts=None)
   if order is not None:
     rows = (jnp.asarray(order)[:, None] * k + jnp.arange(k)[None, :]).reshape(-1)
     prompts = {name: jnp.asarray(x)[order] for name, x in prompts.items() if name in DEVICE_FIELDS}
@@ -54,6 +57,7 @@ def pack(
     version = jnp.asarray(version)
     version = version[rows] if version.ndim else version
     valid = None if valid is None else jnp.asarray(valid)[order]
+    prompt_experts = None if prompt_experts is None else prompt_experts[order]
   rows_valid = None if valid is None else jnp.repeat(jnp.asarray(valid, bool), k)
   if rewards_b.ndim == 2:
     if rows_valid is not None:  # NaN: turns not taken (`advantages.per_turn`)
@@ -80,6 +84,8 @@ def pack(
     adv,
     rollout.kept,
     rollout.old_logprobs,
+    prompt_experts,
+    getattr(rollout, "experts", None),
   )
 
 

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from offpolicy_jax import lag, models
 from offpolicy_jax.learn import replay, step_options, train_state
 from offpolicy_jax.learn.train_state import TrainState
+from offpolicy_jax.models import moe
 from offpolicy_jax.models.parts import ModelParts
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rollout import prompt_rows
@@ -226,8 +227,24 @@ def empty_batch(sizes: Sizes) -> TrainBatch:
   f = lambda *s: jnp.zeros(s, jnp.float32)
   i = lambda *s: jnp.zeros(s, jnp.int32)
   adv = f(b, n) if sizes.token_advantages else f(b)
+  experts: tuple[jax.Array | None, jax.Array | None] = (None, None)
+  if sizes.routing is not None:
+    layers, k, e = sizes.routing
+    index = moe.index_dtype(e)
+    experts = (jnp.zeros((b, p, layers, k), index), jnp.zeros((b, n, layers, k), index))
   return TrainBatch(
-    i(b, p), f(b, p), i(b, n), f(b, n), f(b, n), adv, f(b), i(b, n), f(b), i(b, n), f(b, n)
+    i(b, p),
+    f(b, p),
+    i(b, n),
+    f(b, n),
+    f(b, n),
+    adv,
+    f(b),
+    i(b, n),
+    f(b),
+    i(b, n),
+    f(b, n),
+    *experts,
   )
 
 
