@@ -109,7 +109,18 @@ LR_METHODS = ",".join(
 )
 
 
-TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "lr", "reuse")
+TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "lr", "reuse", "moe")
+# `moe`: routing replay (docs/models.md, arXiv 2510.11370) on the tiny mixture of experts
+# (tiny-moe: 4 experts, top-2): each method with the sampler's routing recorded only
+# (`model_routing_replay=record`: the learner routes by its own router, rows report how often
+# it agrees) and replayed (`_r3`), x on-policy / sync interval 20 / 64 / offline, 8 seeds.
+# Does replay matter more as lag grows? (docs/results/routing_replay.md)
+MOE_METHODS = ",".join(
+  f"{name}{tag}={name};model_routing_replay={mode}"
+  for name in ("grpo", "rec_oneside_nois", "m2po")
+  for tag, mode in (("", "record"), ("_r3", "replay"))
+)
+MOE_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,offline=offline"
 # `reuse`: what data reuse buys in sampled tokens (docs/what_lag_buys.md): GRPO on-policy
 # with 1, 2 and 4 optimizer steps per sampled batch (train.num_epochs: each batch reused
 # that many times), evaluated every 20 steps so that the tokens to the threshold resolve.
@@ -178,7 +189,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   else:
     raise ValueError(
       f"configs/lag_study.py: unknown scale {scale!r} "
-      "(toy, toy_full, deep, deep_full, lr, reuse, gsm8k, code, spell or calculator)"
+      "(toy, toy_full, deep, deep_full, lr, reuse, moe, gsm8k, code, spell or calculator)"
     )
   c.eval_every = 50
   # pass@k of the final parameters, k samples per prompt at the training temperature.
@@ -225,6 +236,11 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.study.lags = DEEP_LAGS if scale == "deep" else DEEP_FULL_LAGS
     # The A/A calibration at 12 seeds is the default grid's (docs/results/lag_study.md).
     c.study.aa_lags = ""
+  if scale == "moe":
+    c.model = "tiny-moe"
+    c.study.methods = MOE_METHODS
+    c.study.lags = MOE_LAGS
+    c.study.seeds = 8
   if scale == "lr":
     c.eval_every = 20
     c.study.methods = LR_METHODS
