@@ -112,11 +112,11 @@ LR_METHODS = ",".join(
 TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "lr", "reuse", "moe")
 # `moe`: routing replay (docs/models.md, arXiv 2510.11370) on the tiny mixture of experts
 # (tiny-moe: 4 experts, top-2): each method with the sampler's routing recorded only
-# (`model_routing_replay=record`: the learner routes by its own router, rows report how often
+# (`rollout.routing_replay=record`: the learner routes by its own router, rows report how often
 # it agrees) and replayed (`_r3`), x on-policy / sync interval 20 / 64 / offline, 8 seeds.
 # Does replay matter more as lag grows? (docs/results/routing_replay.md)
 MOE_METHODS = ",".join(
-  f"{name}{tag}={name};model_routing_replay={mode}"
+  f"{name}{tag}={name};rollout.routing_replay={mode}"
   for name in ("grpo", "rec_oneside_nois", "m2po")
   for tag, mode in (("", "record"), ("_r3", "replay"))
 )

@@ -94,7 +94,7 @@ RUN_FIELDS: tuple[Field, ...] = (
      "Coefficient of the load-balancing auxiliary loss of a model with experts (the Switch "
      "loss, transformers' router_aux_loss_coef; models/moe.py), added to the policy loss "
      "weighted like it; 0 turns it off. A dense model ignores it.", Float(0)),
-  _F("model_routing_replay", "off", NUMBERS,
+  _F("rollout.routing_replay", "off", NUMBERS,
      "Routing replay for a model with experts (models/moe.py): \"record\" stores every "
      "sampled token's experts with the batch and reports how often the learner's own routing "
      "agrees (moe/router_agreement); \"replay\" also routes the learner along them (R3, "

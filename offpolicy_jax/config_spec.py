@@ -27,6 +27,13 @@ __all__ = ["FrozenMapping", "RunSpec", "StudySpec"]
 class RolloutSpec:
   """`config.rollout.*`."""
 
+  #: Routing replay for a model with experts (models/moe.py): "record" stores every sampled
+  #: token's experts with the batch and reports how often the learner's own routing agrees
+  #: (moe/router_agreement); "replay" also routes the learner along them (R3, arXiv:2510.11370),
+  #: its router still learning the mixing weights. The static sampler only (no continuous slots,
+  #: partial rollouts or multi-turn episodes).
+  routing_replay: str
+
   #: Decode attention reads each row's own cached keys only up to the current step, in spans of
   #: this many slots, at most 3 spans (0 = the whole max_new_tokens cache at every step). Same
   #: numbers (docs/speed.md).
@@ -372,13 +379,6 @@ class RunSpec:
   #: transformers' router_aux_loss_coef; models/moe.py), added to the policy loss weighted like
   #: it; 0 turns it off. A dense model ignores it.
   model_router_aux_coef: float
-
-  #: Routing replay for a model with experts (models/moe.py): "record" stores every sampled
-  #: token's experts with the batch and reports how often the learner's own routing agrees
-  #: (moe/router_agreement); "replay" also routes the learner along them (R3, arXiv:2510.11370),
-  #: its router still learning the mixing weights. The static sampler only (no continuous slots,
-  #: partial rollouts or multi-turn episodes).
-  model_routing_replay: str
 
   #: Tokenizer: "" uses the task's built-in character tokenizer; else a local HF directory.
   tokenizer: str

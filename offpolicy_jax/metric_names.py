@@ -1117,7 +1117,7 @@ GROUPS: dict[str, Group] = {
       ),
       M(
         "moe/router_agreement",
-        "model_routing_replay record or replay",
+        "rollout.routing_replay record or replay",
         "fraction",
         "Share of (token, block) pairs whose experts under the learner's own router are the ones "
         "the sampler recorded: 1 on-policy in float32; it falls with lag (routing drift) and "
@@ -1126,7 +1126,7 @@ GROUPS: dict[str, Group] = {
       ),
       M(
         "moe/router_agreement_min",
-        "model_routing_replay record or replay",
+        "rollout.routing_replay record or replay",
         "fraction",
         "The lowest block's agreement, the lowest over the step's micro-batches: the block "
         "whose routing drifted most.",

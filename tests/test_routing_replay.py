@@ -1,4 +1,4 @@
-"""Routing replay (`model_routing_replay`): the sampler records experts, the learner replays them.
+"""Routing replay (`rollout.routing_replay`): the sampler records experts, the learner replays them.
 
 The log-prob contract holds with replay (the learner at the sampler's
 parameters reproduces mu), the agreement metric sees routing that differs by
@@ -96,18 +96,22 @@ def test_agreement_sees_routing_that_differs_and_replay_follows_the_record(moe):
 def test_replay_is_refused_where_nothing_records_routing():
   dense = models.get_config("tiny")
   with pytest.raises(
-    ValueError, match="model_routing_replay='replay': model 'tiny' has no experts"
+    ValueError, match="rollout.routing_replay='replay': model 'tiny' has no experts"
   ):
-    components_rollout.check_routing_replay(small_config(model_routing_replay="replay"), dense)
+    components_rollout.check_routing_replay(
+      small_config(**{"rollout.routing_replay": "replay"}), dense
+    )
   moe_config = models.get_config("tiny-moe")
   for field, value in (("rollout.partial_budget", 2), ("rollout.continuous_slots", 2)):
-    with pytest.raises(ValueError, match=f"model_routing_replay='record': the sampler of {field}"):
-      cfg = small_config(model="tiny-moe", model_routing_replay="record", **{field: value})
+    with pytest.raises(
+      ValueError, match=f"rollout.routing_replay='record': the sampler of {field}"
+    ):
+      cfg = small_config(model="tiny-moe", **{"rollout.routing_replay": "record", field: value})
       components_rollout.check_routing_replay(cfg, moe_config)
 
 
 def test_a_replaying_run_resumes_exactly_and_reports_agreement(tmp_path):
-  kw = {"model": "tiny-moe", "model_routing_replay": "replay", "lag.sync_interval": 3}
+  kw = {"model": "tiny-moe", "rollout.routing_replay": "replay", "lag.sync_interval": 3}
   full = loop.train_and_evaluate(small_config(total_steps=7, **kw), str(tmp_path / "full"))
   part = str(tmp_path / "part")
   loop.train_and_evaluate(small_config(total_steps=4, **kw), part)

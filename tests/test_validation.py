@@ -36,7 +36,7 @@ BAD = [
   ("model_remat", 1, "model_remat"),
   ("model_attention", "flash", "model_attention"),
   ("model_router_aux_coef", -0.1, "model_router_aux_coef"),
-  ("model_routing_replay", "r3", "model_routing_replay"),
+  ("rollout.routing_replay", "r3", "rollout.routing_replay"),
   ("model", "no-such-preset", "model"),
   ("model", "/no/such/dir", "model"),
   ("model_dtype", "float64", "model_dtype"),

@@ -197,7 +197,7 @@ def step_options(config) -> StepOptions:
     truncated=_scores_truncation(config),
     top_k=config.top_k if _scores_truncation(config) else 0,
     router_aux_coef=config.model_router_aux_coef,
-    routing_replay=config.model_routing_replay,
+    routing_replay=config.rollout.routing_replay,
   )
 
 
@@ -221,7 +221,7 @@ def _whole_groups(config) -> bool:
 def sizes(config, model_config=None) -> run_state.Sizes:
   """The static batch shape of `config` (with its model's config: the recorded routing's too)."""
   routing = None
-  if model_config is not None and config.model_routing_replay != "off":
+  if model_config is not None and config.rollout.routing_replay != "off":
     mc = model_config
     routing = (mc.num_layers, mc.num_experts_per_tok, mc.num_experts)
   return run_state.Sizes(
@@ -284,7 +284,7 @@ def _build_fns(config) -> run_state.StepFns:
     decode_block=c.rollout.decode_block,
     **sample_kw,
   )
-  record = c.model_routing_replay != "off"
+  record = c.rollout.routing_replay != "off"
   sampler = sampling.make_sampler(sampler_graphdef, **behaviour_kw, record_routing=record)
   continuous_sampler = None
   if c.rollout.continuous_slots:

@@ -144,14 +144,14 @@ def rollout_kind(config, task, sampler, partial, eps, score_old, mesh, sizes) ->
 
 
 def check_routing_replay(c, model_config) -> None:
-  """Refuses `model_routing_replay` where nothing records routing, naming the field."""
-  mode = c.model_routing_replay
+  """Refuses `rollout.routing_replay` where nothing records routing, naming the field."""
+  mode = c.rollout.routing_replay
   if mode == "off":
     return
   if not model_config.num_experts:
     raise ValueError(
-      f"model_routing_replay={mode!r}: model {c.model!r} has no experts to route "
-      "(a mixture of experts such as tiny-moe; or model_routing_replay='off')"
+      f"rollout.routing_replay={mode!r}: model {c.model!r} has no experts to route "
+      "(a mixture of experts such as tiny-moe; or rollout.routing_replay='off')"
     )
   others = (
     ("rollout.continuous_slots", c.rollout.continuous_slots),
@@ -161,6 +161,6 @@ def check_routing_replay(c, model_config) -> None:
   for field, value in others:
     if value:
       raise ValueError(
-        f"model_routing_replay={mode!r}: the sampler of {field}={value} does not record "
-        f"routing (only the static sampler does); set {field}=0 or model_routing_replay='off'"
+        f"rollout.routing_replay={mode!r}: the sampler of {field}={value} does not record "
+        f"routing (only the static sampler does); set {field}=0 or rollout.routing_replay='off'"
       )
