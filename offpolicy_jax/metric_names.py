@@ -1106,6 +1106,7 @@ GROUPS: dict[str, Group] = {
         "of tokens with expert e among their k, P_e: mean router probability): k when the load "
         "is balanced, up to E when every token takes the same experts. "
         "`model_router_aux_coef` times it joins the loss.",
+        study="csv",
       ),
       M(
         "moe/max_load",
@@ -1123,6 +1124,7 @@ GROUPS: dict[str, Group] = {
         "the sampler recorded: 1 on-policy in float32; it falls with lag (routing drift) and "
         "with an engine mismatch (a bf16 sampler). Under replay the learner routes along the "
         "record anyway; this says how far its own router has moved.",
+        study="table",
       ),
       M(
         "moe/router_agreement_min",
@@ -1131,6 +1133,7 @@ GROUPS: dict[str, Group] = {
         "The lowest block's agreement, the lowest over the step's micro-batches: the block "
         "whose routing drifted most.",
         reduction=MIN,
+        study="csv",
       ),
     ),
   ),

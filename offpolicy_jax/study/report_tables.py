@@ -342,13 +342,20 @@ def _run_sections(values, main, lags, seeds) -> list[str]:
     [k for k in REWARD_FAILURES if present(k)],
     lambda metric: _md(["method", *lags], grid(metric, lambda x: f"{int(sum(x))}")),
   )
+  diagnostics = [k for k in metric_names.study_metrics(True) if any(key[2] == k for key in values)]
+  routing = (
+    " With experts and the sampler's routing recorded: the share of tokens whose experts "
+    "under the learner's own router are the recorded ones (docs/models.md)."
+    if "moe/router_agreement" in diagnostics
+    else ""
+  )
   lines += _metric_tables(
     "Off-policy diagnostics",
     "Per-step means over the run, then the mean over seeds (docs/off_policyness.md): the "
     "KL(mu || pi) estimate k3 of the staleness factor pi / pi_old and of the engine mismatch "
     "pi_old / mu (0 where pi_old is not scored), and the fraction of tokens the loss clipped "
-    "or a rollout correction masked.",
-    [k for k in metric_names.study_metrics(True) if any(key[2] == k for key in values)],
+    "or a rollout correction masked." + routing,
+    diagnostics,
     lambda metric: _md(["method", *lags], grid(metric, lambda x: f"{float(np.mean(x)):.3g}")),
   )
   lines += _metric_tables(
