@@ -121,6 +121,7 @@ def main():
   parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
   parser.add_argument("--scan_layers", default="1", help="comma-separated 0/1 variants")
   parser.add_argument("--remat", type=int, default=1, choices=(0, 1))
+  parser.add_argument("--num_layers", type=int, default=0, help="0: the preset's depth")
   parser.add_argument("--programs", default=",".join(PROGRAMS))
   parser.add_argument("--prompts", type=int, default=16, help="G")
   parser.add_argument("--group", type=int, default=8, help="K")
@@ -140,12 +141,15 @@ def main():
     parser.error(f"--scan_layers: comma-separated 0 and 1, got {args.scan_layers!r}")
   shapes = ("prompts", "group", "prompt_len", "new_tokens", "train_prompts", "train_prompt_len")
   positive = (*shapes, "train_new_tokens", "micro_batch", "decode_block")
+  if args.num_layers < 0:
+    parser.error(f"--num_layers: >= 0 (0: the preset's), got {args.num_layers}")
+  depth = {"num_layers": args.num_layers} if args.num_layers else {}
   rows = ("train_prompts", "group")
   flags.check(parser, args, presets=(args.preset,), positive=positive, rows=rows)
   rows = []
   for scan in (bool(int(s)) for s in args.scan_layers.split(",")):
     config = models.get_config(
-      args.preset, dtype=args.dtype, scan_layers=scan, remat=bool(args.remat)
+      args.preset, dtype=args.dtype, scan_layers=scan, remat=bool(args.remat), **depth
     )
     # The sampler at its own shapes, the scorer and the train step at one batch's.
     parts = (
@@ -171,9 +175,12 @@ def main():
           decode_block=args.decode_block,
         )
     for name, t in ((name, prog.seconds) for name, prog in built.items()):
-      rows.append(dict(preset=args.preset, scan_layers=scan, program=name, **t))
+      rows.append(
+        dict(preset=args.preset, layers=config.num_layers, scan_layers=scan, program=name, **t)
+      )
       print(
-        f"{args.preset:14s} scan_layers={int(scan)} {name:8s} lower {t['lower_s']:7.1f} s"
+        f"{args.preset:14s} layers={config.num_layers} scan_layers={int(scan)} {name:8s} "
+        f"lower {t['lower_s']:7.1f} s"
         f"  compile {t['compile_s']:7.1f} s  total {t['total_s']:7.1f} s",
         flush=True,
       )

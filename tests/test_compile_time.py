@@ -140,6 +140,7 @@ def test_unknown_program_names_the_flag(program):
     ("gsm8k_path", ["--micro_batch", "0"], "--micro_batch must be >= 1"),
     ("compile_time", ["--prompts", "0"], "--prompts must be >= 1"),
     ("compile_time", ["--scan_layers", "2"], "--scan_layers"),
+    ("compile_time", ["--num_layers", "-1"], "--num_layers"),
     ("compile_time", ["--programs", "sampler,bogus"], "--programs: unknown ['bogus']"),
   ],
 )
