@@ -122,3 +122,22 @@ def test_a_replaying_run_resumes_exactly_and_reports_agreement(tmp_path):
   assert want[0]["moe/router_agreement"] == 1.0  # on-policy: the learner's routing is mu's
   assert all(0.0 <= r["moe/router_agreement"] <= 1.0 for r in want)
   assert all(r["moe/aux_loss"] > 0 for r in want)
+
+
+def test_a_mixture_of_experts_on_an_8_device_mesh_matches_one_device(tmp_path):
+  common = {
+    "model": "tiny-moe",
+    "rollout.routing_replay": "replay",
+    "total_steps": 3,
+    "eval_prompts": 0,
+    "sft.enabled": False,
+    "task_kwargs.partial_credit": True,
+  }
+  one = loop.train_and_evaluate(small_config(**common), str(tmp_path / "one"))
+  mesh = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+  eight = loop.train_and_evaluate(small_config(**common, **mesh), str(tmp_path / "eight"))
+  assert jax.device_count() == 8
+  assert any(r["grad_norm"] > 0 for r in one)
+  for a, b in zip(one, eight, strict=True):
+    for k in ("reward_mean", "loss", "grad_norm", "moe/aux_loss", "moe/router_agreement"):
+      assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
