@@ -234,3 +234,22 @@ def test_bad_field_values_are_named_before_any_size_is_read():
     config[field] = value
     with pytest.raises(ValueError, match=f"^config.{field}: "):
       planner.plan(config, devices=1, bytes_per_device=None)
+
+
+def test_a_mixture_of_experts_counts_its_active_parameters_and_recorded_routing():
+  """FLOPs use k of E experts per block; routing replay adds the recorded experts to the buffer."""
+  c = default.base_config()
+  c.sft.enabled, c.model = False, "tiny-moe"
+  got = planner.plan(c, devices=1, bytes_per_device=None, activations="analytic")
+  mc, _ = planner.model_config(c)
+  assert mc.num_active_params() < mc.num_params()
+  g, k, p, n = components.sizes(c)[:4]
+  n_params = mc.num_active_params()
+  want = 6.0 * n_params * g * k * (p + n) + 2 * n_params * (g * p + g * k * n)
+  assert got.step_flops == pytest.approx(want, rel=1e-12)
+  c.rollout.routing_replay = "record"
+  recorded = planner.plan(c, devices=1, bytes_per_device=None, activations="analytic")
+  rows = g * k * components.replay_capacity(c)
+  extra = rows * (p + n) * mc.num_layers * mc.num_experts_per_tok  # uint8 expert indices
+  buffer = recorded.bytes["replay buffer"] - got.bytes["replay buffer"]
+  assert buffer == extra

@@ -53,6 +53,9 @@ FLOP/s``, with N the parameters (base + adapters) and D tokens:
   ref      2N per trained token and epoch (a forward) when the loss has a KL to the reference
   sample   2N per sampled token (G P prefill + G K N_new decode)
 
+N counts the parameters a token is computed with: with experts, k of each
+block's E (`ModelConfig.num_active_params`).
+
 (`train_flops_per_token`; `Plan.flops_rule` says which terms a plan counts).
 """
 
@@ -231,7 +234,7 @@ def _abstract_run(config, mc: models.ModelConfig):
   if mc.lora is not None:
     base, params = models.lora.split(params)
   optimizer = components.optimizer(config)
-  sizes = components.sizes(config)
+  sizes = components.sizes(config, mc)  # with routing replay, the recorded experts too
   cap = sizes.prompts_per_step * components.replay_capacity(config)
   init = lambda: replay.init(cap, run_state.empty_batch(sizes), sizes.group_size)
   opt_state = jax.eval_shape(optimizer.init, params)
@@ -369,6 +372,8 @@ def plan(
   }
   g, k, p, n = components.sizes(config)[:4]
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(whole))
+  if mc.num_experts:  # a token is computed with k of each block's E experts
+    num_params -= mc.num_params() - mc.num_active_params()
   per_token = train_flops_per_token(adapters=base is not None) + 2.0 * needs_ref
   flops = per_token * num_params * g * k * (p + n) * options.num_epochs
   flops += 2.0 * num_params * (g * p + g * k * n)
