@@ -6,6 +6,7 @@ construction, and a replaying run resumes exactly from its checkpoints.
 """
 
 import itertools
+import json
 import os
 import sys
 
@@ -141,3 +142,22 @@ def test_a_mixture_of_experts_on_an_8_device_mesh_matches_one_device(tmp_path):
   for a, b in zip(one, eight, strict=True):
     for k in ("reward_mean", "loss", "grad_norm", "moe/aux_loss", "moe/router_agreement"):
       assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+
+
+def test_run_means_keeps_one_row_per_run(tmp_path, capsys):
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+  import run_means
+
+  for name, values in (("record-s0", (0.5, 0.7)), ("replay-s1", (0.2, 0.4))):
+    rows = [{"step": 0, "eval/accuracy": 0.25}]
+    rows += [{"step": i + 1, "mismatch_kl_k3": v} for i, v in enumerate(values)]
+    rows += [{"step": 2, "eval/accuracy": 0.75}]
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+  got = run_means.main(["--workdirs", str(tmp_path / "*-s*"), "--keys", "mismatch_kl_k3"])
+  assert [(r["group"], r["seed"], r["steps"]) for r in got] == [("record", 0, 2), ("replay", 1, 2)]
+  assert got[0]["mismatch_kl_k3"] == pytest.approx(0.6) and got[1]["final_accuracy"] == 0.75
+  assert capsys.readouterr().out.splitlines()[0].startswith("group,seed,steps,mismatch_kl_k3")
+  (tmp_path / "stray").mkdir()
+  with pytest.raises(SystemExit):
+    run_means.main(["--workdirs", str(tmp_path / "*"), "--keys", "x"])
