@@ -90,11 +90,11 @@ RUN_FIELDS: tuple[Field, ...] = (
      "fastest on CPU) or \"dot_product\" (jax.nn.dot_product_attention, which JAX lowers to "
      "cuDNN flash attention on GPU). The same numbers within float tolerance.",
      Choice(("xla", "dot_product"))),
-  _F("model_router_aux_coef", 0.001, NUMBERS,
+  _F("model_router_aux_coef", 0.001, PROGRAM,
      "Coefficient of the load-balancing auxiliary loss of a model with experts (the Switch "
      "loss, transformers' router_aux_loss_coef; models/moe.py), added to the policy loss "
      "weighted like it; 0 turns it off. A dense model ignores it.", Float(0)),
-  _F("rollout.routing_replay", "off", NUMBERS,
+  _F("rollout.routing_replay", "off", PROGRAM,
      "Routing replay for a model with experts (models/moe.py): \"record\" stores every "
      "sampled token's experts with the batch and reports how often the learner's own routing "
      "agrees (moe/router_agreement); \"replay\" also routes the learner along them (R3, "

@@ -161,3 +161,14 @@ def test_run_means_keeps_one_row_per_run(tmp_path, capsys):
   (tmp_path / "stray").mkdir()
   with pytest.raises(SystemExit):
     run_means.main(["--workdirs", str(tmp_path / "*"), "--keys", "x"])
+
+
+def test_the_expert_fields_are_part_of_what_compiles():
+  """The train step and the sampler read them: a run that changes them gets its own programs."""
+  from offpolicy_jax.run import components
+
+  base = small_config(model="tiny-moe")
+  for field, value in (("rollout.routing_replay", "replay"), ("model_router_aux_coef", 0.5)):
+    assert components.compile_key(base) != components.compile_key(
+      small_config(model="tiny-moe", **{field: value})
+    ), field
