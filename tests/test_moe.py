@@ -164,6 +164,13 @@ def test_grouped_matmul_gradients_match_jax_under_vmap_over_seeds():
     ref = jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(x[s], w[s], sizes[s])
     for a, b in zip(ours, ref, strict=True):
       np.testing.assert_allclose(a[s], b, atol=1e-5)
+  # Weights shared by the seeds (a LoRA run's frozen experts): unbatched under vmap.
+  shared = jax.vmap(jax.grad(loss(moe.grouped_matmul), argnums=(0, 1)), in_axes=(0, None, 0))
+  dx, dw = shared(x, w[0], sizes)
+  for s in range(2):
+    ref = jax.grad(loss(jax.lax.ragged_dot), argnums=(0, 1))(x[s], w[0], sizes[s])
+    np.testing.assert_allclose(dx[s], ref[0], atol=1e-5)
+    np.testing.assert_allclose(dw[s], ref[1], atol=1e-5)
 
 
 def test_load_balancing_loss_matches_transformers():

@@ -42,15 +42,43 @@ _WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
 )
 
 
+def _batched_at_0(fn):
+  """`fn` whose `vmap` batches every operand on axis 0 first (broadcasting the unbatched).
+
+  JAX batches `ragged_dot` only when all its operands are batched on axis 0;
+  the study's seeds share a LoRA run's frozen experts (unbatched weights).
+  """
+  f = jax.custom_batching.custom_vmap(fn)
+
+  @f.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    full = [a if b else _broadcast(a, axis_size) for a, b in zip(args, in_batched, strict=True)]
+    return jax.vmap(fn)(*full), True
+
+  return f
+
+
+def _broadcast(a, n: int):
+  return jnp.broadcast_to(a, (n, *jnp.shape(a)))
+
+
+_ragged_dot = _batched_at_0(lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes))
+_ragged_weight_grad = _batched_at_0(
+  lambda x, g, sizes: jax.lax.ragged_dot_general(x, g, sizes, _WEIGHT_GRAD)
+)
+
+
 @jax.custom_vjp
 def grouped_matmul(x_rd: jax.Array, w_edf: jax.Array, sizes_e: jax.Array) -> jax.Array:
   """Rows of group e times `w[e]`: [R, D] x [E, D, F] -> [R, F] (rows sorted by group).
 
   `jax.lax.ragged_dot` with its own gradient: JAX's transposition of
   `ragged_dot` does not batch under `vmap` (the study's seeds), while the
-  ragged-contraction form written here does.
+  ragged-contraction form written here does; every operand is batched on
+  axis 0 before the ragged products (`_batched_at_0`), so any of them may be
+  shared across a `vmap`.
   """
-  return jax.lax.ragged_dot(x_rd, w_edf, sizes_e)
+  return _ragged_dot(x_rd, w_edf, sizes_e)
 
 
 def _grouped_fwd(x_rd, w_edf, sizes_e):
@@ -59,8 +87,8 @@ def _grouped_fwd(x_rd, w_edf, sizes_e):
 
 def _grouped_bwd(res, g_rf):
   x_rd, w_edf, sizes_e = res
-  dx = jax.lax.ragged_dot(g_rf, jnp.swapaxes(w_edf, 1, 2), sizes_e)
-  dw = jax.lax.ragged_dot_general(x_rd, g_rf, sizes_e, _WEIGHT_GRAD)
+  dx = _ragged_dot(g_rf, jnp.swapaxes(w_edf, 1, 2), sizes_e)
+  dw = _ragged_weight_grad(x_rd, g_rf, sizes_e)
   return dx.astype(x_rd.dtype), dw.astype(w_edf.dtype), None
 
 
