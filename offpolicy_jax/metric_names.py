@@ -1105,15 +1105,17 @@ GROUPS: dict[str, Group] = {
         "The load-balancing loss E * sum_e f_e P_e (`models.moe.RouterStats.loss`; f_e: share "
         "of tokens with expert e among their k, P_e: mean router probability): k when the load "
         "is balanced, up to E when every token takes the same experts. "
-        "`model_router_aux_coef` times it joins the loss.",
+        "`model_router_aux_coef` times it joins the loss. Under routing replay f_e counts the "
+        "replayed (recorded) experts.",
         study="csv",
       ),
       M(
         "moe/max_load",
         "model with experts",
         "ratio",
-        "The busiest expert's share of the chosen slots times E/k, the largest over the "
-        "step's micro-batches: 1 when balanced, E/k when one expert is in every token's k.",
+        "The busiest expert's share of a block's chosen slots times E, the largest over the "
+        "blocks and the step's micro-batches: 1 when balanced, E/k when one expert is in every "
+        "token's k.",
         reduction=MAX,
       ),
       M(

@@ -208,7 +208,7 @@ def test_unsupported_hf_moe_fields_are_refused_by_name(tmp_path, field, value, m
   [
     (dict(num_experts_per_tok=5), r"num_experts_per_tok must be in \[1, num_experts=4\], got 5"),
     (dict(num_experts=0), "num_experts: family 'qwen3_moe' needs num_experts >= 1"),
-    (dict(lora=models.LoraConfig(rank=2)), "lora targets: with experts adapters target"),
+    (dict(lora=models.LoraConfig(rank=2)), r"lora targets \(a run.s lora.targets\): with experts"),
   ],
 )
 def test_bad_expert_configs_are_refused_by_name(overrides, message):
@@ -285,10 +285,10 @@ def test_router_stats_are_the_same_with_a_shared_prefix_and_scanned_layers(numpy
   real = float(np.sum(batch.prompt_mask) + np.sum(batch.mask))
   assert alone.tokens.shape == (config.num_layers,)  # one entry per block
   np.testing.assert_array_equal(alone.tokens, real)
-  # A shared prefix counts each group's prompt once, not K times.
-  np.testing.assert_array_equal(shared.tokens, real - np.sum(batch.prompt_mask) * (k - 1) / k)
+  # A shared prefix runs each prompt once and counts it K times: the same stats.
+  for a, b in zip(alone, shared, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.sum(alone.chosen, -1), alone.tokens * config.num_experts_per_tok)
-  np.testing.assert_allclose(alone.loss(), shared.loss(), rtol=0.1)
   assert float(np.sum(alone.agree)) == 0.0  # nothing recorded to agree with
   assert 1.0 <= float(alone.max_load()) <= config.num_experts / config.num_experts_per_tok
   dense_graph, dense_params = numpy_init(models.get_config("tiny"))

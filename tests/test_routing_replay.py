@@ -172,3 +172,18 @@ def test_the_expert_fields_are_part_of_what_compiles():
     assert components.compile_key(base) != components.compile_key(
       small_config(model="tiny-moe", **{field: value})
     ), field
+
+
+def test_a_resume_cannot_switch_recording_on_or_off(tmp_path):
+  """Recording changes the replay buffer's layout: refused even with --allow_config_change."""
+  from offpolicy_jax.store import metrics, workdir
+
+  cfg = small_config(model="tiny-moe", **{"rollout.routing_replay": "record"})
+  (tmp_path / metrics.CONFIG_FILE).write_text(json.dumps(cfg.to_dict()))
+  for mode, refused in (("off", True), ("replay", False)):
+    new = small_config(model="tiny-moe", **{"rollout.routing_replay": mode})
+    if refused:
+      with pytest.raises(workdir.ConfigChanged, match="replay buffer.*rollout.routing_replay"):
+        workdir.check_config(str(tmp_path), new, step=3, allow_change=True)
+    else:
+      workdir.check_config(str(tmp_path), new, step=3, allow_change=True)

@@ -165,8 +165,9 @@ class ModelConfig:
       raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
     if self.lora is not None and set(self.lora.targets) - set(_ATTENTION_TARGETS):
       raise ValueError(
-        f"lora targets: with experts adapters target {_ATTENTION_TARGETS} only, "
-        f"got {self.lora.targets}"
+        "lora targets (a run's lora.targets): with experts, adapters target the attention "
+        f"projections only, e.g. --config.lora.targets={','.join(_ATTENTION_TARGETS)}; "
+        f"got {','.join(self.lora.targets)}"
       )
 
   @property

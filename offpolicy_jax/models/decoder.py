@@ -39,7 +39,7 @@ from offpolicy_jax.models.attention_ops import default_positions
 from offpolicy_jax.models.block import DecoderLayer
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.models.layers import MLP, RMSNorm, param
-from offpolicy_jax.models.moe import Routed
+from offpolicy_jax.models.moe import Routed, by_layer
 from offpolicy_jax.scale import sharding
 
 
@@ -53,11 +53,6 @@ class KVCache(NamedTuple):
 
   k: tuple
   v: tuple
-
-
-def _by_layer(experts_btlk):
-  """Recorded experts [B, T, L, k] as per-layer inputs [L, B, T, k] (None stays None)."""
-  return None if experts_btlk is None else jnp.moveaxis(jnp.asarray(experts_btlk), 2, 0)
 
 
 def _stack(ys):
@@ -182,7 +177,7 @@ class Decoder(nnx.Module):
         out = layer(h, cos, sin, allowed, key=key, route=(counted, rec, replay))
         return _constrain(out[0]), out[1:3]
 
-      h, (stats, experts) = self._apply_layers(block, h, keys, _by_layer(recorded))
+      h, (stats, experts) = self._apply_layers(block, h, keys, by_layer(recorded))
       return self.norm(h), None, self._routed(stats, experts)
     if dropout_key is not None or router_mask is not None or recorded is not None:
       raise ValueError("dropout_key, router_mask, recorded: teacher-forced forward (no cache) only")
@@ -238,8 +233,9 @@ class Decoder(nnx.Module):
   ):
     """`shared_prefix_hidden_states` and the experts' `moe.RouterStats`: `(h_p, h_s, stats)`.
 
-    The stats [L, ...] count the real prompt tokens (once per group) and the
-    continuation tokens with `router_mask` [G*K, N]; None for a dense model
+    The stats [L, ...] count the real prompt tokens (each K times, as `routed`
+    on the K concatenated rows would) and the continuation tokens with
+    `router_mask` [G*K, N]; None for a dense model
     or without `router_mask`. `recorded` is the pair (prompts' experts
     [G, P, L, k], continuations' [G*K, N, L, k]) and `replay` as in `routed`.
     """
@@ -250,7 +246,8 @@ class Decoder(nnx.Module):
     suffix_positions = jnp.repeat(lengths, group_size)[:, None] + jnp.arange(n)[None, :]
     rope_p = self._rope(default_positions(prompt_mask))
     rope_s = self._rope(suffix_positions)
-    counted = None if router_mask is None else (prompt_mask, jnp.asarray(router_mask) > 0)
+    k = float(group_size)  # each prompt token weighs K, as in `routed` on the K full rows
+    counted = None if router_mask is None else (prompt_mask * k, jnp.asarray(router_mask) > 0)
     rec_p, rec_s = recorded or (None, None)
 
     def block(layer, hs, key, rec):
@@ -262,7 +259,7 @@ class Decoder(nnx.Module):
 
     hs = (self._embed(prompt_tokens), self._embed(tokens))
     keys = lora_ops.fold_range(lora_ops.dropout_key(self.config, dropout_key), len(self.layers))
-    (h_p, h_s), stats = self._apply_layers(block, hs, keys, (_by_layer(rec_p), _by_layer(rec_s)))
+    (h_p, h_s), stats = self._apply_layers(block, hs, keys, (by_layer(rec_p), by_layer(rec_s)))
     return self.norm(h_p), self.norm(h_s), stats
 
   def decode_shared(

@@ -244,7 +244,7 @@ def shared_prefix_logprobs(
       None scores the full tempered softmax.
     top_k: the sampler's top-k (0 = off), which bounds the kept set.
     dropout_key: as for `sequence_logprobs`.
-    with_router_stats: as for `sequence_logprobs` (each prompt counted once).
+    with_router_stats: as for `sequence_logprobs` (each prompt counted K times).
     recorded: as for `sequence_logprobs`, the prompts' experts per group [G, P, L, k].
     replay: as for `sequence_logprobs`.
 

@@ -177,8 +177,8 @@ class RouterStats(NamedTuple):
     return e * jnp.sum((chosen / n) * (probs / n))
 
   def max_load(self) -> jax.Array:
-    """The busiest expert's share of a block's chosen slots times E / k, the largest block's
-    (1 when balanced)."""
+    """The busiest expert's share of a block's chosen slots times E, the largest block's
+    (1 when balanced, E / k when one expert is in every token's k)."""
     e = self.chosen.shape[-1]
     chosen = self.chosen.reshape(-1, e)
     return jnp.max(jnp.max(chosen, axis=-1) * e / jnp.maximum(jnp.sum(chosen, axis=-1), 1.0))
@@ -198,6 +198,11 @@ class Routed(NamedTuple):
 
   stats: RouterStats | None
   experts: jax.Array
+
+
+def by_layer(experts_btlk):
+  """Recorded experts [B, T, L, k] as per-layer inputs [L, B, T, k] (None stays None)."""
+  return None if experts_btlk is None else jnp.moveaxis(jnp.asarray(experts_btlk), 2, 0)
 
 
 def load_balancing_loss(routing: Routing, mask_t=None) -> jax.Array:

@@ -241,7 +241,7 @@ def _abstract_run(config, mc: models.ModelConfig):
   return graphdef, params, opt_state, jax.eval_shape(init), optimizer, base
 
 
-def _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes, base) -> int:
+def _compiled_activations(config, mc, graphdef, params, opt_state, optimizer, sizes, base) -> int:
   """XLA's temporaries of the train step lowered on abstract arguments on a local mesh."""
   mesh = sharding.make_mesh(*sizes, devices=jax.devices()[: math.prod(sizes)])
   is_var = lambda x: isinstance(x, nnx.Variable)
@@ -250,7 +250,7 @@ def _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes,
   on_mesh = lambda t: jax.tree.map(place, t, sharding.tree_shardings(t, mesh), is_leaf=is_var)
   scalar: Any = sds(jax.ShapeDtypeStruct((), jnp.int32), sharding.replicated(mesh))
   state = train_state.TrainState(on_mesh(params), on_mesh(opt_state), scalar, scalar, scalar)
-  batch = run_state.empty_batch(components.sizes(config))
+  batch = run_state.empty_batch(components.sizes(config, mc))  # the recorded routing too
   batch = jax.tree.map(lambda x: sds(x, sharding.batch_sharding(mesh, x.ndim)), batch)
   options = components.step_options(config)
   fn = functools.partial(train_step.train_step, graphdef, optimizer, options)
@@ -351,7 +351,7 @@ def plan(
   local = jax.devices()
   same = device_type is None or DEVICES[device_type].platform == local[0].platform
   if activations == "compiled" or (activations == "auto" and same and mesh.size <= len(local)):
-    act = _compiled_activations(config, graphdef, params, opt_state, optimizer, sizes, base)
+    act = _compiled_activations(config, mc, graphdef, params, opt_state, optimizer, sizes, base)
     source = f"compiled (XLA memory_analysis on {local[0].platform})"
   else:
     act, source = _analytic_activations(config, mc, mesh, p_bytes), "analytic"

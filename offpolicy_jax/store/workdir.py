@@ -226,9 +226,10 @@ def check_config(path: str, config: Any, *, step: int, allow_change: bool = Fals
     return
   listed = describe_changes(changes)
   fixed = [k for k in changes if k in PARAMETER_SHAPE_FIELDS]
-  if fixed:
+  if "rollout.routing_replay" in changes and "off" in changes["rollout.routing_replay"]:
+    fixed.append("rollout.routing_replay")  # its replay buffer holds the experts, or not
     raise ConfigChanged(
-      f"workdir {path} holds checkpoints whose parameter shapes follow "
+      f"workdir {path} holds checkpoints whose parameter (or replay buffer) shapes follow "
       f"{', '.join(fixed)}: {listed}. No resume can change them; use a new --workdir "
       "or restore the old values.",
       listed,
