@@ -228,6 +228,7 @@ def check_config(path: str, config: Any, *, step: int, allow_change: bool = Fals
   fixed = [k for k in changes if k in PARAMETER_SHAPE_FIELDS]
   if "rollout.routing_replay" in changes and "off" in changes["rollout.routing_replay"]:
     fixed.append("rollout.routing_replay")  # its replay buffer holds the experts, or not
+  if fixed:
     raise ConfigChanged(
       f"workdir {path} holds checkpoints whose parameter (or replay buffer) shapes follow "
       f"{', '.join(fixed)}: {listed}. No resume can change them; use a new --workdir "
