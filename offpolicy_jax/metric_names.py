@@ -1139,6 +1139,42 @@ GROUPS: dict[str, Group] = {
       ),
     ),
   ),
+  "critic": Group(
+    "the critic",
+    "Rows of a run with a critic (`critic.estimator` gae or vtrace, or a loss preset that "
+    "pairs with one: `ppo_critic`, `vtrace`; [losses.md](losses.md#critics)): the value head "
+    "on the policy's trunk, from the train step's forward passes over each micro-batch's valid "
+    "response tokens, weighted like the loss.",
+    (
+      M(
+        "critic/value_loss",
+        "critic",
+        "loss",
+        "1/2 (V - R)^2 per token, PPO-clipped around the call's starting values under gae "
+        "(`learn.critic`); `critic.value_coef` times its token mean joins the loss.",
+        study="csv",
+      ),
+      M(
+        "critic/explained_variance",
+        "critic",
+        "fraction",
+        "1 - Var(R - V) / Var(R) over the step's valid tokens, R the value targets (GAE's "
+        "lambda-returns, V-trace's v_s): 1 is a perfect critic, 0 no better than the mean "
+        "return, below 0 worse. Under gae with one update per batch V is the critic before it "
+        "saw the batch: a prediction.",
+        study="table",
+      ),
+      M("critic/value_mean", "critic", "reward", "Mean V(s_t) over valid tokens."),
+      M("critic/return_mean", "critic", "reward", "Mean value target R over valid tokens."),
+      M(
+        "critic/value_clipfrac",
+        "critic",
+        "fraction",
+        "Share of valid tokens whose clipped value error is the larger (the clip binds); 0 "
+        "without clipping and under vtrace.",
+      ),
+    ),
+  ),
 }
 
 # TensorBoard groups of the keys not declared one by one (a name ending in "*" is a prefix).

@@ -40,6 +40,10 @@ class TrainBatch(NamedTuple):
     prompt_experts: int [B, P, L, k] the experts the sampler's prefill routed
       each prompt token to in each block (routing replay, `models.moe`), or None.
     experts: int [B, N, L, k] the same for each response token, or None.
+    values: float32 [B, N] the critic's values V_old at the train step's
+      starting parameters, or None: set inside the train step only
+      (`learn.critic.with_gae`), never stored.
+    returns: float32 [B, N] the critic's value targets, or None (as `values`).
   """
 
   prompt_tokens: jax.Array
@@ -55,6 +59,8 @@ class TrainBatch(NamedTuple):
   old_logp: jax.Array
   prompt_experts: jax.Array | None = None
   experts: jax.Array | None = None
+  values: jax.Array | None = None
+  returns: jax.Array | None = None
 
 
 def turn_ids(mask_bn: ArrayLike) -> jax.Array:

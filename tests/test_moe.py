@@ -280,8 +280,8 @@ def _batch_of(numpy_init, config, seed=0):
 def test_router_stats_are_the_same_with_a_shared_prefix_and_scanned_layers(numpy_init, scan_layers):
   config = dataclasses.replace(models.get_config("tiny-moe"), scan_layers=scan_layers)
   graphdef, params, batch, k = _batch_of(numpy_init, config)
-  _, _, alone = scorer.token_logprobs(graphdef, params, batch, 1.0, 0, with_router_stats=True)
-  _, _, shared = scorer.token_logprobs(graphdef, params, batch, 1.0, k, with_router_stats=True)
+  alone = scorer.token_logprobs(graphdef, params, batch, 1.0, 0, full=True).stats
+  shared = scorer.token_logprobs(graphdef, params, batch, 1.0, k, full=True).stats
   real = float(np.sum(batch.prompt_mask) + np.sum(batch.mask))
   assert alone.tokens.shape == (config.num_layers,)  # one entry per block
   np.testing.assert_array_equal(alone.tokens, real)
@@ -292,10 +292,7 @@ def test_router_stats_are_the_same_with_a_shared_prefix_and_scanned_layers(numpy
   assert float(np.sum(alone.agree)) == 0.0  # nothing recorded to agree with
   assert 1.0 <= float(alone.max_load()) <= config.num_experts / config.num_experts_per_tok
   dense_graph, dense_params = numpy_init(models.get_config("tiny"))
-  assert (
-    scorer.token_logprobs(dense_graph, dense_params, batch, 1.0, 0, with_router_stats=True)[2]
-    is None
-  )
+  assert scorer.token_logprobs(dense_graph, dense_params, batch, 1.0, 0, full=True).stats is None
 
 
 def test_the_load_balancing_loss_joins_the_policy_loss_by_its_coefficient(numpy_init):

@@ -58,6 +58,13 @@ def split_micro(batch: TrainBatch, m: int, unit: int = 1) -> TrainBatch:
   return jax.tree.map(split, batch)
 
 
+def join_micro(x, unit: int = 1):
+  """The inverse of `split_micro` on an array [m, rows / m, ...] -> [rows, ...]."""
+  m, per = x.shape[:2]
+  units = x.reshape(m, per // unit, unit, *x.shape[2:])
+  return jnp.swapaxes(units, 0, 1).reshape(m * per, *x.shape[2:])
+
+
 def moving_rows(batch: TrainBatch) -> jax.Array:
   """bool [B]: rows with a valid, weighted token whose advantage is not 0."""
   valid = (batch.mask * batch.weights[:, None]) > 0

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from offpolicy_jax import losses, metric_names, models, types
 from offpolicy_jax import reductions as red
-from offpolicy_jax.learn import diagnostics
+from offpolicy_jax.learn import critic, diagnostics
 from offpolicy_jax.learn.scorer import token_logprobs
 from offpolicy_jax.learn.step_options import StepOptions
 from offpolicy_jax.types import TrainBatch
@@ -74,7 +74,7 @@ def micro_batch_loss(
   spec, o = options.spec, options
   shared = options.group_size if options.shared_prefix else 0
   sg = jax.lax.stop_gradient
-  score = lambda p, key=None, stats=False: token_logprobs(
+  score = lambda p, key=None, full=False: token_logprobs(
     graphdef,
     models.lora.join(base, p),
     mb,
@@ -83,10 +83,10 @@ def micro_batch_loss(
     truncated=o.truncated,
     top_k=o.top_k,
     dropout_key=key,
-    with_router_stats=stats,
+    full=full,
     replay=o.routing_replay == "replay",
   )
-  logp, ent, router = score(params, key, stats=True)
+  logp, ent, router, values = score(params, key, full=True)
   extra = {}
   if spec.needs_ref:
     extra["ref_logp"] = sg(score(ref_params)[0])
@@ -98,11 +98,16 @@ def micro_batch_loss(
     extra["entropy"] = ent
   if spec.level == "turn_geo":  # a multi-turn row's turns are its runs of policy tokens
     extra["turn_ids"] = types.turn_ids(mb.mask)
+  adv, targets = mb.advantages, None
+  if o.critic is not None:  # token advantages and value targets from the critic
+    if values is None:
+      raise ValueError("critic: the model has no value head (ModelConfig.value_head)")
+    adv, targets = critic.advantages(o.critic, logp, values, mb)
   out = losses.policy_loss(
     spec,
     logp=logp,
     behavior_logp=mb.behavior_logp,
-    advantages=mb.advantages,
+    advantages=adv,
     mask=mb.mask * mb.weights[:, None],
     **extra,
   )
@@ -115,6 +120,10 @@ def micro_batch_loss(
     metrics.update(_behavior_ratio(sg(logp), mb))
   metrics.update(diagnostics.policy_terms(logp, mb))
   loss_sum = out.loss_sum
+  if o.critic is not None:
+    value_term, value_metrics = critic.value_loss(o.critic, values, targets, mb, out.loss_count)
+    loss_sum = loss_sum + value_term
+    metrics.update(value_metrics)
   if router is not None:  # a model with experts (`models.moe.RouterStats`)
     aux = router.loss()
     if o.router_aux_coef > 0:

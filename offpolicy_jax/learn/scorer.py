@@ -24,7 +24,7 @@ def token_logprobs(
   truncated: bool = False,
   top_k: int = 0,
   dropout_key: jax.Array | None = None,
-  with_router_stats: bool = False,
+  full: bool = False,
   replay: bool = False,
 ):
   """Teacher-forced log-probs and entropies [B, N] of `mb`'s responses under `params`.
@@ -34,8 +34,8 @@ def token_logprobs(
   the log-probs are those of the top-k / top-p truncated distribution of
   ``mb.behavior_kept`` tokens (`StepOptions.truncated`). `dropout_key` turns
   on the adapters' input dropout (the train step's current policy only).
-  `with_router_stats` also returns the experts' `moe.RouterStats` (None for a
-  dense model): `(logp, entropy, stats)`. When `mb` carries the sampler's
+  `full` returns a `models.logprobs.Scored`: the experts' `moe.RouterStats`
+  and the value head's values too (None where the model has none). When `mb` carries the sampler's
   routing (`TrainBatch.experts`), the stats compare with it and `replay`
   routes along it (`models.moe`).
   """
@@ -57,7 +57,7 @@ def token_logprobs(
       kept=kept,
       top_k=top_k,
       dropout_key=dropout_key,
-      with_router_stats=with_router_stats,
+      full=full,
       recorded=recorded,
       replay=replay,
     )
@@ -71,7 +71,7 @@ def token_logprobs(
     kept=kept,
     top_k=top_k,
     dropout_key=dropout_key,
-    with_router_stats=with_router_stats,
+    full=full,
     recorded=recorded,
     replay=replay,
   )

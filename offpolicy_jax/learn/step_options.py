@@ -6,6 +6,7 @@ from typing import NamedTuple
 import optax
 
 from offpolicy_jax import losses
+from offpolicy_jax.learn.critic import CriticSpec
 
 
 class StepOptions(NamedTuple):
@@ -38,6 +39,8 @@ class StepOptions(NamedTuple):
     routing_replay: "off", "record" (batches carry the sampler's experts; the
       learner routes by its own router and reports how often they agree) or
       "replay" (the learner routes along them, R3; `models.moe`).
+    critic: the value head's training and the token advantages it makes
+      (`learn.critic`), or None: the batch's group advantages.
   """
 
   spec: losses.LossSpec
@@ -54,6 +57,7 @@ class StepOptions(NamedTuple):
   top_k: int = 0
   router_aux_coef: float = 0.0
   routing_replay: str = "off"
+  critic: CriticSpec | None = None
 
   @property
   def updates(self) -> int:
@@ -67,8 +71,11 @@ class StepOptions(NamedTuple):
 
   @property
   def skips_rows(self) -> bool:
-    """Whether zero-advantage rows are left out (asked for, and exact for the loss)."""
-    return self.skip_zero_advantage and self.spec.zero_advantage_inert
+    """Whether zero-advantage rows are left out (asked for, and exact for the loss).
+
+    Never with a critic: its advantages are not the batch's, and every row trains the values.
+    """
+    return self.skip_zero_advantage and self.spec.zero_advantage_inert and self.critic is None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -53,8 +53,10 @@ from jax.sharding import Mesh
 
 from offpolicy_jax import losses, models
 from offpolicy_jax import reductions as red
-from offpolicy_jax.learn import batch_splits, diagnostics
+from offpolicy_jax.learn import batch_splits, critic, diagnostics
+from offpolicy_jax.learn.critic import CriticSpec
 from offpolicy_jax.learn.optimizer_step import optimizer_step
+from offpolicy_jax.learn.scorer import token_logprobs
 from offpolicy_jax.learn.step_options import StepOptions, check_options
 from offpolicy_jax.learn.train_state import TrainState, state_shardings
 from offpolicy_jax.models import lora_ops
@@ -113,6 +115,9 @@ def train_step(
   dkey = _dropout_key(graphdef, state.params, base, key)
   step_keys = lora_ops.fold_range(dkey, options.updates)  # one per optimizer step, or None
   m = batch_splits.micro_batches(options, rows)
+  if options.critic is not None and options.critic.estimator == "gae":
+    values_of = lambda b: _values(graphdef, options, state.params, base, b, m)
+    batch = critic.with_gae(options.critic, batch, values_of)
   args = (graphdef, optimizer, options, ref_params, anchor, base)
 
   def one_step(st, mb, k):  # the one call of an optimizer step, on minibatch `mb`
@@ -135,10 +140,42 @@ def train_step(
 
     state, per_step = jax.lax.scan(scan_step, state, (order, step_keys))
     metrics = red.reduce(per_step)
-  out = {**red.results(metrics), **stale, **diagnostics.mismatch_terms(batch)}
+  out = {**critic.explained_variance(red.results(metrics)), **stale}
+  out |= diagnostics.mismatch_terms(batch)
   out["num_skipped"] = state.num_skipped
   out["version"] = state.version
   return state._replace(step=state.step + 1), out
+
+
+def _values(graphdef, options: StepOptions, params, base, batch: TrainBatch, m: int) -> jax.Array:
+  """The value head's values [B, N] of `batch` at `params`, micro-batch by micro-batch.
+
+  The batch is cut like the call's micro-batches (``num_minibatches * m`` of
+  them, whole groups with a shared prefix), so no forward holds more rows than
+  the step's own.
+  """
+  n, unit = options.num_minibatches * m, options.unit
+  shared = options.group_size if options.shared_prefix else 0
+  full = models.lora.join(base, params)
+
+  def one(mb):
+    scored = token_logprobs(
+      graphdef,
+      full,
+      mb,
+      options.temperature,
+      shared,
+      truncated=options.truncated,
+      top_k=options.top_k,
+      full=True,
+      replay=options.routing_replay == "replay",
+    )
+    if scored.values is None:
+      raise ValueError("critic: the model has no value head (ModelConfig.value_head)")
+    return scored.values
+
+  values = jax.lax.map(one, batch_splits.split_micro(batch, n, unit))
+  return batch_splits.join_micro(values, unit)
 
 
 def _dropout_key(graphdef, params, base, key) -> jax.Array | None:
@@ -175,6 +212,7 @@ def make_train_step(
   skip_chunks: int = 4,
   truncated: bool = False,
   top_k: int = 0,
+  critic: CriticSpec | None = None,
   mesh: Mesh | None = None,
   donate: bool = True,
   jit: bool = True,
@@ -187,7 +225,7 @@ def make_train_step(
     loss: loss preset name or ``losses.LossSpec``.
     num_micro_batches, micro_batch_size, num_minibatches, num_epochs,
       temperature, group_size, shared_prefix, skip_zero_advantage,
-      skip_chunks, truncated, top_k: the fields of :class:`StepOptions`.
+      skip_chunks, truncated, top_k, critic: the fields of :class:`StepOptions`.
     mesh: mesh for explicit in/out shardings (params/opt state by logical
       names, batch rows over ``(data, fsdp)``); None runs on one device.
     donate: donate the input ``TrainState``.
@@ -217,6 +255,7 @@ def make_train_step(
     skip_chunks,
     truncated,
     top_k,
+    critic=critic,
   )
   check_options(options)
 

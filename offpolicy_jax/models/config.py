@@ -95,6 +95,8 @@ class ModelConfig:
     norm_topk_prob: if True the k routing weights are renormalised to sum to
       1 (Mixtral always; Qwen3-MoE's `norm_topk_prob`), else they are the
       softmax probabilities of the chosen experts.
+    value_head: if True the decoder carries a value head on its trunk
+      (`models.value`: V(s_t) = w . h_t + b), the critic of `learn.critic`.
   """
 
   vocab_size: int
@@ -122,6 +124,7 @@ class ModelConfig:
   num_experts_per_tok: int = 0
   moe_intermediate_size: int = 0
   norm_topk_prob: bool = True
+  value_head: bool = False
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):
@@ -190,7 +193,7 @@ class ModelConfig:
       attn += 2 * h
     layer = attn + self._feed_forward_params() + 2 * d
     embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-    return self.num_layers * layer + embed + d
+    return self.num_layers * layer + embed + d + (d + 1 if self.value_head else 0)
 
   def _feed_forward_params(self, active: bool = False) -> int:
     d, e, k = self.hidden_size, self.num_experts, self.num_experts_per_tok

@@ -40,6 +40,7 @@ from offpolicy_jax.models.block import DecoderLayer
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.models.layers import MLP, RMSNorm, param
 from offpolicy_jax.models.moe import Routed, by_layer
+from offpolicy_jax.models.value import ValueHead
 from offpolicy_jax.scale import sharding
 
 
@@ -89,6 +90,8 @@ class Decoder(nnx.Module):
     self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, ("embed",), c)
     if not c.tie_embeddings:
       self.lm_head = param(rngs.params(), (c.hidden_size, c.vocab_size), ("embed", "vocab"), pd)
+    if c.value_head:  # the critic's head (`models.value`), drawn from no key
+      self.value_head = ValueHead(c)
     if c.lora is not None:  # last, so the base parameters do not depend on the adapters
       adapter_rngs = nnx.Rngs(params=rngs.params())
       attn = tuple(t for t in c.lora.targets if t in ("q_proj", "k_proj", "v_proj", "o_proj"))

@@ -24,7 +24,7 @@ import safetensors.numpy
 from flax import nnx
 
 from offpolicy_jax import files
-from offpolicy_jax.models import hf_moe
+from offpolicy_jax.models import hf_moe, value
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.models.decoder import Decoder
 from offpolicy_jax.models.tokenizers import Tokenizer
@@ -362,6 +362,8 @@ def from_pretrained(
     for k in ours[:-1]:
       node = node.setdefault(k, {})
     node[ours[-1]] = arr
+  if config.value_head:  # not an HF tensor: ours beside the weights, or a fresh zero head
+    values["value_head"] = value.load(path, config.hidden_size)
   nnx.replace_by_pure_dict(state, values)
   return nnx.merge(graphdef, state)
 
@@ -396,6 +398,7 @@ def save_pretrained(
     tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"}
   )
   _write_json(os.path.join(path, "config.json"), config_to_hf(config, jnp.dtype(np_dtype).name))
+  value.save(model, path)
   if tokenizer is not None:
     save_tokenizer(tokenizer, path)
 

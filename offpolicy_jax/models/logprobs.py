@@ -35,13 +35,43 @@ sampler's top-p rule may keep a different number, which its own record
 carries. The entropy stays that of the untruncated p_t.
 """
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from offpolicy_jax.models import value
 from offpolicy_jax.models.decoder import Decoder
 
 DEFAULT_CHUNK = 128
+
+
+class Scored(NamedTuple):
+  """What one teacher-forced pass gives (`sequence_logprobs(..., full=True)`).
+
+  Attributes:
+    logp, entropy: float32 [B, N], zero where the mask is 0.
+    stats: the experts' `moe.RouterStats` over the real prompt and valid
+      response tokens, per block, or None for a dense model.
+    values: float32 [B, N] the value head's V(s_t) at the state before each
+      response token (`models.value`), zero where the mask is 0, or None for a
+      model without one.
+  """
+
+  logp: jax.Array
+  entropy: jax.Array
+  stats: Any = None
+  values: jax.Array | None = None
+
+
+def _scored(model, h, tokens, mask, temperature, chunk, kept, top_k, stats, full: bool):
+  logp, entropy = _token_logp_entropy(model, h, tokens, temperature, chunk, kept, top_k)
+  m = (jnp.asarray(mask) > 0).astype(jnp.float32)
+  if not full:
+    return logp * m, entropy * m
+  v = value.values_of(model, h)
+  return Scored(logp * m, entropy * m, stats, None if v is None else v * m)
 
 
 def log_kept_mass(logp_v: jax.Array, logp_y: jax.Array, kept: jax.Array, top_k: int = 0):
@@ -153,7 +183,7 @@ def sequence_logprobs(
   kept: ArrayLike | None = None,
   top_k: int = 0,
   dropout_key: jax.Array | None = None,
-  with_router_stats: bool = False,
+  full: bool = False,
   recorded=None,
   replay: bool = False,
 ):
@@ -176,16 +206,16 @@ def sequence_logprobs(
     top_k: the sampler's top-k (0 = off), which bounds the kept set.
     dropout_key: the adapters' input dropout key (`models.lora_ops`; the
       train step's current-policy forward only); None runs without dropout.
-    with_router_stats: also return the experts' `moe.RouterStats` over the
-      real prompt and valid response tokens, per block (None for a dense model).
+    full: return a `Scored`, with the experts' router statistics and the
+      value head's values (None where the model has none).
     recorded: the experts the sampler recorded, (prompts' [B, P, L, k],
       responses' [B, N, L, k]) (`sampling.SampleOutput`), or None: the stats
       then count how often the learner's own routing agrees with them.
     replay: route along `recorded` (routing replay, R3; `models.moe`).
 
   Returns:
-    (logp, entropy), float32 [B, N] each, zero where mask is 0; with
-    `with_router_stats`, (logp, entropy, stats).
+    (logp, entropy), float32 [B, N] each, zero where mask is 0; with `full`,
+    a `Scored`.
   """
   prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   tokens = jnp.asarray(tokens, jnp.int32)
@@ -201,9 +231,7 @@ def sequence_logprobs(
   h, _, routed = model.routed(*args)
   stats = None if routed is None else routed.stats
   h = h[:, p - 1 : p - 1 + n]
-  logp, entropy = _token_logp_entropy(model, h, tokens, temperature, chunk_size, kept, top_k)
-  m = (mask > 0).astype(jnp.float32)
-  return (logp * m, entropy * m, stats) if with_router_stats else (logp * m, entropy * m)
+  return _scored(model, h, tokens, mask, temperature, chunk_size, kept, top_k, stats, full)
 
 
 def shared_prefix_logprobs(
@@ -218,7 +246,7 @@ def shared_prefix_logprobs(
   kept: ArrayLike | None = None,
   top_k: int = 0,
   dropout_key: jax.Array | None = None,
-  with_router_stats: bool = False,
+  full: bool = False,
   recorded=None,
   replay: bool = False,
 ):
@@ -244,13 +272,13 @@ def shared_prefix_logprobs(
       None scores the full tempered softmax.
     top_k: the sampler's top-k (0 = off), which bounds the kept set.
     dropout_key: as for `sequence_logprobs`.
-    with_router_stats: as for `sequence_logprobs` (each prompt counted K times).
+    full: as for `sequence_logprobs` (the router counts each prompt K times).
     recorded: as for `sequence_logprobs`, the prompts' experts per group [G, P, L, k].
     replay: as for `sequence_logprobs`.
 
   Returns:
-    (logp, entropy), float32 [G*K, N] each, zero where mask is 0; with
-    `with_router_stats`, (logp, entropy, stats).
+    (logp, entropy), float32 [G*K, N] each, zero where mask is 0; with `full`,
+    a `Scored`.
   """
   tokens = jnp.asarray(tokens, jnp.int32)
   h_p, h_s, stats = model.shared_prefix_routed(
@@ -267,6 +295,4 @@ def shared_prefix_logprobs(
   # from the response's own states.
   first = jnp.repeat(h_p[:, -1:], group_size, axis=0)
   h = jnp.concatenate([first, h_s[:, :-1]], axis=1)
-  logp, entropy = _token_logp_entropy(model, h, tokens, temperature, chunk_size, kept, top_k)
-  m = (jnp.asarray(mask) > 0).astype(jnp.float32)
-  return (logp * m, entropy * m, stats) if with_router_stats else (logp * m, entropy * m)
+  return _scored(model, h, tokens, mask, temperature, chunk_size, kept, top_k, stats, full)

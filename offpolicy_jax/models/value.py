@@ -1,0 +1,82 @@
+"""A value head on the decoder's trunk: the critic of `learn.critic`.
+
+  V(s_t) = w . h_t + b,   h_t = RMSNorm(h_L) at the state before token t
+
+`ModelConfig.value_head` adds it to a `Decoder` (`Decoder.value_head`, a
+`ValueHead`); the policy and the critic then share the trunk and one forward
+pass gives both the log-probs and the values (`models.logprobs`). The head
+starts at zero (V = 0 everywhere), so it learns from the returns before its
+gradient reaches the trunk. It computes in float32 whatever the compute dtype.
+
+Hugging Face checkpoints hold no value head: `hf.from_pretrained` starts it at
+zero, or reads `value_head.safetensors` beside the weights, which
+`hf.save_pretrained` writes for a model that has one (transformers ignores
+the file).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors.numpy
+from flax import nnx
+
+from offpolicy_jax.models.config import ModelConfig
+from offpolicy_jax.models.layers import param
+
+FILE = "value_head.safetensors"
+
+
+class ValueHead(nnx.Module):
+  """`w` [D] (logical axis `embed`) and `b` [], float32, zero at initialisation."""
+
+  def __init__(self, config: ModelConfig):
+    self.w = param(None, (config.hidden_size,), ("embed",), jnp.float32, init="zeros")
+    self.b = param(None, (), (), jnp.float32, init="zeros")
+
+  def __call__(self, h_btd: jax.Array) -> jax.Array:
+    """float32 values [...] of final hidden states [..., D]."""
+    w = self.w[...].astype(jnp.float32)
+    return jnp.einsum("...d,d->...", h_btd.astype(jnp.float32), w) + self.b[...]
+
+
+def values_of(model, h_btd: jax.Array) -> jax.Array | None:
+  """The model's values at hidden states `h_btd`, or None when it has no value head."""
+  head = getattr(model, "value_head", None)
+  return None if head is None else head(h_btd)
+
+
+def save(model, path: str) -> None:
+  """Writes the model's value head to `path`/`FILE` (nothing without one)."""
+  head = getattr(model, "value_head", None)
+  if head is None:
+    return
+  arrays = {"w": head.w[...], "b": head.b[...]}
+  arrays = {k: np.array(jax.device_get(v), np.float32) for k, v in arrays.items()}
+  safetensors.numpy.save_file(arrays, os.path.join(path, FILE))
+
+
+def load(path: str, hidden_size: int) -> dict[str, jax.Array]:
+  """The value head stored in `path`/`FILE`, or a zero head when there is none.
+
+  Raises:
+    ValueError: naming the file, for a corrupt file, a missing tensor or a bad shape.
+  """
+  file = os.path.join(path, FILE)
+  if not os.path.exists(file):
+    return {"w": jnp.zeros((hidden_size,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+  try:
+    stored = safetensors.numpy.load_file(file)
+  except Exception as e:  # safetensors raises its own error types for a corrupt header
+    raise ValueError(f"{file}: not a readable safetensors file ({e})") from e
+  shapes = {"w": (hidden_size,), "b": ()}
+  for name, shape in shapes.items():
+    if name not in stored:
+      raise ValueError(f"{file}: the value head has no tensor {name!r}")
+    if tuple(stored[name].shape) != shape:
+      raise ValueError(
+        f"{file}: value head tensor {name!r} has shape {tuple(stored[name].shape)}, "
+        f"expected {shape} (hidden size {hidden_size})"
+      )
+  return {name: jnp.asarray(stored[name], jnp.float32) for name in shapes}

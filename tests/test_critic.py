@@ -1,0 +1,177 @@
+"""The critic: the value head on the trunk, its import / export, and the train step's value loss."""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from offpolicy_jax import models, returns
+from offpolicy_jax.learn import critic, train_state, train_step
+from offpolicy_jax.models import value
+from offpolicy_jax.types import TrainBatch
+
+B, P, N = 8, 4, 6
+
+
+@pytest.fixture(scope="module")
+def setup():
+  config = dataclasses.replace(models.get_config("tiny"), value_head=True)
+  graphdef, params = nnx.split(models.Decoder(config, rngs=nnx.Rngs(0)))
+  rng = np.random.default_rng(0)
+  prompt_mask = np.ones((B, P), np.float32)
+  prompt_mask[::2, :2] = 0
+  mask = np.ones((B, N), np.float32)
+  mask[1, 4:] = 0
+  mask[5, 2:] = 0
+  mask[6, 1:3] = 0  # an environment's tokens inside a row (multi-turn)
+  batch = TrainBatch(
+    prompt_tokens=(rng.integers(1, config.vocab_size, (B, P)) * prompt_mask).astype(np.int32),
+    prompt_mask=prompt_mask,
+    tokens=rng.integers(1, config.vocab_size, (B, N)).astype(np.int32),
+    mask=mask,
+    behavior_logp=np.zeros((B, N), np.float32),
+    advantages=np.zeros(B, np.float32),
+    rewards=(rng.uniform(size=B) > 0.5).astype(np.float32),
+    versions=np.zeros((B, N), np.int32),
+    weights=np.ones(B, np.float32),
+    behavior_kept=np.full((B, N), config.vocab_size, np.int32),
+    old_logp=np.zeros((B, N), np.float32),
+  )
+  model = nnx.merge(graphdef, params)
+  logp = models.sequence_logprobs(
+    model, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask
+  )[0]
+  batch = batch._replace(behavior_logp=np.asarray(logp), old_logp=np.asarray(logp))
+  return dict(config=config, graphdef=graphdef, params=params, batch=batch)
+
+
+def _step(setup, spec, optimizer=None, **kw):
+  opt = optimizer or optax.sgd(0.5)
+  step = train_step.make_train_step(
+    setup["graphdef"], opt, "reinforce", critic=spec, donate=False, **kw
+  )
+  return step, train_state.init_train_state(setup["params"], opt)
+
+
+def test_the_value_head_starts_at_zero_and_is_exported_and_imported(setup, tmp_path):
+  config = setup["config"]
+  assert config.num_params() == models.get_config("tiny").num_params() + config.hidden_size + 1
+  model = nnx.merge(setup["graphdef"], setup["params"])
+  b = setup["batch"]
+  scored = models.sequence_logprobs(
+    model, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask, full=True
+  )
+  np.testing.assert_array_equal(scored.values, 0.0)
+  model.value_head.w[...] = jnp.linspace(-1, 1, config.hidden_size)
+  model.value_head.b[...] = jnp.float32(0.25)
+  models.save_pretrained(model, str(tmp_path))
+  back = models.from_pretrained(str(tmp_path), value_head=True)
+  np.testing.assert_array_equal(back.value_head.w[...], model.value_head.w[...])
+  np.testing.assert_array_equal(back.value_head.b[...], 0.25)
+  assert not hasattr(models.from_pretrained(str(tmp_path)), "value_head")  # a policy alone
+  os.remove(tmp_path / value.FILE)  # an HF checkpoint has none: a zero head
+  fresh = models.from_pretrained(str(tmp_path), value_head=True)
+  np.testing.assert_array_equal(fresh.value_head.w[...], 0)
+
+
+def test_a_corrupt_value_head_is_refused_by_name(setup, tmp_path):
+  model = nnx.merge(setup["graphdef"], setup["params"])
+  models.save_pretrained(model, str(tmp_path))
+  file = tmp_path / value.FILE
+  file.write_bytes(file.read_bytes()[:20])
+  with pytest.raises(ValueError, match="value_head.safetensors"):
+    models.from_pretrained(str(tmp_path), value_head=True)
+
+
+def test_gae_in_the_step_is_the_reference_and_the_critic_fits_the_returns(setup):
+  spec = critic.CriticSpec("gae", gamma=1.0, lam=0.95, whiten=False)
+  b = setup["batch"]
+  # The prepass (values micro-batch by micro-batch) against a direct computation.
+  model = nnx.merge(setup["graphdef"], setup["params"])
+  model.value_head.w[...] = jnp.linspace(-0.5, 0.5, setup["config"].hidden_size)
+  graphdef, params = nnx.split(model)
+  scored = models.sequence_logprobs(
+    model, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask, full=True
+  )
+  v = scored.values
+  want = returns.gae(returns.token_rewards(b.rewards, b.mask), v, b.mask, gamma=1.0, lam=0.95)
+  got = critic.with_gae(spec, jax.tree.map(jnp.asarray, b), lambda _: v)
+  np.testing.assert_allclose(got.advantages, want.advantages, atol=1e-6)
+  np.testing.assert_allclose(got.returns, want.returns, atol=1e-6)
+  assert np.all(np.asarray(got.advantages)[b.mask == 0] == 0)
+  # Training on a fixed batch: the critic learns its returns.
+  adam = optax.adam(3e-3)
+  step, state = _step({**setup, "params": params}, spec, adam)
+  first = None
+  for _ in range(40):
+    state, m = step(state, b, jax.random.key(0))
+    first = first or m
+  assert float(m["critic/value_loss"]) < 0.2 * float(first["critic/value_loss"])
+  assert float(m["critic/explained_variance"]) > 0.8 > float(first["critic/explained_variance"])
+  assert "critic/_r" not in m
+
+
+def test_micro_batches_give_the_same_update(setup):
+  spec = critic.CriticSpec("gae", value_clip=0.2)
+  step1, state = _step(setup, spec)
+  step2, _ = _step(setup, spec, num_micro_batches=2)
+  s1, m1 = step1(state, setup["batch"], jax.random.key(0))
+  s2, m2 = step2(state, setup["batch"], jax.random.key(0))
+  for a, c in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params), strict=True):
+    np.testing.assert_allclose(a, c, atol=1e-6)
+  head = np.asarray(s1.params["value_head"]["w"][...])
+  assert np.abs(head).max() > 0  # the value loss moved the head
+  np.testing.assert_allclose(m1["critic/value_loss"], m2["critic/value_loss"], rtol=1e-6)
+
+
+def test_vtrace_on_policy_is_gae_with_lambda_one(setup):
+  """On-policy (rho = 1), V-trace's targets are the Monte Carlo returns and its advantages GAE's."""
+  model = nnx.merge(setup["graphdef"], setup["params"])
+  model.value_head.w[...] = jnp.linspace(-0.5, 0.5, setup["config"].hidden_size)
+  params = nnx.split(model)[1]
+  s = {**setup, "params": params}
+  gae = critic.CriticSpec("gae", lam=1.0, value_clip=0.0, whiten=False)
+  vt = critic.CriticSpec("vtrace", lam=1.0)
+  step_g, state = _step(s, gae)
+  step_v, _ = _step(s, vt)
+  sg, mg = step_g(state, setup["batch"], jax.random.key(0))
+  sv, mv = step_v(state, setup["batch"], jax.random.key(0))
+  for a, c in zip(jax.tree.leaves(sg.params), jax.tree.leaves(sv.params), strict=True):
+    np.testing.assert_allclose(a, c, atol=2e-6)
+  np.testing.assert_allclose(mg["critic/value_loss"], mv["critic/value_loss"], rtol=1e-5)
+  # Off-policy, the truncated ratios change the update.
+  # rho = exp(-0.5) < rho_bar: stale tokens the policy now finds less likely.
+  b = setup["batch"]
+  off = b._replace(behavior_logp=b.behavior_logp + 0.5 * b.mask)
+  sv2, _ = step_v(state, off, jax.random.key(0))
+  assert not np.allclose(sv2.params["value_head"]["w"][...], sv.params["value_head"]["w"][...])
+
+
+@pytest.mark.parametrize(
+  "field,value,match",
+  [
+    ("estimator", "td", "critic.estimator"),
+    ("gamma", 1.5, "critic.gamma"),
+    ("lam", -0.1, "critic.lam"),
+    ("value_coef", 0.0, "critic.value_coef"),
+    ("value_clip", -1.0, "critic.value_clip"),
+    ("c_bar", 2.0, "rho_bar"),
+  ],
+)
+def test_bad_critic_settings_name_the_field(field, value, match):
+  kw = {"estimator": "vtrace", field: value}
+  with pytest.raises(ValueError, match=match):
+    critic.CriticSpec(**kw)
+
+
+def test_a_critic_without_a_value_head_is_refused(setup):
+  graphdef, params = nnx.split(models.Decoder(models.get_config("tiny"), rngs=nnx.Rngs(0)))
+  opt = optax.sgd(0.1)
+  step = train_step.make_train_step(graphdef, opt, "reinforce", critic=critic.CriticSpec("gae"))
+  with pytest.raises(ValueError, match="value head"):
+    step(train_state.init_train_state(params, opt), setup["batch"], jax.random.key(0))
