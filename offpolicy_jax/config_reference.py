@@ -37,6 +37,8 @@ _SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
    "the preset's value ([losses.md](losses.md)).", ("loss",)),
   ("Advantage (`advantage.*`)", "The advantage estimator ([losses.md](losses.md)).",
    ("advantage",)),
+  ("Critic (`critic.*`)", "A value head on the policy's trunk and the token advantages it "
+   "makes ([losses.md](losses.md#critics)).", ("critic",)),
   ("Policy lag (`lag.*`)", "The schedule of the parameter versions that sample "
    "([science.md](science.md) s5, [lag_and_study.md](lag_and_study.md)).", ("lag",)),
   ("Replay (`replay.*`)", "The buffer of sampled groups a step trains on.", ("replay",)),

@@ -227,6 +227,29 @@ RUN_FIELDS: tuple[Field, ...] = (
      'Advantage estimator (advantages.names()); "" picks the loss preset\'s default, '
      "losses.default_advantage(loss.name): grpo for grpo/dapo-style presets, opmd for oapl, "
      "else group_mean.", Str()),
+  _F("critic.estimator", "", PROGRAM,
+     'Critic (learn.critic): "gae" (PPO with a value head, GAE advantages), "vtrace" (IMPALA '
+     'V-trace advantages and targets), "none"; "" picks the loss preset\'s default, '
+     "losses.default_critic(loss.name): gae for ppo_critic and rec_critic, vtrace for vtrace, "
+     "else none. A critic adds a value head to the policy's trunk and replaces the group "
+     "advantages with its token advantages.", Choice(("", "none", "gae", "vtrace"))),
+  _F("critic.gamma", 1.0, PROGRAM, "Discount per policy token.", Float(0, 1)),
+  _F("critic.lam", 0.95, PROGRAM, "GAE's lambda, or V-trace's trace lambda.", Float(0, 1)),
+  _F("critic.value_coef", 0.5, PROGRAM,
+     "Weight of the value loss (a token mean) against the policy loss.", Float(0, lo_open=True)),
+  _F("critic.value_clip", 0.2, PROGRAM,
+     "gae: clip range of the value loss around the values the step starts from (0 = off).",
+     Float(0)),
+  _F("critic.rho_bar", 1.0, PROGRAM,
+     "vtrace: truncation of the importance weights of the TD errors (and of the policy "
+     "gradient); >= critic.c_bar.", Float(0, lo_open=True)),
+  _F("critic.c_bar", 1.0, PROGRAM, "vtrace: truncation of the traces; <= critic.rho_bar.",
+     Float(0, lo_open=True)),
+  _F("critic.whiten", True, PROGRAM,
+     "gae: whiten the token advantages over the batch's valid tokens.", Bool()),
+  _F("critic.lr_scale", 10.0, PROGRAM,
+     "The value head's own AdamW learning rate, as a multiple of optimizer.learning_rate (the "
+     "same schedule); the shared trunk follows the policy's optimizer.", Float(0, lo_open=True)),
   _F("lag.mode", "sync", NUMBERS,
      '"sync": the exact schedule v(t) (offpolicy_jax.lag); "async": a sampler thread runs ahead.',
      Choice(("sync", "async"))),

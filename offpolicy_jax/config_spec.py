@@ -154,6 +154,44 @@ class AdvantageSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class CriticSpec:
+  """`config.critic.*`."""
+
+  #: Critic (learn.critic): "gae" (PPO with a value head, GAE advantages), "vtrace" (IMPALA
+  #: V-trace advantages and targets), "none"; "" picks the loss preset's default,
+  #: losses.default_critic(loss.name): gae for ppo_critic and rec_critic, vtrace for vtrace,
+  #: else none. A critic adds a value head to the policy's trunk and replaces the group
+  #: advantages with its token advantages.
+  estimator: str
+
+  #: Discount per policy token.
+  gamma: float
+
+  #: GAE's lambda, or V-trace's trace lambda.
+  lam: float
+
+  #: Weight of the value loss (a token mean) against the policy loss.
+  value_coef: float
+
+  #: gae: clip range of the value loss around the values the step starts from (0 = off).
+  value_clip: float
+
+  #: vtrace: truncation of the importance weights of the TD errors (and of the policy gradient);
+  #: >= critic.c_bar.
+  rho_bar: float
+
+  #: vtrace: truncation of the traces; <= critic.rho_bar.
+  c_bar: float
+
+  #: gae: whiten the token advantages over the batch's valid tokens.
+  whiten: bool
+
+  #: The value head's own AdamW learning rate, as a multiple of optimizer.learning_rate (the
+  #: same schedule); the shared trunk follows the policy's optimizer.
+  lr_scale: float
+
+
+@dataclasses.dataclass(frozen=True)
 class LagSpec:
   """`config.lag.*`."""
 
@@ -476,6 +514,8 @@ class RunSpec:
 
   advantage: AdvantageSpec
 
+  critic: CriticSpec
+
   lag: LagSpec
 
   replay: ReplaySpec
@@ -561,6 +601,7 @@ _BLOCKS: dict[tuple[str, str], Any] = {
   ("RunSpec", "data"): DataSpec,
   ("RunSpec", "loss"): LossSpec,
   ("RunSpec", "advantage"): AdvantageSpec,
+  ("RunSpec", "critic"): CriticSpec,
   ("RunSpec", "lag"): LagSpec,
   ("RunSpec", "replay"): ReplaySpec,
   ("RunSpec", "train"): TrainSpec,

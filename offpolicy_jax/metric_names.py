@@ -1161,8 +1161,21 @@ GROUPS: dict[str, Group] = {
         "1 - Var(R - V) / Var(R) over the step's valid tokens, R the value targets (GAE's "
         "lambda-returns, V-trace's v_s): 1 is a perfect critic, 0 no better than the mean "
         "return, below 0 worse. Under gae with one update per batch V is the critic before it "
-        "saw the batch: a prediction.",
-        study="table",
+        "saw the batch: a prediction. A step whose returns hardly vary gives a noisy ratio: "
+        "over a run, pool the variances (`learn.critic.pooled_explained_variance`; the "
+        "end-of-run summary does).",
+      ),
+      M(
+        "critic/return_var",
+        "critic",
+        "reward^2",
+        "Var(R) of the value targets over the step's valid tokens.",
+      ),
+      M(
+        "critic/error_var",
+        "critic",
+        "reward^2",
+        "Var(R - V) over the step's valid tokens: what the critic leaves unexplained.",
       ),
       M("critic/value_mean", "critic", "reward", "Mean V(s_t) over valid tokens."),
       M("critic/return_mean", "critic", "reward", "Mean value target R over valid tokens."),

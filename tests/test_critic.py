@@ -175,3 +175,21 @@ def test_a_critic_without_a_value_head_is_refused(setup):
   step = train_step.make_train_step(graphdef, opt, "reinforce", critic=critic.CriticSpec("gae"))
   with pytest.raises(ValueError, match="value head"):
     step(train_state.init_train_state(params, opt), setup["batch"], jax.random.key(0))
+
+
+def test_the_heads_own_rate_is_adamw_at_that_rate(setup):
+  """Scaling the head's AdamW updates by k is AdamW at k times the rate for the head."""
+  params = setup["params"]
+  grads = jax.tree.map(lambda x: jnp.ones_like(x) * 0.3, params)
+  both = train_state.make_optimizer(1e-3, weight_decay=0.1, head_learning_rate=1e-2)
+  policy = train_state.make_optimizer(1e-3, weight_decay=0.1)
+  head = train_state.make_optimizer(1e-2, weight_decay=0.1)
+  got = both.update(grads, both.init(params), params)[0]
+  want_policy = policy.update(grads, policy.init(params), params)[0]
+  want_head = head.update(grads, head.init(params), params)[0]
+  np.testing.assert_allclose(
+    got["value_head"]["w"][...], want_head["value_head"]["w"][...], rtol=1e-6
+  )
+  np.testing.assert_allclose(
+    got["norm"]["weight"][...], want_policy["norm"]["weight"][...], rtol=1e-6
+  )

@@ -169,9 +169,11 @@ def _token_ref(name, d, a, lp, m, mu=None, prox=None, old=None):
   r = np.exp(d)
   old = mu if old is None else old
   sig = lambda x: 1.0 / (1.0 + np.exp(-x))
-  if name == "reinforce":
+  if name in ("reinforce", "vtrace"):  # vtrace: the truncated ratio is inside A
     return -a * lp, -a + 0 * lp
-  if name in ("grpo", "ppo", "opsm", "st_ppo"):  # st_ppo: single-token turns only
+  if name == "rec_critic":  # REC-OneSide-NoIS on a critic's advantages
+    return _rec(r, a, lp, "one", False)
+  if name in ("grpo", "ppo", "ppo_critic", "opsm", "st_ppo"):  # st_ppo: single-token turns only
     return _ppo(r, a, 0.8, 1.2)
   if name == "dual_clip":
     return _ppo(r, a, 0.8, 1.2, dual=3.0)

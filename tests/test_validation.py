@@ -145,6 +145,15 @@ BAD = [
   ("tensorboard", 1, "tensorboard"),
   ("wandb_project", 3, "wandb_project"),
   ("progress", None, "progress"),
+  ("critic.estimator", "td", "critic.estimator"),
+  ("critic.gamma", 1.5, "critic.gamma"),
+  ("critic.lam", -0.1, "critic.lam"),
+  ("critic.value_coef", 0.0, "critic.value_coef"),
+  ("critic.value_clip", -1.0, "critic.value_clip"),
+  ("critic.rho_bar", 0.0, "critic.rho_bar"),
+  ("critic.c_bar", 0.0, "critic.c_bar"),
+  ("critic.whiten", "yes", "critic.whiten"),
+  ("critic.lr_scale", 0.0, "critic.lr_scale"),
 ]
 
 

@@ -30,7 +30,8 @@ The value loss enters the loss sum as ``value_coef`` times its mean over the
 micro-batch's valid, weighted tokens times the policy loss's count, so it
 accumulates like the policy loss (exactly, under token-mean aggregation).
 The explained variance 1 - Var(R - V) / Var(R) over valid tokens is computed
-from four token means after the step's reductions (`explained_variance`).
+from four token means after the step's reductions (`explained_variance`), with
+both variances, so that many steps pool into one ratio (`pooled_explained_variance`).
 """
 
 import dataclasses
@@ -171,18 +172,34 @@ def value_loss(spec: CriticSpec, values, targets, mb: TrainBatch, loss_count):
 
 
 def explained_variance(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """`metrics` (reduced) with ``critic/explained_variance`` in place of its four token means.
+  """`metrics` (reduced) with the value targets' variance, the error's and the explained
+  variance in place of their four token means.
 
-  1 - Var(R - V) / Var(R) over the step's valid tokens: 1 is a perfect critic,
-  0 one no better than the mean return, below 0 worse; 0 when the returns do
-  not vary.
+  ``critic/explained_variance`` = 1 - Var(R - V) / Var(R) over the step's valid
+  tokens: 1 is a perfect critic, 0 one no better than the mean return, below 0
+  worse; 0 when the returns do not vary. A step whose returns hardly vary (a
+  batch almost all right) gives a noisy ratio; over many steps, 1 - mean of
+  ``critic/error_var`` / mean of ``critic/return_var`` pools them.
   """
   if "critic/_r" not in metrics:
     return metrics
   out = {k: v for k, v in metrics.items() if k not in _EV_PARTS}
   var_r = metrics["critic/_r2"] - metrics["critic/_r"] ** 2
   var_d = metrics["critic/_d2"] - metrics["critic/_d"] ** 2
+  out["critic/return_var"] = var_r
+  out["critic/error_var"] = var_d
   out["critic/explained_variance"] = jnp.where(
     var_r > 1e-12, 1.0 - var_d / jnp.maximum(var_r, 1e-12), 0.0
   )
   return out
+
+
+def pooled_explained_variance(rows) -> float:
+  """1 - sum Var(R - V) / sum Var(R) over metric rows that hold both (NaN when none do).
+
+  Steps whose returns hardly vary weigh little, as they should; a mean of the
+  per-step ratios would let them dominate.
+  """
+  pairs = [(r["critic/error_var"], r["critic/return_var"]) for r in rows if "critic/error_var" in r]
+  total = sum(v for _, v in pairs)
+  return float("nan") if not pairs or total <= 0 else 1.0 - sum(e for e, _ in pairs) / total

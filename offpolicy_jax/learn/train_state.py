@@ -46,6 +46,7 @@ def make_optimizer(
   b2: float = 0.999,
   eps: float = 1e-8,
   moment_dtype: str = "float32",
+  head_learning_rate: float | None = None,
 ) -> optax.GradientTransformation:
   """Global-norm clipping followed by AdamW on a warmup + constant/cosine schedule.
 
@@ -74,26 +75,31 @@ def make_optimizer(
     raise ValueError(f"learning_rate must be >= 0, got {learning_rate}")
   if warmup_steps < 0:
     raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-  if schedule == "constant":
-    lr = (
-      optax.join_schedules(
-        [
-          optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
-          optax.constant_schedule(learning_rate),
-        ],
+  if schedule not in ("constant", "cosine"):
+    raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
+  if schedule == "cosine" and (total_steps is None or total_steps <= warmup_steps):
+    raise ValueError(f"total_steps must exceed warmup_steps for cosine, got {total_steps}")
+
+  def adamw(peak: float) -> optax.GradientTransformation:
+    if schedule == "cosine":
+      lr: Any = optax.warmup_cosine_decay_schedule(0.0, peak, warmup_steps, total_steps)
+    elif warmup_steps:
+      lr = optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, warmup_steps), optax.constant_schedule(peak)],
         [warmup_steps],
       )
-      if warmup_steps
-      else learning_rate
-    )
-  elif schedule == "cosine":
-    if total_steps is None or total_steps <= warmup_steps:
-      raise ValueError(f"total_steps must exceed warmup_steps for cosine, got {total_steps}")
-    lr = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, total_steps)
-  else:
-    raise ValueError(f"schedule must be 'constant' or 'cosine', got {schedule!r}")
-  decay_mask = lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
-  adam = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+    else:
+      lr = peak
+    decay_mask = lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+    return optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+
+  adam = adamw(learning_rate)
+  if head_learning_rate is not None:  # the critic's value head (`models.value`) at its own rate
+    if not head_learning_rate > 0 or not learning_rate > 0:
+      raise ValueError(
+        f"head_learning_rate: both rates must be > 0, got {head_learning_rate} and {learning_rate}"
+      )
+    adam = optax.chain(adam, _scale_head(head_learning_rate / learning_rate))
   if moment_dtype not in ("float32", "bfloat16"):
     raise ValueError(f"moment_dtype must be 'float32' or 'bfloat16', got {moment_dtype!r}")
   if moment_dtype != "float32":
@@ -101,6 +107,27 @@ def make_optimizer(
   if max_grad_norm:
     return optax.chain(optax.clip_by_global_norm(max_grad_norm), adam)
   return adam
+
+
+def _scale_head(k: float) -> optax.GradientTransformation:
+  """Multiplies the value head's updates (`models.value`) by `k`, the others' by 1.
+
+  After AdamW this is AdamW at `k` times the rate for the head, its decoupled
+  weight decay included: Adam's step does not depend on the gradient's scale,
+  so each parameter's moments are the same either way. Not
+  `optax.multi_transform` with two AdamWs: the same update, but a second,
+  masked optimizer state that checkpoints would have to store.
+  """
+
+  def head(path) -> bool:
+    return any(getattr(entry, "key", None) == "value_head" for entry in path)
+
+  def update(updates, state, params=None):
+    del params
+    scaled = jax.tree_util.tree_map_with_path(lambda p, u: u * k if head(p) else u, updates)
+    return scaled, state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def stored_as(dtype: Any, inner: optax.GradientTransformation) -> optax.GradientTransformation:

@@ -16,7 +16,14 @@ from offpolicy_jax.losses.adaptive import bapo_bounds, cov_select, m2po_tau
 from offpolicy_jax.losses.aggregation import AGG_MODES, aggregate, safe_divide
 from offpolicy_jax.losses.core import LossOutput, per_token_terms, policy_loss, token_coefficient
 from offpolicy_jax.losses.kl import KL_KINDS, kl
-from offpolicy_jax.losses.presets import default_advantage, describe, get_spec, names, register
+from offpolicy_jax.losses.presets import (
+  default_advantage,
+  default_critic,
+  describe,
+  get_spec,
+  names,
+  register,
+)
 from offpolicy_jax.losses.spec import LossSpec
 
 __all__ = [
@@ -28,6 +35,7 @@ __all__ = [
   "bapo_bounds",
   "cov_select",
   "default_advantage",
+  "default_critic",
   "describe",
   "get_spec",
   "kl",

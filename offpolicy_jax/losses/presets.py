@@ -1,10 +1,14 @@
+# size: declaration table: every loss preset declared once (_BUILTIN, _CORRECTIONS, _CRITIC_PRESETS)
 """Named loss presets: every method is a `LossSpec`.
 
 ``get_spec(name, **overrides)`` returns a preset with overrides applied;
 ``names()`` lists presets in registration order; ``register`` adds one.
-``describe(name)`` gives a one-line summary with the paper and
+``describe(name)`` gives a one-line summary with the paper,
 ``default_advantage(name)`` the advantage estimator the preset pairs with
-(what a run uses when ``config.advantage.name`` is empty).
+(what a run uses when ``config.advantage.name`` is empty) and
+``default_critic(name)`` the critic's estimator (``learn.critic``: ``gae``
+for ``ppo_critic`` and ``rec_critic``, ``vtrace`` for ``vtrace``, else ``""``,
+no critic; what a run uses when ``config.critic.estimator`` is empty).
 
 Paper-only methods are reconstructions from their descriptions: DISPO (the
 default four bounds are illustrative), MinPRO (prefix-minimum ratio inside a
@@ -338,8 +342,34 @@ _CORRECTIONS: tuple[tuple[str, dict, str, str], ...] = (
   ),
 )
 
+# Presets whose advantages come from a critic (`learn.critic`), and its estimator.
+_CRITIC_PRESETS: tuple[tuple[str, dict, str, str], ...] = (
+  (
+    "ppo_critic",
+    _PPO,
+    "gae",
+    "PPO clip (0.2, 0.2) with a learned critic: GAE(gamma, lambda) token advantages, whitened, "
+    "and a clipped value loss (Zheng et al., 'Secrets of RLHF', arXiv 2307.04964).",
+  ),
+  (
+    "vtrace",
+    {},
+    "vtrace",
+    "-A logp with A the V-trace advantage min(rho_bar, rho)(r + gamma v_s' - V) of a learned "
+    "critic, trained to the v_s targets (IMPALA, Espeholt et al., arXiv 1802.01561).",
+  ),
+  (
+    "rec_critic",
+    _ONE_SIDE,
+    "gae",
+    "REC-OneSide-NoIS with a critic baseline: the one-side mask on GAE token advantages "
+    "instead of the group's (Yao et al., arXiv 2509.24203; critic as ppo_critic).",
+  ),
+)
+
 _REGISTRY: dict[str, LossSpec] = {}
 _ADVANTAGES: dict[str, str] = {}
+_CRITICS: dict[str, str] = {}
 _DOCS: dict[str, str] = {}
 
 
@@ -349,6 +379,7 @@ def register(
   description: str = "",
   *,
   advantage: str = "group_mean",
+  critic: str = "",
   overwrite: bool = False,
 ) -> None:
   """Adds a named preset.
@@ -359,6 +390,8 @@ def register(
     description: one line for ``describe``.
     advantage: the advantage estimator the preset pairs with by default (one
       of ``advantages.names()``); a run's ``config.advantage.name`` overrides it.
+    critic: the critic's estimator the preset pairs with (``gae``, ``vtrace``;
+      ``""``: none); a run's ``config.critic.estimator`` overrides it.
     overwrite: allow replacing an existing preset.
 
   Raises:
@@ -373,13 +406,18 @@ def register(
     raise ValueError(
       f"advantage {advantage!r} for loss preset {name!r} is unknown; known: {advantages.names()}"
     )
+  if critic not in ("", "gae", "vtrace"):
+    raise ValueError(f"critic {critic!r} for loss preset {name!r}: expected '', 'gae' or 'vtrace'")
   _REGISTRY[name] = spec
   _ADVANTAGES[name] = advantage
+  _CRITICS[name] = critic
   _DOCS[name] = description
 
 
 for _name, _fields, _advantage, _doc in _BUILTIN + _CORRECTIONS:
   register(_name, LossSpec(**_fields), _doc, advantage=_advantage)
+for _name, _fields, _critic, _doc in _CRITIC_PRESETS:
+  register(_name, LossSpec(**_fields), _doc, critic=_critic)
 
 
 def names() -> list[str]:
@@ -406,6 +444,16 @@ def default_advantage(name: str) -> str:
   """
   get_spec(name)
   return _ADVANTAGES[name]
+
+
+def default_critic(name: str) -> str:
+  """The critic's estimator preset ``name`` pairs with (``gae``, ``vtrace``; ``""``: none).
+
+  Raises:
+    ValueError: unknown preset.
+  """
+  get_spec(name)
+  return _CRITICS[name]
 
 
 def get_spec(name: str, **overrides) -> LossSpec:

@@ -40,7 +40,13 @@ from offpolicy_jax.learn.step_options import LearnerParts, StepOptions
 from offpolicy_jax.models import hub, tokenizers
 from offpolicy_jax.models.parts import ModelParts
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.run import components_rollout, data_checks, evaluation, validation
+from offpolicy_jax.run import (
+  components_rollout,
+  critic_settings,
+  data_checks,
+  evaluation,
+  validation,
+)
 from offpolicy_jax.sampling import continuous
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
@@ -137,6 +143,7 @@ def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
   """
   dtype = dtype or config.model_dtype
   lc = lora_config(config)
+  value_head = bool(critic_settings.estimator(config))
   path = hub.model_dir(config.model)
   if path is not None:
     compute = jnp.dtype(dtype)
@@ -152,6 +159,7 @@ def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
         scan_layers=scan,
         remat=remat,
         attention=attention,
+        value_head=value_head,
       )
       return model if lc is None else models.lora.with_adapters(model, lc, step_key(seed, 0, INIT))
 
@@ -164,6 +172,7 @@ def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
     remat=config.model_remat,
     attention=config.model_attention,
     lora=lc,
+    value_head=value_head,
   )
   return lambda seed: models.Decoder(mcfg, rngs=nnx.Rngs(params=step_key(seed, 0, INIT)))
 
@@ -179,7 +188,16 @@ def optimizer(config):
     b1=opt.b1,
     b2=opt.b2,
     moment_dtype=opt.moment_dtype,
+    head_learning_rate=_head_learning_rate(config),
   )
+
+
+def _head_learning_rate(config) -> float | None:
+  """The value head's own learning rate, or None: no critic, or the policy's rate."""
+  scale = config.critic.lr_scale
+  if not critic_settings.estimator(config) or scale == 1.0 or not config.optimizer.learning_rate:
+    return None
+  return config.optimizer.learning_rate * scale
 
 
 def step_options(config) -> StepOptions:
@@ -198,6 +216,7 @@ def step_options(config) -> StepOptions:
     top_k=config.top_k if _scores_truncation(config) else 0,
     router_aux_coef=config.model_router_aux_coef,
     routing_replay=config.rollout.routing_replay,
+    critic=critic_settings.critic_spec(config),
   )
 
 

@@ -28,6 +28,7 @@ from offpolicy_jax import advantages, config_fields, config_schema, errors, loss
 from offpolicy_jax.learn import replay
 from offpolicy_jax.models import hub
 from offpolicy_jax.rewards import tasks
+from offpolicy_jax.run import critic_settings
 from offpolicy_jax.scale import disagg, sharding
 
 # The overrides of the loss preset: every `loss.*` field of the schema but `loss.name`.
@@ -177,6 +178,7 @@ def validate_settings(config) -> None:
     _validate_names(c)
     _validate_sft(c)
     _validate_lora(c)
+    critic_settings.validate(c)
     _validate_multiturn(c)
 
 
@@ -406,12 +408,8 @@ def _validate_files(c) -> None:
 
 
 def _validate_lora(c) -> None:
-  _need(
-    not c.lora.dropout or c.lora.rank > 0,
-    "lora.dropout",
-    f"adapter dropout {c.lora.dropout} needs adapters: set lora.rank > 0 (it is 0: full "
-    "fine-tuning)",
-  )
+  msg = f"adapter dropout {c.lora.dropout} needs adapters: set lora.rank > 0 (0: full fine-tuning)"
+  _need(not c.lora.dropout or c.lora.rank > 0, "lora.dropout", msg)
 
 
 def _validate_multiturn(c) -> None:

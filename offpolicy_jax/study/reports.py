@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from offpolicy_jax import errors
+from offpolicy_jax.learn import critic
 from offpolicy_jax.store.metrics_files import read_metrics, split_rows
 
 # The run's wall time so far, every command's (written by the loop in each train row).
@@ -166,8 +167,10 @@ def summarize_run(path: str) -> dict[str, Any]:
 
   Returns:
     dict with steps, reward_first_fifth, reward_last_fifth, staleness_mean,
-    clip_frac, run_wall_s (the run's wall time, every command's, when its rows
-    record it), the cost totals of `COST_KEYS` (when recorded), start_accuracy
+    clip_frac, critic_ev_first_fifth / critic_ev_last_fifth (a critic's
+    explained variance pooled over the fifth), run_wall_s (the run's wall
+    time, every command's, when its rows record it), the cost totals of
+    `COST_KEYS` (when recorded), start_accuracy
     (the evaluation at step 0: after the warm start), and every `eval/` metric
     of the last evaluation.
   """
@@ -181,6 +184,9 @@ def summarize_run(path: str) -> dict[str, Any]:
     for key in ("staleness_mean", "clip_frac"):
       vals = [r[key] for r in train if isinstance(r.get(key), (int, float))]
       out[key] = float(np.mean(vals)) if vals else float("nan")
+    if "critic/error_var" in train[-1]:  # pooled over each fifth (`critic.pooled_...`)
+      out["critic_ev_first_fifth"] = critic.pooled_explained_variance(train[:fifth])
+      out["critic_ev_last_fifth"] = critic.pooled_explained_variance(train[-fifth:])
     if isinstance(train[-1].get(RUN_WALL_KEY), (int, float)):
       out["run_wall_s"] = float(train[-1][RUN_WALL_KEY])
     for name, key in COST_KEYS.items():
@@ -210,6 +216,9 @@ def format_run_summary(path: str, *, wall_s: float | None = None, lora: bool = F
     first, last = s["reward_first_fifth"], s["reward_last_fifth"]
     rows.append(("reward", f"{first:.3f} (first fifth of steps) -> {last:.3f} (last fifth)"))
     rows.append(("staleness", f"{s['staleness_mean']:.3g} steps behind (mean)"))
+  if "critic_ev_last_fifth" in s:
+    first, last = s["critic_ev_first_fifth"], s["critic_ev_last_fifth"]
+    rows.append(("critic", f"explained variance {first:.3f} (first fifth) -> {last:.3f} (last)"))
   if "sampled_tokens" in s:
     rows.append(("tokens", f"{s['sampled_tokens']:.0f} sampled, {s['trained_tokens']:.0f} trained"))
   if "sampler_idle_s" in s:

@@ -1,0 +1,78 @@
+"""The critic of a run's config (`critic.*`): its `learn.critic.CriticSpec` and its checks.
+
+A run has a critic when `critic.estimator` is "gae" or "vtrace", or empty and
+the loss preset pairs with one (`losses.default_critic`: `ppo_critic`,
+`rec_critic`, `vtrace`). The model then carries a value head
+(`ModelConfig.value_head`), the train step trains it and reads its token
+advantages (`learn.critic`), and the optimizer gives the head its own
+learning rate (`critic.learning_rate`).
+"""
+
+from __future__ import annotations
+
+from offpolicy_jax import errors, losses
+from offpolicy_jax.learn.critic import CriticSpec
+
+
+def estimator(config) -> str:
+  """The run's critic estimator ("gae", "vtrace"), or "" for none."""
+  name = config.critic.estimator or losses.default_critic(config.loss.name)
+  return "" if name == "none" else name
+
+
+def critic_spec(config) -> CriticSpec | None:
+  """The train step's critic (`StepOptions.critic`), or None."""
+  name = estimator(config)
+  if not name:
+    return None
+  c = config.critic
+  return CriticSpec(
+    name,
+    gamma=float(c.gamma),
+    lam=float(c.lam),
+    value_coef=float(c.value_coef),
+    value_clip=float(c.value_clip),
+    rho_bar=float(c.rho_bar),
+    c_bar=float(c.c_bar),
+    whiten=bool(c.whiten),
+  )
+
+
+def _need(ok: bool, field: str, msg: str) -> None:
+  if not ok:
+    raise errors.ConfigError(f"config.{field}: {msg}")
+
+
+def validate(c) -> None:
+  """How the critic's fields fit the rest of the config (the values alone are checked already).
+
+  Raises:
+    ConfigError: `config.<field>: ...` naming the field.
+  """
+  name = estimator(c)
+  if not name:
+    return
+  _need(
+    c.critic.rho_bar >= c.critic.c_bar,
+    "critic.rho_bar",
+    f"V-trace needs rho_bar >= c_bar (Espeholt et al. 2018, s4.1), got rho_bar="
+    f"{c.critic.rho_bar} < c_bar={c.critic.c_bar}",
+  )
+  _need(
+    not c.lora.rank,
+    "lora.rank",
+    f"a critic (critic.estimator={name!r}) trains a value head on the trunk, which adapters "
+    "would freeze: use full fine-tuning (lora.rank = 0) or --config.critic.estimator=none",
+  )
+  _need(
+    c.multiturn.credit != "turn",
+    "multiturn.credit",
+    f"a critic (critic.estimator={name!r}) makes its own per-token credit from the "
+    "trajectory's reward: use multiturn.credit = 'trajectory'",
+  )
+  _need(
+    not c.advantage.name,
+    "advantage.name",
+    f"a critic (critic.estimator={name!r}) replaces the group advantages: leave "
+    "advantage.name empty, or --config.critic.estimator=none",
+  )

@@ -1,0 +1,121 @@
+"""Runs with a critic: the presets learn, every rollout kind trains one, a run resumes exactly."""
+
+import numpy as np
+import pytest
+
+from configs import default
+from offpolicy_jax import losses
+from offpolicy_jax.learn import critic
+from offpolicy_jax.run import critic_settings, loop, validation
+from offpolicy_jax.store import metrics_files
+from tests.test_loop import small_config, strip_timing
+from tests.test_multiturn_run import _GUESS
+
+# The main job's batch from scratch on partial credit: a visible gain within 60 steps (as
+# tests/test_disagg.py).
+LEARN = {
+  "total_steps": 60,
+  "task_kwargs.partial_credit": True,
+  "sft.enabled": False,
+  "optimizer.learning_rate": 1e-3,
+  "eval_prompts": 0,
+  "checkpoint_every": 0,
+  "progress": False,
+  "tensorboard": False,
+  "lag.sync_interval": 4,
+}
+
+
+def _main_job(**overrides):
+  c = default.base_config()
+  for key, value in overrides.items():
+    *parents, leaf = key.split(".")
+    node = c
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  c.lock()
+  return c
+
+
+def _fifths(rows, key):
+  r = np.array([row[key] for row in rows])
+  n = len(r) // 5
+  return r[:n].mean(), r[-n:].mean()
+
+
+@pytest.mark.parametrize("loss", ["ppo_critic", "vtrace"])
+def test_the_critic_presets_learn_the_default_task(tmp_path, loss):
+  config = _main_job(**LEARN, **{"loss.name": loss})
+  rows, _ = metrics_files.split_rows(loop.train_and_evaluate(config, str(tmp_path)))
+  first, last = _fifths(rows, "reward_mean")
+  fifth = len(rows) // 5
+  ev_first = critic.pooled_explained_variance(rows[:fifth])
+  ev_last = critic.pooled_explained_variance(rows[-fifth:])
+  print(
+    f"{loss}: reward {first:.3f} -> {last:.3f}; explained variance {ev_first:.3f} -> {ev_last:.3f}"
+  )
+  assert last > first  # it learns
+  assert ev_last > ev_first  # and the critic with it
+  assert all(np.isfinite(r["critic/value_loss"]) for r in rows)
+
+
+def test_a_critic_run_resumes_exactly(tmp_path):
+  kw = {"loss.name": "vtrace", "lag.sync_interval": 3}
+  full = loop.train_and_evaluate(small_config(total_steps=7, **kw), str(tmp_path / "full"))
+  part = str(tmp_path / "part")
+  loop.train_and_evaluate(small_config(total_steps=4, **kw), part)
+  loop.train_and_evaluate(small_config(total_steps=7, **kw), part)
+  got, _ = metrics_files.split_rows(metrics_files.read_metrics(part))
+  want, _ = metrics_files.split_rows(full)
+  assert strip_timing(got) == strip_timing(want)
+  assert "critic/explained_variance" in want[-1]
+  # The critic is part of the compiled program: a resume that turns it off is refused.
+  with pytest.raises(ValueError, match="critic.estimator"):
+    off = small_config(total_steps=9, **kw, **{"critic.estimator": "none"})
+    loop.train_and_evaluate(off, part)
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    {"rollout.partial_budget": 2, "lag.sync_interval": 2, "rollout.score_old": True},
+    {**_GUESS, "sft.steps": 3, "lag.mode": "async", "lag.max_staleness": 2},
+  ],
+  ids=["partial", "async_episodes"],
+)
+def test_every_rollout_kind_trains_a_critic(tmp_path, overrides):
+  config = small_config(**{"total_steps": 3, "loss.name": "ppo_critic", **overrides})
+  rows, _ = metrics_files.split_rows(loop.train_and_evaluate(config, str(tmp_path)))
+  assert len(rows) == 3
+  for r in rows:
+    assert np.isfinite(r["critic/value_loss"]) and np.isfinite(r["loss"])
+    assert -1e6 < r["critic/explained_variance"] <= 1.0
+
+
+def test_the_presets_pair_with_their_critic_and_a_field_overrides_it():
+  assert [losses.default_critic(n) for n in ("ppo_critic", "vtrace", "rec_critic")] == [
+    "gae",
+    "vtrace",
+    "gae",
+  ]
+  assert losses.default_critic("grpo") == ""
+  assert critic_settings.critic_spec(small_config()) is None
+  spec = critic_settings.critic_spec(small_config(**{"critic.estimator": "vtrace"}))
+  assert spec is not None and spec.estimator == "vtrace"
+  off = small_config(**{"loss.name": "ppo_critic", "critic.estimator": "none"})
+  assert critic_settings.critic_spec(off) is None
+
+
+@pytest.mark.parametrize(
+  "overrides,field",
+  [
+    ({"critic.estimator": "vtrace", "critic.rho_bar": 0.5}, "critic.rho_bar"),
+    ({"loss.name": "ppo_critic", "lora.rank": 4}, "lora.rank"),
+    ({"loss.name": "ppo_critic", "advantage.name": "grpo"}, "advantage.name"),
+    ({**_GUESS, "loss.name": "vtrace", "multiturn.credit": "turn"}, "multiturn.credit"),
+  ],
+)
+def test_a_critic_that_does_not_fit_the_config_is_refused_by_name(overrides, field):
+  with pytest.raises(ValueError, match=f"^config.{field}: "):
+    validation.validate_settings(small_config(**overrides))
