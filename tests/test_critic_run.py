@@ -1,12 +1,13 @@
 """Runs with a critic: the presets learn, every rollout kind trains one, a run resumes exactly."""
 
+import jax
 import numpy as np
 import pytest
 
 from configs import default
 from offpolicy_jax import losses
 from offpolicy_jax.learn import critic
-from offpolicy_jax.run import critic_settings, loop, validation
+from offpolicy_jax.run import components, critic_settings, loop, start, validation
 from offpolicy_jax.store import metrics_files
 from tests.test_loop import small_config, strip_timing
 from tests.test_multiturn_run import _GUESS
@@ -119,3 +120,18 @@ def test_the_presets_pair_with_their_critic_and_a_field_overrides_it():
 def test_a_critic_that_does_not_fit_the_config_is_refused_by_name(overrides, field):
   with pytest.raises(ValueError, match=f"^config.{field}: "):
     validation.validate_settings(small_config(**overrides))
+
+
+def test_a_critic_run_after_a_plain_one_gets_the_same_warm_started_trunk(tmp_path):
+  """One process, one seed: the warm start of a run without a critic is not handed to a run
+  with one (another parameter structure); the trunks of the two agree up to float rounding
+  (the programs differ by the head, which XLA may fuse differently)."""
+  plain = small_config(total_steps=1, eval_prompts=0)
+  with_critic = small_config(total_steps=1, eval_prompts=0, **{"loss.name": "vtrace"})
+  trunks = []
+  for config in (plain, with_critic):
+    _, warm = start.initial_weights(components.build_components(config), log_fn=lambda _: None)
+    trunks.append({k: v for k, v in warm.items() if k != "value_head"})
+  assert "value_head" in warm
+  for a, b in zip(jax.tree.leaves(trunks[0]), jax.tree.leaves(trunks[1]), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -361,13 +361,20 @@ def compile_key(config) -> str:
 
 
 def warm_start_key(config) -> str:
-  """The config fields a supervised warm start depends on (`Field.warm_start`), as JSON."""
-  return _key(config, _warm_start)
+  """The config fields a supervised warm start depends on (`Field.warm_start`), as JSON.
+
+  And whether the model has a critic's value head: the parameters' structure.
+  The head is drawn from no key and the warm start's loss does not reach it,
+  so the trunk of a warm start is the same with or without it, up to float
+  rounding (the programs differ by the head).
+  """
+  return _key(config, _warm_start, value_head=bool(critic_settings.estimator(config)))
 
 
-def _key(config, keeps: Callable[[str], bool]) -> str:
+def _key(config, keeps: Callable[[str], bool], **extra) -> str:
   leaves = config_schema.flatten(config.to_dict())
-  return json.dumps({k: v for k, v in leaves.items() if keeps(k)}, sort_keys=True, default=str)
+  kept = {k: v for k, v in leaves.items() if keeps(k)} | extra
+  return json.dumps(kept, sort_keys=True, default=str)
 
 
 def _warm_start(name: str) -> bool:
