@@ -1169,13 +1169,16 @@ GROUPS: dict[str, Group] = {
         "critic/return_var",
         "critic",
         "reward^2",
-        "Var(R) of the value targets over the step's valid tokens.",
+        "Var(R) of the value targets over the step's valid tokens. A study records its run "
+        "mean, so a run's pooled explained variance is 1 - error_var / return_var there.",
+        study="csv",
       ),
       M(
         "critic/error_var",
         "critic",
         "reward^2",
         "Var(R - V) over the step's valid tokens: what the critic leaves unexplained.",
+        study="csv",
       ),
       M("critic/value_mean", "critic", "reward", "Mean V(s_t) over valid tokens."),
       M("critic/return_mean", "critic", "reward", "Mean value target R over valid tokens."),

@@ -50,6 +50,12 @@ def setup():
   return dict(config=config, graphdef=graphdef, params=params, batch=batch)
 
 
+def _fresh_model(setup):
+  """The fixture's model on a copy of its parameters (`nnx.merge` shares the variables, so
+  setting the merged model's head would change the fixture's)."""
+  return nnx.merge(setup["graphdef"], jax.tree.map(jnp.copy, setup["params"]))
+
+
 def _step(setup, spec, optimizer=None, **kw):
   opt = optimizer or optax.sgd(0.5)
   step = train_step.make_train_step(
@@ -61,7 +67,7 @@ def _step(setup, spec, optimizer=None, **kw):
 def test_the_value_head_starts_at_zero_and_is_exported_and_imported(setup, tmp_path):
   config = setup["config"]
   assert config.num_params() == models.get_config("tiny").num_params() + config.hidden_size + 1
-  model = nnx.merge(setup["graphdef"], setup["params"])
+  model = _fresh_model(setup)
   b = setup["batch"]
   scored = models.sequence_logprobs(
     model, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask, full=True
@@ -80,7 +86,7 @@ def test_the_value_head_starts_at_zero_and_is_exported_and_imported(setup, tmp_p
 
 
 def test_a_corrupt_value_head_is_refused_by_name(setup, tmp_path):
-  model = nnx.merge(setup["graphdef"], setup["params"])
+  model = _fresh_model(setup)
   models.save_pretrained(model, str(tmp_path))
   file = tmp_path / value.FILE
   file.write_bytes(file.read_bytes()[:20])
@@ -92,7 +98,7 @@ def test_gae_in_the_step_is_the_reference_and_the_critic_fits_the_returns(setup)
   spec = critic.CriticSpec("gae", gamma=1.0, lam=0.95, whiten=False)
   b = setup["batch"]
   # The prepass (values micro-batch by micro-batch) against a direct computation.
-  model = nnx.merge(setup["graphdef"], setup["params"])
+  model = _fresh_model(setup)
   model.value_head.w[...] = jnp.linspace(-0.5, 0.5, setup["config"].hidden_size)
   graphdef, params = nnx.split(model)
   scored = models.sequence_logprobs(
@@ -108,7 +114,7 @@ def test_gae_in_the_step_is_the_reference_and_the_critic_fits_the_returns(setup)
   adam = optax.adam(3e-3)
   step, state = _step({**setup, "params": params}, spec, adam)
   first = None
-  for _ in range(40):
+  for _ in range(80):
     state, m = step(state, b, jax.random.key(0))
     first = first or m
   assert float(m["critic/value_loss"]) < 0.2 * float(first["critic/value_loss"])
@@ -131,7 +137,7 @@ def test_micro_batches_give_the_same_update(setup):
 
 def test_vtrace_on_policy_is_gae_with_lambda_one(setup):
   """On-policy (rho = 1), V-trace's targets are the Monte Carlo returns and its advantages GAE's."""
-  model = nnx.merge(setup["graphdef"], setup["params"])
+  model = _fresh_model(setup)
   model.value_head.w[...] = jnp.linspace(-0.5, 0.5, setup["config"].hidden_size)
   params = nnx.split(model)[1]
   s = {**setup, "params": params}

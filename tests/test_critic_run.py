@@ -9,6 +9,7 @@ from offpolicy_jax import losses
 from offpolicy_jax.learn import critic
 from offpolicy_jax.run import components, critic_settings, loop, start, validation
 from offpolicy_jax.store import metrics_files
+from offpolicy_jax.study import warm_starts
 from tests.test_loop import small_config, strip_timing
 from tests.test_multiturn_run import _GUESS
 
@@ -135,3 +136,19 @@ def test_a_critic_run_after_a_plain_one_gets_the_same_warm_started_trunk(tmp_pat
   assert "value_head" in warm
   for a, b in zip(jax.tree.leaves(trunks[0]), jax.tree.leaves(trunks[1]), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_studys_warm_starts_hold_no_head_and_give_critic_cells_a_zero_one(tmp_path):
+  plain = components.build_components(small_config(eval_prompts=0))
+  critic_cells = components.build_components(
+    small_config(eval_prompts=0, **{"loss.name": "vtrace"})
+  )
+  first = warm_starts.Starts(str(tmp_path))
+  _, with_head = first.get(critic_cells, 0, 0)  # trained by the critic cell, stored without
+  _, without = first.get(plain, 0, 0)
+  first.close()
+  assert "value_head" in with_head and "value_head" not in without
+  np.testing.assert_array_equal(with_head["value_head"]["w"][...], 0.0)
+  _, read = warm_starts.Starts(str(tmp_path)).get(critic_cells, 0, 0)  # from disk
+  for a, b in zip(jax.tree.leaves(read), jax.tree.leaves(with_head), strict=True):
+    np.testing.assert_array_equal(a, b)

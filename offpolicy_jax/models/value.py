@@ -47,6 +47,24 @@ def values_of(model, h_btd: jax.Array) -> jax.Array | None:
   return None if head is None else head(h_btd)
 
 
+def _is_head(path, _) -> bool:
+  return path[0] == "value_head"
+
+
+def without_head(params: nnx.State) -> nnx.State:
+  """A model's parameter state without its value head (the same state when it has none)."""
+  return nnx.split_state(params, _is_head, ...)[1]
+
+
+def with_zero_head(params: nnx.State, abstract: nnx.State) -> nnx.State:
+  """`params` (without a head) with the zero head of `abstract` (a parameter state's shapes,
+  e.g. `jax.eval_shape` of one); `params` as they are when `abstract` has no head."""
+  if "value_head" not in abstract or "value_head" in params:
+    return params
+  head = nnx.split_state(abstract, _is_head, ...)[0]
+  return nnx.merge_state(params, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), head))
+
+
 def save(model, path: str) -> None:
   """Writes the model's value head to `path`/`FILE` (nothing without one)."""
   head = getattr(model, "value_head", None)

@@ -9,6 +9,10 @@ worker processes of their own, and a study resumed after a kill, read it
 instead of training it again. The study refuses to resume with a config
 that changes a field a cell depends on (`runner`), so a stored warm start is
 always the one the config asks for.
+
+A critic's value head (`models.value`) is not part of a warm start: it is
+kept without one, and a cell whose model has a head gets a zero head added,
+so cells with and without a critic start each seed from the same trunk.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 import jax
 
+from offpolicy_jax.models import value
 from offpolicy_jax.run import components, sft
 from offpolicy_jax.store import checkpointing
 
@@ -66,9 +71,9 @@ class Starts:
     rather than stored. With adapters every seed's fresh adapters sit on the
     warm start of `base_seed`'s base, stored once (with `base_seed`).
     """
-    if seed in self._memory:
-      return self._memory[seed]
     fns = comps.fns
+    if seed in self._memory:
+      return self._with_head(comps, seed, self._memory[seed])
     if fns.model.lora is not None and seed != base_seed:
       start = (
         self.get(comps, base_seed, base_seed)[0],
@@ -78,8 +83,15 @@ class Starts:
       start = warm_start(comps, seed, base_seed)
     else:
       start = self._read(comps, seed) or self._write(seed, warm_start(comps, seed, base_seed))
+    start = (start[0], value.without_head(start[1]))
     self._memory[seed] = start
-    return start
+    return self._with_head(comps, seed, start)
+
+  @staticmethod
+  def _with_head(comps: components.Components, seed: int, start: tuple[Any, Any]):
+    """`start` with the zero value head of `comps`' model, when it has one."""
+    abstract = jax.eval_shape(lambda: comps.fns.model.init_params(seed))
+    return start[0], value.with_zero_head(start[1], abstract)
 
   def close(self) -> None:
     """Waits for and releases the checkpointer (its threads); the memory copies stay."""
@@ -98,6 +110,7 @@ class Starts:
       return None
     fns = comps.fns
     base, params = jax.eval_shape(lambda: fns.model.split(fns.model.init_params(seed)))
+    params = value.without_head(params)  # stored without one (module docstring)
     try:
       items, meta = store.restore({"base": base, "params": params}, step=seed)
     except checkpointing.CheckpointError as e:
@@ -115,6 +128,7 @@ class Starts:
   def _write(self, seed: int, start: tuple[Any, Any]) -> tuple[Any, Any]:
     store = self._checkpointer()
     if store is not None:
-      store.save(seed, {"base": start[0], "params": start[1]}, {"seed": seed})
+      params = value.without_head(start[1])
+      store.save(seed, {"base": start[0], "params": params}, {"seed": seed})
       store.wait()
     return start
