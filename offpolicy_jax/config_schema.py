@@ -62,8 +62,8 @@ from offpolicy_jax.config_fields import (
 
 _F = Field
 _POS = Int(1)
-# `ope.names()` that need no critic (`learn.buffer_ope`; a test compares them).
-OPE_ESTIMATORS = ("is", "wis", "pdis", "pdwis")
+# `ope.names()` (`learn.buffer_ope`; a test compares them); dr and wdr need a critic.
+OPE_ESTIMATORS = ("is", "wis", "pdis", "pdwis", "dr", "wdr")
 _NONNEG = Int(0)
 _OVERRIDE = Float(0, none_ok=True)
 
@@ -377,9 +377,10 @@ RUN_FIELDS: tuple[Field, ...] = (
      "Samples per eval prompt for pass@k (k = this; 1 = greedy accuracy only, no pass@k).",
      Int(1, note=" (1 = greedy accuracy only, no pass@k)")),
   _F("eval_ope", "is,wis,pdwis", CONTROL,
-     "Off-policy estimators (ope.names() without a critic, comma-separated; \"\" = off) of the "
-     "current policy's expected reward from the replay buffer's rows, logged as ope/* in every "
-     "eval row (learn.buffer_ope, docs/ope.md).", Names(OPE_ESTIMATORS, empty_ok=True)),
+     "Off-policy estimators (ope.names(), comma-separated; \"\" = off) of the current "
+     "policy's expected reward from the replay buffer's rows, logged as ope/* in every eval "
+     "row (learn.buffer_ope, docs/ope.md); the doubly robust dr and wdr need a critic "
+     "(critic.estimator).", Names(OPE_ESTIMATORS, empty_ok=True)),
   _F("checkpoint_every", 100, NO_CELL_EFFECT,
      "Save a checkpoint every this many steps (0 = only at the end).", _NONNEG),
   _F("log_every", 10, NO_CELL_EFFECT,

@@ -474,9 +474,10 @@ class RunSpec:
   #: Samples per eval prompt for pass@k (k = this; 1 = greedy accuracy only, no pass@k).
   eval_samples: int
 
-  #: Off-policy estimators (ope.names() without a critic, comma-separated; "" = off) of the
-  #: current policy's expected reward from the replay buffer's rows, logged as ope/* in every
-  #: eval row (learn.buffer_ope, docs/ope.md).
+  #: Off-policy estimators (ope.names(), comma-separated; "" = off) of the current policy's
+  #: expected reward from the replay buffer's rows, logged as ope/* in every eval row
+  #: (learn.buffer_ope, docs/ope.md); the doubly robust dr and wdr need a critic
+  #: (critic.estimator).
   eval_ope: str
 
   #: Save a checkpoint every this many steps (0 = only at the end).

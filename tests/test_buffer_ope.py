@@ -11,8 +11,8 @@ from tests.test_loop import small_config
 KEYS = ("is", "wis", "pdwis")
 
 
-def test_the_schema_offers_every_estimator_without_a_critic():
-  assert set(config_schema.OPE_ESTIMATORS) == set(ope.names()) - {"dr", "wdr"}
+def test_the_schema_offers_every_estimator():
+  assert set(config_schema.OPE_ESTIMATORS) == set(ope.names())
 
 
 def test_with_the_policy_unchanged_the_estimates_are_the_buffers_own_reward(tmp_path):
@@ -43,3 +43,19 @@ def test_a_run_asked_for_no_estimator_logs_none(tmp_path):
   _, evals = metrics_files.split_rows(loop.train_and_evaluate(cfg, str(tmp_path / "run")))
   assert evals and not any(k.startswith("ope/") for ev in evals for k in ev)
   assert np.isfinite(evals[-1]["eval/accuracy"])
+
+
+def test_the_doubly_robust_estimators_read_the_critic(tmp_path):
+  """A critic run logs dr and wdr; with the policy and its zero head unchanged (learning rate
+  0) the doubly robust estimate is per-decision IS exactly, here the buffer's own reward."""
+  cfg = small_config(
+    total_steps=2,
+    eval_every=2,
+    eval_ope="pdis,dr,wdr",
+    **{"optimizer.learning_rate": 0.0, "loss.name": "vtrace", "sft.enabled": False},
+  )
+  _, evals = metrics_files.split_rows(loop.train_and_evaluate(cfg, str(tmp_path / "run")))
+  ev = evals[-1]
+  for name in ("pdis", "dr", "wdr"):
+    assert ev[f"ope/{name}"] == pytest.approx(ev["ope/behavior_reward"], abs=1e-4), name
+    assert ev[f"ope/{name}_low"] <= ev[f"ope/{name}"] <= ev[f"ope/{name}_high"]

@@ -116,6 +116,7 @@ def test_the_presets_pair_with_their_critic_and_a_field_overrides_it():
     ({"loss.name": "ppo_critic", "lora.rank": 4}, "lora.rank"),
     ({"loss.name": "ppo_critic", "advantage.name": "grpo"}, "advantage.name"),
     ({**_GUESS, "loss.name": "vtrace", "multiturn.credit": "turn"}, "multiturn.credit"),
+    ({"eval_ope": "is,dr"}, "eval_ope"),
   ],
 )
 def test_a_critic_that_does_not_fit_the_config_is_refused_by_name(overrides, field):

@@ -6,7 +6,9 @@ included) under the trainer's current parameters pi, as the train step scores
 them (its temperature, truncation, shared prefix), and estimates pi's expected
 reward from those lagged rows with the estimators of `ope` (docs/ope.md): for
 each name, `ope/<name>`, its 95% interval `ope/<name>_low` / `_high` and its
-effective sample size `ope/<name>_ess`. Beside them: what the rows' own
+effective sample size `ope/<name>_ess`. With a critic (`learn.critic`) the
+doubly robust `dr` and `wdr` read its values V(s_t) from the same forward
+pass (the value at the prompt and at the last token). Beside them: what the rows' own
 samplers earned (`ope/behavior_reward`), how far they are from pi
 (`ope/staleness_mean`, in versions) and how many rows were used (`ope/rows`).
 
@@ -29,6 +31,9 @@ from offpolicy_jax import ope
 from offpolicy_jax.learn.replay import ReplayState
 from offpolicy_jax.learn.scorer import token_logprobs
 from offpolicy_jax.learn.step_options import StepOptions
+
+# The estimators that read a critic's values (`ope.doubly_robust`, `weighted_doubly_robust`).
+_DOUBLY_ROBUST = ("dr", "wdr")
 
 
 def parse(spec: str) -> tuple[str, ...]:
@@ -58,8 +63,10 @@ def estimate(
   chunk = math.gcd(c, groups_per_batch)
   chunks = jax.tree.map(lambda x: x.reshape(c // chunk, chunk * k, *x.shape[2:]), replay.data)
 
+  critic = any(name in _DOUBLY_ROBUST for name in names)
+
   def score(part):
-    logp, _ = token_logprobs(
+    scored = token_logprobs(
       graphdef,
       params,
       part,
@@ -67,13 +74,18 @@ def estimate(
       shared,
       truncated=options.truncated,
       top_k=options.top_k,
+      full=True,
     )
-    return logp
+    if critic and scored.values is None:
+      raise ValueError(f"eval_ope: {names} need a critic's values; the model has no value head")
+    return scored.logp, scored.values if critic else jnp.zeros_like(scored.logp)
 
-  logp = jax.lax.map(score, chunks).reshape(c * k, -1)
+  logp, values = jax.lax.map(score, chunks)
+  logp, values = logp.reshape(c * k, -1), values.reshape(c * k, -1)
   out: dict[str, jax.Array] = {}
   for name in names:
-    est = ope.estimate(name, logp, rows.behavior_logp, mask, rows.rewards)
+    v = values if name in _DOUBLY_ROBUST else None
+    est = ope.estimate(name, logp, rows.behavior_logp, mask, rows.rewards, values=v)
     out[f"ope/{name}"] = est.value
     out[f"ope/{name}_low"] = est.ci_low
     out[f"ope/{name}_high"] = est.ci_high

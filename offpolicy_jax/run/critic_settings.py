@@ -50,6 +50,13 @@ def validate(c) -> None:
     ConfigError: `config.<field>: ...` naming the field.
   """
   name = estimator(c)
+  doubly_robust = sorted({"dr", "wdr"} & {n.strip() for n in c.eval_ope.split(",")})
+  _need(
+    bool(name) or not doubly_robust,
+    "eval_ope",
+    f"the doubly robust estimators {doubly_robust} need a critic's values: set "
+    "critic.estimator (or a loss preset with a critic), or drop them",
+  )
   if not name:
     return
   _need(
