@@ -83,8 +83,10 @@ def test_a_critic_run_resumes_exactly(tmp_path):
   [
     {"rollout.partial_budget": 2, "lag.sync_interval": 2, "rollout.score_old": True},
     {**_GUESS, "sft.steps": 3, "lag.mode": "async", "lag.max_staleness": 2},
+    # Disaggregated: the sampler on 2 devices, the trainer (and the head) over data x tensor.
+    {"mesh.sampler_devices": 2, "mesh.data": 2, "mesh.tensor": 3, "lag.sync_interval": 2},
   ],
-  ids=["partial", "async_episodes"],
+  ids=["partial", "async_episodes", "sampler_mesh"],
 )
 def test_every_rollout_kind_trains_a_critic(tmp_path, overrides):
   config = small_config(**{"total_steps": 3, "loss.name": "ppo_critic", **overrides})
