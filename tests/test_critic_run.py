@@ -9,7 +9,7 @@ from offpolicy_jax import losses
 from offpolicy_jax.learn import critic
 from offpolicy_jax.run import components, critic_settings, loop, start, validation
 from offpolicy_jax.store import metrics_files
-from offpolicy_jax.study import warm_starts
+from offpolicy_jax.study import report, report_tables, warm_starts
 from tests.test_loop import small_config, strip_timing
 from tests.test_multiturn_run import _GUESS
 
@@ -155,3 +155,27 @@ def test_a_studys_warm_starts_hold_no_head_and_give_critic_cells_a_zero_one(tmp_
   _, read = warm_starts.Starts(str(tmp_path)).get(critic_cells, 0, 0)  # from disk
   for a, b in zip(jax.tree.leaves(read), jax.tree.leaves(with_head), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def test_the_study_tables_pool_each_runs_explained_variance():
+  def cell(method, off_policy):
+    run = lambda seed: {
+      "seed": seed,
+      "eval_steps": [0, 10],
+      "eval_accuracy": [0.3, 0.4 + 0.01 * seed],
+      "train_reward": [0.3] * 10,
+      "skipped": 0.0,
+      "off_policy": off_policy,
+    }
+    return {"method": method, "lag": "onpolicy", "runs": [run(s) for s in range(3)]}
+
+  # ppo_critic's runs: explained variance 1 - 0.01 / 0.04 = 0.75 each.
+  critic_vars = {"critic/return_var": 0.04, "critic/error_var": 0.01}
+  rows = report.cell_rows(cell("grpo", {}), 1) + report.cell_rows(
+    cell("ppo_critic", critic_vars), 1
+  )
+  rows = [{**r, "step": r["step"] if r["step"] != "" else None} for r in rows]
+  lines = report_tables.tables(rows, baseline=("grpo", "onpolicy"), title="t")
+  at = lines.index("## Critic: explained variance")
+  table = "\n".join(lines[at : at + 10])
+  assert "| grpo | - |" in table and "| ppo_critic | 0.750" in table

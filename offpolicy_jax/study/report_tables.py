@@ -358,6 +358,7 @@ def _run_sections(values, main, lags, seeds) -> list[str]:
     diagnostics,
     lambda metric: _md(["method", *lags], grid(metric, lambda x: f"{float(np.mean(x)):.3g}")),
   )
+  lines += _critic_section(values, main, lags, seeds)
   lines += _metric_tables(
     "Cost per run",
     "Mean over seeds of a run's sampled and trained tokens, training seconds (a vmapped "
@@ -367,3 +368,28 @@ def _run_sections(values, main, lags, seeds) -> list[str]:
     lambda metric: _md(["method", *lags], grid(metric, lambda x: f"{float(np.mean(x)):.4g}")),
   )
   return lines
+
+
+def _critic_section(values, main, lags, seeds) -> list[str]:
+  """A critic's explained variance per cell (`learn.critic`), when the runs have one."""
+  var = lambda m, g, k: values.get((m, g, f"critic/{k}")) or {}
+
+  def cell(m, g):
+    returns, errors = var(m, g, "return_var"), var(m, g, "error_var")
+    if not returns:
+      return "-"
+    ev = [1.0 - errors[s] / returns[s] for s in seeds if s in returns and returns[s] > 0]
+    return str(study_stats.interval(ev)) if ev else "-"
+
+  if not any(key[2] == "critic/return_var" for key in values):
+    return []
+  return [
+    "",
+    "## Critic: explained variance",
+    "",
+    "Per run, 1 - mean Var(R - V) / mean Var(R) over its steps (the value targets R and the "
+    "critic's values V on each step's valid tokens, `learn.critic`), then the mean over seeds "
+    "with its 95% t interval; '-': no critic.",
+    "",
+    *_md(["method", *lags], _grid(main, lags, cell)),
+  ]
