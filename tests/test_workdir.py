@@ -123,3 +123,14 @@ def test_parameter_shape_fields_never_change_on_resume(tmp_path):
     workdir.check_config(str(tmp_path), new, step=5, allow_change=True)
   assert "--allow_config_change" not in str(e.value)
   assert not (tmp_path / workdir.HISTORY_FILE).exists()
+
+
+def test_a_field_added_since_the_run_began_is_no_change_at_its_default():
+  """A run recorded before `critic.estimator` existed resumes under its default; set to
+  anything else it is a change."""
+  config = default.base_config().to_dict()
+  stored = json.loads(json.dumps(config, default=str))
+  del stored["critic"]["estimator"]
+  assert workdir.config_changes(stored, config) == {}
+  config["critic"]["estimator"] = "gae"
+  assert set(workdir.config_changes(stored, config)) == {"critic.estimator"}

@@ -168,7 +168,10 @@ def config_changes(
     config: the new config (a dict).
     matters: which roles count (default: the fields a resume must keep); an
       undeclared field always counts. A retired field at its retired value
-      (`config_schema.RETIRED`) is no change.
+      (`config_schema.RETIRED`) is no change, nor is a field added to the
+      schema after `stored` (a record, not an empty one) was written that
+      holds its default (a default keeps what the code did before the field
+      existed).
   """
   old, new = config_schema.flatten(stored), config_schema.flatten(_normalise(dict(config)))
   changes = {}
@@ -177,6 +180,10 @@ def config_changes(
       continue
     a, b = old.get(field, ABSENT), new.get(field, ABSENT)
     if b == ABSENT and field in config_schema.RETIRED and a == config_schema.RETIRED[field]:
+      continue
+    declared = config_schema.field(field)
+    added = bool(old) and a == ABSENT and declared is not None and declared.name == field
+    if added and declared is not None and b == declared.default:
       continue
     if a != b:
       changes[field] = (a, b)
