@@ -434,6 +434,12 @@ STUDY_FIELDS: tuple[Field, ...] = (
      "random streams on the same warm starts and prompts ('all', '' for none, or lag "
      "names, comma-separated); the report gives the false-verdict rate of these pairs.",
      Str()),
+  _F("study.ope", "", NUMBERS,
+     "Off-policy estimators (ope.names(), comma-separated; \"\" = off) a cell runs on each "
+     "seed's replay buffer at every evaluation, beside the truth they estimate: the mean "
+     "reward of eval_samples samples per held-out prompt at the training temperature, drawn "
+     "at every evaluation (more sampling). The report gives each estimator's error and "
+     "interval coverage by lag (docs/ope.md).", Names(OPE_ESTIMATORS, empty_ok=True)),
   _F("study.bandit_steps", 300, NO_CELL_EFFECT, "The bandit study: SGD steps.", _POS),
   _F("study.bandit_group_size", 8, NO_CELL_EFFECT, "The bandit study: arms sampled per step.",
      _POS),

@@ -580,6 +580,13 @@ class StudySpec:
   #: separated); the report gives the false-verdict rate of these pairs.
   aa_lags: str
 
+  #: Off-policy estimators (ope.names(), comma-separated; "" = off) a cell runs on each seed's
+  #: replay buffer at every evaluation, beside the truth they estimate: the mean reward of
+  #: eval_samples samples per held-out prompt at the training temperature, drawn at every
+  #: evaluation (more sampling). The report gives each estimator's error and interval coverage
+  #: by lag (docs/ope.md).
+  ope: str
+
   #: The bandit study: SGD steps.
   bandit_steps: int
 

@@ -947,6 +947,13 @@ GROUPS: dict[str, Group] = {
         "Mean fraction of the K samples that are correct: the sampled solve rate.",
       ),
       M(
+        "eval/sample_reward",
+        "default",
+        "reward",
+        "Mean reward of the K samples at the training temperature: the current policy's "
+        "expected reward, what the off-policy estimates `ope/*` estimate (docs/ope.md).",
+      ),
+      M(
         "eval/turns",
         "multi-turn",
         "turns",

@@ -59,3 +59,26 @@ def test_the_doubly_robust_estimators_read_the_critic(tmp_path):
   for name in ("pdis", "dr", "wdr"):
     assert ev[f"ope/{name}"] == pytest.approx(ev["ope/behavior_reward"], abs=1e-4), name
     assert ev[f"ope/{name}_low"] <= ev[f"ope/{name}"] <= ev[f"ope/{name}_high"]
+
+
+def test_a_studys_ope_summary_is_the_error_and_the_coverage_against_the_truth():
+  from offpolicy_jax.study import report
+
+  ope = {
+    "ope/is": [0.5, 0.7],
+    "ope/is_low": [0.4, 0.65],
+    "ope/is_high": [0.6, 0.75],
+    "ope/is_ess": [8.0, 8.0],
+    "ope/behavior_reward": [0.3, 0.3],
+    "ope/rows": [8.0, 8.0],
+    "truth": [0.55, 0.6],
+  }
+  got = report.ope_summary(ope)
+  assert got == pytest.approx(
+    {
+      "ope_is_abs_error": 0.075,  # |0.5 - 0.55| and |0.7 - 0.6|
+      "ope_is_coverage": 0.5,  # 0.55 in [0.4, 0.6]; 0.6 not in [0.65, 0.75]
+      "ope_behavior_abs_error": 0.275,
+    }
+  )
+  assert report.ope_summary({}) == {}

@@ -37,8 +37,10 @@ def test_evaluate_reports_accuracy_and_pass_at_k(fns):
     "eval/reward_failures",
     "eval/pass@2",
     "eval/sample_accuracy",
+    "eval/sample_reward",
   }
   assert 0.0 <= ev["eval/accuracy"] <= 1.0 and ev["eval/response_len"] >= 1.0
+  assert ev["eval/sample_reward"] == ev["eval/sample_accuracy"]  # a 0/1 reward
   # pass@k >= the mean accuracy of the same samples; the same key gives the same numbers.
   assert ev["eval/pass@2"] >= ev["eval/sample_accuracy"]
   assert evaluation.evaluate(fns, params, key, num_prompts=4, k=2) == ev

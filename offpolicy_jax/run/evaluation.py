@@ -107,12 +107,15 @@ def evaluate_seeds(
 
   Returns:
     float64 arrays [S] (or [1]): `accuracy`, `reward_mean`, `response_len`,
-    `reward_failures`, with k >= 2 `pass@k` and `sample_accuracy`, and for
+    `reward_failures`, with k >= 2 `pass@k`, `sample_accuracy` and
+    `sample_reward` (the samples' mean reward), and for
     episodes (rows with turns) `turns` and `tool_calls_per_solved`.
   """
   keys_s = keys if over_seeds else jnp.asarray(keys)[None]
   s = keys_s.shape[0]
-  names = ("correct", "reward", "length", "fails", "pass", "sample", "turns", "calls", "solved")
+  names: tuple[str, ...] = ("correct", "reward", "length", "fails", "pass", "sample")
+  names += ("sample_reward",)
+  names += ("turns", "calls", "solved")
   sums = {m: np.zeros(s) for m in names}
   n, episodic = 0.0, False
   for i, prompts in enumerate(eval_prompts(fns, num_prompts, batch_size)):
@@ -135,6 +138,7 @@ def evaluate_seeds(
         hit_gk = r.rewards.reshape(-1, k) > 0.5
         sums["pass"][seed] += (hit_gk.any(axis=1) * valid).sum()
         sums["sample"][seed] += (hit_gk.mean(axis=1) * valid).sum()
+        sums["sample_reward"][seed] += (r.rewards.reshape(-1, k).mean(axis=1) * valid).sum()
   n = max(n, 1.0)
   ev = {
     "accuracy": sums["correct"] / n,
@@ -148,6 +152,7 @@ def evaluate_seeds(
   if k >= 2:
     ev[f"pass@{k}"] = sums["pass"] / n
     ev["sample_accuracy"] = sums["sample"] / n
+    ev["sample_reward"] = sums["sample_reward"] / n
   return ev
 
 

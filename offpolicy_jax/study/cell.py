@@ -12,6 +12,7 @@ the lags of one method share one compiled program.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from offpolicy_jax import metric_names
+from offpolicy_jax import metric_names, models
+from offpolicy_jax.learn import buffer_ope
 from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.run import components, evaluation
 from offpolicy_jax.step import costs, drivers, programs, run_state
@@ -72,7 +74,8 @@ def evaluate(
   batch_size: int = 0,
   base=None,
 ):
-  """Greedy accuracy [S], pass@k [S] (k >= 2, else None) and reward failures [S] of `params`.
+  """Greedy accuracy [S], pass@k [S] (k >= 2, else None), reward failures [S] and the
+  samples' mean reward [S] (k >= 2, else None) of `params`.
 
   `params` are seed-stacked (over `base`). A failure is a response whose
   sandboxed reward timed out, raised or crashed (scored 0): a host reward
@@ -86,7 +89,21 @@ def evaluate(
   ev = evaluation.evaluate_seeds(
     fns, params, keys, num_prompts, k, batch_size=batch_size or num_prompts, base=base
   )
-  return ev["accuracy"], ev.get(f"pass@{k}"), ev["reward_failures"]
+  return ev["accuracy"], ev.get(f"pass@{k}"), ev["reward_failures"], ev.get("sample_reward")
+
+
+def _buffer_ope(fns: run_state.StepFns, names: tuple[str, ...]):
+  """`learn.buffer_ope.estimate` over the seed axis: `(state) -> {ope/...: [S]}` (jitted)."""
+  estimate = functools.partial(
+    buffer_ope.estimate, fns.model.graphdef, fns.learner.options, fns.sizes.prompts_per_step
+  )
+
+  def over_seeds(state):
+    params = jax.vmap(lambda p: models.lora.join(state.base, p))(state.train.params)
+    one = lambda p, r, v: estimate(p, r, v, names)
+    return jax.vmap(one)(params, state.replay, state.train.version)
+
+  return jax.jit(over_seeds)
 
 
 def _prompt_chunk(iters: list, n: int, host_fields: bool) -> dict[str, Any]:
@@ -165,8 +182,10 @@ def _run_seeds(
   schedule = run_state.LagSchedule(*(jnp.int32(x) for x in schedule_mn))
   device = fns.reward.device is not None
   ev = dict(batch_size=grid.eval_batch, base=state.base)
-  acc0, _, eval_fails = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
+  acc0, _, eval_fails, _ = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
   eval_steps, accs, metrics_l, pass_k = [0], [acc0], [], None
+  ope_fn = _buffer_ope(fns, grid.ope) if grid.ope else None
+  ope_l: list[dict] = []  # each evaluation's estimates [S] and the truth they estimate
   train_s_at = [0.0]  # the program's training seconds at each evaluation
   advance = drivers.over_seeds(fns)
   train_s = 0.0  # the training steps' seconds, evaluations excluded (compilation included)
@@ -179,10 +198,14 @@ def _run_seeds(
     metrics_l.append(jax.device_get(out))
     train_s += time.perf_counter() - begin
     end = start + run.eval_every
-    k = run.eval_samples if end == run.total_steps else 0
-    acc, solved, fails = evaluate(
+    k = run.eval_samples if end == run.total_steps or ope_fn else 0
+    acc, solved, fails, sample_reward = evaluate(
       fns, state.train.params, streams, run.eval_prompts, k=k, step=end, **ev
     )
+    if ope_fn is not None:
+      with jax.set_mesh(fns.model.mesh):
+        est = jax.device_get(ope_fn(state))
+      ope_l.append({**est, "truth": sample_reward})
     eval_fails = eval_fails + fails
     eval_steps.append(end)
     train_s_at.append(train_s)
@@ -190,6 +213,7 @@ def _run_seeds(
     pass_k = solved if solved is not None else pass_k
   out = {key: np.concatenate([o[key] for o in metrics_l], axis=1) for key in metrics_l[0]}
   accs_sl = np.stack(accs, axis=1)
+  ope = {key: np.stack([o[key] for o in ope_l], axis=1) for key in ope_l[0]} if ope_l else {}
   return [
     {
       "seed": seed,
@@ -200,6 +224,8 @@ def _run_seeds(
       "skipped": float(out["skipped"][i].sum()),
       f"pass@{run.eval_samples}": None if pass_k is None else float(pass_k[i]),
       "snapshot_missing": bool(out["snapshot_missing"][i].any()),
+      # Off-policy estimates at evaluations 1, 2, ... (`config.study.ope`) and their truth.
+      **({"ope": {key: v[i].tolist() for key, v in ope.items()}} if ope else {}),
       "off_policy": study_means(out, i),
       "costs": _costs(out, i, train_s, len(seeds)),
       # Running totals at each evaluation (time- and tokens-to-accuracy).

@@ -23,7 +23,7 @@ import ml_collections
 
 from offpolicy_jax import config_schema, errors, lag
 from offpolicy_jax.config_spec import RunSpec, StudySpec
-from offpolicy_jax.run import validation
+from offpolicy_jax.run import critic_settings, validation
 from offpolicy_jax.study import sweeps
 
 # The A/A twin of the baseline method is the method `AA_PREFIX + method`.
@@ -47,6 +47,8 @@ class Grid:
   engines: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
   # Lags at which the baseline method runs again as its A/A twin (`aa_method`).
   aa_lags: tuple[str, ...] = ()
+  # Off-policy estimators run on the replay buffers at every evaluation (`config.study.ope`).
+  ope: tuple[str, ...] = ()
 
   @property
   def aa_method(self) -> str:
@@ -245,8 +247,26 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     st.eval_batch,
     engines,
     parse_aa_lags(st.aa_lags, lags),
+    _ope(st.ope, run, base, methods),
   )
   return base, grid
+
+
+def _ope(spec: str, run: RunSpec, base, methods) -> tuple[str, ...]:
+  """The estimators of `config.study.ope`; refused where a cell could not run them."""
+  names = tuple(n.strip() for n in spec.split(",") if n.strip())
+  if names and run.eval_samples < 2:
+    raise ValueError(
+      f"config.study.ope: the truth the estimates are compared with is the mean reward of "
+      f"eval_samples samples per prompt; eval_samples is {run.eval_samples}, needs >= 2"
+    )
+  if {"dr", "wdr"} & set(names):
+    for name, overrides in methods.items():
+      if not critic_settings.estimator(sweeps.apply_overrides(base, overrides)):
+        raise ValueError(
+          f"config.study.ope: dr and wdr read a critic's values; method {name!r} has none"
+        )
+  return names
 
 
 def _check_cell_config(config: ml_collections.ConfigDict) -> None:

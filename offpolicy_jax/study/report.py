@@ -29,6 +29,33 @@ from offpolicy_jax.study import stats as study_stats
 from offpolicy_jax.study.report_tables import summary_table
 
 FIELDS = ("method", "lag", "seed", "metric", "step", "value")
+# Curves and summaries of the off-policy estimates (`config.study.ope`): `ope_<key>`.
+OPE_PREFIX = "ope_"
+
+
+def ope_summary(ope: Mapping[str, list[float]]) -> dict[str, float]:
+  """A run's off-policy evaluation against the truth, over its evaluations.
+
+  For each estimator `n` (and for `behavior`, the stored rows' own mean reward:
+  what the stale data says with no correction): `ope_<n>_abs_error`, the mean
+  |estimate - truth|, and for the estimators `ope_<n>_coverage`, the share of
+  evaluations whose 95% interval holds the truth (the samples' mean reward).
+  """
+  if not ope:
+    return {}
+  truth = np.asarray(ope["truth"], np.float64)
+  out = {}
+  names = [k.removeprefix("ope/") for k in ope if k.startswith("ope/") and f"{k}_low" in ope]
+  for name in [*names, "behavior_reward"]:
+    est = np.asarray(ope[f"ope/{name}"], np.float64)
+    tag = name.removesuffix("_reward")
+    out[f"{OPE_PREFIX}{tag}_abs_error"] = float(np.mean(np.abs(est - truth)))
+    if name in names:
+      low, high = (np.asarray(ope[f"ope/{name}_{e}"], np.float64) for e in ("low", "high"))
+      out[f"{OPE_PREFIX}{tag}_coverage"] = float(np.mean((low <= truth) & (truth <= high)))
+  return out
+
+
 CURVES = ("eval_accuracy", "train_reward")
 
 
@@ -52,12 +79,17 @@ def cell_rows(cell: Mapping[str, Any], eval_last: int) -> list[dict[str, Any]]:
     for name, key in (("tokens", "eval_sampled_tokens"), ("train_wall_s", "eval_train_wall_s")):
       if key in run:
         summary[f"{name}_to_threshold"] = study_stats.spent_to_threshold(steps, acc, run[key])
+    summary |= ope_summary(run.get("ope", {}))
     for metric, value in summary.items():
       rows.append({**base, "seed": run["seed"], "metric": metric, "step": "", "value": value})
     curves = {
       "eval_accuracy": zip(run["eval_steps"], run["eval_accuracy"], strict=True),
       "train_reward": enumerate(run["train_reward"], start=1),
     }
+    for key, values in run.get("ope", {}).items():  # evaluations 1, 2, ... (not step 0)
+      curves[OPE_PREFIX + key.removeprefix("ope/")] = zip(
+        run["eval_steps"][1:], values, strict=True
+      )
     for metric, points in curves.items():
       for step, value in points:
         rows.append({**base, "seed": run["seed"], "metric": metric, "step": step, "value": value})

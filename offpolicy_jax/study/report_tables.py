@@ -359,6 +359,7 @@ def _run_sections(values, main, lags, seeds) -> list[str]:
     lambda metric: _md(["method", *lags], grid(metric, lambda x: f"{float(np.mean(x)):.3g}")),
   )
   lines += _critic_section(values, main, lags, seeds)
+  lines += _ope_section(values, main, lags, seeds)
   lines += _metric_tables(
     "Cost per run",
     "Mean over seeds of a run's sampled and trained tokens, training seconds (a vmapped "
@@ -393,3 +394,36 @@ def _critic_section(values, main, lags, seeds) -> list[str]:
     "",
     *_md(["method", *lags], _grid(main, lags, cell)),
   ]
+
+
+def _ope_section(values, main, lags, seeds) -> list[str]:
+  """Off-policy evaluation from the buffers against the truth, by lag (`config.study.ope`)."""
+  names = sorted(
+    {
+      k[2].removeprefix("ope_").removesuffix("_coverage")
+      for k in values
+      if k[2].startswith("ope_") and k[2].endswith("_coverage")
+    }
+  )
+  if not names:
+    return []
+  grid = lambda metric, fmt: _grid(main, lags, _summary(values, seeds, metric, fmt))
+  lines = [
+    "",
+    "## Off-policy evaluation from the replay buffer",
+    "",
+    "At every evaluation each seed's buffer estimates the current policy's expected reward "
+    "(docs/ope.md), against the truth: the mean reward of the evaluation's samples at the "
+    "training temperature. Mean |estimate - truth| over a run's evaluations, then the mean over "
+    "seeds with its 95% t interval; coverage: the share of evaluations whose 95% interval held "
+    "the truth, over every seed. `behavior`: the stored rows' own mean reward, no correction.",
+  ]
+  interval = lambda x: str(study_stats.interval(x))
+  share = lambda x: f"{float(np.mean(x)):.0%}"
+  for name in [*names, "behavior"]:
+    lines += ["", f"### `{name}`: mean absolute error", ""]
+    lines += _md(["method", *lags], grid(f"ope_{name}_abs_error", interval))
+    if name != "behavior":
+      lines += ["", f"### `{name}`: interval coverage", ""]
+      lines += _md(["method", *lags], grid(f"ope_{name}_coverage", share))
+  return lines
