@@ -82,3 +82,19 @@ def test_a_studys_ope_summary_is_the_error_and_the_coverage_against_the_truth():
     }
   )
   assert report.ope_summary({}) == {}
+
+
+def test_a_study_refuses_ope_it_cannot_compare_or_run():
+  from configs import lag_study
+  from offpolicy_jax.study import grid
+
+  config = lag_study.get_config("critic")
+  config.unlock()
+  config.study.ope = "is"
+  config.eval_samples = 1
+  with pytest.raises(ValueError, match="^config.study.ope: .*eval_samples is 1"):
+    grid.grid_from_config(config)
+  config.eval_samples = 4
+  config.study.ope = "is,dr"  # grpo and rec_oneside_nois have no critic
+  with pytest.raises(ValueError, match="^config.study.ope: dr and wdr .* 'grpo' has none"):
+    grid.grid_from_config(config)
