@@ -109,13 +109,16 @@ LR_METHODS = ",".join(
 )
 
 
-TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "lr", "reuse", "moe", "critic")
+TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "lr", "reuse", "moe", "critic", "ope")
 # `critic`: does a learned critic help under lag (docs/results/critic.md)? PPO with a critic
 # and GAE (`ppo_critic`), IMPALA's V-trace (`vtrace`) and REC-OneSide-NoIS on the critic's
 # advantages (`rec_critic`) against the group baselines GRPO and REC-OneSide-NoIS, on-policy /
 # sync interval 20 / 64 / offline (200 steps: an interval of 256 would be offline), 12 seeds.
 CRITIC_METHODS = "grpo,rec_oneside_nois,ppo_critic,vtrace,rec_critic"
 CRITIC_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,offline=offline"
+# `ope`: off-policy evaluation from the replay buffer against the truth by lag (docs/ope.md):
+# the critic methods, so that the doubly robust estimators have values, 12 seeds.
+OPE_ESTIMATES = "is,wis,pdwis,dr,wdr"
 # `moe`: routing replay (docs/models.md, arXiv 2510.11370) on the tiny mixture of experts
 # (tiny-moe: 4 experts, top-2): each method with the sampler's routing recorded only
 # (`rollout.routing_replay=record`: the learner routes by its own router, rows report how often
@@ -195,7 +198,8 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   else:
     raise ValueError(
       f"configs/lag_study.py: unknown scale {scale!r} "
-      "(toy, toy_full, deep, deep_full, lr, reuse, moe, critic, gsm8k, code, spell or calculator)"
+      "(toy, toy_full, deep, deep_full, lr, reuse, moe, critic, ope, gsm8k, code, spell or "
+      "calculator)"
     )
   c.eval_every = 50
   # pass@k of the final parameters, k samples per prompt at the training temperature.
@@ -255,10 +259,13 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.study.lags = "onpolicy=1/0,offline=offline"
     c.study.baseline = "narrow_lr3e-4@onpolicy"
     c.study.aa_lags = ""
-  if scale == "critic":
-    c.study.methods = CRITIC_METHODS
+  if scale in ("critic", "ope"):
+    c.study.methods = CRITIC_METHODS if scale == "critic" else "ppo_critic,vtrace"
     c.study.lags = CRITIC_LAGS
     c.study.aa_lags = ""  # the A/A calibration at 12 seeds is the default grid's
+  if scale == "ope":
+    c.study.ope = OPE_ESTIMATES
+    c.study.baseline = "ppo_critic@onpolicy"
   if scale == "reuse":
     c.eval_every = 20
     c.eval_samples = 1  # greedy accuracy only
