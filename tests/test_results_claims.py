@@ -2007,6 +2007,87 @@ claim(
 )
 
 
+# --- docs/results/critic.md: critics under lag ---------------------------------------------
+
+CR = "docs/results/critic.md"
+CRITIC = "lag_study_critic/study.csv"
+CRITIC_LAGS = ("onpolicy", "interval20", "interval64", "offline")
+CRITIC_NAMES = {
+  "grpo": "GRPO",
+  "rec_oneside_nois": "REC-OneSide-NoIS",
+  "ppo_critic": "ppo_critic",
+  "vtrace": "vtrace",
+  "rec_critic": "rec_critic",
+}
+_cr = lambda: S("lag_study_critic")
+
+
+def _critic_ev(method: str, lag: str) -> study_stats.Interval:
+  s = _cr()
+  ratio = s.x(method, lag, "critic/error_var") / s.x(method, lag, "critic/return_var")
+  return study_stats.interval(1.0 - ratio)
+
+
+section(CR, "## Final greedy accuracy")
+for _m, _name in CRITIC_NAMES.items():
+  claim(
+    CR,
+    f"| {_name} | " + " | ".join(["{} [{}, {}] `{m}`"] * 4) + " |",
+    CRITIC,
+    lambda m=_m: [x for g in CRITIC_LAGS for x in (*ivs(_cr().iv(m, g)), _cr().mark(m, g))],
+  )
+claim(
+  CR,
+  "V-trace {} of 12 at interval 20 and {} of 12 at interval 64 and offline; no",
+  CRITIC,
+  lambda: [_cr().collapsed("vtrace", "interval20"), _cr().collapsed("vtrace", "interval64")],
+)
+fact(
+  CR,
+  "other cell has one.",
+  CRITIC,
+  lambda: (
+    _cr().collapsed("vtrace", "offline") == 12
+    and sum(_cr().collapsed(m, g) for m in _cr().main for g in CRITIC_LAGS)
+    == sum(_cr().collapsed("vtrace", g) for g in CRITIC_LAGS)
+  ),
+)
+section(CR, "## The critic's explained variance")
+for _m in ("ppo_critic", "vtrace", "rec_critic"):
+  claim(
+    CR,
+    f"| {_m} | " + " | ".join(["{} [{}, {}]"] * 4) + " |",
+    CRITIC,
+    lambda m=_m: [x for g in CRITIC_LAGS for x in ivs(_critic_ev(m, g))],
+  )
+section(CR, "## What it says")
+claim(
+  CR,
+  "{} [{}, {}] against GRPO (`{m}`) and REC on the critic\n  {} [{}, {}] (`{m}`); offline they "
+  "lose {} and {},\n  more than GRPO's own {} from lag.",
+  CRITIC,
+  lambda: (
+    *ivs(_cr().diff("ppo_critic", "onpolicy")),
+    _cr().mark("ppo_critic", "onpolicy"),
+    *ivs(_cr().diff("rec_critic", "onpolicy")),
+    _cr().mark("rec_critic", "onpolicy"),
+    _cr().diff("ppo_critic", "offline").mean,
+    _cr().diff("rec_critic", "offline").mean,
+    _cr().diff("grpo", "offline").mean,
+  ),
+)
+fact(CR, "On-policy it is `~`.", CRITIC, lambda: _cr().mark("vtrace", "onpolicy") == "~")
+claim(
+  CR,
+  "explains little of the return's variance ({} to\n  {})",
+  CRITIC,
+  lambda: (
+    min(_critic_ev(m, g).mean for m in ("ppo_critic", "vtrace", "rec_critic") for g in CRITIC_LAGS),
+    max(_critic_ev(m, g).mean for m in ("ppo_critic", "vtrace", "rec_critic") for g in CRITIC_LAGS),
+  ),
+)
+
+
 # ------------------------------------------------------------------------------------------
 # Tests.
 
