@@ -133,7 +133,8 @@ GROUPS: dict[str, Group] = {
         "default",
         "advantage",
         "Mean absolute advantage per row (per-token advantages: the row's mean): the size of the "
-        "learning signal; 0 when every group is all-equal.",
+        "learning signal; 0 when every group is all-equal. With a critic it is still the "
+        "group's, which the critic's token advantages replace in the loss (`critic/*`).",
       ),
       M(
         "loss",
@@ -1149,7 +1150,8 @@ GROUPS: dict[str, Group] = {
   "critic": Group(
     "the critic",
     "Rows of a run with a critic (`critic.estimator` gae or vtrace, or a loss preset that "
-    "pairs with one: `ppo_critic`, `vtrace`; [losses.md](losses.md#critics)): the value head "
+    "pairs with one: `ppo_critic`, `vtrace`, `rec_critic`; [losses.md](losses.md#critics)): "
+    "the value head "
     "on the policy's trunk, from the train step's forward passes over each micro-batch's valid "
     "response tokens, weighted like the loss.",
     (

@@ -134,3 +134,21 @@ def test_a_field_added_since_the_run_began_is_no_change_at_its_default():
   assert workdir.config_changes(stored, config) == {}
   config["critic"]["estimator"] = "gae"
   assert set(workdir.config_changes(stored, config)) == {"critic.estimator"}
+
+
+def test_adding_or_removing_a_critic_is_refused_even_when_changes_are_allowed(tmp_path):
+  """The value head is in the checkpointed parameters: no resume can add or drop it."""
+  plain = default.base_config().to_dict()
+  _record(tmp_path, plain)
+  critic = default.base_config()
+  critic.loss.name = "ppo_critic"
+  with pytest.raises(workdir.ConfigChanged, match="shapes follow critic.estimator"):
+    workdir.check_config(str(tmp_path), critic, step=2, allow_change=True)
+  _record(tmp_path, critic.to_dict())
+  off = default.base_config()
+  off.loss.name, off.critic.estimator = "ppo_critic", "none"
+  with pytest.raises(workdir.ConfigChanged, match="shapes follow critic.estimator"):
+    workdir.check_config(str(tmp_path), off, step=2, allow_change=True)
+  same = default.base_config()  # '' -> 'gae' under ppo_critic: the same head
+  same.loss.name, same.critic.estimator = "ppo_critic", "gae"
+  workdir.check_config(str(tmp_path), same, step=2, allow_change=True)

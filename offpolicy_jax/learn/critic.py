@@ -83,7 +83,7 @@ class CriticSpec:
       raise ValueError(f"critic.value_coef must be > 0, got {self.value_coef}")
     if self.value_clip < 0:
       raise ValueError(f"critic.value_clip must be >= 0 (0 = off), got {self.value_clip}")
-    if not self.c_bar > 0 or self.rho_bar < self.c_bar:
+    if self.estimator == "vtrace" and (not self.c_bar > 0 or self.rho_bar < self.c_bar):
       raise ValueError(
         f"critic.rho_bar / critic.c_bar: V-trace needs rho_bar >= c_bar > 0, got "
         f"rho_bar={self.rho_bar}, c_bar={self.c_bar}"

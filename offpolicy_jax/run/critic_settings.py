@@ -5,7 +5,7 @@ the loss preset pairs with one (`losses.default_critic`: `ppo_critic`,
 `rec_critic`, `vtrace`). The model then carries a value head
 (`ModelConfig.value_head`), the train step trains it and reads its token
 advantages (`learn.critic`), and the optimizer gives the head its own
-learning rate (`critic.learning_rate`).
+learning rate (`critic.lr_scale` times the policy's).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def validate(c) -> None:
   if not name:
     return
   _need(
-    c.critic.rho_bar >= c.critic.c_bar,
+    name != "vtrace" or c.critic.rho_bar >= c.critic.c_bar,
     "critic.rho_bar",
     f"V-trace needs rho_bar >= c_bar (Espeholt et al. 2018, s4.1), got rho_bar="
     f"{c.critic.rho_bar} < c_bar={c.critic.c_bar}",

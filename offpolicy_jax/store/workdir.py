@@ -32,7 +32,7 @@ from typing import Any
 
 import filelock
 
-from offpolicy_jax import config_fields, config_schema, errors, files
+from offpolicy_jax import config_fields, config_schema, errors, files, losses
 from offpolicy_jax.store import metrics
 
 LOCK_FILE = ".lock"
@@ -195,6 +195,17 @@ def describe_changes(changes: dict[str, tuple[Any, Any]]) -> str:
   return "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
 
 
+def _has_critic(cfg: Mapping[str, Any]) -> bool:
+  """Whether a run config trains a critic (`run.critic_settings.estimator`), so that its
+  parameters hold a value head; False for a record without one or an unknown loss."""
+  chosen = (cfg.get("critic") or {}).get("estimator", "")
+  try:
+    chosen = chosen or losses.default_critic((cfg.get("loss") or {}).get("name", ""))
+  except ValueError:  # a loss registered in another process: no preset critic
+    pass
+  return chosen not in ("", "none")
+
+
 def check_config(path: str, config: Any, *, step: int, allow_change: bool = False) -> None:
   """Compares a resume's `config` with the run's `config.json`.
 
@@ -235,6 +246,8 @@ def check_config(path: str, config: Any, *, step: int, allow_change: bool = Fals
   fixed = [k for k in changes if k in PARAMETER_SHAPE_FIELDS]
   if "rollout.routing_replay" in changes and "off" in changes["rollout.routing_replay"]:
     fixed.append("rollout.routing_replay")  # its replay buffer holds the experts, or not
+  if _has_critic(stored) != _has_critic(cfg):  # the parameters hold a value head, or not
+    fixed.append("critic.estimator")
   if fixed:
     raise ConfigChanged(
       f"workdir {path} holds checkpoints whose parameter (or replay buffer) shapes follow "

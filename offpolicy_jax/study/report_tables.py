@@ -390,7 +390,7 @@ def _critic_section(values, main, lags, seeds) -> list[str]:
     "",
     "Per run, 1 - mean Var(R - V) / mean Var(R) over its steps (the value targets R and the "
     "critic's values V on each step's valid tokens, `learn.critic`), then the mean over seeds "
-    "with its 95% t interval; '-': no critic.",
+    "with its 95% t interval; '-': no critic (or returns that never varied).",
     "",
     *_md(["method", *lags], _grid(main, lags, cell)),
   ]
