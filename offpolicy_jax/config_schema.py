@@ -437,9 +437,10 @@ STUDY_FIELDS: tuple[Field, ...] = (
   _F("study.ope", "", NUMBERS,
      "Off-policy estimators (ope.names(), comma-separated; \"\" = off) a cell runs on each "
      "seed's replay buffer at every evaluation, beside the truth they estimate: the mean "
-     "reward of eval_samples samples per held-out prompt at the training temperature, drawn "
-     "at every evaluation (more sampling). The report gives each estimator's error and "
-     "interval coverage by lag (docs/ope.md).", Names(OPE_ESTIMATORS, empty_ok=True)),
+     "reward of eval_samples fresh samples at the training temperature on eval_prompts "
+     "prompts of the training split, the buffer's own (more sampling). The report gives each "
+     "estimator's error and interval coverage by lag (docs/ope.md).",
+     Names(OPE_ESTIMATORS, empty_ok=True)),
   _F("study.bandit_steps", 300, NO_CELL_EFFECT, "The bandit study: SGD steps.", _POS),
   _F("study.bandit_group_size", 8, NO_CELL_EFFECT, "The bandit study: arms sampled per step.",
      _POS),

@@ -582,9 +582,9 @@ class StudySpec:
 
   #: Off-policy estimators (ope.names(), comma-separated; "" = off) a cell runs on each seed's
   #: replay buffer at every evaluation, beside the truth they estimate: the mean reward of
-  #: eval_samples samples per held-out prompt at the training temperature, drawn at every
-  #: evaluation (more sampling). The report gives each estimator's error and interval coverage
-  #: by lag (docs/ope.md).
+  #: eval_samples fresh samples at the training temperature on eval_prompts prompts of the
+  #: training split, the buffer's own (more sampling). The report gives each estimator's error
+  #: and interval coverage by lag (docs/ope.md).
   ope: str
 
   #: The bandit study: SGD steps.

@@ -42,8 +42,11 @@ def _memo(fns: StepFns, key, build: Callable) -> Any:
   return memo[key]
 
 
-def eval_prompts(fns: StepFns, num_prompts: int, batch_size: int = 0) -> list[dict[str, Any]]:
-  """The first `num_prompts` eval prompts, in batches of `batch_size` (built once per `fns`).
+def eval_prompts(
+  fns: StepFns, num_prompts: int, batch_size: int = 0, split: str = "eval"
+) -> list[dict[str, Any]]:
+  """The first `num_prompts` prompts of `split` (held-out by default), in batches of
+  `batch_size` (built once per `fns`).
 
   `batch_size` 0 means `prompts_per_step`. Rows past `num_prompts` (and filler
   rows of a final partial batch) have `valid=False`.
@@ -51,7 +54,7 @@ def eval_prompts(fns: StepFns, num_prompts: int, batch_size: int = 0) -> list[di
   size = min(num_prompts, batch_size or fns.sizes.prompts_per_step)
 
   def build():
-    it = fns.prompts(0, "eval", batch_size=size)
+    it = fns.prompts(0, split, batch_size=size)
     batches, seen = [], 0
     for batch in it:
       keep = np.arange(size) < num_prompts - seen
@@ -61,7 +64,7 @@ def eval_prompts(fns: StepFns, num_prompts: int, batch_size: int = 0) -> list[di
         break
     return batches
 
-  return _memo(fns, ("prompts", num_prompts, size), build)
+  return _memo(fns, ("prompts", num_prompts, size, split), build)
 
 
 def _sampler(fns: StepFns, k: int, over_seeds: bool) -> Callable:
@@ -91,6 +94,7 @@ def evaluate_seeds(
   batch_size: int = 0,
   over_seeds: bool = True,
   base=None,
+  split: str = "eval",
 ) -> dict[str, np.ndarray]:
   """Evaluation of parameters stacked over S seeds (or of one set, `over_seeds=False`).
 
@@ -104,6 +108,8 @@ def evaluate_seeds(
     batch_size: prompts per eval batch (0: `prompts_per_step`).
     over_seeds: whether `params` and `keys` carry the seed axis.
     base: the frozen base (no seed axis) of adapter `params`, or None.
+    split: the prompts: "eval" (held out), or "train" (the first of the
+      training split: what the replay buffer's rows are drawn from).
 
   Returns:
     float64 arrays [S] (or [1]): `accuracy`, `reward_mean`, `response_len`,
@@ -118,11 +124,12 @@ def evaluate_seeds(
   names += ("turns", "calls", "solved")
   sums = {m: np.zeros(s) for m in names}
   n, episodic = 0.0, False
-  for i, prompts in enumerate(eval_prompts(fns, num_prompts, batch_size)):
+  for i, prompts in enumerate(eval_prompts(fns, num_prompts, batch_size, split)):
     valid = np.asarray(prompts["valid"], np.float64)
     keys_i = keys_s if i == 0 else jax.vmap(lambda key, i=i: jax.random.fold_in(key, i))(keys_s)
     n += valid.sum()
-    for seed, r in enumerate(fns.eval_rows(fns, params, base, prompts, keys_i, 1, over_seeds)):
+    rows_of = functools.partial(fns.eval_rows, fns, params, base, prompts, keys_i, split=split)
+    for seed, r in enumerate(rows_of(1, over_seeds)):
       sums["correct"][seed] += ((r.rewards > 0.5) * valid).sum()
       sums["reward"][seed] += (r.rewards * valid).sum()
       sums["length"][seed] += (r.lengths * valid).sum()
@@ -134,7 +141,7 @@ def evaluate_seeds(
         sums["calls"][seed] += (r.tool_calls * solved).sum()
         sums["solved"][seed] += solved.sum()
     if k >= 2:
-      for seed, r in enumerate(fns.eval_rows(fns, params, base, prompts, keys_i, k, over_seeds)):
+      for seed, r in enumerate(rows_of(k, over_seeds)):
         hit_gk = r.rewards.reshape(-1, k) > 0.5
         sums["pass"][seed] += (hit_gk.any(axis=1) * valid).sum()
         sums["sample"][seed] += (hit_gk.mean(axis=1) * valid).sum()
@@ -157,7 +164,7 @@ def evaluate_seeds(
 
 
 def sampled_rows(
-  fns: StepFns, params, base, prompts, keys, k: int, over_seeds: bool
+  fns: StepFns, params, base, prompts, keys, k: int, over_seeds: bool, split: str = "eval"
 ) -> list[EvalRows]:
   """Greedy (k = 1) or k sampled responses per prompt, scored (device or sandboxed host reward).
 
@@ -169,6 +176,7 @@ def sampled_rows(
     keys: PRNG keys [S] of the samples (unused by greedy rows).
     k: rows per prompt (1: greedy).
     over_seeds: whether `params` and `keys` carry the seed axis.
+    split: the split the prompts come from (the host reward reads its examples).
 
   Returns:
     one `EvalRows` per seed.
@@ -179,13 +187,21 @@ def sampled_rows(
   rows = []
   for seed in range(keys.shape[0]):
     one = out if not over_seeds else jax.tree.map(lambda x, seed=seed: x[seed], out)
-    r, stats = scoring.score(fns, prompts, one, split="eval", group_size=k)
+    r, stats = scoring.score(fns, prompts, one, split=split, group_size=k)
     rows.append(EvalRows(np.asarray(r), np.asarray(one.lengths), stats["reward_failures"]))
   return rows
 
 
 def episode_rows(
-  eps: episodes.Episodes, fns: StepFns, params, base, prompts, keys, k: int, over_seeds: bool
+  eps: episodes.Episodes,
+  fns: StepFns,
+  params,
+  base,
+  prompts,
+  keys,
+  k: int,
+  over_seeds: bool,
+  split: str = "eval",
 ) -> list[EvalRows]:
   """Greedy (k = 1) or k sampled episodes per prompt, one seed at a time (a host loop).
 
@@ -200,7 +216,7 @@ def episode_rows(
       prompts,
       keys[seed],
       task=fns.task,
-      split="eval",
+      split=split,
       group_size=k,
       greedy=k == 1,
     )

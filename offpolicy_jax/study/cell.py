@@ -73,6 +73,7 @@ def evaluate(
   step: int = 0,
   batch_size: int = 0,
   base=None,
+  split: str = "eval",
 ):
   """Greedy accuracy [S], pass@k [S] (k >= 2, else None), reward failures [S] and the
   samples' mean reward [S] (k >= 2, else None) of `params`.
@@ -82,12 +83,12 @@ def evaluate(
   under load can turn a correct answer into a failure, so a cell records them.
 
   The run's evaluator (`evaluation.evaluate_seeds`) on the first `num_prompts`
-  held-out prompts, `batch_size` at a time (0: all at once), pass@k sampled
-  with each seed's EVAL key of `step`.
+  held-out prompts (or of `split`), `batch_size` at a time (0: all at once),
+  pass@k sampled with each seed's EVAL key of `step`.
   """
   keys = jax.vmap(lambda s: run_state.step_key(s, step, run_state.EVAL))(jnp.asarray(seeds))
   ev = evaluation.evaluate_seeds(
-    fns, params, keys, num_prompts, k, batch_size=batch_size or num_prompts, base=base
+    fns, params, keys, num_prompts, k, batch_size=batch_size or num_prompts, base=base, split=split
   )
   return ev["accuracy"], ev.get(f"pass@{k}"), ev["reward_failures"], ev.get("sample_reward")
 
@@ -198,14 +199,16 @@ def _run_seeds(
     metrics_l.append(jax.device_get(out))
     train_s += time.perf_counter() - begin
     end = start + run.eval_every
-    k = run.eval_samples if end == run.total_steps or ope_fn else 0
-    acc, solved, fails, sample_reward = evaluate(
+    k = run.eval_samples if end == run.total_steps else 0
+    acc, solved, fails, _ = evaluate(
       fns, state.train.params, streams, run.eval_prompts, k=k, step=end, **ev
     )
-    if ope_fn is not None:
+    if ope_fn is not None:  # the truth: fresh samples on prompts of the buffer's split
       with jax.set_mesh(fns.model.mesh):
         est = jax.device_get(ope_fn(state))
-      ope_l.append({**est, "truth": sample_reward})
+      at = dict(k=run.eval_samples, step=end, split="train", **ev)
+      truth = evaluate(fns, state.train.params, streams, run.eval_prompts, **at)[3]
+      ope_l.append({**est, "truth": truth})
     eval_fails = eval_fails + fails
     eval_steps.append(end)
     train_s_at.append(train_s)
