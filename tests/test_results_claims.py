@@ -2088,6 +2088,79 @@ claim(
 )
 
 
+# --- docs/results/ope.md: off-policy evaluation from the buffer by lag ----------------------
+
+OPD = "docs/results/ope.md"
+OPE = "lag_study_ope/study.csv"
+_ope = lambda: S("lag_study_ope")
+
+fact(
+  OPD,
+  "the runs' final accuracies are those of the critic study",
+  f"{OPE}, {CRITIC}",
+  lambda: all(
+    np.array_equal(_ope().x(m, g), _cr().x(m, g))
+    for m in ("ppo_critic", "vtrace")
+    for g in CRITIC_LAGS
+  ),
+)
+section(OPD, "## Mean absolute error and interval coverage")
+for _n, _label in (("is", "`is`"), ("dr", "`dr`"), ("behavior", "rows' own reward")):
+  claim(
+    OPD,
+    f"| {_label} | " + " | ".join(["{} [{}, {}]"] * 4) + " |",
+    OPE,
+    lambda n=_n: [
+      x for g in CRITIC_LAGS for x in ivs(_ope().iv("ppo_critic", g, f"ope_{n}_abs_error"))
+    ],
+  )
+claim(
+  OPD,
+  "`is` coverage: {}%, {}%, {}% and {}%; `dr`: {}%, {}%, {}% and {}%.",
+  OPE,
+  lambda: [
+    round(100 * _ope().mean("ppo_critic", g, f"ope_{n}_coverage"))
+    for n in ("is", "dr")
+    for g in CRITIC_LAGS
+  ],
+)
+section(OPD, "## What it says")
+claim(
+  OPD,
+  "95% intervals hold the truth in only {}% to {}% of the `ppo_critic`",
+  OPE,
+  lambda: [
+    f(
+      round(100 * _ope().mean("ppo_critic", g, f"ope_{n}_coverage"))
+      for n in ("is", "wis", "pdwis", "dr", "wdr")
+      for g in CRITIC_LAGS
+    )
+    for f in (min, max)
+  ],
+)
+claim(
+  OPD,
+  "is off by {} and `is` by {}.",
+  OPE,
+  lambda: [_ope().mean("ppo_critic", "offline", f"ope_{n}_abs_error") for n in ("behavior", "is")],
+)
+claim(
+  OPD,
+  "Doubly robust is worse than plain IS here ({} on-policy)",
+  OPE,
+  lambda: [_ope().mean("ppo_critic", "onpolicy", "ope_dr_abs_error")],
+)
+claim(
+  OPD,
+  "offline, `wis` is off by {} and `dr` covers the\n  truth in {}% of evaluations.",
+  OPE,
+  lambda: [
+    _ope().mean("vtrace", "offline", "ope_wis_abs_error"),
+    round(100 * _ope().mean("vtrace", "offline", "ope_dr_coverage")),
+  ],
+)
+
+
 # ------------------------------------------------------------------------------------------
 # Tests.
 

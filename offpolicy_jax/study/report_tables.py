@@ -413,8 +413,9 @@ def _ope_section(values, main, lags, seeds) -> list[str]:
     "## Off-policy evaluation from the replay buffer",
     "",
     "At every evaluation each seed's buffer estimates the current policy's expected reward "
-    "(docs/ope.md), against the truth: the mean reward of the evaluation's samples at the "
-    "training temperature. Mean |estimate - truth| over a run's evaluations, then the mean over "
+    "(docs/ope.md), against the truth: the mean reward of fresh samples at the training "
+    "temperature on prompts of the training split, the buffer's own. Mean |estimate - truth| "
+    "over a run's evaluations, then the mean over "
     "seeds with its 95% t interval; coverage: the share of evaluations whose 95% interval held "
     "the truth, over every seed. `behavior`: the stored rows' own mean reward, no correction.",
   ]
