@@ -7,7 +7,8 @@
 ``default_advantage(name)`` the advantage estimator the preset pairs with
 (what a run uses when ``config.advantage.name`` is empty) and
 ``default_critic(name)`` the critic's estimator (``learn.critic``: ``gae``
-for ``ppo_critic`` and ``rec_critic``, ``vtrace`` for ``vtrace``, else ``""``,
+for ``ppo_critic`` and ``rec_critic``, ``vtrace`` for ``vtrace`` and
+``vtrace_rec``, else ``""``,
 no critic; what a run uses when ``config.critic.estimator`` is empty).
 
 Paper-only methods are reconstructions from their descriptions: DISPO (the
@@ -357,6 +358,13 @@ _CRITIC_PRESETS: tuple[tuple[str, dict, str, str], ...] = (
     "vtrace",
     "-A logp with A the V-trace advantage min(rho_bar, rho)(r + gamma v_s' - V) of a learned "
     "critic, trained to the v_s targets (IMPALA, Espeholt et al., arXiv 1802.01561).",
+  ),
+  (
+    "vtrace_rec",
+    _ONE_SIDE,
+    "vtrace",
+    "V-trace's advantages and critic under REC-OneSide-NoIS's mask: -A sg(M) logp, M drops "
+    "tokens whose pi / mu left [0.8, 1.2] on the side A pushes (vtrace with a trust region).",
   ),
   (
     "rec_critic",
