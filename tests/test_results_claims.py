@@ -2017,9 +2017,11 @@ CRITIC_NAMES = {
   "rec_oneside_nois": "REC-OneSide-NoIS",
   "ppo_critic": "ppo_critic",
   "vtrace": "vtrace",
+  "vtrace_rec": "vtrace_rec",
   "rec_critic": "rec_critic",
 }
 _cr = lambda: S("lag_study_critic")
+_CRITICS = ("ppo_critic", "vtrace", "vtrace_rec", "rec_critic")
 
 
 def _critic_ev(method: str, lag: str) -> study_stats.Interval:
@@ -2053,7 +2055,7 @@ fact(
   ),
 )
 section(CR, "## The critic's explained variance")
-for _m in ("ppo_critic", "vtrace", "rec_critic"):
+for _m in ("ppo_critic", "vtrace", "vtrace_rec", "rec_critic"):
   claim(
     CR,
     f"| {_m} | " + " | ".join(["{} [{}, {}]"] * 4) + " |",
@@ -2079,11 +2081,33 @@ claim(
 fact(CR, "On-policy it is `~`.", CRITIC, lambda: _cr().mark("vtrace", "onpolicy") == "~")
 claim(
   CR,
+  "V-trace advantages and critic (`vtrace_rec`) collapse in no run and end at\n  {}, {} and {} at "
+  "interval 20, 64 and offline, against plain\n  V-trace's {}, {} and {}.",
+  CRITIC,
+  lambda: [_cr().mean(m, g) for m in ("vtrace_rec", "vtrace") for g in CRITIC_LAGS[1:]],
+)
+fact(
+  CR,
+  "On-policy the mask never binds and the\n  runs are plain V-trace's.",
+  CRITIC,
+  lambda: (
+    _cr().same(("vtrace_rec", "onpolicy"), ("vtrace", "onpolicy"))
+    and sum(_cr().collapsed("vtrace_rec", g) for g in CRITIC_LAGS) == 0
+  ),
+)
+claim(
+  CR,
+  "It still trails GRPO under lag ({} [{}, {}] at interval 20, `{m}`).",
+  CRITIC,
+  lambda: [*ivs(_cr().diff("vtrace_rec", "interval20")), _cr().mark("vtrace_rec", "interval20")],
+)
+claim(
+  CR,
   "explains little of the return's variance ({} to\n  {})",
   CRITIC,
   lambda: (
-    min(_critic_ev(m, g).mean for m in ("ppo_critic", "vtrace", "rec_critic") for g in CRITIC_LAGS),
-    max(_critic_ev(m, g).mean for m in ("ppo_critic", "vtrace", "rec_critic") for g in CRITIC_LAGS),
+    min(_critic_ev(m, g).mean for m in _CRITICS for g in CRITIC_LAGS),
+    max(_critic_ev(m, g).mean for m in _CRITICS for g in CRITIC_LAGS),
   ),
 )
 
