@@ -119,7 +119,7 @@ def test_gae_in_the_step_is_the_reference_and_the_critic_fits_the_returns(setup)
     first = first or m
   assert float(m["critic/value_loss"]) < 0.2 * float(first["critic/value_loss"])
   assert float(m["critic/explained_variance"]) > 0.8 > float(first["critic/explained_variance"])
-  assert "critic/_r" not in m
+  assert not any(k.startswith("critic/_") for k in m)
 
 
 def test_micro_batches_give_the_same_update(setup):

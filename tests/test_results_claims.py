@@ -2062,6 +2062,20 @@ for _m in ("ppo_critic", "vtrace", "vtrace_rec", "rec_critic"):
     CRITIC,
     lambda m=_m: [x for g in CRITIC_LAGS for x in ivs(_critic_ev(m, g))],
   )
+MAIN_RUNS = os.path.join(REPO, "docs", "results", "critic", "main_job_runs.csv")
+
+
+@functools.cache
+def _main_runs() -> list[dict[str, Any]]:
+  """The main job's critic runs (docs/results/critic/main_job_runs.csv), one row per run."""
+  with open(MAIN_RUNS, newline="") as f:
+    return [{k: (v if k == "loss" else float(v)) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def _main(loss: str, key: str) -> list[float]:
+  return [r[key] for r in _main_runs() if r["loss"] == loss]
+
+
 section(CR, "## What it says")
 claim(
   CR,
@@ -2077,6 +2091,26 @@ claim(
     _cr().diff("rec_critic", "offline").mean,
     _cr().diff("grpo", "offline").mean,
   ),
+)
+claim(
+  CR,
+  "summary's `critic` line) is {}, {} and {} for `ppo_critic` and\n  {}, {} and {} for "
+  "`vtrace`, from {} to {} over the first fifth;",
+  "../../docs/results/critic/main_job_runs.csv",
+  lambda: [
+    *_main("ppo_critic", "explained_variance_last_fifth"),
+    *_main("vtrace", "explained_variance_last_fifth"),
+    min(r["explained_variance_first_fifth"] for r in _main_runs()),
+    max(r["explained_variance_first_fifth"] for r in _main_runs()),
+  ],
+)
+claim(
+  CR,
+  "greedy accuracy\n  {} -> {} on seed 0 for both presets.",
+  "../../docs/results/critic/main_job_runs.csv",
+  lambda: [*{(r["start_accuracy"], r["final_accuracy"]) for r in _main_runs() if r["seed"] == 0}][
+    0
+  ],
 )
 fact(CR, "On-policy it is `~`.", CRITIC, lambda: _cr().mark("vtrace", "onpolicy") == "~")
 claim(
@@ -2162,17 +2196,36 @@ claim(
     for f in (min, max)
   ],
 )
+
+
+def _ope_pair(a: str, b: str, lag: str) -> study_stats.Comparison:
+  """Paired per-seed comparison of two estimators' mean absolute errors (ppo_critic)."""
+  s = _ope()
+  x = lambda n: s.x("ppo_critic", lag, f"ope_{n}_abs_error")
+  return study_stats.compare(x(a), x(b))
+
+
 claim(
   OPD,
-  "is off by {} and `is` by {}.",
+  "Offline, the uncorrected buffer reward is off by {} and `is` by {}:\n  per seed, the "
+  "uncorrected error is larger by {} [{}, {}] (paired t\n  interval; sign-flip p {}, one",
   OPE,
-  lambda: [_ope().mean("ppo_critic", "offline", f"ope_{n}_abs_error") for n in ("behavior", "is")],
+  lambda: [
+    *(_ope().mean("ppo_critic", "offline", f"ope_{n}_abs_error") for n in ("behavior", "is")),
+    *ivs(_ope_pair("behavior", "is", "offline").diff),
+    _ope_pair("behavior", "is", "offline").p,
+  ],
 )
 claim(
   OPD,
-  "Doubly robust is worse than plain IS here ({} on-policy)",
+  "Doubly robust errs more than plain IS here ({} on-policy; per seed by\n  {} [{}, {}], "
+  "sign-flip p {})",
   OPE,
-  lambda: [_ope().mean("ppo_critic", "onpolicy", "ope_dr_abs_error")],
+  lambda: [
+    _ope().mean("ppo_critic", "onpolicy", "ope_dr_abs_error"),
+    *ivs(_ope_pair("dr", "is", "onpolicy").diff),
+    _ope_pair("dr", "is", "onpolicy").p,
+  ],
 )
 claim(
   OPD,

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from offpolicy_jax import ope
 from offpolicy_jax.learn.replay import ReplayState
-from offpolicy_jax.learn.scorer import token_logprobs
+from offpolicy_jax.learn.scorer import step_logprobs
 from offpolicy_jax.learn.step_options import StepOptions
 
 # The estimators that read a critic's values (`ope.doubly_robust`, `weighted_doubly_robust`).
@@ -59,23 +59,13 @@ def estimate(
   written = jnp.arange(replay.valid.shape[0]) < replay.num_added
   live = jnp.repeat(written, k) & (rows.weights > 0)
   mask = rows.mask * live[:, None]
-  shared = k if options.shared_prefix else 0
   chunk = math.gcd(c, groups_per_batch)
   chunks = jax.tree.map(lambda x: x.reshape(c // chunk, chunk * k, *x.shape[2:]), replay.data)
 
   critic = any(name in _DOUBLY_ROBUST for name in names)
 
   def score(part):
-    scored = token_logprobs(
-      graphdef,
-      params,
-      part,
-      options.temperature,
-      shared,
-      truncated=options.truncated,
-      top_k=options.top_k,
-      full=True,
-    )
+    scored = step_logprobs(graphdef, options, params, part, full=True)
     if critic and scored.values is None:
       raise ValueError(f"eval_ope: {names} need a critic's values; the model has no value head")
     return scored.logp, scored.values if critic else jnp.zeros_like(scored.logp)

@@ -46,8 +46,8 @@ from offpolicy_jax import returns
 from offpolicy_jax.types import TrainBatch
 
 ESTIMATORS = ("gae", "vtrace")
-# The four token means `explained_variance` combines; not rows of their own.
-_EV_PARTS = ("critic/_r", "critic/_r2", "critic/_d", "critic/_d2")
+# Token means `explained_variance` combines (with `critic/return_mean`); not rows of their own.
+_EV_PARTS = ("critic/_r2", "critic/_d", "critic/_d2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +163,6 @@ def value_loss(spec: CriticSpec, values, targets, mb: TrainBatch, loss_count):
     "critic/value_mean": red.Mean((v * w).sum(), n),
     "critic/return_mean": red.Mean((targets * w).sum(), n),
     "critic/value_clipfrac": clipfrac,
-    "critic/_r": red.Mean((targets * w).sum(), n),
     "critic/_r2": red.Mean((targets**2 * w).sum(), n),
     "critic/_d": red.Mean((d * w).sum(), n),
     "critic/_d2": red.Mean((d**2 * w).sum(), n),
@@ -173,7 +172,7 @@ def value_loss(spec: CriticSpec, values, targets, mb: TrainBatch, loss_count):
 
 def explained_variance(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
   """`metrics` (reduced) with the value targets' variance, the error's and the explained
-  variance in place of their four token means.
+  variance in place of the token means they are made of.
 
   ``critic/explained_variance`` = 1 - Var(R - V) / Var(R) over the step's valid
   tokens: 1 is a perfect critic, 0 one no better than the mean return, below 0
@@ -181,10 +180,10 @@ def explained_variance(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
   batch almost all right) gives a noisy ratio; over many steps, 1 - mean of
   ``critic/error_var`` / mean of ``critic/return_var`` pools them.
   """
-  if "critic/_r" not in metrics:
+  if "critic/_r2" not in metrics:
     return metrics
   out = {k: v for k, v in metrics.items() if k not in _EV_PARTS}
-  var_r = metrics["critic/_r2"] - metrics["critic/_r"] ** 2
+  var_r = metrics["critic/_r2"] - metrics["critic/return_mean"] ** 2
   var_d = metrics["critic/_d2"] - metrics["critic/_d"] ** 2
   out["critic/return_var"] = var_r
   out["critic/error_var"] = var_d

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from offpolicy_jax import losses, metric_names, models, types
 from offpolicy_jax import reductions as red
 from offpolicy_jax.learn import critic, diagnostics
-from offpolicy_jax.learn.scorer import token_logprobs
+from offpolicy_jax.learn.scorer import step_logprobs
 from offpolicy_jax.learn.step_options import StepOptions
 from offpolicy_jax.types import TrainBatch
 
@@ -72,19 +72,9 @@ def micro_batch_loss(
       current policy's forward uses it.
   """
   spec, o = options.spec, options
-  shared = options.group_size if options.shared_prefix else 0
   sg = jax.lax.stop_gradient
-  score = lambda p, key=None, full=False: token_logprobs(
-    graphdef,
-    models.lora.join(base, p),
-    mb,
-    o.temperature,
-    shared,
-    truncated=o.truncated,
-    top_k=o.top_k,
-    dropout_key=key,
-    full=full,
-    replay=o.routing_replay == "replay",
+  score = lambda p, key=None, full=False: step_logprobs(
+    graphdef, o, models.lora.join(base, p), mb, dropout_key=key, full=full
   )
   logp, ent, router, values = score(params, key, full=True)
   extra = {}

@@ -77,6 +77,25 @@ def token_logprobs(
   )
 
 
+def step_logprobs(
+  graphdef, options: StepOptions, params, mb: TrainBatch, *, dropout_key=None, full=False
+):
+  """`token_logprobs` of `mb` scored as the train step scores: the options' temperature,
+  truncation, top-k, shared prefix and routing replay. The one place those settings are read."""
+  return token_logprobs(
+    graphdef,
+    params,
+    mb,
+    options.temperature,
+    options.group_size if options.shared_prefix else 0,
+    truncated=options.truncated,
+    top_k=options.top_k,
+    dropout_key=dropout_key,
+    full=full,
+    replay=options.routing_replay == "replay",
+  )
+
+
 def make_scorer(graphdef: nnx.GraphDef, options: StepOptions):
   """Jitted `score(params, prompt_tokens [G, P], prompt_lengths [G], out) -> logp [G*K, N]`.
 
@@ -85,7 +104,6 @@ def make_scorer(graphdef: nnx.GraphDef, options: StepOptions):
   shared prefix, routing replay): at the sampling parameters, log pi_old
   (docs/science.md s7).
   """
-  shared = options.group_size if options.shared_prefix else 0
 
   def score(params, prompt_tokens, prompt_lengths, out):
     zeros = jnp.zeros(out.tokens.shape[:1], jnp.float32)
@@ -103,16 +121,7 @@ def make_scorer(graphdef: nnx.GraphDef, options: StepOptions):
       getattr(out, "prompt_experts", None),
       getattr(out, "experts", None),
     )
-    logp, _ = token_logprobs(
-      graphdef,
-      params,
-      batch,
-      options.temperature,
-      shared,
-      truncated=options.truncated,
-      top_k=options.top_k,
-      replay=options.routing_replay == "replay",
-    )
+    logp, _ = step_logprobs(graphdef, options, params, batch)
     return logp
 
   return jax.jit(score)

@@ -56,7 +56,7 @@ from offpolicy_jax import reductions as red
 from offpolicy_jax.learn import batch_splits, critic, diagnostics
 from offpolicy_jax.learn.critic import CriticSpec
 from offpolicy_jax.learn.optimizer_step import optimizer_step
-from offpolicy_jax.learn.scorer import token_logprobs
+from offpolicy_jax.learn.scorer import step_logprobs
 from offpolicy_jax.learn.step_options import StepOptions, check_options
 from offpolicy_jax.learn.train_state import TrainState, state_shardings
 from offpolicy_jax.models import lora_ops
@@ -155,24 +155,13 @@ def _values(graphdef, options: StepOptions, params, base, batch: TrainBatch, m: 
   the step's own.
   """
   n, unit = options.num_minibatches * m, options.unit
-  shared = options.group_size if options.shared_prefix else 0
   full = models.lora.join(base, params)
 
   def one(mb):
-    scored = token_logprobs(
-      graphdef,
-      full,
-      mb,
-      options.temperature,
-      shared,
-      truncated=options.truncated,
-      top_k=options.top_k,
-      full=True,
-      replay=options.routing_replay == "replay",
-    )
-    if scored.values is None:
+    values = step_logprobs(graphdef, options, full, mb, full=True).values
+    if values is None:
       raise ValueError("critic: the model has no value head (ModelConfig.value_head)")
-    return scored.values
+    return values
 
   values = jax.lax.map(one, batch_splits.split_micro(batch, n, unit))
   return batch_splits.join_micro(values, unit)

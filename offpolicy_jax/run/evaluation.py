@@ -239,21 +239,35 @@ def evaluate(fns: StepFns, params, key: jax.Array, num_prompts: int, k: int) -> 
   return out
 
 
+def ope_program(fns: StepFns, names: tuple[str, ...], over_seeds: bool = False) -> Callable:
+  """`state -> ope/ metrics` of the run's replay buffer under its current parameters
+  (`learn.buffer_ope.estimate`, jitted once per `fns`); over a study's seed axis when
+  `over_seeds` (each metric [S])."""
+
+  def build():
+    estimate = functools.partial(
+      buffer_ope.estimate, fns.model.graphdef, fns.learner.options, fns.sizes.prompts_per_step
+    )
+
+    def one(params, replay, version):
+      return estimate(params, replay, version, names)
+
+    def program(state):
+      if not over_seeds:
+        return one(weights(state), state.replay, state.train.version)
+      params = jax.vmap(lambda p: weights(state, p))(state.train.params)
+      return jax.vmap(one)(params, state.replay, state.train.version)
+
+    return jax.jit(program)
+
+  return _memo(fns, ("ope", names, over_seeds), build)
+
+
 def ope_from_buffer(fns: StepFns, state: RunState, names: tuple[str, ...]) -> dict[str, Any]:
   """`learn.buffer_ope`'s `ope/` metrics of the run's replay buffer under its current
   parameters: nothing before the buffer holds a row, or without `names`."""
   if not names or not int(jax.device_get(state.replay.num_added)):
     return {}
-
-  def build():
-    fn = functools.partial(
-      buffer_ope.estimate,
-      fns.model.graphdef,
-      fns.learner.options,
-      fns.sizes.prompts_per_step,
-    )
-    return jax.jit(fn, static_argnames="names")
-
   with jax.set_mesh(fns.model.mesh):
-    out = _memo(fns, "ope", build)(weights(state), state.replay, state.train.version, names=names)
+    out = ope_program(fns, names)(state)
   return {k: metrics.to_python(v) for k, v in jax.device_get(out).items()}

@@ -12,7 +12,6 @@ the lags of one method share one compiled program.
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -21,8 +20,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from offpolicy_jax import metric_names, models
-from offpolicy_jax.learn import buffer_ope
+from offpolicy_jax import metric_names
 from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.run import components, evaluation
 from offpolicy_jax.step import costs, drivers, programs, run_state
@@ -91,20 +89,6 @@ def evaluate(
     fns, params, keys, num_prompts, k, batch_size=batch_size or num_prompts, base=base, split=split
   )
   return ev["accuracy"], ev.get(f"pass@{k}"), ev["reward_failures"], ev.get("sample_reward")
-
-
-def _buffer_ope(fns: run_state.StepFns, names: tuple[str, ...]):
-  """`learn.buffer_ope.estimate` over the seed axis: `(state) -> {ope/...: [S]}` (jitted)."""
-  estimate = functools.partial(
-    buffer_ope.estimate, fns.model.graphdef, fns.learner.options, fns.sizes.prompts_per_step
-  )
-
-  def over_seeds(state):
-    params = jax.vmap(lambda p: models.lora.join(state.base, p))(state.train.params)
-    one = lambda p, r, v: estimate(p, r, v, names)
-    return jax.vmap(one)(params, state.replay, state.train.version)
-
-  return jax.jit(over_seeds)
 
 
 def _prompt_chunk(iters: list, n: int, host_fields: bool) -> dict[str, Any]:
@@ -185,7 +169,7 @@ def _run_seeds(
   ev = dict(batch_size=grid.eval_batch, base=state.base)
   acc0, _, eval_fails, _ = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
   eval_steps, accs, metrics_l, pass_k = [0], [acc0], [], None
-  ope_fn = _buffer_ope(fns, grid.ope) if grid.ope else None
+  ope_fn = evaluation.ope_program(fns, grid.ope, over_seeds=True) if grid.ope else None
   ope_l: list[dict] = []  # each evaluation's estimates [S] and the truth they estimate
   train_s_at = [0.0]  # the program's training seconds at each evaluation
   advance = drivers.over_seeds(fns)

@@ -90,6 +90,8 @@ class Starts:
   @staticmethod
   def _with_head(comps: components.Components, seed: int, start: tuple[Any, Any]):
     """`start` with the zero value head of `comps`' model, when it has one."""
+    if comps.fns.learner.options.critic is None:  # no head: nothing to trace
+      return start
     abstract = jax.eval_shape(lambda: comps.fns.model.init_params(seed))
     return start[0], value.with_zero_head(start[1], abstract)
 
