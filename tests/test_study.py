@@ -387,6 +387,24 @@ def test_seeds_one_at_a_time_and_batched_evaluation_give_the_same_cell(mini):
     np.testing.assert_allclose(a["train_reward"], b["train_reward"], rtol=1e-5)
 
 
+def test_a_cell_with_ope_estimates_every_buffer_and_trains_as_without(mini):
+  """`study.ope`: each evaluation's estimates and truth per seed, in [0, 1]; training unchanged."""
+  config, _, cells, _ = mini
+  base, grid = study_grid.grid_from_config(config)
+  cell = study_cell.run_cell(base, dataclasses.replace(grid, ope=("is", "wis")), "grpo", "onpolicy")
+  for a, b in zip(cell["runs"], cells["grpo", "onpolicy"]["runs"], strict=True):
+    np.testing.assert_allclose(a["train_reward"], b["train_reward"], rtol=1e-5)
+    ope = a["ope"]
+    assert len(ope["truth"]) == len(a["eval_steps"]) - 1  # every evaluation after step 0
+    assert all(0.0 <= x <= 1.0 for x in ope["truth"] + ope["ope/is"] + ope["ope/behavior_reward"])
+    summary = study_report.ope_summary(ope)
+    assert set(summary) == {
+      "ope_is_abs_error", "ope_is_coverage", "ope_wis_abs_error", "ope_wis_coverage",
+      "ope_behavior_abs_error",
+    }  # fmt: skip
+    assert 0.0 <= summary["ope_is_coverage"] <= 1.0
+
+
 def test_plots_need_summaries_and_accept_rows_before_and_after_the_csv(mini, tmp_path):
   config, path, cells, _ = mini
   _, grid = study_grid.grid_from_config(config)

@@ -30,7 +30,7 @@ The value loss enters the loss sum as ``value_coef`` times its mean over the
 micro-batch's valid, weighted tokens times the policy loss's count, so it
 accumulates like the policy loss (exactly, under token-mean aggregation).
 The explained variance 1 - Var(R - V) / Var(R) over valid tokens is computed
-from four token means after the step's reductions (`explained_variance`), with
+from token means after the step's reductions (`explained_variance`), with
 both variances, so that many steps pool into one ratio (`pooled_explained_variance`).
 """
 

@@ -30,7 +30,7 @@ from offpolicy_jax.learn import buffer_ope
 from offpolicy_jax.rollout import episodes
 from offpolicy_jax.rollout.protocol import EvalRows
 from offpolicy_jax.step import scoring
-from offpolicy_jax.step.run_state import RunState, StepFns, weights
+from offpolicy_jax.step.run_state import RunState, StepFns
 from offpolicy_jax.store import metrics
 
 
@@ -240,7 +240,7 @@ def evaluate(fns: StepFns, params, key: jax.Array, num_prompts: int, k: int) -> 
 
 
 def ope_program(fns: StepFns, names: tuple[str, ...], over_seeds: bool = False) -> Callable:
-  """`state -> ope/ metrics` of the run's replay buffer under its current parameters
+  """`(state) -> ope/ metrics` of the run's replay buffer under its current parameters
   (`learn.buffer_ope.estimate`, jitted once per `fns`); over a study's seed axis when
   `over_seeds` (each metric [S])."""
 
@@ -252,13 +252,14 @@ def ope_program(fns: StepFns, names: tuple[str, ...], over_seeds: bool = False) 
     def one(params, replay, version):
       return estimate(params, replay, version, names)
 
-    def program(state):
+    def program(params, base, replay, version):  # arrays only: not the rollout's state
       if not over_seeds:
-        return one(weights(state), state.replay, state.train.version)
-      params = jax.vmap(lambda p: weights(state, p))(state.train.params)
-      return jax.vmap(one)(params, state.replay, state.train.version)
+        return one(models.lora.join(base, params), replay, version)
+      whole = jax.vmap(lambda p: models.lora.join(base, p))(params)
+      return jax.vmap(one)(whole, replay, version)
 
-    return jax.jit(program)
+    jitted = jax.jit(program)
+    return lambda state: jitted(state.train.params, state.base, state.replay, state.train.version)
 
   return _memo(fns, ("ope", names, over_seeds), build)
 
