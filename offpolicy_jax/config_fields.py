@@ -122,14 +122,18 @@ class Choice(NamedTuple):
 
 
 class Bool(NamedTuple):
-  """True or False."""
+  """True or False (None too with `none_ok`)."""
+
+  none_ok: bool = False
 
   def describe(self) -> str:
     """What it accepts, in the words of its complaint."""
-    return "True or False"
+    return "True or False" + (", or None (unset)" if self.none_ok else "")
 
   def __call__(self, v: Any) -> str | None:
-    return None if isinstance(v, bool | np.bool_) else f"must be {self.describe()}, got {v!r}"
+    if isinstance(v, bool | np.bool_) or (v is None and self.none_ok):
+      return None
+    return f"must be {self.describe()}, got {v!r}"
 
 
 class Str(NamedTuple):

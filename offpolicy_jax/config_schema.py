@@ -77,9 +77,12 @@ RUN_FIELDS: tuple[Field, ...] = (
      warm_start=True),
   _F("model_dtype", "float32", PROGRAM, 'Compute dtype of the model ("float32" or "bfloat16").',
      Choice(("float32", "bfloat16")), warm_start=True),
-  _F("model_scan_layers", False, PROGRAM,
-     "Run the decoder blocks as one lax.scan in the training forward (compile time flat in "
-     "depth; same numbers, same checkpoint layout).", Bool()),
+  _F("model_scan_layers", None, PROGRAM,
+     "Stack the decoder blocks' parameters over layers and run them as one lax.scan in the "
+     "training and scoring forward (compile time flat in depth; the same numbers; HF and PEFT "
+     "files are per layer either way; a run's checkpoints keep the layout they began with). "
+     "None: stacked for models of 0.4B parameters and more (models.ModelConfig.scan_layers).",
+     Bool(none_ok=True), bool),
   _F("model_remat", False, PLACEMENT,
      "Rematerialise each decoder block in the training backward pass (jax.checkpoint): the "
      "train step keeps each block's input instead of its intermediates and recomputes them, "

@@ -398,9 +398,11 @@ class RunSpec:
   #: Compute dtype of the model ("float32" or "bfloat16").
   model_dtype: str
 
-  #: Run the decoder blocks as one lax.scan in the training forward (compile time flat in depth;
-  #: same numbers, same checkpoint layout).
-  model_scan_layers: bool
+  #: Stack the decoder blocks' parameters over layers and run them as one lax.scan in the
+  #: training and scoring forward (compile time flat in depth; the same numbers; HF and PEFT
+  #: files are per layer either way; a run's checkpoints keep the layout they began with). None:
+  #: stacked for models of 0.4B parameters and more (models.ModelConfig.scan_layers).
+  model_scan_layers: bool | None
 
   #: Rematerialise each decoder block in the training backward pass (jax.checkpoint): the train
   #: step keeps each block's input instead of its intermediates and recomputes them, about one

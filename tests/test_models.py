@@ -16,6 +16,7 @@ from flax import nnx
 
 from offpolicy_jax import models
 from offpolicy_jax.models import hf as hf_io
+from offpolicy_jax.models import layout
 from offpolicy_jax.scale import sharding
 
 torch = pytest.importorskip("torch")
@@ -367,17 +368,24 @@ def test_remat_does_not_change_gradients(tiny):
 
 @pytest.mark.parametrize("remat", [False, True])
 def test_scan_layers_gives_the_same_logits_and_gradients(tiny, remat):
-  """`scan_layers` runs the blocks as one lax.scan: same numbers, same parameter layout."""
+  """`scan_layers` stacks the blocks' parameters over layers and runs them as one lax.scan:
+  the same numbers from the same seed, one leaf per kind of weight."""
   graphdef, params = nnx.split(tiny)
   scanned = models.get_config("tiny", scan_layers=True, remat=remat)
-  scan_graphdef, scan_params = nnx.split(
-    nnx.eval_shape(lambda: models.Decoder(scanned, rngs=nnx.Rngs(0)))
-  )
-  assert jax.tree.structure(scan_params) == jax.tree.structure(params)
+  drawn = nnx.to_pure_dict(nnx.state(models.Decoder(scanned, rngs=nnx.Rngs(0))))
+  plain = nnx.to_pure_dict(nnx.state(models.Decoder(tiny.config, rngs=nnx.Rngs(0))))
+  chex.assert_trees_all_equal(drawn, layout.stack(plain))  # drawn as the per-layer blocks
+  chex.assert_trees_all_equal(layout.unstack(drawn, tiny.config.num_layers), plain)
+  _, scan_params = nnx.split(layout.relayout(tiny, True))  # tiny's own weights, stacked
+  scan_graphdef = nnx.split(nnx.eval_shape(lambda: models.Decoder(scanned, rngs=nnx.Rngs(0))))[0]
+  chex.assert_trees_all_equal(nnx.to_pure_dict(scan_params), layout.stack(nnx.to_pure_dict(params)))
+  assert len(jax.tree.leaves(scan_params)) < len(jax.tree.leaves(params))
   grad = jax.jit(jax.value_and_grad(_next_token_loss), static_argnums=1)
-  (v, g), (v_scan, g_scan) = grad(params, graphdef), grad(params, scan_graphdef)
+  (v, g), (v_scan, g_scan) = grad(params, graphdef), grad(scan_params, scan_graphdef)
   np.testing.assert_allclose(v_scan, v, rtol=1e-5)
-  chex.assert_trees_all_close(g_scan, g, atol=1e-5)
+  chex.assert_trees_all_close(
+    nnx.to_pure_dict(g_scan), layout.stack(nnx.to_pure_dict(g)), atol=1e-5
+  )
 
 
 def test_decoder_constrains_activations_under_a_mesh(tiny):

@@ -9,6 +9,7 @@ model = models.Decoder(models.get_config("tiny", lora=models.LoraConfig(rank=8))
 models.lora.save_peft(model, "/tmp/adapter")                       # peft loads it
 
   decoder        `Decoder` (embeddings, layers, caches, shared-prefix passes) and `KVCache`
+  layout         blocks per layer or stacked over layers (`scan_layers`), converted both ways
   block          one decoder block: attention, then the MLP or the mixture of experts
   attention      the grouped-query self-attention layer (projections, q/k norms, adapters)
   layers         parameters with logical axis names, RMSNorm, the SwiGLU MLP
@@ -24,7 +25,7 @@ models.lora.save_peft(model, "/tmp/adapter")                       # peft loads 
   parts          `ModelParts`: a run's mesh, graph, initialiser, tokenizer and adapters
 """
 
-from offpolicy_jax.models import lora
+from offpolicy_jax.models import layout, lora
 from offpolicy_jax.models.attention_ops import default_positions
 from offpolicy_jax.models.config import LORA_TARGETS, LoraConfig, ModelConfig
 from offpolicy_jax.models.decoder import Decoder, KVCache
@@ -48,6 +49,7 @@ __all__ = [
   "default_positions",
   "from_pretrained",
   "get_config",
+  "layout",
   "log_kept_mass",
   "logprobs",
   "lora",

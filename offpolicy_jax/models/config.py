@@ -9,6 +9,9 @@ _FAMILIES = ("qwen2", "qwen3", "llama", "qwen3_moe", "mixtral")
 # Families whose blocks are mixtures of experts (`models.moe`).
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 ATTENTION = ("xla", "dot_product")
+# A model of this many parameters or more stacks its blocks over layers by default
+# (`ModelConfig.scan_layers`): compile time flat in depth from qwen2.5-0.5b on.
+STACK_FROM_PARAMS = 400_000_000
 # The projections a low-rank adapter can target (HF / PEFT module names).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _ATTENTION_TARGETS = LORA_TARGETS[:4]
@@ -76,10 +79,13 @@ class ModelConfig:
     dtype: compute dtype name ("float32" or "bfloat16").
     param_dtype: parameter storage dtype name.
     remat: if True each decoder block is rematerialised in the backward pass.
-    scan_layers: if True the cache-free forward (training, prefill-free scoring)
-      runs the blocks as one `lax.scan` over their stacked parameters, so
-      compile time stays flat in depth (MaxText's `scan_layers`); parameters
-      keep their per-layer layout, so checkpoints do not change.
+    scan_layers: if True the blocks' parameters are stacked over layers (one
+      leaf per kind of weight, leading [L] axis; `models.layout`) and the
+      cache-free forward (training, scoring) runs them as one `lax.scan`, so
+      compile time stays flat in depth (MaxText's `scan_layers`). The same
+      numbers from the same seed as per-layer blocks; HF and PEFT files are
+      per layer either way. None (the default): stacked from
+      `STACK_FROM_PARAMS` parameters on (the presets of 0.5B and more).
     family: "qwen2", "qwen3", "llama", "qwen3_moe" or "mixtral" (selects the HF
       architecture on export).
     attention: "xla" (our einsum attention, head-major keys read in place) or
@@ -116,7 +122,7 @@ class ModelConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   remat: bool = False
-  scan_layers: bool = False
+  scan_layers: bool | None = None
   family: str = "llama"
   attention: str = "xla"
   lora: LoraConfig | None = None
@@ -152,6 +158,8 @@ class ModelConfig:
         f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
       )
     self._check_experts()
+    if self.scan_layers is None:
+      object.__setattr__(self, "scan_layers", self.num_params() >= STACK_FROM_PARAMS)
 
   def _check_experts(self):
     e, k = self.num_experts, self.num_experts_per_tok

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from offpolicy_jax.models import attention_ops as ops
-from offpolicy_jax.models import lora_ops
+from offpolicy_jax.models import layout, lora_ops
 from offpolicy_jax.models.attention_ops import default_positions
 from offpolicy_jax.models.block import DecoderLayer
 from offpolicy_jax.models.config import ModelConfig
@@ -86,7 +86,7 @@ class Decoder(nnx.Module):
     self.config = c
     pd = jnp.dtype(c.param_dtype)
     self.embed_tokens = param(rngs.params(), (c.vocab_size, c.hidden_size), ("vocab", "embed"), pd)
-    self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
+    layers = [DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)]
     self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, ("embed",), c)
     if not c.tie_embeddings:
       self.lm_head = param(rngs.params(), (c.hidden_size, c.vocab_size), ("embed", "vocab"), pd)
@@ -96,10 +96,12 @@ class Decoder(nnx.Module):
       adapter_rngs = nnx.Rngs(params=rngs.params())
       attn = tuple(t for t in c.lora.targets if t in ("q_proj", "k_proj", "v_proj", "o_proj"))
       mlp = tuple(t for t in c.lora.targets if t not in attn)
-      for layer in self.layers:
+      for layer in layers:
         layer.self_attn.add_adapters(attn, adapter_rngs)
         if isinstance(layer.mlp, MLP):  # a mixture of experts takes none (`ModelConfig`)
           layer.mlp.add_adapters(mlp, adapter_rngs)
+    # Drawn one by one in both layouts, so a seed's weights do not depend on the layout.
+    self.layers = layout.stack_modules(layers) if c.scan_layers else nnx.List(layers)
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
     """Zero KV cache of `max_len` slots for `batch` rows (compute dtype by default)."""
@@ -174,7 +176,9 @@ class Decoder(nnx.Module):
     h = self._embed(tokens)
     counted = None if router_mask is None else jnp.asarray(router_mask) > 0
     if cache is None:
-      keys = lora_ops.fold_range(lora_ops.dropout_key(self.config, dropout_key), len(self.layers))
+      keys = lora_ops.fold_range(
+        lora_ops.dropout_key(self.config, dropout_key), self.config.num_layers
+      )
 
       def block(layer, h, key, rec):
         out = layer(h, cos, sin, allowed, key=key, route=(counted, rec, replay))
@@ -185,7 +189,7 @@ class Decoder(nnx.Module):
     if dropout_key is not None or router_mask is not None or recorded is not None:
       raise ValueError("dropout_key, router_mask, recorded: teacher-forced forward (no cache) only")
     new_k, new_v, experts = [], [], []
-    for i, layer in enumerate(self.layers):
+    for i, layer in enumerate(self._blocks()):
       h, _, ex, kv = layer(h, cos, sin, allowed, (cache.k[i], cache.v[i]), cache_index)
       h = _constrain(h)
       new_k.append(kv[0])
@@ -261,7 +265,9 @@ class Decoder(nnx.Module):
       return (_constrain(h_p), _constrain(h_s)), stats
 
     hs = (self._embed(prompt_tokens), self._embed(tokens))
-    keys = lora_ops.fold_range(lora_ops.dropout_key(self.config, dropout_key), len(self.layers))
+    keys = lora_ops.fold_range(
+      lora_ops.dropout_key(self.config, dropout_key), self.config.num_layers
+    )
     (h_p, h_s), stats = self._apply_layers(block, hs, keys, (by_layer(rec_p), by_layer(rec_s)))
     return self.norm(h_p), self.norm(h_s), stats
 
@@ -304,7 +310,7 @@ class Decoder(nnx.Module):
     rope = self._rope(positions)
     h = self._embed(tokens_b[:, None])
     new_k, new_v, experts = [], [], []
-    for i, layer in enumerate(self.layers):
+    for i, layer in enumerate(self._blocks()):
       h, ex, (k, v) = layer.decode_shared(
         h,
         rope,
@@ -368,7 +374,7 @@ class Decoder(nnx.Module):
     rope = self._rope(start[:, None] + jnp.arange(t)[None, :])
     h = self._embed(tokens_bt)
     new_k, new_v = [], []
-    for i, layer in enumerate(self.layers):
+    for i, layer in enumerate(self._blocks()):
       h, (k, v) = layer.extend_shared(
         h,
         rope,
@@ -395,44 +401,13 @@ class Decoder(nnx.Module):
     freqs = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(freqs), jnp.sin(freqs)
 
+  def _blocks(self) -> list[DecoderLayer]:
+    """The blocks one by one (views of the stacked variables under ``scan_layers``)."""
+    return layout.blocks(self.layers, self.config)
+
   def _apply_layers(self, block, carry, keys=None, xs=None):
-    """``carry, y_l = block(layer, carry, key_l, x_l)`` over the layers (no cache).
-
-    `keys`: the layers' dropout keys [L] (`lora_ops.fold_range`), or None;
-    `xs`: per-layer inputs stacked [L, ...] (a pytree, None leaves allowed).
-    Returns `(carry, ys)`, the y_l stacked [L, ...].
-
-    ``scan_layers`` runs the blocks as one `lax.scan` over their stacked states
-    (one block compiled); ``remat`` rematerialises each block in the backward pass.
-    """
-    c = self.config
-    if c.scan_layers:
-      splits = [nnx.split(layer) for layer in self.layers]
-      graphdef = splits[0][0]
-      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in splits))
-
-      def scanned(carry, layer_xs):
-        state, key, x = layer_xs
-        return block(nnx.merge(graphdef, state), carry, key, x)
-
-      if c.remat:
-        scanned = jax.checkpoint(scanned)
-      return jax.lax.scan(scanned, carry, (stacked, keys, xs))
-    ys = []
-    for i, layer in enumerate(self.layers):
-      key = None if keys is None else keys[i]
-      x = jax.tree.map(lambda a, i=i: a[i], xs)
-      if c.remat:
-        layer_def, state = nnx.split(layer)
-
-        def run(state, carry, key, x, layer_def=layer_def):
-          return block(nnx.merge(layer_def, state), carry, key, x)
-
-        carry, y = jax.checkpoint(run)(state, carry, key, x)
-      else:
-        carry, y = block(layer, carry, key, x)
-      ys.append(y)
-    return carry, _stack(ys)
+    """``carry, y_l = block(layer, carry, key_l, x_l)`` over the layers (`layout.apply`)."""
+    return layout.apply(self.layers, self.config, block, carry, keys, xs)
 
   def logits_from_hidden(self, h_btd: jax.Array) -> jax.Array:
     """float32 logits [..., V] from final hidden states [..., D]."""

@@ -9,6 +9,7 @@ time; with a mesh, every device reads only its own slice
 HF linear weights are [out, in]; ours are [in, out] with heads split out.
 """
 
+import dataclasses
 import functools
 import json
 import math
@@ -24,7 +25,7 @@ import safetensors.numpy
 from flax import nnx
 
 from offpolicy_jax import files
-from offpolicy_jax.models import hf_moe, value
+from offpolicy_jax.models import hf_moe, layout, value
 from offpolicy_jax.models.config import ModelConfig
 from offpolicy_jax.models.decoder import Decoder
 from offpolicy_jax.models.tokenizers import Tokenizer
@@ -275,7 +276,7 @@ def _open_checkpoint(path: str) -> dict[str, np.ndarray]:
   return tensors
 
 
-def _read_slice(view: np.ndarray, dtype, index) -> np.ndarray:
+def _read_slice(view: Any, dtype, index) -> np.ndarray:
   return np.asarray(view[index], dtype)
 
 
@@ -329,17 +330,21 @@ def from_pretrained(
     dtype=jnp.dtype(compute_dtype or dtype).name,
     **config_overrides,
   )
-  abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))))
+  # HF stores one tensor per layer: views are checked against the per-layer layout, and
+  # under `scan_layers` each kind of weight is stacked over the layers as it is read.
+  per_layer = dataclasses.replace(config, scan_layers=False)
+  target = nnx.split(nnx.eval_shape(lambda: Decoder(per_layer, rngs=nnx.Rngs(0))))[1]
   rules = _param_rules(rules)
   tensors = _open_checkpoint(path)
-  values: dict = {}
+  np_dtype = jnp.dtype(dtype)
+  views: dict = {}
   for ours, name, to_ours, _ in _tensor_map(config):
     names = (name,) if isinstance(name, str) else name
     missing = [n for n in names if n not in tensors]
     if missing:
       raise ValueError(f"checkpoint {path} is missing tensor {missing[0]!r}")
-    var = state
+    var = target
     for k in ours:
       var = var[k]
     stored = [tensors[n] for n in names]
@@ -348,7 +353,14 @@ def from_pretrained(
       raise ValueError(
         f"tensor {names[0]!r} has shape {stored[0].shape}; expected the equivalent of {var.shape}"
       )
-    np_dtype = jnp.dtype(dtype)
+    views[ours] = view
+  if config.scan_layers:
+    views = layout.stack_views(views, config.num_layers)
+  values: dict = {}
+  for ours, view in views.items():
+    var = state
+    for k in ours:
+      var = var[k]
     if mesh is None:
       arr = jnp.asarray(np.asarray(view, np_dtype))
     else:
@@ -383,7 +395,7 @@ def save_pretrained(
   config = model.config
   np_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
   os.makedirs(path, exist_ok=True)
-  values = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  values = layout.unstack(nnx.to_pure_dict(nnx.state(model, nnx.Param)), config.num_layers)
   tensors = {}
   for ours, name, _, to_hf in _tensor_map(config):
     x: Any = values

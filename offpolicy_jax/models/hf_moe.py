@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from offpolicy_jax.models import layout
 from offpolicy_jax.models.config import ModelConfig
 
 # HF config fields of the MoE families, and the values the decoder implements.
@@ -71,7 +72,7 @@ def config_to_hf(c: ModelConfig) -> dict:
   }
 
 
-class Stacked:
+class Stacked(layout.LayerViews):
   """E stored [out, in] tensors seen as one [E, in, out] array, read lazily.
 
   Indexing with a tuple of slices (`jax.make_array_from_callback`'s) reads
@@ -79,23 +80,10 @@ class Stacked:
   """
 
   def __init__(self, views: Sequence[np.ndarray]):
-    self.views = [v.T for v in views]
-    shapes = {v.shape for v in self.views}
+    shapes = {v.T.shape for v in views}
     if len(shapes) != 1:
       raise ValueError(f"experts of one block differ in shape: {sorted(shapes)}")
-    self.shape = (len(self.views), *self.views[0].shape)
-
-  def __getitem__(self, index):
-    index = index if isinstance(index, tuple) else (index,)
-    picked = range(self.shape[0])[index[0]]
-    rest = index[1:]
-    if isinstance(picked, int):
-      return np.asarray(self.views[picked][rest])
-    return np.stack([np.asarray(self.views[e][rest]) for e in picked])
-
-  def __array__(self, dtype=None, copy=None):
-    out = self[(slice(None),)]
-    return out if dtype is None else out.astype(dtype)
+    super().__init__([v.T for v in views])
 
 
 def _stacked(names: Sequence[str]) -> tuple[Callable, Callable]:

@@ -35,7 +35,7 @@ from flax import nnx
 from safetensors import safe_open
 
 from offpolicy_jax import files
-from offpolicy_jax.models import hf, lora_ops
+from offpolicy_jax.models import hf, layout, lora_ops
 from offpolicy_jax.models.config import LORA_TARGETS, LoraConfig, ModelConfig
 from offpolicy_jax.models.decoder import Decoder
 
@@ -86,7 +86,7 @@ def merged(params: nnx.State, config: ModelConfig) -> nnx.State:
     owner = (*path[:-1], lora_ops.adapter_name(name))
     a, b = flat[(*owner, "lora_a")][...], flat[(*owner, "lora_b")][...]
     w = var[...]
-    delta = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32)) * lc.scale
+    delta = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32)) * lc.scale  # [L,] D, out
     return var.replace(w + delta.reshape(w.shape).astype(w.dtype))
 
   return nnx.map_state(one, base)
@@ -200,7 +200,7 @@ def save_peft(model: Decoder, path: str, *, base_model_name_or_path: str = "", d
   if config.lora is None:
     raise ValueError("save_peft: the model has no adapters (config.lora is None)")
   np_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
-  adapter = nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam))
+  adapter = layout.unstack(nnx.to_pure_dict(nnx.state(model, nnx.LoRAParam)), config.num_layers)
   tensors = {}
   for ours, name in _rows(config):
     node: Any = adapter
@@ -264,12 +264,17 @@ def load_peft(model: Decoder, path: str) -> Decoder:
   graphdef, abstract = nnx.split(
     nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))), nnx.LoRAParam, ...
   )[:2]
+  # PEFT stores one tensor per layer: read per layer, stacked under `scan_layers`.
+  per_layer = dataclasses.replace(config, scan_layers=False)
+  target = nnx.split(
+    nnx.eval_shape(lambda: Decoder(per_layer, rngs=nnx.Rngs(0))), nnx.LoRAParam, ...
+  )[1]
   file = os.path.join(path, ADAPTER_FILE)
   with safe_open(file, "np") as f:
     names = set(f.keys())
     values: dict = {}
     for ours, name in _rows(config):
-      node = abstract
+      node = target
       for k in ours:
         node = node[k]
       out = values
@@ -286,5 +291,5 @@ def load_peft(model: Decoder, path: str) -> Decoder:
             f"{file}: tensor {tensor!r} has shape {x.T.shape}, expected {want[::-1]}"
           )
         out[key] = jnp.asarray(x, jnp.dtype(config.param_dtype))
-  nnx.replace_by_pure_dict(abstract, values)
+  nnx.replace_by_pure_dict(abstract, layout.stack(values) if config.scan_layers else values)
   return nnx.merge(graphdef, abstract, base)

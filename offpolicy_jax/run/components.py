@@ -363,12 +363,14 @@ def compile_key(config) -> str:
 def warm_start_key(config) -> str:
   """The config fields a supervised warm start depends on (`Field.warm_start`), as JSON.
 
-  And whether the model has a critic's value head: the parameters' structure.
-  The head is drawn from no key and the warm start's loss does not reach it,
-  so the trunk of a warm start is the same with or without it, up to float
-  rounding (the programs differ by the head).
+  And the parameters' structure: whether the model has a critic's value head,
+  and how its blocks are stored (`model_scan_layers`). The head is drawn from
+  no key and the warm start's loss does not reach it, so the trunk of a warm
+  start is the same with or without it, up to float rounding (the programs
+  differ by the head).
   """
-  return _key(config, _warm_start, value_head=bool(critic_settings.estimator(config)))
+  head = bool(critic_settings.estimator(config))
+  return _key(config, _warm_start, value_head=head, scan_layers=config.model_scan_layers)
 
 
 def _key(config, keeps: Callable[[str], bool], **extra) -> str:

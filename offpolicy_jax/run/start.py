@@ -70,7 +70,29 @@ def save(ckpt, state: RunState, rollout: Rollout, step: int, meta: dict[str, Any
   signature goes into the meta, so that a resume it no longer fits is refused
   (`check_rollout`).
   """
-  ckpt.save(step, state_items(state, rollout), meta | state_meta(state, rollout))
+  layers = {"layers": _layout(state.train.params)}
+  ckpt.save(step, state_items(state, rollout), meta | state_meta(state, rollout) | layers)
+
+
+def _layout(params) -> str:
+  """How a state's decoder blocks are stored: "stacked" or "per layer" (`models.layout`)."""
+  stacked = models.layout.LAYERS_KEY in params and not models.layout.is_per_layer(
+    params[models.layout.LAYERS_KEY]
+  )
+  return "stacked" if stacked else "per layer"
+
+
+def _check_layout(meta: dict[str, Any], template, workdir: str) -> None:
+  """Refuses, naming `model_scan_layers`, a checkpoint whose blocks another layout stores."""
+  had = meta.get("layers", "per layer")  # written before stacking existed: per layer
+  has = _layout(template)
+  if had != has:
+    raise workdir_lib.ConfigChanged(
+      f"config.model_scan_layers: {workdir}'s checkpoint of step {meta.get('step')} stores the "
+      f"decoder blocks {had}, this run's model {has}; refusing to resume (set "
+      f"--config.model_scan_layers={had == 'stacked'}, or export the weights and warm start "
+      "a new workdir from them)"
+    )
 
 
 def base_record(base, model: str) -> dict[str, str] | None:
@@ -145,6 +167,10 @@ def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str
     base, params = initial_weights(comps, warm_start=fns.model.lora is not None)
     record = base_record(base, model)
     template = fresh_state(comps, params, base)
+    try:
+      _check_layout(ckpt.restore_meta(), template.train.params, workdir)
+    except checkpointing.CheckpointError:
+      pass  # `restore_latest` reports it and falls back to an older step
     # The newest intact step: corrupt ones are reported and moved aside.
     items, meta, start = ckpt.restore_latest(state_items(template, fns.rollout))
     if meta.get("base") != record:

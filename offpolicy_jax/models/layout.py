@@ -1,0 +1,220 @@
+"""The decoder's blocks stored per layer or stacked over layers, and the conversion both ways.
+
+Per layer (the default): ``state["layers"][i][...]``, one leaf per layer and
+kind of weight (an `nnx.List` of blocks). Stacked (`ModelConfig.scan_layers`,
+MaxText's `scan_layers`): ``state["layers"][...]``, one leaf per kind of weight
+with a leading [L] axis whose logical name is `sharding.LAYERS`; the blocks
+run as one `lax.scan` over it, and the optimizer's per-leaf code no longer
+grows with depth.
+
+A stacked model holds the same numbers as the per-layer one built from the
+same key: the blocks are drawn one by one as before and then stacked
+(`stack_modules`), so a seed's weights do not depend on the layout.
+
+The tree functions (`stack`, `unstack`) convert any nested mapping in which a
+``"layers"`` entry holds blocks (pure dicts of parameters, an optimizer
+state's moments, a checkpoint's items): HF import/export and the PEFT
+adapters read and write per layer, and a checkpoint of one layout restores
+into the other.
+
+  stacked = layout.stack(per_layer_tree)     # {"layers": {0: t0, 1: t1}} -> {"layers": t[L]}
+  per_layer = layout.unstack(stacked, 2)     # and back
+"""
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from offpolicy_jax.scale import sharding
+
+LAYERS_KEY = "layers"
+
+
+def stack_modules(blocks: Sequence[nnx.Module]) -> nnx.Module:
+  """One module of `blocks`' structure whose variables are stacked on a leading [L] axis.
+
+  Each variable's logical axis names (`out_sharding`) gain `sharding.LAYERS` in front.
+  """
+  graphdef, _ = nnx.split(blocks[0])
+  states = [nnx.split(block)[1] for block in blocks]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+  def named(var):
+    names = var.get_metadata().get("out_sharding")
+    if names is not None:
+      var.set_metadata(out_sharding=(sharding.LAYERS, *names))
+    return var
+
+  stacked = jax.tree.map(named, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, stacked)
+
+
+def blocks(layers, config) -> list[Any]:
+  """A decoder's blocks one by one: its `nnx.List`, or views of the stacked variables."""
+  if not config.scan_layers:
+    return list(layers)
+  graphdef, state = nnx.split(layers)
+  return [
+    nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(config.num_layers)
+  ]
+
+
+def apply(layers, config, block, carry, keys=None, xs=None):
+  """``carry, y_l = block(layer, carry, key_l, x_l)`` over a decoder's blocks (no cache).
+
+  `keys`: the layers' dropout keys [L] (`lora_ops.fold_range`), or None;
+  `xs`: per-layer inputs stacked [L, ...] (a pytree, None leaves allowed).
+  Returns `(carry, ys)`, the y_l stacked [L, ...].
+
+  Stacked blocks (``scan_layers``) run as one `lax.scan` over their variables
+  (one block compiled); ``remat`` rematerialises each block in the backward pass.
+  """
+  if config.scan_layers:
+    graphdef, stacked = nnx.split(layers)
+
+    def scanned(carry, layer_xs):
+      state, key, x = layer_xs
+      return block(nnx.merge(graphdef, state), carry, key, x)
+
+    if config.remat:
+      scanned = jax.checkpoint(scanned)
+    return jax.lax.scan(scanned, carry, (stacked, keys, xs))
+  ys = []
+  for i, layer in enumerate(layers):
+    key = None if keys is None else keys[i]
+    x = jax.tree.map(lambda a, i=i: a[i], xs)
+    if config.remat:
+      layer_def, state = nnx.split(layer)
+
+      def run(state, carry, key, x, layer_def=layer_def):
+        return block(nnx.merge(layer_def, state), carry, key, x)
+
+      carry, y = jax.checkpoint(run)(state, carry, key, x)
+    else:
+      carry, y = block(layer, carry, key, x)
+    ys.append(y)
+  return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
+
+
+def relayout(model, scan_layers: bool):
+  """`model` (a `Decoder`) with its blocks stored per layer or stacked: the same weights."""
+  config = dataclasses.replace(model.config, scan_layers=scan_layers)
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: type(model)(config, rngs=nnx.Rngs(0))))
+  pure = nnx.to_pure_dict(nnx.state(model))
+  nnx.replace_by_pure_dict(state, stack(pure) if scan_layers else unstack(pure, config.num_layers))
+  return nnx.merge(graphdef, state)
+
+
+def is_per_layer(node: Any) -> bool:
+  """Whether a ``"layers"`` entry holds blocks by integer index (else: stacked)."""
+  return isinstance(node, Mapping) and bool(node) and all(isinstance(k, int) for k in node)
+
+
+def stack(tree: Any) -> Any:
+  """`tree` with every per-layer ``"layers"`` entry stacked (arrays or ShapeDtypeStructs).
+
+  Recurses through mappings, lists and tuples (NamedTuples keep their type);
+  other leaves and already stacked entries pass through.
+  """
+  return _convert(tree, _stack_blocks)
+
+
+def unstack(tree: Any, num_layers: int) -> Any:
+  """`tree` with every stacked ``"layers"`` entry split into `num_layers` blocks by index.
+
+  Raises:
+    ValueError: a stacked leaf's leading axis is not `num_layers` long.
+  """
+  return _convert(tree, lambda node: _unstack_blocks(node, num_layers))
+
+
+def _convert(tree: Any, blocks_fn) -> Any:
+  if isinstance(tree, Mapping):
+    out = {}
+    for k, v in tree.items():
+      out[k] = (
+        blocks_fn(v) if k == LAYERS_KEY and isinstance(v, Mapping) else _convert(v, blocks_fn)
+      )
+    return out
+  if isinstance(tree, tuple) and hasattr(tree, "_fields"):  # a NamedTuple (optimizer states)
+    return type(tree)(*(_convert(v, blocks_fn) for v in tree))
+  if isinstance(tree, (list, tuple)):
+    return type(tree)(_convert(v, blocks_fn) for v in tree)
+  return tree
+
+
+def _stack_blocks(node: Mapping) -> Any:
+  if not is_per_layer(node):
+    return node
+  blocks = [node[i] for i in sorted(node)]
+  if sorted(node) != list(range(len(blocks))):
+    raise ValueError(f"layers {sorted(node)} are not 0..{len(blocks) - 1}: cannot stack them")
+  return jax.tree.map(_stack_leaves, *blocks)
+
+
+def _stack_leaves(*xs):
+  if isinstance(xs[0], jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+  return jnp.stack(xs)
+
+
+def _unstack_blocks(node: Mapping, num_layers: int) -> Any:
+  if is_per_layer(node) or not node:
+    return node
+
+  def check(path, x):
+    if not x.shape or x.shape[0] != num_layers:
+      name = jax.tree_util.keystr(path)
+      raise ValueError(
+        f"layers{name} has shape {tuple(x.shape)}: not stacked over {num_layers} layers"
+      )
+
+  jax.tree_util.tree_map_with_path(check, node)
+  return {i: jax.tree.map(lambda x, i=i: _index(x, i), node) for i in range(num_layers)}
+
+
+def _index(x, i: int):
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype)
+  return x[i]
+
+
+class LayerViews:
+  """Per-layer arrays (e.g. memory-mapped HF tensors) read as one array stacked over layers.
+
+  Indexing reads only the layers and the slice asked for (a device's shard).
+  """
+
+  def __init__(self, views: list):
+    self.views = views
+    self.shape = (len(views), *views[0].shape)
+
+  def __array__(self, dtype=None, copy=None):
+    out = self[(slice(None),)]
+    return out if dtype is None else out.astype(dtype)
+
+  def __getitem__(self, index) -> np.ndarray:
+    index = index if isinstance(index, tuple) else (index,)
+    first, rest = (index[0], index[1:]) if index else (slice(None), ())
+    if first is Ellipsis:
+      first, rest = slice(None), index
+    if isinstance(first, (int, np.integer)):
+      return np.asarray(self.views[first][rest])
+    layers = range(len(self.views))[first]
+    return np.stack([np.asarray(self.views[i][rest]) for i in layers])
+
+
+def stack_views(views: dict, num_layers: int) -> dict:
+  """`views` by our per-layer path, with ("layers", i, *rest) rows joined as ("layers", *rest)."""
+  out: dict = {}
+  for ours, view in views.items():
+    if ours[0] == LAYERS_KEY:
+      out.setdefault((ours[0], *ours[2:]), [None] * num_layers)[ours[1]] = view
+    else:
+      out[ours] = view
+  return {k: LayerViews(v) if isinstance(v, list) else v for k, v in out.items()}

@@ -1,0 +1,143 @@
+"""Blocks stacked over layers (`ModelConfig.scan_layers`, `models.layout`): the same numbers as
+per-layer blocks in every forward (teacher forcing, the sampler's cached decode, adapters,
+experts), HF and PEFT files read and written per layer, and trees converted both ways."""
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from offpolicy_jax import models
+from offpolicy_jax.models import layout, lora
+from offpolicy_jax.sampling import sampler
+
+G, K, P, N = 2, 2, 5, 6
+
+
+def _pair(config, key=0):
+  """(per-layer model, stacked model) of `config` from one seed."""
+  plain = models.Decoder(dataclasses.replace(config, scan_layers=False), rngs=nnx.Rngs(key))
+  stacked = models.Decoder(dataclasses.replace(config, scan_layers=True), rngs=nnx.Rngs(key))
+  return plain, stacked
+
+
+def _pure(model, kind=nnx.Param):
+  return nnx.to_pure_dict(nnx.state(model, kind))
+
+
+def _sample(model):
+  graphdef, params = nnx.split(model)
+  fn = sampler.make_sampler(graphdef, max_new_tokens=N, group_size=K, temperature=1.0)
+  prompts = jax.random.randint(jax.random.key(1), (G, P), 1, model.config.vocab_size)
+  return fn(params, prompts, jnp.array([P, P - 2]), jax.random.key(2))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_stacked_blocks_hold_and_sample_the_same_numbers(preset):
+  plain, stacked = _pair(models.get_config(preset))
+  chex.assert_trees_all_equal(_pure(stacked), layout.stack(_pure(plain)))
+  spec = nnx.get_partition_spec(nnx.state(stacked))["layers"]["self_attn"]["q_proj"]
+  assert tuple(spec.get_value()) == ("layers", "embed", "heads", "head_dim")
+  a, b = _sample(plain), _sample(stacked)  # the cached decode reads the stacked blocks
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_adapters_are_stacked_and_merge_as_per_layer():
+  lc = models.LoraConfig(4, 8.0, ("down_proj", "o_proj", "q_proj"))
+  plain, stacked = _pair(models.get_config("tiny", lora=lc))
+  # B starts at 0: give it values so the merge is visible.
+  for m in (plain, stacked):
+    nnx.update(m, jax.tree.map(lambda x: x + 0.01, nnx.state(m, nnx.LoRAParam)))
+  chex.assert_trees_all_equal(
+    _pure(stacked, nnx.LoRAParam), layout.stack(_pure(plain, nnx.LoRAParam))
+  )
+  merged_plain, merged_stacked = lora.without_adapters(plain), lora.without_adapters(stacked)
+  chex.assert_trees_all_close(
+    _pure(merged_stacked), layout.stack(_pure(merged_plain)), atol=1e-6, rtol=1e-6
+  )
+  tokens = jnp.arange(14).reshape(2, 7) % plain.config.vocab_size
+  np.testing.assert_allclose(stacked(tokens), plain(tokens), atol=1e-5)
+
+
+def test_hf_and_peft_files_are_per_layer_in_either_layout(tmp_path):
+  lc = models.LoraConfig(4, 8.0, ("k_proj", "up_proj"))
+  plain, stacked = _pair(models.get_config("tiny", lora=lc))
+  for m in (plain, stacked):
+    nnx.update(m, jax.tree.map(lambda x: x + 0.01, nnx.state(m, nnx.LoRAParam)))
+  files = {}
+  for name, m in (("plain", plain), ("stacked", stacked)):
+    models.save_pretrained(lora.without_adapters(m), str(tmp_path / name / "hf"))
+    lora.save_peft(m, str(tmp_path / name / "peft"))
+    for kind, file in (("hf", "model.safetensors"), ("peft", lora.ADAPTER_FILE)):
+      import safetensors.numpy
+
+      files[name, kind] = safetensors.numpy.load_file(str(tmp_path / name / kind / file))
+  for kind in ("hf", "peft"):
+    chex.assert_trees_all_close(files["stacked", kind], files["plain", kind], atol=1e-6)
+  # A per-layer checkpoint read into either layout, the adapters too.
+  hf = str(tmp_path / "plain" / "hf")
+  base = models.from_pretrained(hf, scan_layers=True)
+  assert base.config.scan_layers and "layers" in _pure(base)
+  chex.assert_trees_all_close(_pure(base), _pure(lora.without_adapters(stacked)), atol=1e-6)
+  loaded = lora.load_peft(base, str(tmp_path / "plain" / "peft"))
+  chex.assert_trees_all_close(
+    _pure(loaded, nnx.LoRAParam), _pure(stacked, nnx.LoRAParam), atol=1e-6
+  )
+
+
+def test_stacked_import_into_a_mesh_reads_each_shard(tmp_path):
+  plain = models.Decoder(models.get_config("tiny"), rngs=nnx.Rngs(3))
+  models.save_pretrained(plain, str(tmp_path))
+  mesh = jax.make_mesh((2, 4), ("fsdp", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  rules = [("embed", "fsdp"), ("mlp", "tensor")]
+  stacked = models.from_pretrained(str(tmp_path), mesh=mesh, rules=rules, scan_layers=True)
+  gate = stacked.layers.mlp.gate_proj[...]
+  assert gate.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+  L, d, f = gate.shape
+  assert gate.addressable_shards[0].data.shape == (L, d // 2, f // 4)
+  chex.assert_trees_all_close(_pure(stacked), layout.stack(_pure(plain)), atol=0, rtol=0)
+
+
+def test_tree_conversion_round_trips_optimizer_states_and_names_bad_stacks():
+  tree = {"layers": {0: {"w": jnp.ones((2, 3))}, 1: {"w": jnp.zeros((2, 3))}}, "norm": jnp.ones(3)}
+  opt = ({"mu": tree, "count": jnp.int32(0)},)
+  stacked = layout.stack(opt)
+  assert stacked[0]["mu"]["layers"]["w"].shape == (2, 2, 3)
+  assert stacked[0]["count"] == 0 and stacked[0]["mu"]["norm"].shape == (3,)
+  chex.assert_trees_all_equal(layout.unstack(stacked, 2), opt)
+  chex.assert_trees_all_equal(layout.stack(stacked), stacked)  # already stacked: unchanged
+  abstract = layout.stack(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree))
+  assert abstract["layers"]["w"].shape == (2, 2, 3)
+  with pytest.raises(ValueError, match=r"layers\['w'\] has shape \(2, 2, 3\): not stacked over 3"):
+    layout.unstack(stacked, 3)
+  with pytest.raises(ValueError, match="layers \\[0, 2\\] are not 0..1"):
+    layout.stack({"layers": {0: {"w": jnp.ones(1)}, 2: {"w": jnp.ones(1)}}})
+
+
+def test_a_stacked_run_trains_as_a_per_layer_one_and_keeps_its_layout_on_resume(tmp_path):
+  from offpolicy_jax.run import loop
+  from offpolicy_jax.store import workdir
+  from tests.test_loop import small_config, strip_timing
+
+  kw = {"total_steps": 2, "checkpoint_every": 2, "sft.steps": 2}
+  plain = loop.train_and_evaluate(small_config(**kw), str(tmp_path / "plain"))
+  run = str(tmp_path / "stacked")
+  stacked = loop.train_and_evaluate(small_config(model_scan_layers=True, **kw), run)
+  for a, b in zip(strip_timing(stacked), strip_timing(plain), strict=True):
+    assert a.keys() == b.keys()
+    for k in ("loss", "reward_mean", "grad_norm", "eval/accuracy"):
+      if k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+  assert sum("loss" in r for r in stacked) == 2
+  # The checkpoint holds stacked blocks: a resume with per-layer ones is refused by name.
+  again = small_config(model_scan_layers=False, **{**kw, "total_steps": 4})
+  with pytest.raises(
+    workdir.ConfigChanged,
+    match="model_scan_layers.*stores the decoder blocks stacked, this run.s model per layer",
+  ):
+    loop.train_and_evaluate(again, run, allow_config_change=True)
