@@ -8,7 +8,7 @@ program is built as the run builds it (`sampling.make_sampler`,
 table gives the seconds of each part.
 
   python benchmarks/compile_time.py --preset qwen2.5-0.5b [--scan_layers 0,1] \
-      [--programs sampler,scorer,train] [--json out.json]
+      [--scan_decode 1] [--num_layers 2] [--programs sampler,scorer,train] [--json out.json]
 
 Shapes (the defaults are those of the first GPU measurement, docs/speed.md):
 the sampler draws K samples of N new tokens (no EOS) for G prompts of P tokens; the
@@ -120,6 +120,9 @@ def main():
   parser.add_argument("--preset", default="qwen2.5-0.5b")
   parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
   parser.add_argument("--scan_layers", default="1", help="comma-separated 0/1 variants")
+  parser.add_argument(
+    "--scan_decode", type=int, default=0, choices=(0, 1), help="the sampler's steps scanned too"
+  )
   parser.add_argument("--remat", type=int, default=1, choices=(0, 1))
   parser.add_argument("--num_layers", type=int, default=0, help="0: the preset's depth")
   parser.add_argument("--programs", default=",".join(PROGRAMS))
@@ -149,7 +152,12 @@ def main():
   rows = []
   for scan in (bool(int(s)) for s in args.scan_layers.split(",")):
     config = models.get_config(
-      args.preset, dtype=args.dtype, scan_layers=scan, remat=bool(args.remat), **depth
+      args.preset,
+      dtype=args.dtype,
+      scan_layers=scan,
+      scan_decode=bool(args.scan_decode),
+      remat=bool(args.remat),
+      **depth,
     )
     # The sampler at its own shapes, the scorer and the train step at one batch's.
     parts = (
@@ -176,10 +184,18 @@ def main():
         )
     for name, t in ((name, prog.seconds) for name, prog in built.items()):
       rows.append(
-        dict(preset=args.preset, layers=config.num_layers, scan_layers=scan, program=name, **t)
+        dict(
+          preset=args.preset,
+          layers=config.num_layers,
+          scan_layers=scan,
+          scan_decode=config.scan_decode,
+          program=name,
+          **t,
+        )
       )
       print(
-        f"{args.preset:14s} layers={config.num_layers} scan_layers={int(scan)} {name:8s} "
+        f"{args.preset:14s} layers={config.num_layers} scan_layers={int(scan)} "
+        f"scan_decode={int(config.scan_decode)} {name:8s} "
         f"lower {t['lower_s']:7.1f} s"
         f"  compile {t['compile_s']:7.1f} s  total {t['total_s']:7.1f} s",
         flush=True,

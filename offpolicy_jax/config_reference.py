@@ -21,8 +21,8 @@ from offpolicy_jax.config_schema import RUN_FIELDS, STUDY_FIELDS
 _SECTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
   ("Run", "The run's seed and length.", ("seed", "total_steps")),
   ("Model", "Which model, its dtype and how its forward runs ([models.md](models.md)).",
-   ("model", "model_dtype", "model_scan_layers", "model_remat", "model_attention",
-    "model_router_aux_coef", "tokenizer")),
+   ("model", "model_dtype", "model_scan_layers", "model_scan_decode", "model_remat",
+    "model_attention", "model_router_aux_coef", "tokenizer")),
   ("Task and data", "The task, its data and the static shapes of prompts and responses.",
    ("task", "task_kwargs", "max_prompt_len", "max_new_tokens", "data")),
   ("Sampling", "The behaviour policy's decoding and the batch: G prompts of K responses a step.",

@@ -404,6 +404,11 @@ class RunSpec:
   #: stacked for models of 0.4B parameters and more (models.ModelConfig.scan_layers).
   model_scan_layers: bool | None
 
+  #: With stacked blocks, the samplers' prefill and decode steps run as one lax.scan too (their
+  #: compile time flat in depth, the decode slower on the CPU: docs/results/compile_time.md);
+  #: False: the samplers decode per layer.
+  model_scan_decode: bool
+
   #: Rematerialise each decoder block in the training backward pass (jax.checkpoint): the train
   #: step keeps each block's input instead of its intermediates and recomputes them, about one
   #: more forward per step (same numbers up to float rounding, same checkpoint layout; may

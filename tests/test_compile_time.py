@@ -195,3 +195,23 @@ def test_bf16_decode_reads_weights_cast_once_per_call():
     loops |= reachable(root, {root})
   assert weight_casts(set(bodies) - loops), "no weight cast found: the test lost its target"
   assert not weight_casts(loops)
+
+
+def _size(program) -> int:
+  """Instructions of a compiled program (its HLO lines): what its compile time follows."""
+  return len(_hlo(program).splitlines())
+
+
+def test_stacked_programs_do_not_grow_with_depth():
+  """Blocks stacked over layers: the train step and the scanned sampler of 16 layers are the
+  programs of 4 layers (one block, one leaf per kind of weight), where per-layer blocks add
+  instructions with every layer (docs/results/compile_time.md: compile time flat in depth)."""
+  sizes = {}
+  for layers in (4, 16):
+    config = models.get_config(
+      "tiny", num_layers=layers, scan_layers=True, scan_decode=True, remat=True
+    )
+    progs = compile_time.compile_programs(config, programs=("train", "sampler"), **TINY)
+    sizes[layers] = {name: _size(p) for name, p in progs.items()}
+  for name in ("train", "sampler"):
+    assert sizes[16][name] <= 1.05 * sizes[4][name], (name, sizes)

@@ -13,38 +13,66 @@ from flax import nnx
 
 from offpolicy_jax import models
 from offpolicy_jax.models import layout, lora
+from offpolicy_jax.sampling import continuous as continuous_lib
 from offpolicy_jax.sampling import sampler
 
 G, K, P, N = 2, 2, 5, 6
 
 
-def _pair(config, key=0):
+def _pair(config, key=0, scan_decode=False):
   """(per-layer model, stacked model) of `config` from one seed."""
   plain = models.Decoder(dataclasses.replace(config, scan_layers=False), rngs=nnx.Rngs(key))
-  stacked = models.Decoder(dataclasses.replace(config, scan_layers=True), rngs=nnx.Rngs(key))
-  return plain, stacked
+  stacked = dataclasses.replace(config, scan_layers=True, scan_decode=scan_decode)
+  return plain, models.Decoder(stacked, rngs=nnx.Rngs(key))
 
 
 def _pure(model, kind=nnx.Param):
   return nnx.to_pure_dict(nnx.state(model, kind))
 
 
-def _sample(model):
+def _sample(model, continuous=False):
   graphdef, params = nnx.split(model)
-  fn = sampler.make_sampler(graphdef, max_new_tokens=N, group_size=K, temperature=1.0)
+  kw = dict(max_new_tokens=N, group_size=K, temperature=1.0)
+  if continuous:  # one group resident at a time: rows and prompts move between slots
+    fn = continuous_lib.make_continuous_sampler(graphdef, slots=1, **kw)
+  else:
+    fn = sampler.make_sampler(graphdef, **kw)
   prompts = jax.random.randint(jax.random.key(1), (G, P), 1, model.config.vocab_size)
   return fn(params, prompts, jnp.array([P, P - 2]), jax.random.key(2))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
-def test_stacked_blocks_hold_and_sample_the_same_numbers(preset):
-  plain, stacked = _pair(models.get_config(preset))
+@pytest.mark.parametrize(
+  "preset, scan_decode", [("tiny", False), ("tiny", True), ("tiny-moe", True)]
+)
+def test_stacked_blocks_hold_and_sample_the_same_numbers(preset, scan_decode):
+  plain, stacked = _pair(models.get_config(preset), scan_decode=scan_decode)
   chex.assert_trees_all_equal(_pure(stacked), layout.stack(_pure(plain)))
   spec = nnx.get_partition_spec(nnx.state(stacked))["layers"]["self_attn"]["q_proj"]
   assert tuple(spec.get_value()) == ("layers", "embed", "heads", "head_dim")
-  a, b = _sample(plain), _sample(stacked)  # the cached decode reads the stacked blocks
-  np.testing.assert_array_equal(a.tokens, b.tokens)
-  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  # Per layer (`layout.for_decoding`) or one scan over the stacked blocks and caches.
+  cache = stacked.init_cache(2, 3)
+  assert isinstance(cache.k, tuple) != scan_decode
+  for continuous in (False, True):
+    a, b = _sample(plain, continuous), _sample(stacked, continuous)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_a_scanned_extend_writes_the_cache_as_per_layer_blocks():
+  """`extend_shared` (a multi-turn observation) over stacked caches, rows with 0 tokens kept."""
+  plain, stacked = _pair(models.get_config("tiny"), scan_decode=True)
+  prompt = jax.random.randint(jax.random.key(3), (G, P), 1, 50)
+  mask = jnp.ones((G, P))
+  tokens = jax.random.randint(jax.random.key(4), (G * K, 3), 1, 50)
+  counts = jnp.array([3, 0, 2, 1])
+  out = []
+  for m in (plain, stacked):
+    prefix = m(prompt, attention_mask=mask, cache=m.init_cache(G, P), cache_index=0)[1]
+    h, suffix = m.extend_shared(tokens, counts, prefix, m.init_cache(G * K, 6), mask, 0)
+    out.append((h, jnp.stack(suffix.k) if isinstance(suffix.k, tuple) else suffix.k))
+  np.testing.assert_allclose(out[1][0][counts > 0], out[0][0][counts > 0], atol=1e-5)
+  np.testing.assert_allclose(out[1][1], out[0][1], atol=1e-5)
+  assert float(jnp.abs(out[1][1][:, 1]).max()) == 0.0  # row 1 wrote nothing
 
 
 def test_adapters_are_stacked_and_merge_as_per_layer():

@@ -33,6 +33,7 @@ BAD = [
   ("log_every", 0, "log_every"),
   ("profile_steps", -1, "profile_steps"),
   ("model_scan_layers", "yes", "model_scan_layers"),
+  ("model_scan_decode", None, "model_scan_decode"),
   ("model_remat", 1, "model_remat"),
   ("model_attention", "flash", "model_attention"),
   ("model_router_aux_coef", -0.1, "model_router_aux_coef"),

@@ -86,6 +86,11 @@ class ModelConfig:
       numbers from the same seed as per-layer blocks; HF and PEFT files are
       per layer either way. None (the default): stacked from
       `STACK_FROM_PARAMS` parameters on (the presets of 0.5B and more).
+    scan_decode: with stacked blocks, the cached passes (the samplers' prefill
+      and decode steps) run as one `lax.scan` too, the KV cache stacked
+      [L, ...]: their compile time flat in depth, at a cost in decode speed
+      on the CPU (docs/results/compile_time.md). False: the samplers decode
+      per layer (`layout.for_decoding`).
     family: "qwen2", "qwen3", "llama", "qwen3_moe" or "mixtral" (selects the HF
       architecture on export).
     attention: "xla" (our einsum attention, head-major keys read in place) or
@@ -123,6 +128,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False
   scan_layers: bool | None = None
+  scan_decode: bool = False
   family: str = "llama"
   attention: str = "xla"
   lora: LoraConfig | None = None

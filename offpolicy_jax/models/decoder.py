@@ -27,7 +27,7 @@ mesh is set with `jax.set_mesh` (the run's jitted steps set theirs) and is a
 no-op otherwise.
 """
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,20 +45,29 @@ from offpolicy_jax.scale import sharding
 
 
 class KVCache(NamedTuple):
-  """Per-layer key/value cache.
+  """Per-layer key/value cache, laid out as the blocks are (`models.layout`).
 
   Attributes:
-    k: tuple (one per layer) of [B, N_kv, S, H] keys (compute dtype), head-major.
-    v: tuple (one per layer) of [B, N_kv, S, H] values.
+    k: tuple (one per layer) of [B, N_kv, S, H] keys (compute dtype), head-major;
+      with stacked blocks (``scan_layers``) one array [L, B, N_kv, S, H].
+    v: the values, as `k`.
   """
 
-  k: tuple
-  v: tuple
+  k: Any
+  v: Any
 
+  def rows(self, index) -> "KVCache":
+    """The cache of rows `index` (an int array over B) in every layer."""
+    if isinstance(self.k, tuple):
+      return jax.tree.map(lambda c: c[index], self)
+    return jax.tree.map(lambda c: c[:, index], self)
 
-def _stack(ys):
-  """Per-layer outputs (pytrees, None leaves allowed) stacked on a leading [L] axis."""
-  return jax.tree.map(lambda *y: jnp.stack(y), *ys)
+  def put_rows(self, dst, new: "KVCache") -> "KVCache":
+    """This cache with rows `dst` set to `new`'s rows (out-of-bounds rows dropped)."""
+    lead = () if isinstance(self.k, tuple) else (slice(None),)
+    return jax.tree.map(
+      lambda big, x: big.at[(*lead, dst)].set(x.astype(big.dtype), mode="drop"), self, new
+    )
 
 
 def _constrain(h_btd: jax.Array) -> jax.Array:
@@ -108,10 +117,9 @@ class Decoder(nnx.Module):
     c = self.config
     dtype = jnp.dtype(dtype or c.dtype)
     shape = (batch, c.num_kv_heads, max_len, c.head_dim)
-    return KVCache(
-      k=tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
-      v=tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)),
-    )
+    if c.scan_layers and c.scan_decode:  # stacked like the blocks: [L, B, N_kv, S, H]
+      return KVCache(*(jnp.zeros((c.num_layers, *shape), dtype) for _ in "kv"))
+    return KVCache(*(tuple(jnp.zeros(shape, dtype) for _ in range(c.num_layers)) for _ in "kv"))
 
   def hidden_states(
     self,
@@ -188,15 +196,13 @@ class Decoder(nnx.Module):
       return self.norm(h), None, self._routed(stats, experts)
     if dropout_key is not None or router_mask is not None or recorded is not None:
       raise ValueError("dropout_key, router_mask, recorded: teacher-forced forward (no cache) only")
-    new_k, new_v, experts = [], [], []
-    for i, layer in enumerate(self._blocks()):
-      h, _, ex, kv = layer(h, cos, sin, allowed, (cache.k[i], cache.v[i]), cache_index)
-      h = _constrain(h)
-      new_k.append(kv[0])
-      new_v.append(kv[1])
-      experts.append(ex)
-    routed = self._routed(None, _stack(experts))
-    return self.norm(h), KVCache(tuple(new_k), tuple(new_v)), routed
+
+    def cached(layer, h, kv):
+      h, _, ex, kv = layer(h, cos, sin, allowed, kv, cache_index)
+      return _constrain(h), KVCache(*kv), ex
+
+    h, cache, experts = layout.apply_cached(self.layers, self.config, cached, h, cache)
+    return self.norm(h), cache, self._routed(None, experts)
 
   def _routed(self, stats, experts_l):
     """`moe.Routed` of per-block stats [L, ...] and experts [L, B, T, k] (None: dense)."""
@@ -309,23 +315,15 @@ class Decoder(nnx.Module):
     positions = positions[:, None]
     rope = self._rope(positions)
     h = self._embed(tokens_b[:, None])
-    new_k, new_v, experts = [], [], []
-    for i, layer in enumerate(self._blocks()):
-      h, ex, (k, v) = layer.decode_shared(
-        h,
-        rope,
-        (prefix.k[i], prefix.v[i]),
-        (suffix.k[i], suffix.v[i]),
-        prompt_mask,
-        index,
-        block,
-      )
-      h = _constrain(h)
-      new_k.append(k)
-      new_v.append(v)
-      experts.append(ex)
-    routed = self._routed(None, _stack(experts))
-    return self.norm(h)[:, 0], KVCache(tuple(new_k), tuple(new_v)), routed and routed.experts[:, 0]
+
+    def cached(layer, h, kvs):
+      pre, suf = kvs
+      h, ex, kv = layer.decode_shared(h, rope, pre, suf, prompt_mask, index, block)
+      return _constrain(h), KVCache(*kv), ex
+
+    h, cache, experts = layout.apply_cached(self.layers, self.config, cached, h, [prefix, suffix])
+    routed = self._routed(None, experts)
+    return self.norm(h)[:, 0], cache, routed and routed.experts[:, 0]
 
   def extend_shared(
     self,
@@ -373,24 +371,16 @@ class Decoder(nnx.Module):
     start = jnp.repeat(lengths, b // prompt_mask.shape[0]) + index_b
     rope = self._rope(start[:, None] + jnp.arange(t)[None, :])
     h = self._embed(tokens_bt)
-    new_k, new_v = [], []
-    for i, layer in enumerate(self._blocks()):
-      h, (k, v) = layer.extend_shared(
-        h,
-        rope,
-        (prefix.k[i], prefix.v[i]),
-        (suffix.k[i], suffix.v[i]),
-        prompt_mask,
-        index_b,
-        counts_b,
-        block,
-      )
-      h = _constrain(h)
-      new_k.append(k)
-      new_v.append(v)
+
+    def cached(layer, h, kvs):
+      pre, suf = kvs
+      h, kv = layer.extend_shared(h, rope, pre, suf, prompt_mask, index_b, counts_b, block)
+      return _constrain(h), KVCache(*kv), None
+
+    h, cache, _ = layout.apply_cached(self.layers, self.config, cached, h, [prefix, suffix])
     last = jnp.maximum(counts_b - 1, 0)[:, None, None]
     h_last = jnp.take_along_axis(h, last, axis=1)[:, 0]
-    return self.norm(h_last), KVCache(tuple(new_k), tuple(new_v))
+    return self.norm(h_last), cache
 
   def _embed(self, tokens):
     return _constrain(jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.config.dtype))
@@ -400,10 +390,6 @@ class Decoder(nnx.Module):
     freqs = jnp.multiply.outer(jnp.asarray(positions, jnp.float32), ops.rope_inv_freq(self.config))
     freqs = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(freqs), jnp.sin(freqs)
-
-  def _blocks(self) -> list[DecoderLayer]:
-    """The blocks one by one (views of the stacked variables under ``scan_layers``)."""
-    return layout.blocks(self.layers, self.config)
 
   def _apply_layers(self, block, carry, keys=None, xs=None):
     """``carry, y_l = block(layer, carry, key_l, x_l)`` over the layers (`layout.apply`)."""

@@ -101,6 +101,61 @@ def apply(layers, config, block, carry, keys=None, xs=None):
   return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
 
+def apply_cached(layers, config, block, h, caches):
+  """``h, cache_l, y_l = block(layer, h, caches_l)`` over a decoder's blocks (with KV caches).
+
+  `caches`: a list of `KVCache`s (or one), whose ``k``/``v`` are a tuple of L
+  per-layer arrays (per-layer blocks) or one array stacked [L, ...] (stacked
+  blocks); `caches_l` their l-th entries. Returns `(h, caches, ys)`: the new
+  caches in the same layout, the y_l stacked [L, ...] (None leaves allowed).
+
+  Stacked blocks with ``scan_decode`` run as one `lax.scan`, the written cache
+  carried and updated in place (the decode step compiles one block whatever
+  the depth); without it, one by one on views of the stacked variables (the
+  samplers take `for_decoding`'s per-layer model instead).
+  """
+  if config.scan_layers and config.scan_decode:
+    graphdef, stacked = nnx.split(layers)
+    written = caches[-1] if isinstance(caches, list) else caches  # the one the block returns
+    read = caches[:-1] if isinstance(caches, list) else None
+
+    def scanned(carry, xs):
+      h, out = carry
+      state, i, ro = xs
+      mine = jax.tree.map(lambda c: c[i], out)
+      h, new, y = block(nnx.merge(graphdef, state), h, mine if ro is None else [*ro, mine])
+      out = jax.tree.map(lambda c, x: jax.lax.dynamic_update_index_in_dim(c, x, i, 0), out, new)
+      return (h, out), y
+
+    n = config.num_layers
+    (h, out), ys = jax.lax.scan(scanned, (h, written), (stacked, jnp.arange(n), read))
+    return h, out, ys
+  per_layer = lambda c: type(c) is tuple  # noqa: E731  (a KVCache's tuple of L arrays)
+  outs = []
+  for i, layer in enumerate(blocks(layers, config)):
+    h, cache, y = block(layer, h, jax.tree.map(lambda c, i=i: c[i], caches, is_leaf=per_layer))
+    outs.append((cache, y))
+  new = jax.tree.map(lambda *c: tuple(c), *(c for c, _ in outs))
+  return h, new, jax.tree.map(lambda *y: jnp.stack(y), *(y for _, y in outs))
+
+
+def for_decoding(model):
+  """The model the samplers decode with: stacked blocks without ``scan_decode`` as a
+  per-layer model (its variables sliced once per sampler call, not per token; traceable).
+
+  A decode step over per-layer weights and caches runs faster than one scanned
+  over stacked ones on the CPU (docs/results/compile_time.md); its compile
+  time grows with depth, which ``scan_decode`` trades for the scan's.
+  """
+  c = model.config
+  if not c.scan_layers or c.scan_decode:
+    return model
+  view = nnx.merge(*nnx.split(model))  # a new module on the same arrays
+  view.layers = nnx.List(blocks(model.layers, c))
+  view.config = dataclasses.replace(c, scan_layers=False)
+  return view
+
+
 def relayout(model, scan_layers: bool):
   """`model` (a `Decoder`) with its blocks stored per layer or stacked: the same weights."""
   config = dataclasses.replace(model.config, scan_layers=scan_layers)

@@ -50,7 +50,7 @@ import numpy as np
 from flax import nnx
 
 from offpolicy_jax import types
-from offpolicy_jax.models import Decoder, KVCache
+from offpolicy_jax.models import Decoder, KVCache, layout
 from offpolicy_jax.sampling.sampler import DECODE_BLOCK, SampleOutput, check_options, select_token
 
 
@@ -210,7 +210,7 @@ def make_continuous_sampler(
     r = min(slots, g) * k_rep
     a = min(prefill_batch or slots, g)
     run = _Run(
-      model=nnx.merge(graphdef, params),
+      model=layout.for_decoding(nnx.merge(graphdef, params)),
       key=key,
       prompt_tokens=prompt_tokens,
       prompt_mask=types.prompt_mask(prompt_lengths, p),
@@ -298,7 +298,7 @@ def _prefill(run: _Run, st: _Slots) -> _Slots:
     next_g=st.next_g + count,
     group_slot=st.group_slot.at[jnp.where(ok, gs, g)].set(dst, mode="drop"),
     left=put(st.left, jnp.full((a,), run.k_rep, jnp.int32)),
-    prefix=jax.tree.map(put, st.prefix, cache),
+    prefix=st.prefix.put_rows(dst, cache),
     prompt_mask=put(st.prompt_mask, mask_ap),
     first_h=put(st.first_h, h[:, -1]),
   )
@@ -358,7 +358,7 @@ def _decode(run: _Run, st: _Slots, out):
   by_row = lambda c: c[st.row_slot]
   h, suffix = model.decode_shared(
     jnp.where(st.live, draw.token, 0),
-    jax.tree.map(by_row, st.prefix),
+    st.prefix.rows(st.row_slot),
     st.suffix,
     by_row(st.prompt_mask),
     st.pos,

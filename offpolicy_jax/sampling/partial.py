@@ -61,6 +61,7 @@ import numpy as np
 from flax import nnx
 
 from offpolicy_jax import types
+from offpolicy_jax.models import layout
 from offpolicy_jax.sampling.sampler import SampleOutput, select_token
 from offpolicy_jax.scale import sharding
 
@@ -256,7 +257,7 @@ def make_advance(
   temperature, top_p = float(temperature), float(top_p)
 
   def advance(params, state: PartialState, version, key) -> PartialState:
-    model = nnx.merge(graphdef, params)
+    model = layout.for_decoding(nnx.merge(graphdef, params))
     ctx, ctx_mask = _context(state, group_size, (lag_steps - 1) * b)
     r, w = ctx.shape
     kv_mask = jnp.concatenate([ctx_mask, jnp.ones((r, b), bool)], axis=1)

@@ -41,7 +41,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from offpolicy_jax import types
-from offpolicy_jax.models import moe
+from offpolicy_jax.models import layout, moe
 
 
 class SampleOutput(NamedTuple):
@@ -246,7 +246,7 @@ def make_sampler(
   temperature, top_p = float(temperature), float(top_p)
 
   def sample(params, prompt_tokens, prompt_lengths, key, max_lengths=None):
-    model = nnx.merge(graphdef, params)
+    model = layout.for_decoding(nnx.merge(graphdef, params))
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
     g, p = prompt_tokens.shape
     b = g * k_rep

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from offpolicy_jax import types
-from offpolicy_jax.models import KVCache
+from offpolicy_jax.models import KVCache, layout
 from offpolicy_jax.sampling.continuous import row_keys
 from offpolicy_jax.sampling.sampler import DECODE_BLOCK, check_options, select_token
 
@@ -175,7 +175,7 @@ class TurnPieces:
 
   def _start(self, params, prompt_tokens, prompt_lengths, limit) -> MultiTurnState:
     """Prefills the prompts once per group; every row starts its first turn."""
-    model = nnx.merge(self.graphdef, params)
+    model = layout.for_decoding(nnx.merge(self.graphdef, params))
     prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
     g, p = prompt_tokens.shape
     b, n = g * self.group_size, self.max_new_tokens
@@ -213,7 +213,7 @@ class TurnPieces:
     `ended` stays False and the next call continues the same turn (same
     `turn_start` and turn id). `turn` counts the turns that ended.
     """
-    model = nnx.merge(self.graphdef, params)
+    model = layout.for_decoding(nnx.merge(self.graphdef, params))
     b, n = st.tokens.shape
     rows = jnp.arange(b)
     eos_ids = jnp.asarray(self.eos_ids, jnp.int32)
@@ -271,7 +271,7 @@ class TurnPieces:
 
   def _extend(self, params, st: MultiTurnState, obs_bo, counts_b, done_b) -> MultiTurnState:
     """Appends each row's observation (its first counts[b] tokens) and marks done rows."""
-    model = nnx.merge(self.graphdef, params)
+    model = layout.for_decoding(nnx.merge(self.graphdef, params))
     b, n = st.tokens.shape
     obs_bo = jnp.asarray(obs_bo, jnp.int32)
     counts_b = jnp.asarray(counts_b, jnp.int32)
@@ -351,6 +351,6 @@ class TurnPieces:
     exact under, the new parameters given the whole trajectory so far, with
     no key or value computed by older parameters left in the caches.
     """
-    model = nnx.merge(self.graphdef, params)
+    model = layout.for_decoding(nnx.merge(self.graphdef, params))
     h, suffix, prefix = self._encode(model, st, st.tokens, st.pos)
     return st._replace(prefix=prefix, suffix=suffix, logits=model.logits_from_hidden(h))
