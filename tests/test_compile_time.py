@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ben
 
 import accelerator  # noqa: E402
 import compile_time  # noqa: E402
+import decode_layout  # noqa: E402
 import gsm8k_path  # noqa: E402
 
 # 64 new tokens and 3 repeats: the decode is timed as (N tokens - 1 token) / (N - 1), which a
@@ -144,10 +145,17 @@ def test_unknown_program_names_the_flag(program):
     ("compile_time", ["--scan_layers", "2"], "--scan_layers"),
     ("compile_time", ["--num_layers", "-1"], "--num_layers"),
     ("compile_time", ["--programs", "sampler,bogus"], "--programs: unknown ['bogus']"),
+    ("decode_layout", ["--rounds", "0"], "--rounds must be >= 1"),
+    ("decode_layout", ["--preset", "nope"], "unknown preset 'nope'"),
   ],
 )
 def test_benchmark_flags_are_checked_before_any_work(script, flags, named, capsys, monkeypatch):
-  module = {"accelerator": accelerator, "gsm8k_path": gsm8k_path, "compile_time": compile_time}
+  module = {
+    "accelerator": accelerator,
+    "gsm8k_path": gsm8k_path,
+    "compile_time": compile_time,
+    "decode_layout": decode_layout,
+  }
   monkeypatch.setattr(sys, "argv", [f"{script}.py", *flags])  # compile_time parses sys.argv
   with pytest.raises(SystemExit) as e:
     module[script].main(*([flags] if script != "compile_time" else []))

@@ -151,7 +151,12 @@ def for_decoding(model):
   if not c.scan_layers or c.scan_decode:
     return model
   view = nnx.merge(*nnx.split(model))  # a new module on the same arrays
-  view.layers = nnx.List(blocks(model.layers, c))
+  graphdef, state = nnx.split(model.layers)
+  # The barrier keeps the slices out of the decode loop (else XLA may slice per token).
+  sliced = jax.lax.optimization_barrier(
+    [jax.tree.map(lambda a, i=i: a[i], state) for i in range(c.num_layers)]
+  )
+  view.layers = nnx.List([nnx.merge(graphdef, s) for s in sliced])
   view.config = dataclasses.replace(c, scan_layers=False)
   return view
 
