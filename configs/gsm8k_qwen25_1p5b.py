@@ -24,8 +24,9 @@ def get_config() -> ml_collections.ConfigDict:
   # Local Hugging Face directory of Qwen2.5-1.5B-Instruct (config.json + safetensors).
   c.model = "checkpoints/Qwen2.5-1.5B-Instruct"
   c.model_dtype = "bfloat16"
-  # The train step and the scorer run the 28 blocks as one lax.scan: one block compiled,
-  # not 28 (docs/speed.md, "Compile time"); checkpoints keep one leaf per layer either way.
+  # The blocks are stored stacked over layers and the train step and the scorer run them as
+  # one lax.scan: one block compiled, not 28 (docs/speed.md, "Compile time"); the default
+  # for a model of this size, said here so that its runs keep it.
   c.model_scan_layers = True
   # Each block is rematerialised in the backward pass: the train step keeps block inputs, not
   # every intermediate (`python -m experiments.plan --config=configs/gsm8k_qwen25_1p5b.py

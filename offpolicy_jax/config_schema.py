@@ -86,7 +86,8 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("model_scan_decode", False, PROGRAM,
      "With stacked blocks, the samplers' prefill and decode steps run as one lax.scan too "
      "(their compile time flat in depth, the decode slower on the CPU: "
-     "docs/results/compile_time.md); False: the samplers decode per layer.", Bool()),
+     "docs/results/compile_time.md); False: the samplers decode per layer. No effect on blocks "
+     "stored per layer.", Bool()),
   _F("model_remat", False, PLACEMENT,
      "Rematerialise each decoder block in the training backward pass (jax.checkpoint): the "
      "train step keeps each block's input instead of its intermediates and recomputes them, "

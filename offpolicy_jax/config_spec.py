@@ -406,7 +406,7 @@ class RunSpec:
 
   #: With stacked blocks, the samplers' prefill and decode steps run as one lax.scan too (their
   #: compile time flat in depth, the decode slower on the CPU: docs/results/compile_time.md);
-  #: False: the samplers decode per layer.
+  #: False: the samplers decode per layer. No effect on blocks stored per layer.
   model_scan_decode: bool
 
   #: Rematerialise each decoder block in the training backward pass (jax.checkpoint): the train

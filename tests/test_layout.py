@@ -169,3 +169,54 @@ def test_a_stacked_run_trains_as_a_per_layer_one_and_keeps_its_layout_on_resume(
     match="model_scan_layers.*stores the decoder blocks stacked, this run.s model per layer",
   ):
     loop.train_and_evaluate(again, run, allow_config_change=True)
+
+
+def test_weight_decay_and_the_planner_read_stacked_blocks_as_per_layer_ones():
+  from configs import default
+  from offpolicy_jax.learn import train_state
+  from offpolicy_jax.run import planner
+
+  plain, stacked = _pair(models.get_config("tiny"))
+  opt = train_state.make_optimizer(0.1, weight_decay=0.5, max_grad_norm=None)
+  decayed = []
+  for m in (plain, stacked):
+    params = nnx.state(m, nnx.Param)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = opt.update(zeros, opt.init(params), params)
+    decayed.append(_pure_of(updates))
+  # Matrices decay, norms do not, in either layout (a stacked norm is [L, D]).
+  chex.assert_trees_all_close(decayed[1], layout.stack(decayed[0]), atol=1e-7)
+  assert float(jnp.abs(decayed[1]["layers"]["input_layernorm"]["weight"]).max()) == 0.0
+  assert float(jnp.abs(decayed[1]["layers"]["mlp"]["up_proj"]).max()) > 0.0
+
+  def plan(**fields):
+    c = default.base_config()
+    c.sft.enabled = False
+    for k, v in fields.items():
+      c[k] = v
+    c.lock()
+    return planner.plan(c, devices=1, bytes_per_device=None, activations="analytic")
+
+  blocks = sum(x.nbytes for x in jax.tree.leaves(nnx.state(stacked.layers)))
+  kv = "KV cache (sampler)"
+  per_layer = plan(model_scan_layers=True).bytes[kv]  # the samplers' sliced copy counted
+  assert per_layer - plan(model_scan_layers=True, model_scan_decode=True).bytes[kv] == blocks
+  assert plan(model_scan_layers=False).bytes[kv] == per_layer - blocks
+
+
+def _pure_of(state):
+  return nnx.to_pure_dict(state) if isinstance(state, nnx.State) else state
+
+
+def test_an_unset_layout_is_no_config_change_and_views_spell_out_ellipses():
+  from offpolicy_jax.store import workdir
+
+  changes = workdir.config_changes
+  assert changes({"model_scan_layers": False}, {"model_scan_layers": None}) == {}
+  assert changes({"model_scan_layers": None}, {"model_scan_layers": True}) == {}
+  assert changes({"model_scan_layers": True}, {"model_scan_layers": False}) != {}
+  views = layout.LayerViews([np.arange(6).reshape(2, 3) + 10 * i for i in range(4)])
+  full = np.stack([np.arange(6).reshape(2, 3) + 10 * i for i in range(4)])
+  for index in ((...,), (slice(1, 3), ...), (..., 1), (2, ..., slice(0, 2)), (0, 1, ...)):
+    np.testing.assert_array_equal(views[index], full[index])
+  np.testing.assert_array_equal(np.asarray(views), full)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from offpolicy_jax.models import layout
 from offpolicy_jax.scale import sharding
 
 
@@ -90,7 +91,10 @@ def make_optimizer(
       )
     else:
       lr = peak
-    decay_mask = lambda params: jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+    # Matrices only (not norms or biases), whether blocks are stacked over layers or not.
+    decay_mask = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, p: layout.weight_ndim(path, p) >= 2, params
+    )
     return optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
 
   adam = adamw(learning_rate)

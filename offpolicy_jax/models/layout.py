@@ -1,7 +1,8 @@
 """The decoder's blocks stored per layer or stacked over layers, and the conversion both ways.
 
-Per layer (the default): ``state["layers"][i][...]``, one leaf per layer and
-kind of weight (an `nnx.List` of blocks). Stacked (`ModelConfig.scan_layers`,
+Per layer (models under `config.STACK_FROM_PARAMS` parameters by default):
+``state["layers"][i][...]``, one leaf per layer and kind of weight (an
+`nnx.List` of blocks). Stacked (`ModelConfig.scan_layers`,
 MaxText's `scan_layers`): ``state["layers"][...]``, one leaf per kind of weight
 with a leading [L] axis whose logical name is `sharding.LAYERS`; the blocks
 run as one `lax.scan` over it, and the optimizer's per-leaf code no longer
@@ -12,10 +13,10 @@ same key: the blocks are drawn one by one as before and then stacked
 (`stack_modules`), so a seed's weights do not depend on the layout.
 
 The tree functions (`stack`, `unstack`) convert any nested mapping in which a
-``"layers"`` entry holds blocks (pure dicts of parameters, an optimizer
-state's moments, a checkpoint's items): HF import/export and the PEFT
-adapters read and write per layer, and a checkpoint of one layout restores
-into the other.
+``"layers"`` entry holds blocks by integer index (pure dicts of parameters,
+an optimizer state's moments): HF import/export and the PEFT adapters read
+and write per layer through them. A run's checkpoints are not converted: a
+resume in the other layout is refused by name (`run.start.check_layout`).
 
   stacked = layout.stack(per_layer_tree)     # {"layers": {0: t0, 1: t1}} -> {"layers": t[L]}
   per_layer = layout.unstack(stacked, 2)     # and back
@@ -170,6 +171,19 @@ def relayout(model, scan_layers: bool):
   return nnx.merge(graphdef, state)
 
 
+def weight_ndim(path, x) -> int:
+  """The dims of a leaf's weight, its stacked `layers` axis not counted (a key path's leaf).
+
+  A rule on a parameter's rank (weight decay on matrices only) then gives the
+  same answer in both layouts.
+  """
+  keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path]
+  for i, k in enumerate(keys[:-1]):
+    if k == LAYERS_KEY and not isinstance(keys[i + 1], int):
+      return jnp.ndim(x) - 1
+  return jnp.ndim(x)
+
+
 def is_per_layer(node: Any) -> bool:
   """Whether a ``"layers"`` entry holds blocks by integer index (else: stacked)."""
   return isinstance(node, Mapping) and bool(node) and all(isinstance(k, int) for k in node)
@@ -260,9 +274,11 @@ class LayerViews:
 
   def __getitem__(self, index) -> np.ndarray:
     index = index if isinstance(index, tuple) else (index,)
+    if any(i is Ellipsis for i in index):  # spelled out: one slice per axis it covers
+      at = next(j for j, i in enumerate(index) if i is Ellipsis)
+      fill = (slice(None),) * (len(self.shape) - len(index) + 1)
+      index = (*index[:at], *fill, *index[at + 1 :])
     first, rest = (index[0], index[1:]) if index else (slice(None), ())
-    if first is Ellipsis:
-      first, rest = slice(None), index
     if isinstance(first, (int, np.integer)):
       return np.asarray(self.views[first][rest])
     layers = range(len(self.views))[first]

@@ -13,7 +13,9 @@ the rules of `sharding.py`, and sums the shard shapes one device holds:
   reference params            trained params, when the loss has a KL to the reference policy
   KV cache                    2 * layers * rows * positions * N_kv * H * itemsize of each cache
                               the sampler allocates (`sampler_caches`), rows over data * fsdp
-                              and heads over tensor of the sampler's mesh
+                              and heads over tensor of the sampler's mesh; with blocks
+                              stacked over layers and decoded per layer, plus the samplers'
+                              per-layer copy of the blocks' weights (`layout.for_decoding`)
   activations                 the train step's temporaries (below)
 
 The sizes are the runtime's own (`components.replay_capacity`, `components.sizes`,
@@ -41,7 +43,7 @@ t = micro-batch rows per device * (P + N) tokens ("analytic"; with
     (unrolled, XLA:CPU keeps the intermediates under remat too: not counted)
   + t_chunk * V * 4 * 2                      (float32 logits and log-softmax of one chunk)
   + 2 * trained params bytes                 (accumulated and micro-batch gradients;
-                                              scanned: 3, the stacked gradients too)
+                                              scanned: 3, a margin kept)
 
 Step time, a rough lower bound: the step's FLOPs over ``devices * peak
 FLOP/s``, with N the parameters (base + adapters) and D tokens:
@@ -165,6 +167,7 @@ def model_config(config) -> tuple[models.ModelConfig, str]:
   kw = dict(
     dtype=spec.model_dtype,
     scan_layers=spec.model_scan_layers,
+    scan_decode=spec.model_scan_decode,
     remat=spec.model_remat,
     lora=components.lora_config(config),
   )
@@ -182,6 +185,15 @@ def model_config(config) -> tuple[models.ModelConfig, str]:
     vocab = CharTokenizer().vocab_size
   note = "" if preset == m else f"architecture of preset {preset!r} ({m!r} is not on disk)"
   return models.get_config(preset, vocab_size=vocab, **kw), note
+
+
+def _decode_copy_bytes(mc, params, mesh) -> int:
+  """Stacked blocks decoded per layer (`layout.for_decoding`): the samplers' sliced copy of
+  the blocks' weights, held beside the KV cache while they decode; else 0."""
+  if not mc.scan_layers or mc.scan_decode:
+    return 0
+  blocks = params[models.layout.LAYERS_KEY]
+  return _nbytes(blocks, sharding.tree_shardings(blocks, mesh))
 
 
 def _nbytes(tree: Any, shardings: Any) -> int:
@@ -220,7 +232,9 @@ def _analytic_activations(config, mc, mesh, params_bytes: int) -> int:
     kept_layers = mc.num_layers * (1.5 if mc.scan_layers else 1)  # scanned: stacked, copied
   blocks = rows * tokens * kept_layers * per_token_layer * 4 / 3
   logits = rows * min(sz.max_new_tokens, 128) * mc.vocab_size * 4 * 2
-  grads = (3 if mc.scan_layers else 2) * params_bytes  # scanned: also stacked over the layers
+  # Scanned: one more copy, a margin kept since the blocks are stored stacked (the CPU's
+  # compiled remat step would otherwise be underestimated; docs/speed.md).
+  grads = (3 if mc.scan_layers else 2) * params_bytes
   return int(blocks + logits + grads)
 
 
@@ -367,7 +381,7 @@ def plan(
     "replay buffer": _nbytes(buffer, replay.shardings(buffer, mesh)),
     "lag snapshots": slots * p_bytes,
     "reference params": p_bytes if needs_ref else 0,
-    ROWS[5]: _kv_cache_bytes(config, mc, sampler_sizes),
+    ROWS[5]: _kv_cache_bytes(config, mc, sampler_sizes) + _decode_copy_bytes(mc, whole, mesh),
     ROWS[6]: act,
   }
   g, k, p, n = components.sizes(config)[:4]

@@ -89,10 +89,22 @@ def _check_layout(meta: dict[str, Any], template, workdir: str) -> None:
   if had != has:
     raise workdir_lib.ConfigChanged(
       f"config.model_scan_layers: {workdir}'s checkpoint of step {meta.get('step')} stores the "
-      f"decoder blocks {had}, this run's model {has}; refusing to resume (set "
-      f"--config.model_scan_layers={had == 'stacked'}, or export the weights and warm start "
-      "a new workdir from them)"
+      f"decoder blocks {had}, this run's model {has}; refusing to read it (pass "
+      f"--config.model_scan_layers={had == 'stacked'}, with --allow_config_change where the "
+      "run recorded another value, or export the weights and warm start a new workdir)"
     )
+
+
+def check_layout(ckpt, step: int | None, params, workdir: str) -> None:
+  """`_check_layout` against checkpoint `step`'s meta (None: the latest), before a restore.
+
+  A corrupt step is left to the restore, which reports it.
+  """
+  try:
+    meta = ckpt.restore_meta(step)
+  except checkpointing.CheckpointError:
+    return
+  _check_layout(meta, params, workdir)
 
 
 def base_record(base, model: str) -> dict[str, str] | None:
@@ -167,10 +179,7 @@ def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str
     base, params = initial_weights(comps, warm_start=fns.model.lora is not None)
     record = base_record(base, model)
     template = fresh_state(comps, params, base)
-    try:
-      _check_layout(ckpt.restore_meta(), template.train.params, workdir)
-    except checkpointing.CheckpointError:
-      pass  # `restore_latest` reports it and falls back to an older step
+    check_layout(ckpt, None, template.train.params, workdir)
     # The newest intact step: corrupt ones are reported and moved aside.
     items, meta, start = ckpt.restore_latest(state_items(template, fns.rollout))
     if meta.get("base") != record:
@@ -246,6 +255,7 @@ def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = N
   if workdir is not None:
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), create=False)
     try:
+      check_layout(ckpt, step, params, workdir)
       items, meta = ckpt.restore({"params": params}, step)
     finally:
       ckpt.close()

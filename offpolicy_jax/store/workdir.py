@@ -42,6 +42,10 @@ HISTORY_FILE = metrics.CONFIG_HISTORY_FILE
 # of them even with --allow_config_change (the checkpoint could not be restored).
 PARAMETER_SHAPE_FIELDS = ("model", "lora.rank", "lora.targets")
 ABSENT = "<absent>"
+# Fields whose None picks a value from the model (`model_scan_layers`: stacked from 0.4B
+# parameters): None against a value is no change here; what the checkpoints hold is
+# checked when they are read (`run.start.check_layout`).
+UNSET_PICKS = ("model_scan_layers",)
 
 
 class WorkdirLocked(errors.UserError, RuntimeError):
@@ -184,6 +188,8 @@ def config_changes(
     declared = config_schema.field(field)
     added = bool(old) and a == ABSENT and declared is not None and declared.name == field
     if added and declared is not None and b == declared.default:
+      continue
+    if field in UNSET_PICKS and None in (a, b):  # the checkpoint's own record decides
       continue
     if a != b:
       changes[field] = (a, b)
