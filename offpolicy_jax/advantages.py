@@ -41,7 +41,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
   "opmd": {"tau": 1.0},
   "pass_at_k": {},
   "batch_whiten": {"eps": 1e-6},
+  "remax": {},
 }
+# Estimators whose group's first response is a greedy baseline, not a sample to train on:
+# the sampler decodes it greedily (`sampling.make_sampler(greedy_first=True)`) and the
+# batch gives it no weight (`step.packing`).
+GREEDY_FIRST = ("remax",)
 
 
 def names() -> list[str]:
@@ -212,6 +217,20 @@ def batch_whiten(r_gk: jax.Array, g: _Group, *, eps: float) -> jax.Array:
   return _finish((a - mu) / (std + eps), g)
 
 
+def remax(r_gk: jax.Array, g: _Group) -> jax.Array:
+  """ReMax: each sample's reward against its group's greedy response.
+
+  `A_i = r_i - r_0` for i >= 1, where response 0 of every group is decoded
+  greedily (`GREEDY_FIRST`); `A_0 = 0` (Li et al., "ReMax", arXiv:2310.10505).
+  A group whose greedy response is invalid, or whose sampled rewards all equal
+  the greedy one, gets 0.
+  """
+  baseline = r_gk[:, :1]
+  sampled = jnp.arange(r_gk.shape[1])[None, :] >= 1
+  usable = g.valid[:, :1] & (g.n >= 2)
+  return jnp.where(usable & sampled & g.valid, r_gk - baseline, 0.0)
+
+
 _FNS: dict[str, Callable[..., jax.Array]] = {
   "group_mean": group_mean,
   "grpo": grpo,
@@ -222,6 +241,7 @@ _FNS: dict[str, Callable[..., jax.Array]] = {
   "opmd": opmd,
   "pass_at_k": pass_at_k,
   "batch_whiten": batch_whiten,
+  "remax": remax,
 }
 
 

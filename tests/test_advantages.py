@@ -229,6 +229,6 @@ def test_errors():
 
 
 def test_names_match_design_contract():
-  expected = "group_mean grpo rloo asymre red_drop median opmd pass_at_k batch_whiten".split()
+  expected = "group_mean grpo rloo asymre red_drop median opmd pass_at_k batch_whiten remax".split()
   assert sorted(advantages.names()) == sorted(expected)
   assert len(advantages.names()) == len(expected)

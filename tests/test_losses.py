@@ -169,7 +169,7 @@ def _token_ref(name, d, a, lp, m, mu=None, prox=None, old=None):
   r = np.exp(d)
   old = mu if old is None else old
   sig = lambda x: 1.0 / (1.0 + np.exp(-x))
-  if name in ("reinforce", "vtrace"):  # vtrace: the truncated ratio is inside A
+  if name in ("reinforce", "vtrace", "remax"):  # vtrace: the truncated ratio is inside A
     return -a * lp, -a + 0 * lp
   if name in ("rec_critic", "vtrace_rec"):  # REC-OneSide-NoIS on a critic's advantages
     return _rec(r, a, lp, "one", False)

@@ -55,6 +55,13 @@ _GSPO = dict(_PPO, eps_low=3e-4, eps_high=4e-4, agg="seq_mean_token_mean")
 _BUILTIN: tuple[tuple[str, dict, str, str], ...] = (
   ("reinforce", {}, "group_mean", "-A * logp; no trust region (Williams 1992)."),
   (
+    "remax",
+    {},
+    "remax",
+    "-A * logp, A = r - r(greedy): each group's first response is decoded greedily as the "
+    "baseline and not trained on (Li et al., ReMax, arXiv 2310.10505).",
+  ),
+  (
     "grpo",
     _PPO,
     "grpo",

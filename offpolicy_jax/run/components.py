@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from offpolicy_jax import config_schema, errors, lag, losses, models
+from offpolicy_jax import advantages, config_schema, errors, lag, losses, models
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import scorer, train_state
 from offpolicy_jax.learn.step_options import LearnerParts, StepOptions
@@ -306,7 +306,10 @@ def _build_fns(config) -> run_state.StepFns:
     **sample_kw,
   )
   record = c.rollout.routing_replay != "off"
-  sampler = sampling.make_sampler(sampler_graphdef, **behaviour_kw, record_routing=record)
+  greedy_first = validation.advantage_name(c) in advantages.GREEDY_FIRST  # ReMax's baseline
+  sampler = sampling.make_sampler(
+    sampler_graphdef, **behaviour_kw, record_routing=record, greedy_first=greedy_first
+  )
   continuous_sampler = None
   if c.rollout.continuous_slots:
     continuous_sampler = continuous.make_continuous_sampler(

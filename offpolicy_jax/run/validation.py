@@ -28,7 +28,7 @@ from offpolicy_jax import advantages, config_fields, config_schema, errors, loss
 from offpolicy_jax.learn import replay
 from offpolicy_jax.models import hub
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.run import critic_settings
+from offpolicy_jax.run import critic_settings, sampling_settings
 from offpolicy_jax.scale import disagg, sharding
 
 # The overrides of the loss preset: every `loss.*` field of the schema but `loss.name`.
@@ -171,8 +171,8 @@ def validate_settings(config) -> None:
   with errors.as_user_error():
     _validate_finite(c)
     config_schema.check(c)
-    _validate_sampling(c)
-    _validate_loss(c)
+    _validate_loss(c)  # names the loss and the advantage before they are read
+    sampling_settings.validate(c, advantage_name(c))
     _validate_replay(c)
     micro_batch_rows(c)  # the batch splits into minibatches and micro-batches
     _validate_names(c)
@@ -180,56 +180,6 @@ def validate_settings(config) -> None:
     _validate_lora(c)
     critic_settings.validate(c)
     _validate_multiturn(c)
-
-
-def _validate_sampling(c) -> None:
-  if c.rollout.continuous_auto_steps:
-    _need(
-      c.rollout.continuous_slots > 0,
-      "rollout.continuous_auto_steps",
-      "the automatic switch to continuous batching needs the slots to switch to "
-      "(rollout.continuous_slots > 0)",
-    )
-    _need(
-      c.lag.mode == "sync",
-      "rollout.continuous_auto_steps",
-      f"the automatic switch to continuous batching runs in lag.mode='sync' only, got "
-      f"{c.lag.mode!r} (set rollout.continuous_slots without it)",
-    )
-  if c.lag.sampler_threads > 1:
-    _need(
-      c.lag.mode == "async",
-      "lag.sampler_threads",
-      f"{c.lag.sampler_threads} sampler threads need lag.mode='async', got {c.lag.mode!r}",
-    )
-    _need(
-      not c.rollout.partial_budget,
-      "lag.sampler_threads",
-      "partial rollouts carry one pool of groups in flight: they take one sampler thread",
-    )
-  if c.rollout.partial_budget:
-    # In flight up to L = ceil(N / b) steps: under async, tokens L - 1 older than their batch.
-    steps = math.ceil(c.max_new_tokens / c.rollout.partial_budget)
-    _need(
-      c.lag.mode == "sync" or not c.lag.max_staleness or c.lag.max_staleness >= steps,
-      "lag.max_staleness",
-      f"partial rollouts keep a group in flight up to ceil(max_new_tokens / rollout.partial_"
-      f"budget) = {steps} loop steps: a bound of {c.lag.max_staleness} drops every batch that "
-      f"finishes one; use 0 (no bound) or >= {steps} (a little more leaves room for the queue)",
-    )
-    _need(
-      not c.rollout.continuous_slots,
-      "rollout.continuous_slots",
-      "continuous batching samples whole responses; it does not take partial rollouts "
-      "(rollout.partial_budget > 0)",
-    )
-    # The pool is on the trainer's mesh (`Partial.mesh`); a sampler mesh's is not built.
-    _need(
-      not c.mesh.sampler_devices,
-      "mesh.sampler_devices",
-      "a disaggregated sampler samples whole responses; it does not take partial rollouts "
-      "(rollout.partial_budget > 0)",
-    )
 
 
 def _validate_loss(c) -> None:

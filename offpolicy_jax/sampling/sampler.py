@@ -202,6 +202,7 @@ def make_sampler(
   behavior_logp: str = "sampled",
   decode_block: int = DECODE_BLOCK,
   record_routing: bool = False,
+  greedy_first: bool = False,
 ):
   """Builds a jitted `fn(params, prompt_tokens[G,P], prompt_lengths[G], key) -> SampleOutput`.
 
@@ -227,6 +228,9 @@ def make_sampler(
       same numbers either way; at most `attention_ops.MAX_SPANS` spans).
     record_routing: with a model with experts, record every prompt and
       response token's experts (`SampleOutput.prompt_experts`, `.experts`).
+    greedy_first: the first response of every group is decoded greedily
+      (argmax, its untempered log-prob recorded), the rest as above: ReMax's
+      baseline drawn in the same batch (`advantages.GREEDY_FIRST`).
 
   Returns:
     The jitted sampling function; `params` is the state from `nnx.split(model)`.
@@ -274,6 +278,10 @@ def make_sampler(
       draw = select_token(
         logits, jax.random.fold_in(key, i), temperature, top_k, top_p, behavior_logp
       )
+      if greedy_first:  # row 0 of every group: the argmax
+        greedy = select_token(logits, key, 0.0, 0, 1.0)
+        first = jnp.arange(b) % k_rep == 0
+        draw = jax.tree.map(lambda a, x: jnp.where(first, a, x), greedy, draw)
       token = jnp.where(done, 0, draw.token)
       tokens = tokens.at[:, i].set(token)
       logps = logps.at[:, i].set(jnp.where(done, 0.0, draw.logp))

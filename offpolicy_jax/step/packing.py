@@ -73,7 +73,7 @@ def pack(
     adv = advantages.compute(packing.advantage, rewards_b.reshape(g, k), key=key, valid=valid_gk)
     adv = adv.reshape(g * k)
   versions = jnp.broadcast_to(jnp.asarray(version, jnp.int32), rollout.tokens.shape)
-  return types.pack_groups(
+  batch = types.pack_groups(
     prompts["prompt_tokens"],
     prompts["prompt_lengths"],
     rollout.tokens,
@@ -87,6 +87,9 @@ def pack(
     prompt_experts,
     getattr(rollout, "experts", None),
   )
+  if packing.advantage in advantages.GREEDY_FIRST:  # the greedy baseline is not trained on
+    batch = batch._replace(weights=batch.weights * (jnp.arange(g * k) % k != 0))
+  return batch
 
 
 # `pack` jitted, for callers on the host (`learning.pack_finished` outside a jitted step).
