@@ -3,6 +3,7 @@ per-layer blocks in every forward (teacher forcing, the sampler's cached decode,
 experts), HF and PEFT files read and written per layer, and trees converted both ways."""
 
 import dataclasses
+import os
 
 import chex
 import jax
@@ -169,6 +170,8 @@ def test_a_stacked_run_trains_as_a_per_layer_one_and_keeps_its_layout_on_resume(
     match="model_scan_layers.*stores the decoder blocks stacked, this run.s model per layer",
   ):
     loop.train_and_evaluate(again, run, allow_config_change=True)
+  # Refused before anything is recorded: the run's own config still reads its checkpoints.
+  assert not os.path.exists(os.path.join(run, workdir.HISTORY_FILE))
 
 
 def test_weight_decay_and_the_planner_read_stacked_blocks_as_per_layer_ones():

@@ -70,3 +70,12 @@ def test_remax_learns_the_default_task(tmp_path):
   first, last = _fifths(rows, "reward_mean")
   print(f"remax: reward {first:.3f} -> {last:.3f}")
   assert last > first
+
+
+def test_the_greedy_rows_count_as_sampled_not_as_trained(tmp_path):
+  rows = loop.train_and_evaluate(
+    small_config(total_steps=2, **{"loss.name": "remax"}), str(tmp_path)
+  )
+  train, _ = metrics_files.split_rows(rows)
+  for row in train:  # one update per batch, replay of one batch: each row trained once
+    assert row["sampled_tokens"] > row["tokens"] > 0

@@ -138,7 +138,10 @@ def cut(batch: TrainBatch, m: int, options: Any) -> Cut:
   spec = options.spec
   _, count = losses.aggregate(jnp.zeros_like(weighted), weighted, spec.agg, max_len=spec.max_len)
   whole = {
-    "tokens": red.Sum(jnp.sum((batch.mask > 0).astype(jnp.float32))),
+    # Rows of weight 0 (ReMax's greedy baseline, dropped rows) are not trained on.
+    "tokens": red.Sum(
+      jnp.sum(((batch.mask > 0) & (batch.weights[:, None] > 0)).astype(jnp.float32))
+    ),
     "rows_skipped": red.Sum(rows - jnp.sum(moving.astype(jnp.float32))),
   }
   return Cut(stacked, n_chunks, whole, count)

@@ -33,6 +33,8 @@ class ModelParts:
       cache key, `components.warm_start_key`).
     lora: the adapters (`lora.rank > 0`): the trained parameters are the
       adapters; None: the whole model is trained.
+    stacked: the blocks are stored stacked over layers (`ModelConfig.scan_layers`,
+      `models.layout`), which a run's checkpoints record.
   """
 
   mesh: jax.sharding.Mesh
@@ -41,6 +43,7 @@ class ModelParts:
   tokenizer: tokenizers.Tokenizer
   key: str
   lora: LoraConfig | None = None
+  stacked: bool = False
 
   def init_params(self, seed: int) -> nnx.State:
     """Freshly initialised (from `seed`) or loaded parameters, placed on the mesh.

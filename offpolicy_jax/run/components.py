@@ -318,7 +318,15 @@ def _build_fns(config) -> run_state.StepFns:
     if not c.rollout.continuous_auto_steps:  # continuous from the start
       sampler = continuous_sampler
   eps = components_rollout.episodes_of(c, task, tokenizer, graphdef, sampler_graphdef)
-  model = ModelParts(mesh, graphdef, model_fn, tokenizer, warm_start_key(c), lora_config(c))
+  model = ModelParts(
+    mesh,
+    graphdef,
+    model_fn,
+    tokenizer,
+    warm_start_key(c),
+    lora_config(c),
+    stacked=bool(abstract.config.scan_layers),
+  )
   gamma = 1.0 if eps is None else eps.gamma
   eval_rows = (
     evaluation.sampled_rows if eps is None else functools.partial(evaluation.episode_rows, eps)

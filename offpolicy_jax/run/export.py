@@ -61,7 +61,7 @@ def _restore(workdir: str, comps, step: int | None):
   try:
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), create=False)
     try:
-      start.check_layout(ckpt, step, params, workdir)
+      start.check_layout(ckpt, step, comps.fns.model.stacked, workdir)
       items, meta = ckpt.restore({"params": params}, step)
     finally:
       ckpt.close()

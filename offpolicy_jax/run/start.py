@@ -82,10 +82,10 @@ def _layout(params) -> str:
   return "stacked" if stacked else "per layer"
 
 
-def _check_layout(meta: dict[str, Any], template, workdir: str) -> None:
+def _check_layout(meta: dict[str, Any], stacked: bool, workdir: str) -> None:
   """Refuses, naming `model_scan_layers`, a checkpoint whose blocks another layout stores."""
   had = meta.get("layers", "per layer")  # written before stacking existed: per layer
-  has = _layout(template)
+  has = "stacked" if stacked else "per layer"
   if had != has:
     raise workdir_lib.ConfigChanged(
       f"config.model_scan_layers: {workdir}'s checkpoint of step {meta.get('step')} stores the "
@@ -95,8 +95,9 @@ def _check_layout(meta: dict[str, Any], template, workdir: str) -> None:
     )
 
 
-def check_layout(ckpt, step: int | None, params, workdir: str) -> None:
-  """`_check_layout` against checkpoint `step`'s meta (None: the latest), before a restore.
+def check_layout(ckpt, step: int | None, stacked: bool, workdir: str) -> None:
+  """`_check_layout` against checkpoint `step`'s meta (None: the latest), before anything is
+  restored or recorded (`stacked`: `ModelParts.stacked` of the run's model).
 
   A corrupt step is left to the restore, which reports it.
   """
@@ -104,7 +105,7 @@ def check_layout(ckpt, step: int | None, params, workdir: str) -> None:
     meta = ckpt.restore_meta(step)
   except checkpointing.CheckpointError:
     return
-  _check_layout(meta, params, workdir)
+  _check_layout(meta, stacked, workdir)
 
 
 def base_record(base, model: str) -> dict[str, str] | None:
@@ -179,7 +180,7 @@ def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str
     base, params = initial_weights(comps, warm_start=fns.model.lora is not None)
     record = base_record(base, model)
     template = fresh_state(comps, params, base)
-    check_layout(ckpt, None, template.train.params, workdir)
+    check_layout(ckpt, None, fns.model.stacked, workdir)  # for callers other than the loop
     # The newest intact step: corrupt ones are reported and moved aside.
     items, meta, start = ckpt.restore_latest(state_items(template, fns.rollout))
     if meta.get("base") != record:
@@ -255,7 +256,7 @@ def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = N
   if workdir is not None:
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), create=False)
     try:
-      check_layout(ckpt, step, params, workdir)
+      check_layout(ckpt, step, fns.model.stacked, workdir)
       items, meta = ckpt.restore({"params": params}, step)
     finally:
       ckpt.close()

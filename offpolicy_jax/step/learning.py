@@ -21,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import lag
+from offpolicy_jax import advantages, lag
 from offpolicy_jax.learn import replay, train_step
 from offpolicy_jax.rollout import episodes, prompt_rows
 from offpolicy_jax.rollout.protocol import Finished
@@ -48,7 +48,8 @@ def learn(
   `sampled_prompt_tokens`, one prefill per group): the run's cost accounting
   (`step.costs`) sums them.
   """
-  sampled_counts = _sampled_tokens(batch, keep, fns.sizes.group_size)
+  greedy = fns.packing.advantage in advantages.GREEDY_FIRST  # decoded, though not trained on
+  sampled_counts = _sampled_tokens(batch, keep, fns.sizes.group_size, greedy)
   buffer, sampled, info = replay.sample(
     replay.add(state.replay, batch, keep),
     run_state.step_key(seed, step, run_state.REPLAY),
@@ -81,9 +82,14 @@ def learn(
   return state, {**stats, **metrics, **sampled_counts, "replay_selected": info.num_selected}
 
 
-def _sampled_tokens(batch, keep, group_size: int) -> dict[str, jax.Array]:
-  """Response tokens of the rows of `batch` to buffer, and their groups' prompt tokens."""
+def _sampled_tokens(batch, keep, group_size: int, greedy_first: bool) -> dict[str, jax.Array]:
+  """Response tokens of the rows of `batch` to buffer, and their groups' prompt tokens.
+
+  `greedy_first`: each group's first row is a greedy baseline of weight 0, sampled all the same.
+  """
   rows = batch.weights > 0
+  if greedy_first:
+    rows = rows | (jnp.arange(rows.shape[0]) % group_size == 0)
   if keep is not None:
     rows = rows & jnp.repeat(jnp.asarray(keep, bool), group_size)
   rows_f = rows.astype(jnp.float32)
