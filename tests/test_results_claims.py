@@ -2019,6 +2019,7 @@ CRITIC_NAMES = {
   "vtrace": "vtrace",
   "vtrace_rec": "vtrace_rec",
   "rec_critic": "rec_critic",
+  "remax": "remax",
 }
 _cr = lambda: S("lag_study_critic")
 _CRITICS = ("ppo_critic", "vtrace", "vtrace_rec", "rec_critic")
@@ -2038,20 +2039,21 @@ for _m, _name in CRITIC_NAMES.items():
     CRITIC,
     lambda m=_m: [x for g in CRITIC_LAGS for x in (*ivs(_cr().iv(m, g)), _cr().mark(m, g))],
   )
-claim(
-  CR,
-  "V-trace {} of 12 at interval 20 and {} of 12 at interval 64 and offline; no",
-  CRITIC,
-  lambda: [_cr().collapsed("vtrace", "interval20"), _cr().collapsed("vtrace", "interval64")],
-)
+for _m, _text in (("vtrace", "V-trace"), ("remax", "ReMax")):
+  claim(
+    CR,
+    _text + " {} of 12 at interval 20 and {} of 12 at interval 64 and offline;",
+    CRITIC,
+    lambda m=_m: [_cr().collapsed(m, "interval20"), _cr().collapsed(m, "interval64")],
+  )
 fact(
   CR,
   "other cell has one.",
   CRITIC,
   lambda: (
-    _cr().collapsed("vtrace", "offline") == 12
+    all(_cr().collapsed(m, "offline") == 12 for m in ("vtrace", "remax"))
     and sum(_cr().collapsed(m, g) for m in _cr().main for g in CRITIC_LAGS)
-    == sum(_cr().collapsed("vtrace", g) for g in CRITIC_LAGS)
+    == sum(_cr().collapsed(m, g) for m in ("vtrace", "remax") for g in CRITIC_LAGS)
   ),
 )
 section(CR, "## The critic's explained variance")
@@ -2077,6 +2079,35 @@ def _main(loss: str, key: str) -> list[float]:
 
 
 section(CR, "## What it says")
+claim(
+  CR,
+  "ReMax collapses under lag too ({} of 12 runs at interval 20, all at 64",
+  CRITIC,
+  lambda: [_cr().collapsed("remax", "interval20")],
+)
+fact(
+  CR,
+  "and offline): its loss is REINFORCE's, with no trust region, and the",
+  CRITIC,
+  lambda: all(_cr().collapsed("remax", g) == 12 for g in ("interval64", "offline")),
+)
+
+
+def _critic_group_size() -> int:
+  with open(os.path.join(RESULTS, "lag_study_critic", "study_config.json")) as f:
+    return json.load(f)["group_size"]
+
+
+claim(
+  CR,
+  "On-policy it is {}\n  [{}, {}] against GRPO (`{m}`), with one response of {} per group",
+  CRITIC,
+  lambda: (
+    *ivs(_cr().diff("remax", "onpolicy")),
+    _cr().mark("remax", "onpolicy"),
+    _critic_group_size(),
+  ),
+)
 claim(
   CR,
   "{} [{}, {}] against GRPO (`{m}`) and REC on the critic\n  {} [{}, {}] (`{m}`); offline they "
