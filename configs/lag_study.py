@@ -114,10 +114,11 @@ TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "lr", "reuse", "moe", "cri
 # and GAE (`ppo_critic`), IMPALA's V-trace (`vtrace`) and REC-OneSide-NoIS on the critic's
 # advantages (`rec_critic`), and V-trace under REC's mask (`vtrace_rec`, added after the first
 # five: does a trust region rescue V-trace?), and ReMax's greedy baseline (`remax`, added
-# last: a baseline that needs neither a critic nor the group's mean) against the group
+# last: a baseline that needs neither a critic nor the group's mean; `remax_rec` under REC's
+# mask) against the group
 # baselines GRPO and REC-OneSide-NoIS, on-policy /
 # sync interval 20 / 64 / offline (200 steps: an interval of 256 would be offline), 12 seeds.
-CRITIC_METHODS = "grpo,rec_oneside_nois,ppo_critic,vtrace,rec_critic,vtrace_rec,remax"
+CRITIC_METHODS = "grpo,rec_oneside_nois,ppo_critic,vtrace,rec_critic,vtrace_rec,remax,remax_rec"
 CRITIC_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,offline=offline"
 # `ope`: off-policy evaluation from the replay buffer against the truth by lag (docs/ope.md):
 # the critic methods, so that the doubly robust estimators have values, 12 seeds.

@@ -171,7 +171,7 @@ def _token_ref(name, d, a, lp, m, mu=None, prox=None, old=None):
   sig = lambda x: 1.0 / (1.0 + np.exp(-x))
   if name in ("reinforce", "vtrace", "remax"):  # vtrace: the truncated ratio is inside A
     return -a * lp, -a + 0 * lp
-  if name in ("rec_critic", "vtrace_rec"):  # REC-OneSide-NoIS on a critic's advantages
+  if name in ("rec_critic", "vtrace_rec", "remax_rec"):  # REC-OneSide-NoIS on other advantages
     return _rec(r, a, lp, "one", False)
   if name in ("grpo", "ppo", "ppo_critic", "opsm", "st_ppo"):  # st_ppo: single-token turns only
     return _ppo(r, a, 0.8, 1.2)

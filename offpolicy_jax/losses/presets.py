@@ -62,6 +62,13 @@ _BUILTIN: tuple[tuple[str, dict, str, str], ...] = (
     "baseline and not trained on (Li et al., ReMax, arXiv 2310.10505).",
   ),
   (
+    "remax_rec",
+    _ONE_SIDE,
+    "remax",
+    "ReMax's advantage (r - r(greedy)) under REC-OneSide-NoIS's mask: -A sg(M) logp, M drops "
+    "tokens whose pi / mu left [0.8, 1.2] on the side A pushes (ReMax with a trust region).",
+  ),
+  (
     "grpo",
     _PPO,
     "grpo",
