@@ -6,36 +6,26 @@
 
 `rollout` is the traced half (inside the jitted step, or the jitted
 `Programs.rollout` of a host step); `behaviour_params` alone is the
-`Programs.behaviour` of a rollout that runs on the host. `sample` is the
-acting half of a step driven from the host (`host_step`): the jitted
-`Programs.rollout` of a traced rollout, or `advance` on the host under the
-parameters of `Programs.behaviour`; `sample_over_seeds` is the same for the
-study's S seeds (vmapped programs, each seed's host rollout on its own rows).
-`advance` is `Rollout.advance` from the host with the step's sampling key
-(also the async producer's, `host_step.collect`).
+`Programs.behaviour` of a rollout that runs on the host. The acting half of
+a step driven from the host (`host_step`) is `sample_traced` (the jitted
+`Programs.rollout`) or `sample_host` (`advance` on the host under the
+parameters of `Programs.behaviour`), chosen by the program builder
+(`programs.acting_half`); each runs one seed's run or the study's S seeds
+(`seeds.Seeds`: vmapped programs, each seed's host rollout on its own rows).
+`advance` is `Rollout.advance` from the host with the step's sampling key.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from offpolicy_jax import lag
 from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.scale import sharding
 from offpolicy_jax.step import run_state
-from offpolicy_jax.step.run_state import (
-  LagSchedule,
-  RunState,
-  Sampled,
-  SampledSeeds,
-  StepFns,
-  weights,
-)
+from offpolicy_jax.step.run_state import LagSchedule, RunState, Sampled, StepFns, weights
+from offpolicy_jax.step.seeds import Seeds
 
 
 def behaviour_params(state: RunState, step, schedule: LagSchedule):
@@ -65,22 +55,38 @@ def rollout(fns: StepFns, state: RunState, prompts: dict, step, seed, schedule):
   return rstate, fin, info, v, found
 
 
-def sample(
-  fns: StepFns, progs, rollout: Rollout, state, prompts: dict, step: int, seed: int, schedule
-):
-  """The acting half of step `step` from the host (module docstring); asynchronous when traced."""
-  mesh = fns.model.mesh
-  step_a, seed_a = sharding.replicated_int(mesh, step), sharding.replicated_int(mesh, seed)
-  if rollout.traced:
-    device = prompt_rows.device_prompts(prompts)
-    rstate, fin, info, v, found = progs.rollout(state, device, step_a, seed_a, schedule)
-    # A traced rollout's groups are the step's prompts: they keep their host fields.
-    return Sampled(rstate, fin._replace(prompts={**prompts, **fin.prompts}), info, {}, v, found)
+def sample_traced(
+  fns: StepFns, progs, rollout: Rollout, state, prompts: dict, step: int, seeds: Seeds, schedule
+) -> Sampled:
+  """The acting half from the host with a traced rollout: its jitted program (asynchronous)."""
+  step_a, seed_a = seeds.scalars(fns.model.mesh, step)
+  device = prompt_rows.device_prompts(prompts)
+  rstate, fin, info, v, found = progs.rollout(state, device, step_a, seed_a, schedule)
+  # A traced rollout's groups are the step's prompts: they keep their host fields.
+  whole = fin._replace(prompts={**prompts, **fin.prompts})
+  per_seed = [seeds.take(whole, s) for s in range(len(seeds.ids))]
+  host: list[dict] = [{} for _ in seeds.ids]
+  return Sampled(rstate, prompt_rows.device_finished(fin), per_seed, info, host, v, found)
+
+
+def sample_host(
+  fns: StepFns, progs, rollout: Rollout, state, prompts: dict, step: int, seeds: Seeds, schedule
+) -> Sampled:
+  """The acting half from the host with a host rollout: each seed's `advance` under the
+  parameters of the jitted `Programs.behaviour`, on that seed's prompts."""
+  step_a, _ = seeds.scalars(fns.model.mesh, step)
   params, v, found = progs.behaviour(state, step_a, schedule)
-  version = fns.learner.version(int(v))
-  args = (weights(state, params), version, prompts, step, seed)
-  rstate, fin, host = advance(rollout, state.rollout, *args)
-  return Sampled(rstate, fin, {}, host, v, found)
+  rstates, per_seed, host = [], [], []
+  for s, seed in enumerate(seeds.ids):
+    version = fns.learner.version(int(seeds.take(v, s)))
+    whole = weights(state, seeds.take(params, s))
+    one, carried = seeds.take(prompts, s), seeds.take(state.rollout, s)
+    rstate, fin, info = advance(rollout, carried, whole, version, one, step, seed)
+    rstates.append(rstate)
+    per_seed.append(fin)
+    host.append(info)
+  device = seeds.stack([prompt_rows.device_finished(f) for f in per_seed])
+  return Sampled(seeds.stack(rstates), device, per_seed, {}, host, v, found)
 
 
 def advance(rollout: Rollout, rstate, params, version, prompts: dict, step: int, seed, latest=None):
@@ -88,47 +94,6 @@ def advance(rollout: Rollout, rstate, params, version, prompts: dict, step: int,
 
   `params` are the whole behaviour model at `version`; `latest` (`Rollout.advance`)
   lets episodes continue under parameters published while they run (async mode).
-  A traced kind that carries state (partial rollouts' pool) advances as one
-  jitted program over the prompts' device fields, so its state stays on device.
   """
   key = run_state.step_key(seed, step, run_state.SAMPLE)
-  if rollout.traced and rollout.item:
-    device = prompt_rows.device_prompts(prompts)
-    return _advance_jit(rollout, rstate, params, jnp.int32(version), device, jnp.int32(step), key)
   return rollout.advance(rstate, params, version, prompts, step, key, latest)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _advance_jit(rollout: Rollout, rstate, params, version, prompts: dict, step, key):
-  return rollout.advance(rstate, params, version, prompts, step, key)
-
-
-def sample_over_seeds(
-  fns: StepFns, progs, state, prompts: dict, step, seeds, schedule
-) -> SampledSeeds:
-  """The acting half of step `step` of S seeds' runs (the study's vmapped `state`).
-
-  A traced rollout runs as the vmapped `Programs.rollout`; a host rollout
-  runs per seed, with that seed's behaviour parameters and key.
-  """
-  rollout = fns.rollout
-  seeds_l = np.asarray(seeds).tolist()
-  if rollout.traced:
-    device = prompt_rows.device_prompts(prompts)
-    rstate, fin, info, v, found = progs.rollout(state, device, step, seeds, schedule)
-    stacked = prompt_rows.device_finished(fin)  # already [S, ...]: sliced per seed only for scoring
-    fin = fin._replace(prompts={**prompts, **fin.prompts})
-    per_seed = [jax.tree.map(lambda x, s=s: x[s], fin) for s in range(len(seeds_l))]
-    return SampledSeeds(rstate, stacked, per_seed, info, [{} for _ in seeds_l], v, found)
-  params, v, found = progs.behaviour(state, step, schedule)
-  per_seed, host = [], []
-  for s, seed in enumerate(seeds_l):
-    one = {k: x[s] for k, x in prompts.items()}
-    whole = weights(state, jax.tree.map(lambda x, s=s: x[s], params))
-    version = fns.learner.version(int(v[s]))
-    _, fin_s, host_s = advance(rollout, None, whole, version, one, int(step), seed)
-    per_seed.append(fin_s)
-    host.append(host_s)
-  stack = lambda *x: jnp.stack([jnp.asarray(y) for y in x])
-  stacked = jax.tree.map(stack, *map(prompt_rows.device_finished, per_seed))
-  return SampledSeeds(None, stacked, per_seed, {}, host, v, found)

@@ -39,8 +39,9 @@ from offpolicy_jax.rollout import prompt_rows, sampler_mesh
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.step import host_step, producer, scoring
-from offpolicy_jax.step.programs import programs
+from offpolicy_jax.step.programs import one_program, programs
 from offpolicy_jax.step.run_state import LagSchedule, ReplayOptions, StepFns
+from offpolicy_jax.step.seeds import Seeds
 from offpolicy_jax.store import metrics
 
 # `read(n)`: the local prompt batches of the next n loop steps, and per batch how many of its
@@ -71,26 +72,36 @@ class Driver(Protocol):
   def close(self) -> None: ...
 
 
-def one_program(fns: StepFns) -> bool:
-  """Whether a whole step of `fns` is one jitted program (a traced rollout, a device reward)."""
-  return fns.rollout.traced and fns.reward.device is not None
-
-
 def over_seeds(fns: StepFns) -> Callable:
   """How the study advances S seeds' runs, chosen once: `(progs, state, prompts, steps, seeds,
   schedule) -> (state, metrics [S, L])`.
 
-  One scanned, vmapped program where a step is one (`one_program`), else the
-  split step over seeds (`host_step.steps_over_seeds`); `progs` are the
-  vmapped programs (`programs(..., over_seeds=True)`).
+  The same choice as `make`'s, over the vmapped programs (`programs(...,
+  over_seeds=True)`): one scanned program where a step is one
+  (`programs.one_program`), else the loop's host step over the seeds
+  (`host_step.Stepper` with `Seeds.many`).
   """
   if one_program(fns):
     return _scanned_over_seeds
-  return functools.partial(host_step.steps_over_seeds, fns)
+  return functools.partial(_split_over_seeds, fns)
 
 
 def _scanned_over_seeds(progs, state, prompts, steps, seeds, schedule):
   return progs.rl_steps(state, prompts, steps, seeds, schedule)
+
+
+def _split_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, schedule):
+  stepper = host_step.Stepper(fns, fns.rollout, Seeds.many(seeds), schedule)
+  rows = []
+  for i, step in enumerate(np.asarray(steps).tolist()):
+    prompts = {k: x[:, i] for k, x in prompts_l.items()}
+    state, row = stepper.take_step(progs, state, step, functools.partial(_given, prompts), False)
+    rows.append({k: v for k, v in row.items() if k not in host_step.STEP_KEYS})
+  return state, {k: np.stack([r[k] for r in rows], axis=1) for k in rows[0]}
+
+
+def _given(prompts: dict) -> tuple[dict, None]:
+  return prompts, None
 
 
 def make(
@@ -202,7 +213,7 @@ class Split:
     whose copy of the parameters a switched sampler keeps) or the run's own."""
     self.fns, self.rollout, self._run, self._placed = run.fns, rollout, run, placed
     self._read, self._may_prefetch = read, may_prefetch
-    self._host = host_step.Stepper(run.fns, rollout, run.seed_int, run.schedule)
+    self._host = host_step.Stepper(run.fns, rollout, Seeds.one(run.seed_int), run.schedule)
 
   @property
   def prefetched(self) -> bool:

@@ -5,13 +5,12 @@ runs where part of it lives on the host: a host reward (scored in the
 sandboxed verifier workers), a rollout that runs on the host (`Rollout.traced`
 false: episodes, whose environment answers between decodes, and the episode
 pool), or a rollout placed on a disaggregated sampler mesh. Its two halves
-are `acting.sample` and `learning.learn_sampled`; `Stepper` runs them, and
-dispatches the next step's acting half before this step learns when the loop
-allows it (the device samples while the workers score).
-
-`steps_over_seeds` is the same step for the study's seeds (vmapped programs,
-each seed's host part on its own rows); `collect` is the acting half,
-scored and packed, for the async producer, which learns elsewhere.
+are the acting half (`programs.acting_half`) and `learning.learn_sampled`;
+`Stepper` runs them, and dispatches the next step's acting half before this
+step learns when the loop allows it (the device samples while the workers
+score). The same step runs the study's seeds (`seeds.Seeds.many`: vmapped
+programs, each seed's host part on its own rows). `collect` is the acting
+half, scored and packed, for the async producer, which learns elsewhere.
 """
 
 from __future__ import annotations
@@ -24,15 +23,19 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.step import acting, learning, scoring
+from offpolicy_jax.step import learning, programs, scoring
 from offpolicy_jax.step.run_state import Sampled, StepFns
+from offpolicy_jax.step.seeds import Seeds
 from offpolicy_jax.store import metrics
+
+# The row's metrics of the step as a whole, not of one seed (`Stepper.take_step`).
+STEP_KEYS = ("read_info", "time/sampled_ahead", "time/sample_s", "time/reward_s", "time/train_s")
 
 
 class Stepper:
   """The host steps of a run, the next step's acting half dispatched ahead when allowed.
 
-  `take_step` is the whole step (`acting.sample`, then `learning.learn_sampled`);
+  `take_step` is the whole step (the acting half, then `learning.learn_sampled`);
   with `prefetch` it also reads and dispatches step t + 1's acting half before
   step t scores and learns, so the device samples while the verifier workers
   score (and a disaggregated sampler samples while the trainer trains). The
@@ -41,11 +44,13 @@ class Stepper:
 
   Args:
     fns: the run's step functions; `rollout`: the rollout (placed or not).
-    seed: the run's seed; `schedule`: the `run_state.LagSchedule`.
+    seeds: the run's seed (`Seeds.one`), or the study's S seeds (`Seeds.many`: the
+      programs are vmapped, and each metric of the row is an array [S]).
+    schedule: the `run_state.LagSchedule`.
   """
 
-  def __init__(self, fns: StepFns, rollout: Rollout, seed: int, schedule):
-    self.fns, self.rollout, self.seed, self.schedule = fns, rollout, seed, schedule
+  def __init__(self, fns: StepFns, rollout: Rollout, seeds: Seeds, schedule):
+    self.fns, self.rollout, self.seeds, self.schedule = fns, rollout, seeds, schedule
     self._sampled: dict[int, tuple[Any, Sampled]] = {}  # step -> (its read info, its rollout)
 
   @property
@@ -82,7 +87,7 @@ class Stepper:
         t1 = time.perf_counter()
     read_info, sampled = rollouts.pop(step)
     self._sampled = rollouts  # the next step's, when sampled ahead
-    args = (self.fns, progs, state, sampled, step, self.seed, self.schedule)
+    args = (self.fns, progs, state, sampled, step, self.seeds, self.schedule)
     state, row = learning.learn_sampled(*args)
     row["read_info"] = read_info
     row["time/sampled_ahead"] = int(ahead)
@@ -92,8 +97,9 @@ class Stepper:
 
   def _sample(self, progs, state, step: int, read) -> tuple[Any, Sampled]:
     prompts, read_info = read()
-    args = (self.rollout, state, prompts, step, self.seed, self.schedule)
-    return read_info, acting.sample(self.fns, progs, *args)
+    act = programs.acting_half(self.rollout)
+    args = (self.rollout, state, prompts, step, self.seeds, self.schedule)
+    return read_info, act(self.fns, progs, *args)
 
 
 def collect(
@@ -119,7 +125,8 @@ def collect(
     (`learning.learn`); the rows of the others weigh 0, so that staleness
     bounds and token counts see only the groups that finished.
   """
-  rstate, fin, info = acting.advance(rollout, rstate, params, version, prompts, step, seed, latest)
+  args = (rstate, params, version, prompts, step, seed, latest)
+  rstate, fin, info = programs.advance(rollout, *args)
   rewards, stats = scoring.rewards_of(fns, fin)
   batch, keep = learning.pack_finished(fns, fin, rewards, step, seed, jitted=True)
   if keep is not None:
@@ -127,21 +134,3 @@ def collect(
     batch = batch._replace(weights=batch.weights * rows)
   info = {k: metrics.to_python(x) for k, x in jax.device_get(info).items()}
   return rstate, batch, keep, {**stats, **info}  # a rollout's own reward statistics win
-
-
-def steps_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, schedule):
-  """Loop steps of S seeds' runs (the study's vmapped state): `(state, metrics [S, L])`.
-
-  Per step: the acting half over seeds (`acting.sample_over_seeds`), then
-  the learning half (`learning.learn_sampled_over_seeds`: each seed's rows
-  scored on their own, the vmapped learning): exactly the loop's step of each seed.
-  """
-  rows = []
-  for i, step in enumerate(steps):
-    prompts = {k: x[:, i] for k, x in prompts_l.items()}
-    sampled = acting.sample_over_seeds(fns, progs, state, prompts, step, seeds, schedule)
-    state, row = learning.learn_sampled_over_seeds(
-      fns, progs, state, sampled, step, seeds, schedule
-    )
-    rows.append(row)
-  return state, jax.tree.map(lambda *x: jnp.stack(x, axis=1), *rows)

@@ -10,8 +10,8 @@
 `Programs.learn`). `learn_sampled` is the learning half of a step driven from
 the host (`host_step`): the rewards (the rollout's own, or scored on device or
 in the sandboxed verifier workers: `scoring.rewards_of`), then
-`Programs.learn_finished`; `learn_sampled_over_seeds` is the same for the
-study's S seeds, each seed's rows scored apart.
+`Programs.learn_finished`, for one run or the study's S seeds (`seeds.Seeds`:
+each seed's rows scored apart, the vmapped learning).
 """
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ import jax.numpy as jnp
 
 from offpolicy_jax import advantages, lag
 from offpolicy_jax.learn import replay, train_step
-from offpolicy_jax.rollout import episodes, prompt_rows
+from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.rollout.protocol import Finished
-from offpolicy_jax.scale import sharding
 from offpolicy_jax.step import packing, run_state, scoring
 from offpolicy_jax.step.run_state import (
   ReplayOptions,
   RunState,
   Sampled,
-  SampledSeeds,
   StepFns,
 )
+from offpolicy_jax.step.seeds import Seeds
 from offpolicy_jax.store import metrics as metrics_files
 
 
@@ -146,46 +145,31 @@ def learn_finished(
   return state, metrics
 
 
-def learn_sampled(fns: StepFns, progs, state, sampled: Sampled, step: int, seed: int, schedule):
-  """The learning half of a step from the host: rewards, then the jitted packing and learning.
+def learn_sampled(fns: StepFns, progs, state, sampled: Sampled, step: int, seeds: Seeds, schedule):
+  """The learning half of a step from the host: each seed's rewards, then the jitted packing
+  and learning (vmapped over the study's seeds).
 
   Returns:
     `(state, row)`: the run state and the step's metrics as Python values
     (device metrics, host reward statistics, the rollout's host metrics,
-    `time/reward_s`).
+    `snapshot_missing`), each an array [S] over the study's seeds (`Seeds.row`),
+    and `time/reward_s`.
   """
-  fin, begin = sampled.fin, time.perf_counter()
-  rewards, stats = scoring.rewards_of(fns, fin)
+  begin = time.perf_counter()
+  scored = [scoring.rewards_of(fns, fin) for fin in sampled.per_seed]
   reward_s = time.perf_counter() - begin
-  rstate = sampled.rstate
-  if not fns.rollout.traced:  # host objects stay outside the programs (`programs._traced`)
-    state, rstate = state._replace(rollout=rstate), None
-  mesh = fns.model.mesh
-  step_a, seed_a = sharding.replicated_int(mesh, step), sharding.replicated_int(mesh, seed)
-  device = prompt_rows.device_finished(fin)
-  args = (rstate, device, rewards, sampled.info, sampled.v, step_a, seed_a, schedule)
+  rewards = seeds.stack([r for r, _ in scored])
+  step_a, seed_a = seeds.scalars(fns.model.mesh, step)
+  args = (sampled.rstate, sampled.fin, rewards, sampled.info, sampled.v, step_a, seed_a, schedule)
   state, out = progs.learn_finished(state, *args)
-  row = {k: metrics_files.to_python(x) for k, x in jax.device_get(out).items()}
-  row.update(stats)
-  row.update({k: metrics_files.to_python(x) for k, x in sampled.host.items()})
-  row["snapshot_missing"] = int(not bool(sampled.found))
+  out, found = jax.device_get((out, sampled.found))
+  rows = []
+  for s, (_, stats) in enumerate(scored):
+    row = {k: metrics_files.to_python(x) for k, x in seeds.take(out, s).items()}
+    row.update(stats)
+    row.update({k: metrics_files.to_python(x) for k, x in sampled.host[s].items()})
+    row["snapshot_missing"] = int(not bool(seeds.take(found, s)))
+    rows.append(row)
+  row = seeds.row(rows)
   row["time/reward_s"] = reward_s
   return state, row
-
-
-def learn_sampled_over_seeds(
-  fns: StepFns, progs, state, sampled: SampledSeeds, step, seeds, schedule
-):
-  """The learning half of one step of S seeds' runs: each seed's rewards (`rewards_of`),
-  then the vmapped `Programs.learn_finished`. Returns `(state, metrics [S])`."""
-  scored = [scoring.rewards_of(fns, fin) for fin in sampled.per_seed]
-  rewards = jnp.stack([jnp.asarray(r) for r, _ in scored])
-  args = (sampled.rstate, sampled.fin, rewards, sampled.info, sampled.v, step, seeds, schedule)
-  state, out = progs.learn_finished(state, *args)
-  out = dict(out)
-  out["reward_failures"] = jnp.asarray([s["reward_failures"] for _, s in scored], jnp.float32)
-  for name in episodes.EPISODE_STATS:
-    if name in sampled.host[0]:
-      out[name] = jnp.asarray([h[name] for h in sampled.host], jnp.float32)
-  out["snapshot_missing"] = (~sampled.found).astype(jnp.int32)
-  return state, out

@@ -18,9 +18,12 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
+from offpolicy_jax.rollout import prompt_rows
+from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.scale import sharding
-from offpolicy_jax.step.acting import behaviour_params, rollout
+from offpolicy_jax.step import acting, run_state
 from offpolicy_jax.step.learning import learn, learn_finished
 from offpolicy_jax.step.rl_step import rl_steps
 from offpolicy_jax.step.run_state import ReplayOptions, RunState, StepFns
@@ -82,14 +85,41 @@ def programs(fns: StepFns, opts: ReplayOptions, state: RunState, *, over_seeds=F
   if key not in memo:
     fns_of: dict[str, Callable] = {
       "rl_steps": functools.partial(rl_steps, fns, opts),
-      "rollout": functools.partial(rollout, fns),
+      "rollout": functools.partial(acting.rollout, fns),
       "learn_finished": functools.partial(learn_finished, fns, opts),
       "learn": functools.partial(learn, fns, opts),
-      "behaviour": behaviour_params,
+      "behaviour": acting.behaviour_params,
     }
     build = _vmapped if over_seeds else _sharded
     memo[key] = Programs(**{name: build(fns, name, fn, state) for name, fn in fns_of.items()})
   return memo[key]
+
+
+def one_program(fns: StepFns) -> bool:
+  """Whether a whole step of `fns` is one jitted program (a traced rollout, a device reward)."""
+  return fns.rollout.traced and fns.reward.device is not None
+
+
+def acting_half(rollout: Rollout) -> Callable:
+  """The acting half of a host step with `rollout`: its jitted program (`acting.sample_traced`)
+  for a traced rollout, else `advance` on the host (`acting.sample_host`)."""
+  return acting.sample_traced if rollout.traced else acting.sample_host
+
+
+def advance(rollout: Rollout, rstate, params, version, prompts: dict, step: int, seed, latest=None):
+  """`acting.advance` (`Rollout.advance` from the host); a traced kind that carries state
+  (partial rollouts' pool) advances as one jitted program over the prompts' device
+  fields, so its state stays on device (the async producer's acting half)."""
+  if rollout.traced and rollout.item:
+    key = run_state.step_key(seed, step, run_state.SAMPLE)
+    device = prompt_rows.device_prompts(prompts)
+    return _advance_jit(rollout, rstate, params, jnp.int32(version), device, jnp.int32(step), key)
+  return acting.advance(rollout, rstate, params, version, prompts, step, seed, latest)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _advance_jit(rollout: Rollout, rstate, params, version, prompts: dict, step, key):
+  return rollout.advance(rstate, params, version, prompts, step, key)
 
 
 def _base_apart(fn: Callable, donates: bool) -> Callable:
@@ -117,8 +147,11 @@ def _traced(fns: StepFns, state: RunState) -> RunState:
   return state._replace(base=None, rollout=state.rollout if fns.rollout.traced else None)
 
 
-def _base_back(fns: StepFns, jitted: Callable, donates: bool) -> Callable:
+def _base_back(fns: StepFns, jitted: Callable, donates: bool, name: str) -> Callable:
   def call(state, *args):
+    if name == "learn_finished" and not fns.rollout.traced:
+      # A host rollout's state after `advance` (`args[0]`) joins the state outside the program.
+      state, args = state._replace(rollout=args[0]), (None, *args[1:])
     out = jitted(state.base, _traced(fns, state), *args)
     if not donates:
       return out
@@ -142,7 +175,7 @@ def _sharded(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable
     jitted = jax.jit(apart, out_shardings=(params_sh, rep, rep))
   else:
     jitted = jax.jit(apart)
-  return _with_mesh(_base_back(fns, jitted, donates), fns.model.mesh)
+  return _with_mesh(_base_back(fns, jitted, donates, name), fns.model.mesh)
 
 
 def _vmapped(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable:
@@ -151,7 +184,7 @@ def _vmapped(fns: StepFns, name: str, fn: Callable, state: RunState) -> Callable
   donates = name in _DONATES_STATE
   vmapped = jax.vmap(_base_apart(fn, donates), in_axes=in_axes)
   jitted = jax.jit(vmapped, donate_argnums=1 if donates else ())
-  return _with_mesh(_base_back(fns, jitted, donates), fns.model.mesh)
+  return _with_mesh(_base_back(fns, jitted, donates, name), fns.model.mesh)
 
 
 def _with_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:

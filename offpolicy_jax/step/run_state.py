@@ -4,8 +4,8 @@
 rollout, samplers), made once in `components`; `RunState` is what a run
 carries from step to step, checkpointed by name (`state_items`,
 `state_from_items`; `init_state` makes a fresh one, `weights` joins its
-parameters to a LoRA run's frozen base). `Sampled` and `SampledSeeds` are
-what a host step's acting half hands to its learning half. `StepFns`' small
+parameters to a LoRA run's frozen base). `Sampled` is what a host
+step's acting half hands to its learning half. `StepFns`' small
 records are here too: the batch shape
 (`Sizes`, and `empty_batch`, the replay buffer's template), what packing
 needs (`Packing`) and the task's reward (`Reward`); so are the step's
@@ -176,35 +176,18 @@ class RunState(NamedTuple):
 
 
 class Sampled(NamedTuple):
-  """The acting half of a step from the host (`acting.sample`), handed to the learning half.
+  """The acting half of a step from the host (`acting.sample_traced` / `sample_host`), handed
+  to the learning half; one run's, or the study's S seeds' (`seeds.Seeds`).
 
   Attributes:
     rstate: the rollout's carried state after `advance`.
-    fin: the finished groups (prompts with their host fields).
-    info: the rollout's device metrics (a traced rollout's), into the jitted learning.
-    host: the rollout's host metrics (a host rollout's, or a placement's).
-    v: the behaviour loop step (device scalar).
-    found: whether its snapshot was present.
-  """
-
-  rstate: Any
-  fin: Finished
-  info: dict[str, Any]
-  host: dict[str, Any]
-  v: Any
-  found: Any
-
-
-class SampledSeeds(NamedTuple):
-  """The acting half of one step of S seeds' runs (`acting.sample_over_seeds`).
-
-  Attributes:
-    rstate: the rollout's carried state after `advance` (a traced rollout's), or None.
-    fin: the finished groups' device fields, stacked [S, ...] (into the jitted learning).
+    fin: the finished groups' device fields (stacked [S, ...] over the study's
+      seeds), into the jitted learning.
     per_seed: each seed's finished groups with their host fields (scored per seed).
-    info: the rollout's device metrics (a traced rollout's).
-    host: each seed's host metrics (a host rollout's).
-    v: the behaviour loop step per seed [S]; `found`: whether its snapshot was present [S].
+    info: the rollout's device metrics (a traced rollout's), into the jitted learning.
+    host: each seed's host metrics (a host rollout's, or a placement's).
+    v: the behaviour loop step (device scalar, or [S]).
+    found: whether its snapshot was present (scalar, or [S]).
   """
 
   rstate: Any
