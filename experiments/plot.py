@@ -3,8 +3,9 @@ r"""Draws training curves of workdirs, or redraws a study's plots from its CSV.
 python -m experiments.plot --workdirs=/tmp/a,/tmp/b [--labels=a,b] --out=/tmp/curves.png
 python -m experiments.plot --study_csv=DIR/study.csv --out=DIR [--baseline=grpo@onpolicy]
 
-The second form writes `curves_<lag>.png` and `final.png` into the `--out`
-directory (see `offpolicy_jax.study.report`).
+The second form writes `curves_<lag>.png`, `final.png` and, when the runs
+record their costs, `pareto.png` into the `--out` directory (see
+`offpolicy_jax.study.report`).
 """
 
 import os

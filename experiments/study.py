@@ -6,9 +6,10 @@ Writes `workdir/study.md` (final accuracy with 95% t intervals, verdicts
 against the baseline from Holm-corrected sign-flip permutation tests and
 equivalence tests against `study.equivalence_margin`,
 learning speed, the A/A calibration's false-verdict rate, pass@k, area under
-the training curve, collapses, the bandit), `workdir/study.csv` (one row per run and metric) and
-`workdir/curves_<lag>.png`, `workdir/final.png`. Each method's cells run in a
-worker process of their own (each cell's output in
+the training curve, collapses, costs and the Pareto fronts of accuracy against
+seconds and sampled tokens, the bandit), `workdir/study.csv` (one row per run and
+metric) and `workdir/curves_<lag>.png`, `workdir/final.png`, `workdir/pareto.png`.
+Each method's cells run in a worker process of their own (each cell's output in
 `workdir/cells/<method>@<lag>.log`; `--inline` runs them here, for debugging),
 so a crash or an OOM kill costs the cell it hit only: the others run, the
 failed ones are listed and the command exits 1. Finished cells are kept in

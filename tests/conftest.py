@@ -103,13 +103,19 @@ _SLOW_FILES_FIRST = (
   "test_loop.py",
   "test_multiprocess.py",
   "test_experiments.py",
-  "test_study.py",
   "test_colab.py",
+  "test_study.py",
+  "test_critic_run.py",
   "test_disagg.py",
   "test_multiturn_run.py",
   "test_lora_run.py",
-  "test_step_speedups.py",
+  "test_routing_replay.py",
+  "test_moe.py",
   "test_runs_memory.py",
+  "test_step_speedups.py",
+  "test_layout.py",
+  "test_compile_time.py",
+  "test_cli.py",
 )
 
 
@@ -127,6 +133,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+  # xdist hands files out by their number of tests unless told not to: keep the order above.
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
   if config.getoption("--jax-times"):
     import jax
 

@@ -172,6 +172,7 @@ def test_miniature_study_writes_tables_csv_and_plots(mini):
     "curves_onpolicy.png",
     "curves_offline.png",
     "final.png",
+    "pareto.png",
   }
   assert all(os.path.getsize(f) > 0 for f in files)
   rows = study_report.read_csv(os.path.join(path, "study.csv"))
@@ -338,7 +339,12 @@ def test_plot_binary_redraws_from_the_csv(mini, tmp_path):
     timeout=120,
   )
   assert out.returncode == 0, out.stderr
-  assert sorted(os.listdir(tmp_path)) == ["curves_offline.png", "curves_onpolicy.png", "final.png"]
+  assert sorted(os.listdir(tmp_path)) == [
+    "curves_offline.png",
+    "curves_onpolicy.png",
+    "final.png",
+    "pareto.png",
+  ]
 
 
 def test_study_binary_refuses_bad_grid_in_one_line(tmp_path):
@@ -403,6 +409,49 @@ def test_a_cell_with_ope_estimates_every_buffer_and_trains_as_without(mini):
       "ope_behavior_abs_error",
     }  # fmt: skip
     assert 0.0 <= summary["ope_is_coverage"] <= 1.0
+
+
+def test_the_pareto_fronts_are_the_cells_no_other_beats_on_cost_and_accuracy():
+  """study.md's Pareto fronts: one point per grid cell (A/A twins apart), means over seeds."""
+  cells = {  # (method, lag): (final accuracy, training seconds, sampled tokens), per seed
+    ("grpo", "onpolicy"): [(0.6, 10.0, 100.0), (0.8, 12.0, 120.0)],  # 0.7, 11 s, 110 tokens
+    ("grpo", "offline"): [(0.5, 4.0, 300.0), (0.5, 6.0, 300.0)],  # 0.5, 5 s, 300 tokens
+    ("rec", "onpolicy"): [(0.6, 20.0, 90.0), (0.6, 20.0, 90.0)],  # 0.6, 20 s, 90 tokens
+    ("rec", "offline"): [(0.4, 8.0, 200.0), (0.4, 8.0, 200.0)],  # dominated on both
+    (study_grid.AA_PREFIX + "grpo", "onpolicy"): [(1.0, 1.0, 1.0), (1.0, 1.0, 1.0)],
+  }
+  rows = []
+  for (method, lag), runs in cells.items():
+    for seed, (acc, wall, tokens) in enumerate(runs):
+      for metric, value in (
+        ("final_accuracy", acc),
+        ("train_wall_s", wall),
+        ("sampled_tokens", tokens),
+      ):
+        rows.append(
+          {
+            "method": method,
+            "lag": lag,
+            "seed": seed,
+            "metric": metric,
+            "step": None,
+            "value": value,
+          }
+        )
+  runs = study_report.pareto_runs(rows)
+  assert sorted(runs) == ["grpo@offline", "grpo@onpolicy", "rec@offline", "rec@onpolicy"]
+  assert runs["grpo@onpolicy"][1] == {
+    "final_accuracy": 0.8,
+    "wall_s": 12.0,
+    "sampled_tokens": 120.0,
+  }
+  lines = study_report.pareto_lines(runs)
+  assert lines[-2] == "- seconds: grpo@offline (5, 0.500), grpo@onpolicy (11, 0.700)"
+  assert lines[-1] == "- sampled tokens: rec@onpolicy (90, 0.600), grpo@onpolicy (110, 0.700)"
+  # Runs that record no costs (studies before them) get neither the plot nor the section.
+  no_costs = [r for r in rows if r["metric"] == "final_accuracy"]
+  assert study_report.pareto_runs(no_costs) == {}
+  assert study_report.pareto_lines({}) == []
 
 
 def test_plots_need_summaries_and_accept_rows_before_and_after_the_csv(mini, tmp_path):

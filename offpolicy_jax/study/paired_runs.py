@@ -249,7 +249,11 @@ def pareto_front(points: Mapping[str, tuple[float, float]]) -> list[str]:
   return sorted(front, key=lambda g: points[g][0])
 
 
-def plot(runs: Mapping[str, Mapping[int, Mapping[str, float]]], out_path: str) -> str:
+def plot(
+  runs: Mapping[str, Mapping[int, Mapping[str, float]]],
+  out_path: str,
+  wall_label: str = "wall-clock seconds",
+) -> str:
   """`pareto.png`: final accuracy against wall-clock seconds and against sampled tokens."""
   import matplotlib
 
@@ -257,15 +261,16 @@ def plot(runs: Mapping[str, Mapping[int, Mapping[str, float]]], out_path: str) -
   import matplotlib.pyplot as plt
 
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-  cmap = plt.get_cmap("tab10")
+  colors = max(len(runs), 10)
+  cmap = plt.get_cmap("tab10" if colors == 10 else "tab20" if colors <= 20 else "turbo", colors)
   for ax, cost, label in zip(
-    axes, ("wall_s", "sampled_tokens"), ("wall-clock seconds", "sampled tokens"), strict=True
+    axes, ("wall_s", "sampled_tokens"), (wall_label, "sampled tokens"), strict=True
   ):
     means = {}
     for i, (group, by_seed) in enumerate(runs.items()):
       xs = [v[cost] for v in by_seed.values()]
       ys = [v["final_accuracy"] for v in by_seed.values()]
-      ax.scatter(xs, ys, color=cmap(i % 10), alpha=0.25, s=12)
+      ax.scatter(xs, ys, color=cmap(i % colors), alpha=0.25, s=12)
       x, y = stats.interval(xs), stats.interval(ys)
       ax.errorbar(
         x.mean,
@@ -273,7 +278,7 @@ def plot(runs: Mapping[str, Mapping[int, Mapping[str, float]]], out_path: str) -
         xerr=None if math.isnan(x.low) else [[x.mean - x.low], [x.high - x.mean]],
         yerr=None if math.isnan(y.low) else [[y.mean - y.low], [y.high - y.mean]],
         fmt="o",
-        color=cmap(i % 10),
+        color=cmap(i % colors),
         label=group,
         capsize=3,
       )
@@ -283,10 +288,12 @@ def plot(runs: Mapping[str, Mapping[int, Mapping[str, float]]], out_path: str) -
     ax.set_xlabel(label)
     ax.set_ylabel("final greedy accuracy")
     ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=8)
+  # Below both panels: a study's grid has tens of method x lag cells.
+  handles, labels = axes[0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=4, fontsize=7)
   fig.suptitle("mean over seeds [95% t intervals]; dashed: the Pareto front")
   fig.tight_layout()
-  fig.savefig(out_path, dpi=100)
+  fig.savefig(out_path, dpi=100, bbox_inches="tight")
   plt.close(fig)
   return out_path
 

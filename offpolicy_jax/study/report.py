@@ -23,7 +23,7 @@ import numpy as np
 
 from offpolicy_jax import files
 from offpolicy_jax.config_spec import RunSpec, StudySpec
-from offpolicy_jax.study import bandit, report_tables
+from offpolicy_jax.study import bandit, paired_runs, report_tables
 from offpolicy_jax.study import grid as study_grid
 from offpolicy_jax.study import stats as study_stats
 from offpolicy_jax.study.report_tables import summary_table
@@ -137,8 +137,68 @@ def _curve(rows: list[dict], metric: str) -> dict[tuple[str, str], dict[int, dic
   return out
 
 
+# The Pareto plot's costs (`paired_runs.plot`'s names) and the study's summaries they read.
+PARETO_COSTS = {"wall_s": "train_wall_s", "sampled_tokens": "sampled_tokens"}
+
+
+PARETO_WALL = "training seconds per run (program's / seeds)"
+
+
+def pareto_lines(runs: Mapping[str, Mapping[int, Mapping[str, float]]]) -> list[str]:
+  """study.md's section on `pareto.png`: the cells on each Pareto front, by cost."""
+  if not runs:
+    return []
+  lines = [
+    "## Accuracy against cost",
+    "",
+    "`pareto.png`: final accuracy against training seconds and against sampled tokens, one",
+    "point per method x lag (mean over seeds, 95% t intervals). Seconds are a run's share",
+    "of its vmapped program's (`train_wall_s`; the cells ran one after another on one",
+    "machine, so seconds compare within this study only). On the Pareto front (no other",
+    "cell has both a lower mean cost and a higher mean accuracy), cheapest first:",
+    "",
+  ]
+  for cost, label in (("wall_s", "seconds"), ("sampled_tokens", "sampled tokens")):
+    means = {
+      g: (
+        float(np.mean([r[cost] for r in by_seed.values()])),
+        float(np.mean([r["final_accuracy"] for r in by_seed.values()])),
+      )
+      for g, by_seed in runs.items()
+    }
+    front = paired_runs.pareto_front(means)
+    cells = ", ".join(f"{g} ({means[g][0]:.4g}, {means[g][1]:.3f})" for g in front)
+    lines.append(f"- {label}: {cells}")
+  return lines
+
+
+def pareto_runs(rows: list[dict]) -> dict[str, dict[int, dict[str, float]]]:
+  """`{"method@lag": {seed: {final_accuracy, wall_s, sampled_tokens}}}` of every cell of the
+  grid (A/A twins left out) whose runs record their costs: `paired_runs.plot`'s input.
+
+  `wall_s` is a run's `train_wall_s`: its vmapped program's training seconds
+  shared by the seeds that ran in it (`seeds_per_program`).
+  """
+  methods, lags, values = summary_table(rows)
+  runs: dict[str, dict[int, dict[str, float]]] = {}
+  for m in methods:
+    if m.startswith(study_grid.AA_PREFIX):
+      continue
+    for g in lags:
+      acc = values.get((m, g, "final_accuracy"), {})
+      costs = {k: values.get((m, g, name), {}) for k, name in PARETO_COSTS.items()}
+      seeds = [s for s in sorted(acc) if all(s in c for c in costs.values())]
+      if seeds:
+        runs[f"{m}@{g}"] = {
+          s: {"final_accuracy": acc[s], **{k: c[s] for k, c in costs.items()}} for s in seeds
+        }
+  return runs
+
+
 def plot_study(rows: list[dict], out_dir: str, *, baseline: tuple[str, str]) -> list[str]:
-  """`curves_<lag>.png` (mean eval accuracy, 95% band, per method) and `final.png`."""
+  """`curves_<lag>.png` (mean eval accuracy, 95% band, per method), `final.png`, and
+  `pareto.png` (final accuracy against wall clock and sampled tokens, one point per
+  method x lag, `pareto_runs`) when the runs record their costs."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -184,6 +244,10 @@ def plot_study(rows: list[dict], out_dir: str, *, baseline: tuple[str, str]) -> 
   paths.append(os.path.join(out_dir, "final.png"))
   fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
   plt.close(fig)
+  runs = pareto_runs(rows)
+  if runs:
+    out = os.path.join(out_dir, "pareto.png")
+    paths.append(paired_runs.plot(runs, out, wall_label=PARETO_WALL))
   return paths
 
 
@@ -201,12 +265,15 @@ def _table_options(config) -> dict:
 
 
 def tables(config, rows: list[dict]) -> list[str]:
-  """`study.md`'s tables (without the bandit) from a study's config and its CSV rows."""
-  return report_tables.tables(rows, **_table_options(config))
+  """`study.md`'s tables and its Pareto fronts (without the bandit) from a study's config and
+  its CSV rows."""
+  pareto = pareto_lines(pareto_runs(rows))
+  return report_tables.tables(rows, **_table_options(config)) + (["", *pareto] if pareto else [])
 
 
 def write_report(config, path: str, cells: Mapping) -> list[str]:
-  """study.csv, study.md (the tables, then the bandit) and the plots of the finished `cells`."""
+  """study.csv, study.md (the tables, the Pareto fronts, then the bandit) and the plots of
+  the finished `cells`."""
   _, grid = study_grid.grid_from_config(config)
   # The grid's order, whatever order the cells finished in (the tables follow the rows).
   ordered = [cells[c] for c in grid.cells() if c in cells]
@@ -217,11 +284,8 @@ def write_report(config, path: str, cells: Mapping) -> list[str]:
   kw = dict(steps=st.bandit_steps, group_size=st.bandit_group_size)
   results = bandit.run_bandit(grid.methods, grid.seeds, lr=st.bandit_lr, **kw)
   rows = read_csv(csv_path)  # what `experiments.plot --study_csv` redraws from
-  md = report_tables.write_tables(
-    rows,
-    os.path.join(path, "study.md"),
-    extra=bandit.table(results, seeds=len(grid.seeds), **kw),
-    **_table_options(config),
-  )
+  lines = [*tables(config, rows), "", *bandit.table(results, seeds=len(grid.seeds), **kw)]
+  md = os.path.join(path, "study.md")
+  files.write_text_atomic(md, "\n".join(lines) + "\n")
   plots = plot_study(rows, path, baseline=grid.baseline)
   return [csv_path, md, *plots]
