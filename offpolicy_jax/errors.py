@@ -39,6 +39,12 @@ class ConfigError(UserError, ValueError):
   """A config field's value, a name it gives, or a file or directory it points to is wrong."""
 
 
+def need(ok: bool, field: str, msg: str) -> None:
+  """Raises `ConfigError("config.<field>: <msg>")` unless `ok`: a config check's one line."""
+  if not ok:
+    raise ConfigError(f"config.{field}: {msg}")
+
+
 class WorkdirError(UserError, ValueError):
   """A workdir is missing, empty, unwritable, or holds another run or no checkpoint asked for."""
 

@@ -38,11 +38,6 @@ def critic_spec(config) -> CriticSpec | None:
   )
 
 
-def _need(ok: bool, field: str, msg: str) -> None:
-  if not ok:
-    raise errors.ConfigError(f"config.{field}: {msg}")
-
-
 def validate(c) -> None:
   """How the critic's fields fit the rest of the config (the values alone are checked already).
 
@@ -51,7 +46,7 @@ def validate(c) -> None:
   """
   name = estimator(c)
   doubly_robust = sorted({"dr", "wdr"} & {n.strip() for n in c.eval_ope.split(",")})
-  _need(
+  errors.need(
     bool(name) or not doubly_robust,
     "eval_ope",
     f"the doubly robust estimators {doubly_robust} need a critic's values: set "
@@ -59,25 +54,25 @@ def validate(c) -> None:
   )
   if not name:
     return
-  _need(
+  errors.need(
     name != "vtrace" or c.critic.rho_bar >= c.critic.c_bar,
     "critic.rho_bar",
     f"V-trace needs rho_bar >= c_bar (Espeholt et al. 2018, s4.1), got rho_bar="
     f"{c.critic.rho_bar} < c_bar={c.critic.c_bar}",
   )
-  _need(
+  errors.need(
     not c.lora.rank,
     "lora.rank",
     f"a critic (critic.estimator={name!r}) trains a value head on the trunk, which adapters "
     "would freeze: use full fine-tuning (lora.rank = 0) or --config.critic.estimator=none",
   )
-  _need(
+  errors.need(
     c.multiturn.credit != "turn",
     "multiturn.credit",
     f"a critic (critic.estimator={name!r}) makes its own per-token credit from the "
     "trajectory's reward: use multiturn.credit = 'trajectory'",
   )
-  _need(
+  errors.need(
     not c.advantage.name,
     "advantage.name",
     f"a critic (critic.estimator={name!r}) replaces the group advantages: leave "

@@ -8,7 +8,8 @@ vocabulary, answers fit the task's answer length, and the context
 `SCAN_LIMIT` examples are scanned in full; larger ones (the procedural
 synthetic tasks have 2**31 - 1) only their first `SCAN_SAMPLE` examples.
 Scans are cached in process and, given `cache_dir`, in a small JSON file there.
-Errors are `ValueError("config.<field>: ...")` naming the split and row.
+Errors are `ValueError("config.<field>: ...")` (`errors.ConfigError` where `errors.need`
+checks) naming the split and row.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import jax
 
-from offpolicy_jax import files, models
+from offpolicy_jax import errors, files, models
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.models import hub
 from offpolicy_jax.rewards import tasks
@@ -35,11 +36,6 @@ CACHE_FILE = "data_checks.json"
 _SCAN_VERSION = 1
 _CACHE_ENTRIES = 32
 _log = logging.getLogger(__name__)
-
-
-def _need(ok: bool, field: str, msg: str) -> None:
-  if not ok:
-    raise ValueError(f"config.{field}: {msg}")
 
 
 def get_model_config(config: RunSpec, tokenizer) -> models.ModelConfig:
@@ -98,12 +94,12 @@ def validate_data(
   c = config if isinstance(config, RunSpec) else RunSpec.from_config(config)
   mcfg = get_model_config(c, tokenizer) if model_config is None else model_config
   _validate_model_fit(c, tokenizer, mcfg)
-  _need(
+  errors.need(
     not c.sft.enabled or task.answer is not None,
     "sft.enabled",
     f"task {task.name!r} has no reference answers for the supervised warm start",
   )
-  _need(
+  errors.need(
     not (c.sft.enabled and c.sft.distractor) or task.distractor is not None,
     "sft.distractor",
     f"task {task.name!r} has no distractor answers (Task.distractor)",
@@ -117,7 +113,7 @@ def validate_data(
 def _validate_model_fit(c: RunSpec, tokenizer, mcfg: models.ModelConfig) -> None:
   v = mcfg.vocab_size
   tok_field = "tokenizer" if c.tokenizer else "model"
-  _need(
+  errors.need(
     tokenizer.vocab_size <= v,
     tok_field,
     f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is {v} "
@@ -125,15 +121,15 @@ def _validate_model_fit(c: RunSpec, tokenizer, mcfg: models.ModelConfig) -> None
   )
   for name in ("pad_id", "eos_id", "bos_id"):
     i = getattr(tokenizer, name)
-    _need(
+    errors.need(
       i is None or 0 <= i < v,
       tok_field,
       f"tokenizer.{name} = {i} is outside the model's vocabulary [0, {v})",
     )
-  _need(c.top_k <= v, "top_k", f"must be <= the model's vocab_size {v}, got {c.top_k}")
+  errors.need(c.top_k <= v, "top_k", f"must be <= the model's vocab_size {v}, got {c.top_k}")
   max_pos = getattr(mcfg, "max_position_embeddings", None)
   context = c.max_prompt_len + c.max_new_tokens
-  _need(
+  errors.need(
     not max_pos or context <= max_pos,
     "max_prompt_len + config.max_new_tokens",
     f"a context of {c.max_prompt_len} + {c.max_new_tokens} = {context} tokens exceeds the "
@@ -156,10 +152,10 @@ def _check_split(c: RunSpec, task: tasks.Task, s: data.PromptStats, vocab: int) 
   if s.scanned < s.size:
     _log.info("validate_data: %s: checked the first %d of %d examples", where, s.scanned, s.size)
   if s.split == "train":
-    _need(s.size >= jax.process_count(), field, f"{where} has {s.size} examples")
+    errors.need(s.size >= jax.process_count(), field, f"{where} has {s.size} examples")
   else:
-    _need(s.size > 0 or not c.eval_prompts, "eval_prompts", f"{where} is empty")
-  _need(
+    errors.need(s.size > 0 or not c.eval_prompts, "eval_prompts", f"{where} is empty")
+  errors.need(
     0 not in s.first_row,
     field,
     f"{where}: example {s.first_row.get(0)} has an empty prompt (0 tokens); the sampler and "
@@ -176,7 +172,7 @@ def _check_split(c: RunSpec, task: tasks.Task, s: data.PromptStats, vocab: int) 
       f"({num_over} of {s.scanned} checked prompts are longer; the longest, example "
       f"{over[longest]}, has {longest}); raise max_prompt_len or set data.truncate_prompts=True"
     )
-    _need(c.data.truncate_prompts, "max_prompt_len", msg)
+    errors.need(c.data.truncate_prompts, "max_prompt_len", msg)
     _log.info(
       "validate_data: %s: %d of %d checked prompts are longer than max_prompt_len=%d and "
       "will be left-truncated (data.truncate_prompts)",
@@ -186,13 +182,13 @@ def _check_split(c: RunSpec, task: tasks.Task, s: data.PromptStats, vocab: int) 
       p,
     )
   top, row = s.max_id
-  _need(
+  errors.need(
     top < vocab,
     "tokenizer" if c.tokenizer else "model",
     f"{where}: example {row} has token id {top} >= the model's vocab_size {vocab}",
   )
   n, row = s.answer_len
-  _need(
+  errors.need(
     n <= task.max_answer_len + 1,
     "task",
     f"{where}: example {row} has an answer of {n} tokens with EOS > task.max_answer_len + 1 = "

@@ -63,7 +63,7 @@ def minibatch_rows(config) -> int:
     ValueError: naming `train.num_minibatches` when it does not divide G * K.
   """
   rows, n = config.group_size * config.prompts_per_step, config.train.num_minibatches
-  _need(
+  errors.need(
     _is_int(n) and n >= 1 and rows % n == 0,
     "train.num_minibatches",
     f"must be >= 1 and divide the batch of {rows} rows, got {n}",
@@ -83,7 +83,7 @@ def micro_batch_rows(config) -> int:
   """
   rows, size = minibatch_rows(config), config.train.micro_batch_size
   _check(config, "train.micro_batch_size")
-  _need(
+  errors.need(
     size == 0 or rows % size == 0,
     "train.micro_batch_size",
     f"must divide the minibatch of {rows} rows, got {size}",
@@ -92,11 +92,6 @@ def micro_batch_rows(config) -> int:
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def _need(ok: bool, field: str, msg: str) -> None:
-  if not ok:
-    raise errors.ConfigError(f"config.{field}: {msg}")
 
 
 def _is_int(v) -> bool:
@@ -110,7 +105,7 @@ def _check(c, field: str, check: config_fields.Check | None = None) -> None:
     assert declared is not None and declared.check is not None, field
     check = declared.check
   complaint = check(config_schema.get(c, field))
-  _need(complaint is None, field, complaint or "")
+  errors.need(complaint is None, field, complaint or "")
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -129,7 +124,7 @@ def _validate_finite(c, prefix: str = "") -> None:
       _validate_finite(v, f"{name}.")
     elif isinstance(v, float | np.floating):
       ok = math.isfinite(v) and abs(float(v)) <= _FLOAT32_MAX
-      _need(ok, name, f"must be finite in float32 (|x| <= {_FLOAT32_MAX:.4g}), got {v}")
+      errors.need(ok, name, f"must be finite in float32 (|x| <= {_FLOAT32_MAX:.4g}), got {v}")
 
 
 # ----------------------------------------------------------------- the config
@@ -213,7 +208,7 @@ def _validate_replay(c) -> None:
 
 def _validate_processes(c) -> None:
   """The G prompts of a step split over the processes."""
-  _need(
+  errors.need(
     c.prompts_per_step % jax.process_count() == 0,
     "prompts_per_step",
     f"must divide by the number of processes ({jax.process_count()})",
@@ -244,10 +239,10 @@ def mesh_shape(config, device_count: int | None = None) -> tuple[int, int, int]:
   for a in sizes:
     _check(config, f"mesh.{a}")
   fill = [a for a, s in sizes.items() if s == -1]
-  _need(len(fill) <= 1, "mesh", f"only one axis may be -1, got {', '.join(fill)}")
+  errors.need(len(fill) <= 1, "mesh", f"only one axis may be -1, got {', '.join(fill)}")
   fixed = math.prod(s for s in sizes.values() if s != -1)
   if fill:
-    _need(
+    errors.need(
       n % fixed == 0,
       f"mesh.{fill[0]}",
       f"-1 fills the remaining devices, but {n} devices do not divide by the other axes' "
@@ -255,7 +250,7 @@ def mesh_shape(config, device_count: int | None = None) -> tuple[int, int, int]:
     )
     sizes[fill[0]] = n // fixed
   else:
-    _need(fixed <= n, "mesh", f"data * fsdp * tensor = {fixed} devices, but only {n} exist")
+    errors.need(fixed <= n, "mesh", f"data * fsdp * tensor = {fixed} devices, but only {n} exist")
   return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
@@ -266,14 +261,14 @@ def _validate_mesh(c) -> None:
   data_size, fsdp_size, _ = mesh_shape(c)
   n = data_size * fsdp_size
   rows = c.prompts_per_step * c.group_size
-  _need(
+  errors.need(
     rows % n == 0,
     "prompts_per_step",
     f"the batch of prompts_per_step * group_size = {rows} rows must divide over the "
     f"mesh's data * fsdp = {n} devices (or change config.mesh)",
   )
   procs = jax.process_count()
-  _need(
+  errors.need(
     procs == 1 or c.prompts_per_step % n == 0,
     "prompts_per_step",
     f"{c.prompts_per_step} prompts must divide over the mesh's data * fsdp = {n} devices "
@@ -290,18 +285,18 @@ def _validate_disaggregated(c) -> None:
     raise ValueError(f"config.{e}") from e
   trainer = jax.device_count() - k
   shape = mesh_shape(c)
-  _need(
+  errors.need(
     math.prod(shape) == trainer,
     "mesh",
     f"with mesh.sampler_devices = {k} the trainer's data * fsdp * tensor = {math.prod(shape)} "
     f"must use exactly the other {trainer} devices (or set one axis to -1)",
   )
-  _need(
+  errors.need(
     c.prompts_per_step % k == 0,
     "prompts_per_step",
     f"{c.prompts_per_step} prompts must divide over the sampler's mesh.sampler_devices = {k}",
   )
-  _need(
+  errors.need(
     c.lag.mode == "sync" or jax.process_count() == 1,
     "lag.mode",
     "'async' with mesh.sampler_devices > 0 runs in one process only (each process's "
@@ -317,14 +312,14 @@ def _is_preset(model: str) -> bool:
 def _validate_names(c) -> None:
   """The task and the model preset are known (a model directory or repo is `_validate_files`')."""
   if _is_preset(c.model):
-    _need(
+    errors.need(
       c.model in models.preset_names(),
       "model",
       f"unknown preset {c.model!r} (and not a local directory); presets: "
       f"{', '.join(models.preset_names())}",
     )
   known = tasks.task_names()
-  _need(
+  errors.need(
     c.task in known or c.task.startswith("reasoning_gym:"),
     "task",
     f"unknown task {c.task!r}; known: {', '.join(known)}",
@@ -334,49 +329,49 @@ def _validate_names(c) -> None:
 def _validate_files(c) -> None:
   """The model directory or Hugging Face repo, the tokenizer and the data files exist."""
   if os.path.isdir(c.model) or (os.path.sep in c.model and not hub.is_repo_id(c.model)):
-    _need(
+    errors.need(
       os.path.isfile(os.path.join(c.model, "config.json")),
       "model",
       f"{c.model!r} is not a Hugging Face directory with config.json",
     )
   elif hub.is_repo_id(c.model):
     local = hub.model_dir(c.model)  # downloads, or finds it in the cache
-    _need(
+    errors.need(
       local is not None and os.path.isfile(os.path.join(local, "config.json")),
       "model",
       f"the Hugging Face repo {c.model!r} has no config.json",
     )
   if c.tokenizer:
-    _need(
+    errors.need(
       os.path.isfile(os.path.join(c.tokenizer, "tokenizer.json")),
       "tokenizer",
       f"{c.tokenizer!r} has no tokenizer.json",
     )
   for k, v in c.task_kwargs.items():
     if isinstance(v, str) and (k.endswith("_path") or k.endswith("_file")):
-      _need(os.path.exists(v), f"task_kwargs.{k}", f"data file not found: {v}")
+      errors.need(os.path.exists(v), f"task_kwargs.{k}", f"data file not found: {v}")
 
 
 def _validate_lora(c) -> None:
   msg = f"adapter dropout {c.lora.dropout} needs adapters: set lora.rank > 0 (0: full fine-tuning)"
-  _need(not c.lora.dropout or c.lora.rank > 0, "lora.dropout", msg)
+  errors.need(not c.lora.dropout or c.lora.rank > 0, "lora.dropout", msg)
 
 
 def _validate_multiturn(c) -> None:
   mt = c.multiturn
-  _need(
+  errors.need(
     mt.gamma == 1.0 or mt.credit == "turn",
     "multiturn.gamma",
     "a turn discount needs multiturn.credit = 'turn'",
   )
   if not mt.max_turns:
-    _need(
+    errors.need(
       mt.credit == "trajectory",
       "multiturn.credit",
       "turn-level credit needs multi-turn episodes (multiturn.max_turns > 0)",
     )
     return
-  _need(
+  errors.need(
     mt.turn_tokens <= c.max_new_tokens,
     "multiturn.turn_tokens",
     f"a turn of {mt.turn_tokens} tokens does not fit the trajectory's max_new_tokens = "
@@ -389,7 +384,7 @@ def _validate_multiturn(c) -> None:
     ("rollout.continuous_slots", c.rollout.continuous_slots),
     ("mesh.sampler_devices", c.mesh.sampler_devices),
   ):
-    _need(not on, field, f"multi-turn episodes (multiturn.max_turns > 0) do not take {field}")
+    errors.need(not on, field, f"multi-turn episodes (multiturn.max_turns > 0) do not take {field}")
 
 
 def _validate_sft(c) -> None:
