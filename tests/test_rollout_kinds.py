@@ -17,7 +17,7 @@ KINDS = [
   sampler_mesh.OnSamplerMesh,
 ]
 MEMBERS = ("traced", "prefetch", "item", "init", "advance")
-MEMBERS += ("signature", "arrays", "meta", "restore")
+MEMBERS += ("signature", "arrays", "meta", "restore", "with_sampler")
 
 
 def _classes_with_advance():
@@ -56,4 +56,22 @@ def test_a_kind_that_forgets_members_is_caught():
     def advance(self, rstate, params, version, prompts, step, key, latest=None):
       raise AssertionError
 
-  assert _stubs(Forgetful) == ["init", "signature", "arrays", "meta", "restore"]
+  assert _stubs(Forgetful) == ["init", "signature", "arrays", "meta", "restore", "with_sampler"]
+
+
+def test_only_whole_responses_switch_sampler_and_the_others_say_why():
+  """The sampler choice's switch (`sampler_choice.continuous_fns`) goes through the protocol."""
+  static, continuous = object(), object()
+  w = whole.Whole(static)
+  switched = w.with_sampler(continuous)
+  assert switched.sampler is continuous and w.sampler is static
+  placed = sampler_mesh.OnSamplerMesh(w, None, None, None)
+  assert placed.with_sampler(continuous).inner.sampler is continuous
+  for kind, field in (
+    (partial.Partial, "rollout.partial_budget"),
+    (episodes.WholeEpisodes, "multiturn.max_turns"),
+    (episode_pool.EpisodePool, "rollout.episode_pool"),
+  ):
+    # The method reads nothing of the instance: called on the class's own, unbuilt.
+    with pytest.raises(ValueError, match=f"{field}.*no switch to continuous batching"):
+      kind.with_sampler(None, continuous)

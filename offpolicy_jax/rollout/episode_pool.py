@@ -50,7 +50,7 @@ import numpy as np
 
 from offpolicy_jax import types
 from offpolicy_jax.rewards import tasks
-from offpolicy_jax.rollout import data, episodes, prompt_rows
+from offpolicy_jax.rollout import data, episodes, prompt_rows, protocol
 from offpolicy_jax.rollout.protocol import Finished, Rollout, pi_old
 from offpolicy_jax.sampling import SampleOutput, multiturn, turn_pieces
 from offpolicy_jax.sampling import partial as partial_rollouts
@@ -103,6 +103,9 @@ class EpisodePool(Rollout):
   def signature(self) -> dict[str, Any]:
     """What a checkpoint's pool must match to be resumed (`step.run_state.state_meta`)."""
     return {"item": self.item, "slots": self.slots, "budget": self.budget}
+
+  def with_sampler(self, sampler) -> Rollout:
+    raise protocol.own_sampler("the episode pool (rollout.episode_pool)")
 
   def init(self) -> PoolState:
     return PoolState(self)

@@ -368,6 +368,9 @@ class WholeEpisodes(Stateless, Rollout):
   traced = False
   prefetch = False
 
+  def with_sampler(self, sampler) -> Rollout:
+    raise protocol.own_sampler("multi-turn episodes (multiturn.max_turns)")
+
   def advance(self, rstate, params, version, prompts, step, key, latest=None):
     """Plays the step's episodes from `params` at `version` (newer `latest()` ones mid-way)."""
     del step

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from offpolicy_jax.rollout import protocol
 from offpolicy_jax.rollout.protocol import Finished, Rollout, pi_old
 from offpolicy_jax.sampling import partial as programs
 from offpolicy_jax.sampling.partial import PartialSampler, PartialState
@@ -74,6 +75,9 @@ class Partial(Rollout):
 
   def signature(self) -> None:
     return None  # a changed pool shape fails the restore of the item's arrays
+
+  def with_sampler(self, sampler) -> Rollout:
+    raise protocol.own_sampler("partial rollouts (rollout.partial_budget)")
 
   def arrays(self, pool: PartialState) -> PartialState:
     return pool

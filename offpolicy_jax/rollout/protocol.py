@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from offpolicy_jax.sampling import SampleOutput
+from offpolicy_jax.sampling import SampleOutput, Sampler
 
 
 class Finished(NamedTuple):
@@ -134,6 +134,11 @@ class Rollout(Protocol):
     """What a checkpoint's carried state must match to be resumed (None: its arrays' shapes)."""
     ...
 
+  def with_sampler(self, sampler: Sampler) -> Rollout:
+    """This rollout sampling with `sampler` (the sampler choice's switch to continuous
+    batching, `step.sampler_choice`); a kind with samplers of its own raises ValueError."""
+    ...
+
   def arrays(self, rstate) -> Any:
     """The carried state's arrays (the checkpoint item `item`)."""
     ...
@@ -145,6 +150,11 @@ class Rollout(Protocol):
   def restore(self, rstate, arrays, meta: dict[str, Any]) -> Any:
     """The carried state of a checkpoint (`arrays`, `meta`); `rstate` is this run's template."""
     ...
+
+
+def own_sampler(kind: str) -> ValueError:
+  """`with_sampler`'s error for a kind that decodes with samplers of its own."""
+  return ValueError(f"{kind}: decodes with samplers of its own, no switch to continuous batching")
 
 
 class Stateless:

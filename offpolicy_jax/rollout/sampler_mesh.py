@@ -65,6 +65,10 @@ class OnSamplerMesh(Rollout):
   def signature(self) -> dict[str, Any] | None:
     return self.inner.signature()
 
+  def with_sampler(self, sampler) -> Rollout:
+    inner = self.inner.with_sampler(sampler)
+    return OnSamplerMesh(inner, self.mesh, self.trainer_mesh, self._split)
+
   def advance(self, rstate, params, version, prompts, step, key, latest=None):
     """The wrapped `advance` on the sampler mesh; reshards the copy when `version` changed.
 

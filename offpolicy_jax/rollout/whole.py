@@ -18,6 +18,7 @@ from typing import Any
 
 from offpolicy_jax.rollout import protocol
 from offpolicy_jax.rollout.protocol import Finished, Rollout, Stateless, pi_old
+from offpolicy_jax.sampling import Sampler
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -29,10 +30,13 @@ class Whole(Stateless, Rollout):
     score_old: the learner's scorer of log pi_old, or None (not scored).
   """
 
-  sampler: Callable
+  sampler: Sampler
   score_old: Callable | None = None
   traced = True
   prefetch = True
+
+  def with_sampler(self, sampler: Sampler) -> Whole:
+    return dataclasses.replace(self, sampler=sampler)
 
   def advance(self, rstate, params, version, prompts: dict[str, Any], step, key, latest=None):
     """Samples K responses to each prompt under `params` (traceable); nothing is carried."""

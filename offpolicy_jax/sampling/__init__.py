@@ -19,12 +19,19 @@ May import: the maths modules, `scale`, `models`.
 from offpolicy_jax.sampling import continuous, multiturn, partial, sampler, turn_pieces
 from offpolicy_jax.sampling.continuous import make_continuous_sampler
 from offpolicy_jax.sampling.multiturn import EpisodeInfo, MultiTurnSampler
-from offpolicy_jax.sampling.sampler import SampleOutput, generate, make_sampler, select_token
+from offpolicy_jax.sampling.sampler import (
+  SampleOutput,
+  Sampler,
+  generate,
+  make_sampler,
+  select_token,
+)
 
 __all__ = [
   "EpisodeInfo",
   "MultiTurnSampler",
   "SampleOutput",
+  "Sampler",
   "continuous",
   "generate",
   "make_continuous_sampler",

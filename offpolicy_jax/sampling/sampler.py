@@ -32,7 +32,7 @@ including the EOS token.
 
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +95,14 @@ def _truncate(z_bv, top_k, top_p):
     )
     z_bv = jnp.where(keep, z_bv, -jnp.inf)
   return z_bv
+
+
+class Sampler(Protocol):
+  """A behaviour sampler (`make_sampler`, `continuous.make_continuous_sampler`): K responses
+  to each of G prompts, `(params, prompt_tokens [G, P], prompt_lengths [G], key) ->
+  SampleOutput` with B = G * K rows."""
+
+  def __call__(self, params, prompt_tokens, prompt_lengths, key) -> SampleOutput: ...
 
 
 class Draw(NamedTuple):

@@ -31,6 +31,7 @@ from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.rollout.prompt_rows import Sizes
 from offpolicy_jax.rollout.protocol import EvalRows, Finished, Rollout
+from offpolicy_jax.sampling import Sampler
 from offpolicy_jax.types import TrainBatch
 
 # Streams of per-step randomness: step_key(seed, t, stream).
@@ -117,11 +118,11 @@ class StepFns:
   reward: Reward
   truncate_prompts: bool
   rollout: Rollout
-  sampler: Callable
-  eval_sampler: Callable[[int], Callable]
+  sampler: Sampler
+  eval_sampler: Callable[[int], Sampler]
   eval_rows: Callable[..., list[EvalRows]]
   sampler_mesh: jax.sharding.Mesh | None = None
-  continuous: Callable | None = None
+  continuous: Sampler | None = None
   continuous_auto_steps: int = 0
   # What is built once per StepFns (its jitted `Programs`, eval batches and samplers),
   # kept on it so that it goes when the StepFns goes. (In a module-level

@@ -24,7 +24,7 @@ cadence.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import Any
 
 from offpolicy_jax.step.run_state import StepFns
 
@@ -38,7 +38,7 @@ def continuous_fns(fns: StepFns) -> StepFns:
   # Kept in the run's memo, so runs sharing `fns` share the switched one (and its
   # compiled programs), and it goes with `fns` (a module-level dict kept both forever).
   if "continuous" not in fns.memo:
-    continuous = dataclasses.replace(cast(Any, fns.rollout), sampler=fns.continuous)
+    continuous = fns.rollout.with_sampler(fns.continuous)
     fns.memo["continuous"] = dataclasses.replace(fns, sampler=fns.continuous, rollout=continuous)
   return fns.memo["continuous"]
 
