@@ -233,7 +233,7 @@ def test_turn_ids_are_the_runs_of_policy_tokens():
 
 
 def test_miniature_multi_turn_study_runs_its_seeds_and_reports(tmp_path):
-  """The study's vmapped seeds, episodes played per seed (`drivers.over_seeds`: the host step)."""
+  """The study's vmapped seeds, episodes played per seed (the loop's `drivers.Split`)."""
   from configs import lag_study
   from offpolicy_jax.study import runner as study
 

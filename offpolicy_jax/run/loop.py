@@ -46,6 +46,7 @@ from offpolicy_jax.run import start as start_lib
 from offpolicy_jax.run.components import Components, build_components
 from offpolicy_jax.step import costs, drivers, producer, sampler_choice
 from offpolicy_jax.step.run_state import EVAL, RunState, step_key, weights
+from offpolicy_jax.step.seeds import Seeds
 from offpolicy_jax.store import checkpointing, metrics
 from offpolicy_jax.store import workdir as workdir_lib
 
@@ -274,7 +275,7 @@ class _Loop:
       lag_mode=run.lag.mode,
       replay=self.comps.replay,
       read=self._prompts,
-      seed=run.seed,
+      seeds=Seeds.one(run.seed),
       sync=(run.lag.sync_interval, run.lag.sync_offset),
       may_prefetch=self._may_prefetch,
       data=self.data,

@@ -2,7 +2,7 @@
 
 A run advances in one of three ways, chosen once by `make` from the step
 functions and the lag mode (and kept when the sampler choice switches the
-sampler, `switch`); `over_seeds` is the same choice for the study's seeds:
+sampler, `switch`), for one run or the study's seeds side by side (`Seeds`):
 
   Scanned  every step is one jitted program (a traced rollout and a device
            reward): a chunk of n steps runs as one `lax.scan`
@@ -25,7 +25,6 @@ evaluations, checkpoints, signals, rows) and calls `Driver.steps` alone.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -72,45 +71,13 @@ class Driver(Protocol):
   def close(self) -> None: ...
 
 
-def over_seeds(fns: StepFns) -> Callable:
-  """How the study advances S seeds' runs, chosen once: `(progs, state, prompts, steps, seeds,
-  schedule) -> (state, metrics [S, L])`.
-
-  The same choice as `make`'s, over the vmapped programs (`programs(...,
-  over_seeds=True)`): one scanned program where a step is one
-  (`programs.one_program`), else the loop's host step over the seeds
-  (`host_step.Stepper` with `Seeds.many`).
-  """
-  if one_program(fns):
-    return _scanned_over_seeds
-  return functools.partial(_split_over_seeds, fns)
-
-
-def _scanned_over_seeds(progs, state, prompts, steps, seeds, schedule):
-  return progs.rl_steps(state, prompts, steps, seeds, schedule)
-
-
-def _split_over_seeds(fns: StepFns, progs, state, prompts_l: dict, steps, seeds, schedule):
-  stepper = host_step.Stepper(fns, fns.rollout, Seeds.many(seeds), schedule)
-  rows = []
-  for i, step in enumerate(np.asarray(steps).tolist()):
-    prompts = {k: x[:, i] for k, x in prompts_l.items()}
-    state, row = stepper.take_step(progs, state, step, functools.partial(_given, prompts), False)
-    rows.append({k: v for k, v in row.items() if k not in host_step.STEP_KEYS})
-  return state, {k: np.stack([r[k] for r in rows], axis=1) for k in rows[0]}
-
-
-def _given(prompts: dict) -> tuple[dict, None]:
-  return prompts, None
-
-
 def make(
   fns: StepFns,
   *,
   lag_mode: str,
   replay: ReplayOptions,
   read: Read,
-  seed: int,
+  seeds: Seeds,
   sync: tuple[int, int],
   may_prefetch: Callable[[int], bool],
   data=None,
@@ -124,14 +91,18 @@ def make(
     lag_mode: `lag.mode`.
     replay: the replay options (which compiled programs to use).
     read: the loop's prompt reader (`Read`).
-    seed: the run's seed; `sync`: its `(lag.sync_interval, lag.sync_offset)`.
+    seeds: the run's seed (`Seeds.one`), or the study's S seeds (`Seeds.many`: the
+      state, programs and metrics carry a leading seed axis; sync mode, no sampler mesh).
+    sync: the `(lag.sync_interval, lag.sync_offset)` schedule.
     may_prefetch: whether the loop allows step t + 1's rollout before step t learns
       (no signal, no checkpoint after t, no pending sampler choice at t).
     data, max_staleness, sampler_threads: the async producer's (`lag_mode="async"`):
       the shared prompt iterator, `lag.max_staleness` and `lag.sampler_threads`. It
       starts with the first call of `steps`, from the state and loop step that call gives.
   """
-  run = _Run(fns, replay, seed, sync)
+  run = _Run(fns, replay, seeds, sync)
+  if seeds.stacked and (lag_mode == "async" or fns.sampler_mesh is not None):
+    raise ValueError("seeds side by side run in lag.mode='sync' on the trainer's mesh only")
   if lag_mode == "async":
     return Async(run, data, max_staleness, sampler_threads)
   if fns.sampler_mesh is not None:  # a sync run samples on its own mesh
@@ -145,17 +116,17 @@ def make(
 
 
 class _Run:
-  """What every driver uses of the run: its programs' inputs as replicated device scalars."""
+  """What every driver uses of the run: its programs' inputs as replicated device scalars
+  (the seeds' [S] vector side by side), and its programs (`programs`, vmapped over seeds)."""
 
-  def __init__(self, fns: StepFns, replay: ReplayOptions, seed: int, sync: tuple[int, int]):
-    self.fns, self.replay, self.seed_int, self.sync = fns, replay, seed, sync
+  def __init__(self, fns: StepFns, replay: ReplayOptions, seeds: Seeds, sync: tuple[int, int]):
+    self.fns, self.replay, self.seeds, self.sync = fns, replay, seeds, sync
     self.mesh = fns.model.mesh
-    self.seed = sharding.replicated_int(self.mesh, seed)
+    self.seed = seeds.scalars(self.mesh, 0)[1]
     self.schedule = LagSchedule(*(sharding.replicated_int(self.mesh, x) for x in sync))
 
-
-def _rows_of(stacked: dict[str, np.ndarray], n: int) -> list[dict[str, Any]]:
-  return [{k: metrics.to_python(v[i]) for k, v in stacked.items()} for i in range(n)]
+  def programs(self, fns: StepFns, state):
+    return programs(fns, self.replay, state, over_seeds=self.seeds.stacked)
 
 
 class Scanned:
@@ -173,17 +144,17 @@ class Scanned:
   def steps(self, state, step: int, n: int):
     run = self._run
     local, truncated = self._read(n)
-    stacked = {k: np.stack([p[k] for p in local]) for k in prompt_rows.DEVICE_FIELDS}
-    prompts = prompt_rows.assemble_global(self.fns.model.mesh, stacked, leading_axes=1)
+    stacked = run.seeds.stack_steps(local, prompt_rows.DEVICE_FIELDS)
+    prompts = run.seeds.prompts(self.fns.model.mesh, stacked, steps=True)
     steps = jax.device_put(
       np.arange(step + 1, step + n + 1, dtype=np.int32), sharding.replicated(run.mesh)
     )
-    fn = programs(self.fns, run.replay, state).rl_steps
+    fn = run.programs(self.fns, state).rl_steps
     begin = time.perf_counter()
     state, out = fn(state, prompts, steps, run.seed, run.schedule)
     out = jax.device_get(out)
     device = (time.perf_counter() - begin) / n
-    rows = _rows_of(out, n)
+    rows = run.seeds.step_rows(out, n)
     for row, t in zip(rows, truncated, strict=True):
       row.update(scoring.no_reward_stats(), prompts_truncated=t)
       row["time/device_s"] = device
@@ -213,7 +184,7 @@ class Split:
     whose copy of the parameters a switched sampler keeps) or the run's own."""
     self.fns, self.rollout, self._run, self._placed = run.fns, rollout, run, placed
     self._read, self._may_prefetch = read, may_prefetch
-    self._host = host_step.Stepper(run.fns, rollout, Seeds.one(run.seed_int), run.schedule)
+    self._host = host_step.Stepper(run.fns, rollout, run.seeds, run.schedule)
 
   @property
   def prefetched(self) -> bool:
@@ -232,12 +203,12 @@ class Split:
 
   def _read_one(self) -> tuple[dict[str, Any], int]:
     (local,), (truncated,) = self._read(1)
-    return prompt_rows.assemble_global(self.fns.model.mesh, local), truncated
+    return self._run.seeds.prompts(self.fns.model.mesh, local), truncated
 
   def steps(self, state, step: int, n: int):
     assert n == 1, n
     # The programs of this state's structure: the same before and after the step.
-    progs = programs(self.fns, self._run.replay, state)
+    progs = self._run.programs(self.fns, state)
     prefetch = self._prefetch(step + 1)
     state, row = self._host.take_step(progs, state, step + 1, self._read_one, prefetch)
     row["prompts_truncated"] = row.pop("read_info")
@@ -277,7 +248,7 @@ class Async:
         state.train.params,
         step,
         self._data,
-        self._run.seed_int,
+        self._run.seeds.ids[0],
         self._max_staleness,
         state.base,
         state.rollout,
@@ -290,7 +261,7 @@ class Async:
     run, keep, carried = self._run, info.pop("keep"), info.pop("carried")
     if carried is not None:  # the groups in flight after this batch: what a checkpoint holds
       state = state._replace(rollout=self.rollout.restore(state.rollout, *carried))
-    fn = programs(self.fns, run.replay, state).learn
+    fn = run.programs(self.fns, state).learn
     step_a = sharding.replicated_int(run.mesh, step)
     state, row = fn(state, batch, step_a, run.seed, run.schedule, keep)
     published = self._prod.publish(state.train.params, step)

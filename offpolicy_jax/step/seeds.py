@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.scale import sharding
+from offpolicy_jax.store import metrics
 
 
 class Seeds(NamedTuple):
@@ -56,6 +58,24 @@ class Seeds(NamedTuple):
     if self.stacked:
       return jnp.int32(step), jnp.asarray(self.ids, jnp.int32)
     return sharding.replicated_int(mesh, int(step)), sharding.replicated_int(mesh, self.ids[0])
+
+  def prompts(self, mesh: jax.sharding.Mesh, local: dict[str, Any], *, steps: bool = False):
+    """A step's prompts (`steps`: n steps' batches stacked on axis 0) as the programs take
+    them: one run's global arrays (`prompt_rows.assemble_global`, rows over the mesh),
+    or the study's host arrays [S, ...] (S before the step axis)."""
+    if not self.stacked:
+      return prompt_rows.assemble_global(mesh, local, leading_axes=int(steps))
+    return local
+
+  def stack_steps(self, batches: Sequence[dict[str, Any]], fields: Sequence[str]) -> dict:
+    """n steps' prompt batches stacked on the step axis: [n, ...], or [S, n, ...]."""
+    return {k: np.stack([b[k] for b in batches], axis=int(self.stacked)) for k in fields}
+
+  def step_rows(self, out: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """Each of n steps' metrics row from a scan's metrics ([n], or [S, n]: each metric [S])."""
+    if self.stacked:
+      return [{k: np.asarray(v)[:, i] for k, v in out.items()} for i in range(n)]
+    return [{k: metrics.to_python(v[i]) for k, v in out.items()} for i in range(n)]
 
   def row(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One metrics row from each seed's (Python values): the row itself, or each metric [S]."""

@@ -1,7 +1,9 @@
 """One cell of the study (method, lag): every seed's run under one `jax.vmap`.
 
-The run states of the seeds are stacked on a leading axis and one jitted
-`vmap(rl_step.rl_steps)` advances them together, evaluating every
+The run states of the seeds are stacked on a leading axis and the loop's
+driver (`step.drivers`, over `Seeds.many`) advances them together: one jitted
+`vmap(rl_step.rl_steps)` per chunk, or the host step with vmapped halves where
+a step leaves the device. It evaluates every
 `config.eval_every` steps with a vmapped greedy sampler on
 `config.eval_prompts` held-out prompts. Runs with the same seed share the warm
 start (`sft.warm_start`, computed once per seed) and the prompt stream, so they
@@ -12,6 +14,7 @@ the lags of one method share one compiled program.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -23,7 +26,8 @@ import numpy as np
 from offpolicy_jax import metric_names
 from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.run import components, evaluation
-from offpolicy_jax.step import costs, drivers, programs, run_state
+from offpolicy_jax.step import costs, drivers, run_state
+from offpolicy_jax.step.seeds import Seeds
 from offpolicy_jax.study import sweeps
 from offpolicy_jax.study.grid import AA_STREAM_OFFSET, Grid, grid_snapshot_slots
 from offpolicy_jax.study.warm_starts import Starts
@@ -91,14 +95,22 @@ def evaluate(
   return ev["accuracy"], ev.get(f"pass@{k}"), ev["reward_failures"], ev.get("sample_reward")
 
 
-def _prompt_chunk(iters: list, n: int, host_fields: bool) -> dict[str, Any]:
-  """[S, n, ...] prompts: n batches from each seed's iterator."""
+def _read(iters: list, host_fields: bool, n: int) -> tuple[list[dict[str, Any]], list[int]]:
+  """The next n steps' prompts, each [S, ...] (a batch from each seed's iterator), and how
+  many prompts of each step were truncated (`drivers.Read`)."""
   fields = prompt_rows.DEVICE_FIELDS + (("index", "valid") if host_fields else ())
-  per_seed = []
-  for it in iters:
-    batches = [next(it) for _ in range(n)]
-    per_seed.append({k: np.stack([b[k] for b in batches]) for k in fields})
-  return {k: np.stack([p[k] for p in per_seed]) for k in fields}
+  steps, truncated = [], []
+  for _ in range(n):
+    batches = [next(it) for it in iters]
+    steps.append({k: np.stack([b[k] for b in batches]) for k in fields})
+    truncated.append(sum(int((b["truncated"] & b["valid"]).sum()) for b in batches))
+  return steps, truncated
+
+
+def _never(step: int) -> bool:
+  """No step samples ahead of the previous one's learning in a study (`drivers.make`)."""
+  del step
+  return False
 
 
 def run_cell(
@@ -163,26 +175,33 @@ def _run_seeds(
   )._replace(base=starts[0][0])
   iters = [fns.prompts(s) for s in seeds]
   streams = tuple(s + stream_offset for s in seeds)
-  seeds_a = jnp.asarray(streams, jnp.int32)
-  schedule = run_state.LagSchedule(*(jnp.int32(x) for x in schedule_mn))
   device = fns.reward.device is not None
   ev = dict(batch_size=grid.eval_batch, base=state.base)
   acc0, _, eval_fails, _ = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
-  eval_steps, accs, metrics_l, pass_k = [0], [acc0], [], None
+  eval_steps, accs, pass_k = [0], [acc0], None
+  step_rows: list[dict[str, Any]] = []  # the driver's metrics rows, each metric [S]
   ope_fn = evaluation.ope_program(fns, grid.ope, over_seeds=True) if grid.ope else None
   ope_l: list[dict] = []  # each evaluation's estimates [S] and the truth they estimate
   train_s_at = [0.0]  # the program's training seconds at each evaluation
-  advance = drivers.over_seeds(fns)
+  # The loop's driver (`step.drivers`) over the seeds side by side.
+  driver = drivers.make(
+    fns,
+    lag_mode="sync",
+    replay=comps.replay,
+    read=functools.partial(_read, iters, not device),
+    seeds=Seeds.many(streams),
+    sync=schedule_mn,
+    may_prefetch=_never,
+  )
   train_s = 0.0  # the training steps' seconds, evaluations excluded (compilation included)
   for start in range(0, run.total_steps, run.eval_every):
-    prompts = _prompt_chunk(iters, run.eval_every, not device)
-    steps = jnp.arange(start + 1, start + run.eval_every + 1, dtype=jnp.int32)
-    progs = programs.programs(fns, comps.replay, state, over_seeds=True)
     begin = time.perf_counter()
-    state, out = advance(progs, state, prompts, steps, seeds_a, schedule)
-    metrics_l.append(jax.device_get(out))
+    step, end = start, start + run.eval_every
+    while step < end:  # one scan of the chunk, or one host step at a time
+      state, rows = driver.steps(state, step, min(driver.max_chunk, end - step))
+      step_rows += rows
+      step += len(rows)
     train_s += time.perf_counter() - begin
-    end = start + run.eval_every
     k = run.eval_samples if end == run.total_steps else 0
     acc, solved, fails, _ = evaluate(
       fns, state.train.params, streams, run.eval_prompts, k=k, step=end, **ev
@@ -198,7 +217,12 @@ def _run_seeds(
     train_s_at.append(train_s)
     accs.append(acc)
     pass_k = solved if solved is not None else pass_k
-  out = {key: np.concatenate([o[key] for o in metrics_l], axis=1) for key in metrics_l[0]}
+  # Each seed's metrics [S, steps]; the rows' per-step scalars (timings) are the loop's.
+  out = {
+    k: np.stack([r[k] for r in step_rows], axis=1)
+    for k, v in step_rows[0].items()
+    if np.ndim(v) == 1
+  }
   accs_sl = np.stack(accs, axis=1)
   ope = {key: np.stack([o[key] for o in ope_l], axis=1) for key in ope_l[0]} if ope_l else {}
   return [
