@@ -166,6 +166,12 @@ class Study:
     return (k, len(pairs), k / len(pairs), *study_stats.clopper_pearson(k, len(pairs)))
 
 
+def _aa_tests(st: Study) -> list:
+  """Every A/A pair's test of `st` (`report_aa.aa_tests`, as study.md runs them)."""
+  aa_methods = [m for m in st.methods if m.startswith("aa-")]
+  return report_aa.aa_tests(st.values, aa_methods, st.lags, st.seeds, st.alpha)
+
+
 @functools.cache
 def S(name: str) -> Study:
   return Study(name)
@@ -649,6 +655,39 @@ claim(
     *ivs(_d().aa("accuracy_auc")["offset10"][0].diff),
     _d().aa("accuracy_auc")["offset10"][0].p,
     *_d().aa_rate("steps_to_threshold"),
+  ),
+)
+claim(
+  LAG,
+  "metric whose A/A rate exceeds alpha reports no findings: in the committed run, final "
+  "accuracy and accuracy AUC ({}/{} each), so",
+  DEF,
+  lambda: (*_d().aa_rate("final_accuracy")[:2],),
+)
+fact(
+  LAG,
+  "marks of this section's two tables are marked `†` in its study.md",
+  DEF,
+  lambda: (
+    report_aa.not_findings(_aa_tests(_d()), _d().alpha).keys() == {"final_accuracy", "accuracy_auc"}
+    and _d().aa_rate("final_accuracy")[:2] == _d().aa_rate("accuracy_auc")[:2]
+  ),
+)
+claim(
+  LAG,
+  "RED-Drop under lag lose {} to {}); they do not hold chance to alpha.",
+  DEF,
+  lambda: (
+    -max(
+      _d().mean(m, g) - _d().mean("grpo", "onpolicy")
+      for m in ("reinforce", "red_drop")
+      for g in LAGGED
+    ),
+    -min(
+      _d().mean(m, g) - _d().mean("grpo", "onpolicy")
+      for m in ("reinforce", "red_drop")
+      for g in LAGGED
+    ),
   ),
 )
 fact(

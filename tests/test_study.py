@@ -454,6 +454,40 @@ def test_the_pareto_fronts_are_the_cells_no_other_beats_on_cost_and_accuracy():
   assert study_report.pareto_lines({}) == []
 
 
+def test_a_metric_whose_aa_rate_exceeds_alpha_reports_no_findings():
+  """A/A pairs that differ flag every `better`/`worse` of that metric as not a finding."""
+  seeds = range(12)
+  rows = []
+
+  def put(method, lag, metric, values):
+    rows.extend(
+      {"method": method, "lag": lag, "seed": s, "metric": metric, "step": None, "value": v}
+      for s, v in zip(seeds, values, strict=True)
+    )
+
+  base = [0.3 + 0.01 * s for s in seeds]
+  for lag in ("onpolicy", "offline"):
+    put("grpo", lag, "final_accuracy", base)
+    put("grpo", lag, "start_accuracy", [0.2] * 12)
+    put("reinforce", lag, "final_accuracy", [v - 0.2 for v in base])  # worse everywhere
+    # The twin at "offline" is ahead on every seed: a false `better` (1/2 > alpha).
+    put("aa-grpo", lag, "final_accuracy", [v + 0.1 * (lag == "offline") for v in base])
+  kw = dict(baseline=("grpo", "onpolicy"), title="t", alpha=0.05)
+  text = "\n".join(report_tables.tables(rows, **kw))
+  assert "worse†" in text and "not reported as a finding" in text
+  assert "are not reported as findings († in the tables): final_accuracy" in text
+  # With a calibrated twin (equal at both lags: all ties, left out), no flag.
+  calibrated = [r for r in rows if r["method"] != "aa-grpo"]
+  for lag in ("onpolicy", "offline"):
+    calibrated += [
+      {**r, "method": "aa-grpo", "lag": lag}
+      for r in rows
+      if r["method"] == "grpo" and r["lag"] == lag and r["metric"] == "final_accuracy"
+    ]
+  text = "\n".join(report_tables.tables(calibrated, **kw))
+  assert "worse" in text and "†" not in text
+
+
 def test_plots_need_summaries_and_accept_rows_before_and_after_the_csv(mini, tmp_path):
   config, path, cells, _ = mini
   _, grid = study_grid.grid_from_config(config)

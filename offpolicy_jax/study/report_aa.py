@@ -30,6 +30,46 @@ def aa_tests(
   return out
 
 
+def not_findings(tests, alpha) -> dict[str, str]:
+  """{metric: its A/A false-verdict rate} of the metrics whose rate exceeds alpha.
+
+  The rate is the permutation test's, over the informative pairs (not all
+  ties); a metric whose A/A pairs call chance a difference more often than
+  alpha cannot support a `better`/`worse` (or `faster`/`slower`) verdict, so
+  the tables mark its verdicts as not findings (`NOT_A_FINDING`).
+  """
+  out = {}
+  for metric in AA_METRICS:
+    of = [t for t in tests if t[2] == metric and not t[3].diff.low == t[3].diff.high == 0]
+    k = sum(t[4] != study_stats.SAME for t in of)
+    if of and k / len(of) > alpha:
+      out[metric] = study_stats.rate(k, len(of))
+  return out
+
+
+# The mark beside a verdict on a metric of `not_findings`.
+NOT_A_FINDING = "†"
+
+
+def marked(mark: str, verdict: str, metric: str, unfounded: dict[str, str]) -> str:
+  """`mark`, flagged `NOT_A_FINDING` when it is a difference on a metric of `unfounded`."""
+  differs = verdict in (study_stats.BETTER, study_stats.WORSE)
+  return mark + NOT_A_FINDING if differs and metric in unfounded else mark
+
+
+def unfounded_note(unfounded: dict[str, str], metrics, alpha) -> list[str]:
+  """The sentence under a table whose `metrics` include ones of `unfounded`."""
+  named = [m for m in metrics if m in unfounded]
+  if not named:
+    return []
+  rates = "; ".join(f"{m}: {unfounded[m]}" for m in named)
+  return [
+    "",
+    f"{NOT_A_FINDING} not reported as a finding: the A/A calibration's false-verdict rate of "
+    f"this metric exceeds alpha = {alpha:g} ({rates}), so its verdicts may be chance.",
+  ]
+
+
 def aa_section(tests, alpha) -> tuple[list[str], str]:
   """(the A/A section, its one-line false-verdict rate of final accuracy).
 
@@ -82,4 +122,10 @@ def aa_section(tests, alpha) -> tuple[list[str], str]:
       "(nominal 0.05)"
     ]
   lines += [f"- left out of the rates: {skipped} comparisons whose per-seed differences are all 0"]
+  unfounded = not_findings(tests, alpha)
+  if unfounded:
+    lines += [
+      f"- above alpha, so their verdicts are not reported as findings ({NOT_A_FINDING} in the "
+      f"tables): {', '.join(unfounded)}"
+    ]
   return lines, headline

@@ -91,7 +91,9 @@ def _power_note(n: int, m: int, alpha: float) -> str:
   return note
 
 
-def _speed_section(values, main, lags, baseline_method, seeds, alpha, margin) -> list[str]:
+def _speed_section(
+  values, main, lags, baseline_method, seeds, alpha, margin, unfounded=None
+) -> list[str]:
   """Learning speed per cell and paired differences to the baseline method in the same lag."""
   lines = [
     "",
@@ -150,14 +152,17 @@ def _speed_section(values, main, lags, baseline_method, seeds, alpha, margin) ->
 
     marks = FASTER if steps else MARK  # fewer steps to the threshold is better
 
-    def diff(m, g, comps=comps, tested=tested, fmt=fmt, marks=marks):
+    def diff(m, g, comps=comps, tested=tested, fmt=fmt, marks=marks, metric=metric):
       if (m, g) not in comps:
         return "-"
-      c = comps[m, g]
-      return f"{_signed(c.diff, fmt)} p={c.p:.2g} {marks[tested[m, g][1]]}"
+      c, v = comps[m, g], tested[m, g][1]
+      return (
+        f"{_signed(c.diff, fmt)} p={c.p:.2g} {report_aa.marked(marks[v], v, metric, unfounded)}"
+      )
 
     body = [[m, *(diff(m, g) for g in lags)] for m in main if m != baseline_method]
     lines += _md(["method", *lags], body)
+    lines += report_aa.unfounded_note(unfounded or {}, [metric], alpha)
   return lines
 
 
@@ -206,10 +211,12 @@ def tables(
   tests = _final_accuracy_tests(values, main, lags, baseline, seeds, alpha, margin_or_none)
   aa = report_aa.aa_tests(values, aa_methods, lags, seeds, alpha)
   aa_lines, aa_headline = report_aa.aa_section(aa, alpha) if aa else ([], "")
+  unfounded = report_aa.not_findings(aa, alpha)  # metrics whose A/A rate exceeds alpha
+  levels = (alpha, margin_or_none)
   lines = _accuracy_sections(
-    values, main, lags, baseline, seeds, tests, (alpha, margin_or_none), title, aa_headline
+    values, main, lags, baseline, seeds, tests, levels, title, aa_headline, unfounded
   )
-  lines += _speed_section(values, main, lags, baseline[0], seeds, alpha, margin_or_none)
+  lines += _speed_section(values, main, lags, baseline[0], seeds, alpha, margin_or_none, unfounded)
   lines += aa_lines
   lines += _run_sections(values, main, lags, seeds)
   return lines
@@ -230,17 +237,22 @@ def _summary(values, seeds, metric, fmt):
   return cell
 
 
-def _accuracy_sections(values, main, lags, baseline, seeds, tests, levels, title, aa_headline):
+def _accuracy_sections(
+  values, main, lags, baseline, seeds, tests, levels, title, aa_headline, unfounded=None
+):
   """The title, final accuracy, its paired differences and the tests against the baseline."""
   alpha, margin = levels
+  unfounded = unfounded or {}
+  mark = lambda v: report_aa.marked(MARK[v], v, "final_accuracy", unfounded)
+  note = report_aa.unfounded_note(unfounded, ["final_accuracy"], alpha)
   acc_cells, diff_cells = {}, {}
   for m in main:
     for g in lags:
       got = values.get((m, g, "final_accuracy"))
       if not got:
         continue
-      mark = MARK[tests[m, g][2]] if (m, g) in tests else "(baseline)"
-      acc_cells[m, g] = f"{study_stats.interval(_by_seed(got, seeds))} {mark}"
+      cell_mark = mark(tests[m, g][2]) if (m, g) in tests else "(baseline)"
+      acc_cells[m, g] = f"{study_stats.interval(_by_seed(got, seeds))} {cell_mark}"
       if (m, g) in tests:
         diff_cells[m, g] = _signed(tests[m, g][0].diff)
   start = study_stats.interval(_by_seed(values[baseline[0], baseline[1], "start_accuracy"], seeds))
@@ -280,6 +292,7 @@ def _accuracy_sections(values, main, lags, baseline, seeds, tests, levels, title
     "",
   ]
   lines += _md(["method", *lags], _grid(main, lags, lambda m, g: acc_cells.get((m, g), "-")))
+  lines += note
   lines += ["", f"## Paired difference to {baseline[0]}@{baseline[1]}", ""]
   lines += _md(["method", *lags], _grid(main, lags, lambda m, g: diff_cells.get((m, g), "-")))
   lines += [
@@ -302,13 +315,13 @@ def _accuracy_sections(values, main, lags, baseline, seeds, tests, levels, title
       f"{c.p:.3g}",
       f"{adj:.3g}",
       "-" if c.p_equivalent is None else f"{c.p_equivalent:.3g}",
-      MARK[v],
+      mark(v),
     ]
     for (m, g), (c, adj, v) in tests.items()
   ]
   header = ["method", "lag", "difference [95%]", "interval rule", "p", "Holm p", "TOST p"]
   lines += _md([*header, "verdict"], body)
-  return lines
+  return lines + note
 
 
 def _run_sections(values, main, lags, seeds) -> list[str]:
