@@ -53,10 +53,17 @@ def _metric_tables(
   return lines
 
 
+# What a run spent until it first reached the threshold (fewer is faster).
+_TO_THRESHOLD = ("steps_to_threshold", "tokens_to_threshold", "train_wall_s_to_threshold")
 # Learning-speed summaries of a run (`study_stats.run_summary`), compared within a lag.
 SPEED_METRICS = (
   ("steps_to_threshold", f"Steps to reach the warm start + {study_stats.LEARNING_GAIN:.2f}"),
   ("tokens_to_threshold", "Sampled tokens to reach it (censored like the steps)"),
+  (
+    "train_wall_s_to_threshold",
+    "Training seconds to reach it (censored like the steps; a run's share of its vmapped "
+    "program's seconds, so compare within one study)",
+  ),
   ("accuracy_auc", "Area under the held-out accuracy curve, divided by the steps"),
   ("final_accuracy", "Final greedy accuracy"),
 )
@@ -118,7 +125,7 @@ def _speed_section(
   for metric, title in SPEED_METRICS:
     if not any(values.get((m, g, metric)) for m in main for g in lags):
       continue
-    steps = metric in ("steps_to_threshold", "tokens_to_threshold")  # fewer is faster
+    steps = metric in _TO_THRESHOLD  # fewer is faster
     fmt = "+.4g" if metric == "tokens_to_threshold" else "+.1f" if steps else "+.3f"
 
     def cell(m, g, metric=metric, steps=steps):
