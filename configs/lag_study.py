@@ -266,7 +266,6 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   if scale in ("critic", "ope"):
     c.study.methods = CRITIC_METHODS if scale == "critic" else "ppo_critic,vtrace"
     c.study.lags = CRITIC_LAGS
-    c.study.aa_lags = ""  # the A/A calibration at 12 seeds is the default grid's
   if scale == "ope":
     c.study.ope = OPE_ESTIMATES
     c.study.baseline = "ppo_critic@onpolicy"

@@ -2071,6 +2071,26 @@ def _critic_ev(method: str, lag: str) -> study_stats.Interval:
   return study_stats.interval(1.0 - ratio)
 
 
+section(CR, "## The study")
+claim(
+  CR,
+  "accuracy {}/{} false verdicts, steps to the threshold {}/{}, accuracy AUC {}/{}\n(the offline "
+  "pair, {} [{}, {}], p {})",
+  CRITIC,
+  lambda: (
+    *_cr().aa_rate("final_accuracy")[:2],
+    *_cr().aa_rate("steps_to_threshold")[:2],
+    *_cr().aa_rate("accuracy_auc")[:2],
+    *ivs(_cr().aa("accuracy_auc")["offline"][0].diff),
+    _cr().aa("accuracy_auc")["offline"][0].p,
+  ),
+)
+fact(
+  CR,
+  "table's AUC verdicts carry `†` in `study.md`; the final-accuracy verdicts",
+  CRITIC,
+  lambda: set(report_aa.not_findings(_aa_tests(_cr()), _cr().alpha)) == {"accuracy_auc"},
+)
 section(CR, "## Final greedy accuracy")
 for _m, _name in CRITIC_NAMES.items():
   claim(
