@@ -96,6 +96,13 @@ DEEP_METHODS = "grpo,reinforce,rec_oneside_nois,m2po"
 DEEP_LAGS = "onpolicy=1/0,interval256=256/0"
 DEEP_FULL_METHODS = f"{DEEP_METHODS},decoupled_ppo,tis_old,icepop_old"
 DEEP_FULL_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,interval256=256/0,offline=offline"
+# `const256`: M2PO's setting (arXiv 2510.01161: every batch 256 updates behind the policy it
+# trains): the constant lag 1/256 (after a 256-step fill, v(t) = t - 257), 600 steps like
+# `deep`, GRPO against M2PO, REC-OneSide-NoIS and decoupled PPO at that lag, GRPO's A/A twin
+# there too. On-policy cells are the `deep` grid's (the same warm starts and seeds). Each
+# seed holds 257 parameter snapshots (`lag.snapshot_capacity`).
+CONST_METHODS = "grpo,m2po,rec_oneside_nois,decoupled_ppo"
+CONST_LAGS = "const256=1/256"
 # `lr`: learning-rate sensitivity of the REINFORCE collapse and of wide vs narrow clipping,
 # on-policy and offline (18 cells).
 LR_METHODS = ",".join(
@@ -109,7 +116,8 @@ LR_METHODS = ",".join(
 )
 
 
-TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "lr", "reuse", "moe", "critic", "ope")
+TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "const256", "lr", "reuse", "moe", "critic")
+TOY_SCALES += ("ope",)
 # `critic`: does a learned critic help under lag (docs/results/critic.md)? PPO with a critic
 # and GAE (`ppo_critic`), IMPALA's V-trace (`vtrace`) and REC-OneSide-NoIS on the critic's
 # advantages (`rec_critic`), and V-trace under REC's mask (`vtrace_rec`, added after the first
@@ -242,7 +250,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.study.seeds = 5
     c.study.aa_lags = ""
     c.eval_samples = 1  # greedy only: every sampled program is one more sandboxed process
-  if scale in ("deep", "deep_full"):
+  if scale in ("deep", "deep_full", "const256"):
     c.total_steps = 600
     c.eval_every = 20  # learning-speed claims need the curve, not five points
     c.rollout.score_old = True  # the *_old corrections weigh by pi_old / mu
@@ -250,6 +258,10 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.study.lags = DEEP_LAGS if scale == "deep" else DEEP_FULL_LAGS
     # The A/A calibration at 12 seeds is the default grid's (docs/results/lag_study.md).
     c.study.aa_lags = ""
+  if scale == "const256":
+    c.study.methods, c.study.lags = CONST_METHODS, CONST_LAGS
+    c.study.baseline = "grpo@const256"
+    c.study.aa_lags = "all"
   if scale == "moe":
     c.model = "tiny-moe"
     c.study.methods = MOE_METHODS
