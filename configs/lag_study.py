@@ -287,7 +287,6 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.study.methods = REUSE_METHODS
     c.study.lags = "onpolicy=1/0"
     c.study.seeds = 8
-    c.study.aa_lags = ""
   c.lock()
   return c
 

@@ -1691,6 +1691,18 @@ def _reuse_row(method: str) -> list[Any]:
 
 
 claim(WLB, "| 1 (GRPO) | {} [{}, {}] | | {} [{}, {}] | {}/8 | |", RE, lambda: _reuse_row("grpo"))
+claim(
+  WLB,
+  "cell alone in 74 s) differed from GRPO by {} [{}, {}] in final\naccuracy (p {}): no false "
+  "verdict on any metric, {}/{} each.",
+  RE,
+  lambda: (
+    *ivs(_re().aa("final_accuracy")["onpolicy"][0].diff),
+    _re().aa("final_accuracy")["onpolicy"][0].p,
+    *max(_re().aa_rate(m)[:2] for m in report_aa.AA_METRICS),
+  ),
+)
+
 for _n, _m in (("2", "grpo_reuse2"), ("4", "grpo_reuse4")):
   claim(
     WLB,
