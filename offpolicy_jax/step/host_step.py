@@ -28,9 +28,6 @@ from offpolicy_jax.step.run_state import Sampled, StepFns
 from offpolicy_jax.step.seeds import Seeds
 from offpolicy_jax.store import metrics
 
-# The row's metrics of the step as a whole, not of one seed (`Stepper.take_step`).
-STEP_KEYS = ("read_info", "time/sampled_ahead", "time/sample_s", "time/reward_s", "time/train_s")
-
 
 class Stepper:
   """The host steps of a run, the next step's acting half dispatched ahead when allowed.
@@ -45,7 +42,8 @@ class Stepper:
   Args:
     fns: the run's step functions; `rollout`: the rollout (placed or not).
     seeds: the run's seed (`Seeds.one`), or the study's S seeds (`Seeds.many`: the
-      programs are vmapped, and each metric of the row is an array [S]).
+      programs are vmapped, and each metric of a seed is an array [S]; the step's
+      `read_info` and `time/*` stay scalars).
     schedule: the `run_state.LagSchedule`.
   """
 

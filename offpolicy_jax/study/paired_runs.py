@@ -237,7 +237,8 @@ def report(records: Sequence[Mapping[str, Any]], baseline: str, margin, alpha: f
 
 
 def pareto_front(points: Mapping[str, tuple[float, float]]) -> list[str]:
-  """The groups no other has both a lower cost and a higher accuracy than, by cost.
+  """The groups no other is at least as cheap and at least as accurate as (and better in
+  one), by cost.
 
   `points`: {group: (cost, accuracy)}; ties on both axes keep every tied group.
   """

@@ -152,10 +152,13 @@ def pareto_lines(runs: Mapping[str, Mapping[int, Mapping[str, float]]]) -> list[
     "## Accuracy against cost",
     "",
     "`pareto.png`: final accuracy against training seconds and against sampled tokens, one",
-    "point per method x lag (mean over seeds, 95% t intervals). Seconds are a run's share",
-    "of its vmapped program's (`train_wall_s`; the cells ran one after another on one",
-    "machine, so seconds compare within this study only). On the Pareto front (no other",
-    "cell has both a lower mean cost and a higher mean accuracy), cheapest first:",
+    "point per method x lag (mean over seeds, 95% t intervals). Seconds are one measurement",
+    "per vmapped program, shared by its seeds (`train_wall_s`: its training seconds / its",
+    "seeds; all seeds in one program give an interval of no width), and include compiling",
+    "the method's program, which falls in its first cell (its first lag); the cells ran one",
+    "after another on one machine, so seconds compare within this study only, and no test",
+    "is made on them. On the Pareto front (no other cell is at least as cheap and at least",
+    "as accurate, and better in one), cheapest first:",
     "",
   ]
   for cost, label in (("wall_s", "seconds"), ("sampled_tokens", "sampled tokens")):
