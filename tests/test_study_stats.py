@@ -146,11 +146,13 @@ def test_report_verdicts_holm_power_note_and_aa_rate(tmp_path):
   text = open(path).read()
   tests = text.split("## Tests against the baseline")[1].split("\n## ")[0]
   row = next(x for x in tests.splitlines() if x.startswith("| grpo | lag |"))
-  # 12 negative differences: p = 2/4096; Holm over 3 comparisons: 3 * 2/4096.
-  assert f"| {2 / 4096:.3g} | {6 / 4096:.3g} | - | worse |" in row  # no margin: no TOST
+  # 12 negative differences: p = 2/4096; Holm over 3 comparisons: 3 * 2/4096. The A/A
+  # pairs below call chance a difference on every metric (rates above alpha), so every
+  # `worse` / `faster` is flagged as no finding (†).
+  assert f"| {2 / 4096:.3g} | {6 / 4096:.3g} | - | worse† |" in row  # no margin: no TOST
   assert "verdict is attainable" not in text
   speed_steps = text.split("### Steps to reach")[1].split("### ")[0]
-  assert "| -10.0 [-10.0, -10.0] p=0.00049 faster |" in speed_steps
+  assert "| -10.0 [-10.0, -10.0] p=0.00049 faster† |" in speed_steps
   # Learning speed: differences within the lag; grpo reaches +0.10 nowhere (censored, 0/12).
   speed = text.split("### Steps to reach the warm start + 0.10")[1]
   assert "| grpo | 20.0 [20.0, 20.0] (0/12) |" in speed
@@ -165,6 +167,8 @@ def test_report_verdicts_holm_power_note_and_aa_rate(tmp_path):
   assert "- accuracy_auc: permutation test 1/2 = 0.500 [0.013, 0.987] (nominal 0.05)" in text
   assert "- steps_to_threshold: permutation test 1/1 = 1.000 [0.025, 1.000]" in text
   assert "pooled" not in text
+  flagged = "not reported as findings († in the tables): final_accuracy, accuracy_auc, "
+  assert flagged + "steps_to_threshold" in text
   assert "left out of the rates: 1 comparisons whose per-seed differences are all 0" in text
   few = {k: v[:5] for k, v in cells.items() if not k[0].startswith("aa-")}
   path = report_tables.write_tables(

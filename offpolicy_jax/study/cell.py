@@ -107,6 +107,19 @@ def _read(iters: list, host_fields: bool, n: int) -> tuple[list[dict[str, Any]],
   return steps, truncated
 
 
+def _driver(comps, iters: list, streams: tuple[int, ...], schedule_mn) -> drivers.Driver:
+  """The loop's driver (`step.drivers`) over the seeds side by side, in sync mode."""
+  return drivers.make(
+    comps.fns,
+    lag_mode="sync",
+    replay=comps.replay,
+    read=functools.partial(_read, iters, comps.fns.reward.device is None),
+    seeds=Seeds.many(streams),
+    sync=schedule_mn,
+    may_prefetch=_never,
+  )
+
+
 def _never(step: int) -> bool:
   """No step samples ahead of the previous one's learning in a study (`drivers.make`)."""
   del step
@@ -175,7 +188,6 @@ def _run_seeds(
   )._replace(base=starts[0][0])
   iters = [fns.prompts(s) for s in seeds]
   streams = tuple(s + stream_offset for s in seeds)
-  device = fns.reward.device is not None
   ev = dict(batch_size=grid.eval_batch, base=state.base)
   acc0, _, eval_fails, _ = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
   eval_steps, accs, pass_k = [0], [acc0], None
@@ -183,16 +195,7 @@ def _run_seeds(
   ope_fn = evaluation.ope_program(fns, grid.ope, over_seeds=True) if grid.ope else None
   ope_l: list[dict] = []  # each evaluation's estimates [S] and the truth they estimate
   train_s_at = [0.0]  # the program's training seconds at each evaluation
-  # The loop's driver (`step.drivers`) over the seeds side by side.
-  driver = drivers.make(
-    fns,
-    lag_mode="sync",
-    replay=comps.replay,
-    read=functools.partial(_read, iters, not device),
-    seeds=Seeds.many(streams),
-    sync=schedule_mn,
-    may_prefetch=_never,
-  )
+  driver = _driver(comps, iters, streams, schedule_mn)
   train_s = 0.0  # the training steps' seconds, evaluations excluded (compilation included)
   for start in range(0, run.total_steps, run.eval_every):
     begin = time.perf_counter()

@@ -243,11 +243,11 @@ def _summary(values, seeds, metric, fmt):
 
 
 def _accuracy_sections(
-  values, main, lags, baseline, seeds, tests, levels, title, aa_headline, unfounded=None
+  values, main, lags, baseline, seeds, tests, levels, title, aa_headline, unfounded
 ):
-  """The title, final accuracy, its paired differences and the tests against the baseline."""
+  """The title, final accuracy, its paired differences and the tests against the baseline;
+  `unfounded`: the metrics that report no findings (`report_aa.not_findings`)."""
   alpha, margin = levels
-  unfounded = unfounded or {}
   mark = lambda v: report_aa.marked(MARK[v], v, "final_accuracy", unfounded)
   note = report_aa.unfounded_note(unfounded, ["final_accuracy"], alpha)
   acc_cells, diff_cells = {}, {}
