@@ -98,10 +98,11 @@ DEEP_FULL_METHODS = f"{DEEP_METHODS},decoupled_ppo,tis_old,icepop_old"
 DEEP_FULL_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,interval256=256/0,offline=offline"
 # `const256`: M2PO's setting (arXiv 2510.01161: every batch 256 updates behind the policy it
 # trains): the constant lag 1/256 (after a 256-step fill, v(t) = t - 257), 600 steps like
-# `deep`, GRPO against M2PO, REC-OneSide-NoIS and decoupled PPO at that lag, GRPO's A/A twin
-# there too. On-policy cells are the `deep` grid's (the same warm starts and seeds). Each
-# seed holds 257 parameter snapshots (`lag.snapshot_capacity`).
-CONST_METHODS = "grpo,m2po,rec_oneside_nois,decoupled_ppo"
+# `deep`, GRPO against M2PO (as its paper describes it, and as released: `m2po_release`),
+# REC-OneSide-NoIS and decoupled PPO at that lag, GRPO's A/A twin there too. On-policy
+# cells are the `deep` grid's (the same warm starts and seeds). Each seed holds 257
+# parameter snapshots (`lag.snapshot_capacity`).
+CONST_METHODS = "grpo,m2po,rec_oneside_nois,decoupled_ppo,m2po_release"
 CONST_LAGS = "const256=1/256"
 # `lr`: learning-rate sensitivity of the REINFORCE collapse and of wide vs narrow clipping,
 # on-policy and offline (18 cells).

@@ -89,6 +89,21 @@ def _m2po_keep(d, m, budget=0.04):
   return d**2 <= (max(ok) if ok else -1.0)
 
 
+def _m2po_capped_tau(d, a, m, budget=0.04):
+  # The released M2PO's tau: mean over harmful tokens of min(d^2, tau^2) equal to the budget.
+  harm = (m > 0) & (((a > 0) & (d > 0)) | ((a < 0) & (d < 0)))
+  v = np.sort((d**2)[harm])
+  if v.size == 0 or v.mean() <= budget:
+    return np.inf
+  s, target = 0.0, budget * v.size
+  for k in range(v.size):  # the values from k on capped at t: s + t (n - k) = target
+    t = (target - s) / (v.size - k)
+    if t <= v[k]:
+      return np.sqrt(t)
+    s += v[k]
+  raise AssertionError("unreachable: the mean exceeds the budget")
+
+
 def _bapo_bounds(r, a, m):
   lo, hi = 0.6, 1.2
   while True:
@@ -223,6 +238,10 @@ def _token_ref(name, d, a, lp, m, mu=None, prox=None, old=None):
   if name == "bapo":
     lo, hi = _bapo_bounds(r, a, m)
     return _ppo(r, a, lo, hi)
+  if name == "m2po_release":
+    d32 = (INPUTS["logp"] - INPUTS["behavior_logp"]).astype(np.float64)
+    tau = _m2po_capped_tau(np.where(m > 0, d32, 0.0), a, m)
+    return _ppo(r, a, min(np.exp(-tau), 0.7), max(np.exp(tau), 1.5))
   if name == "minpro":
     prefix = np.minimum.accumulate(np.where(m > 0, d, np.inf), axis=-1)
     return _ppo(np.exp(np.where(m > 0, prefix, 0.0)), a, 0.8, 1.2)
@@ -798,6 +817,7 @@ TOKEN_LOCAL = [
   not in SEQ_PRESETS
   + SEQ_CORRECTIONS
   + ("decoupled_ppo", "bapo", "clip_cov", "kl_cov", "opsm", "minpro", "dppo_tv", "dppo_kl")
+  + ("m2po_release",)
 ]
 
 
@@ -866,6 +886,14 @@ def test_m2po_tau_and_bapo_bounds_against_reference():
   keep = _m2po_keep(d32.astype(np.float64), MASK)
   np.testing.assert_array_equal(np.abs(D) <= tau, keep)
   assert losses.m2po_tau(0.1 * D, MASK, 10.0) == np.inf
+  # The released variant: harmful tokens only, capped; benign tokens never move tau.
+  a_bt = np.broadcast_to(ADV[:, None], D.shape)
+  tau = float(losses.m2po_capped_tau(d32, a_bt, MASK, 0.04))
+  want = _m2po_capped_tau(d32.astype(np.float64), a_bt, MASK)
+  assert np.isfinite(want) and tau == pytest.approx(want, rel=1e-5)
+  benign = np.where(a_bt * d32 < 0, 10.0 * d32, d32)  # larger |log rho| where harmless
+  assert float(losses.m2po_capped_tau(benign, a_bt, MASK, 0.04)) == pytest.approx(tau, rel=1e-6)
+  assert losses.m2po_capped_tau(0.1 * D, a_bt, MASK, 10.0) == np.inf
   lo, hi = losses.bapo_bounds(np.exp(D), A_BT, MASK)
   np.testing.assert_allclose([lo, hi], _bapo_bounds(np.exp(D), A_BT, MASK), rtol=1e-6)
   lo, hi = losses.bapo_bounds(np.exp(D), -np.abs(A_BT), MASK)

@@ -12,7 +12,7 @@ default advantage estimators), ``levels`` (which ratio a token sees),
 ``aggregation`` and ``core`` (``policy_loss``).
 """
 
-from offpolicy_jax.losses.adaptive import bapo_bounds, cov_select, m2po_tau
+from offpolicy_jax.losses.adaptive import bapo_bounds, cov_select, m2po_capped_tau, m2po_tau
 from offpolicy_jax.losses.aggregation import AGG_MODES, aggregate, safe_divide
 from offpolicy_jax.losses.core import LossOutput, per_token_terms, policy_loss, token_coefficient
 from offpolicy_jax.losses.kl import KL_KINDS, kl
@@ -39,6 +39,7 @@ __all__ = [
   "describe",
   "get_spec",
   "kl",
+  "m2po_capped_tau",
   "m2po_tau",
   "names",
   "per_token_terms",

@@ -1,4 +1,4 @@
-"""Per-batch searches: M2PO's ratio bound, BAPO's clip bounds, Clip-Cov / KL-Cov selection.
+"""Per-batch searches: M2PO's ratio bounds, BAPO's clip bounds, Clip-Cov / KL-Cov selection.
 
 The searches are pure jittable functions of one batch (masked reductions
 inside bounded ``lax.while_loop``s and one ``top_k``; no Python loops over
@@ -64,6 +64,53 @@ def m2po_tau(log_ratio: ArrayLike, mask: ArrayLike, budget: float = 0.04) -> jax
     return jnp.nextafter(jnp.sqrt(tau_sq), jnp.float32(jnp.inf))
 
   return jax.lax.cond(within_budget(v_max), lambda _: jnp.float32(jnp.inf), search, None)
+
+
+def m2po_capped_tau(
+  log_ratio: ArrayLike, advantages: ArrayLike, mask: ArrayLike, budget: float = 0.04
+) -> jax.Array:
+  """M2PO as its authors released it: ``tau`` with ``mean_H min((log rho)^2, tau^2) = budget``.
+
+  ``H`` are the "harmful" valid tokens, those on the side PPO's clip bounds:
+  ``A > 0, log rho > 0`` or ``A < 0, log rho < 0``. Their second moment is
+  capped at ``tau^2`` (not truncated as in `m2po_tau`), and ``tau = inf`` when
+  it is within the budget already (or ``H`` is empty). The released solver
+  (github.com/Infini-AI-Lab/M2PO, `kpo_clip_harmful_tokens`) returns the
+  largest ``(log rho)^2`` breakpoint below the solution; this is the
+  solution itself, by the same bisection over float bits as `m2po_tau`
+  (the capped sum is monotone in the threshold).
+
+  Args:
+    log_ratio: [B, T] ``log rho``.
+    advantages: [B, T] advantages.
+    mask: [B, T] 1 on valid tokens.
+    budget: the second moment's bound.
+
+  Returns:
+    Scalar ``tau >= 0`` (``inf`` when nothing needs a bound).
+  """
+  lr = jax.lax.stop_gradient(jnp.asarray(log_ratio, jnp.float32))
+  a = jnp.asarray(advantages, jnp.float32)
+  harm = (jnp.asarray(mask) > 0) & (((a > 0) & (lr > 0)) | ((a < 0) & (lr < 0)))
+  v = jnp.where(harm, jnp.square(lr), 0.0)
+  target = budget * jnp.sum(harm)
+  capped = lambda t: jnp.sum(jnp.where(harm, jnp.minimum(v, t), 0.0))
+  to_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
+  to_float = lambda b: jax.lax.bitcast_convert_type(b, jnp.float32)
+
+  def search(_):
+    # Invariant: capped(lo) <= target < capped(hi); lo = 0 holds it, hi = max v.
+    def body(bounds):
+      lo, hi = bounds
+      mid = lo + (hi - lo) // 2
+      ok = capped(to_float(mid)) <= target
+      return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    start = (to_bits(jnp.float32(0.0)), to_bits(jnp.max(v)))
+    lo, _ = jax.lax.while_loop(lambda b: b[1] - b[0] > 1, body, start)
+    return jnp.sqrt(to_float(lo))
+
+  return jax.lax.cond(jnp.sum(v) <= target, lambda _: jnp.float32(jnp.inf), search, None)
 
 
 def bapo_bounds(

@@ -213,6 +213,13 @@ _BUILTIN: tuple[tuple[str, dict, str, str], ...] = (
     "Mask tokens with |log rho| > tau, tau the largest keeping E[(log rho)^2] <= 0.04 (M2PO).",
   ),
   (
+    "m2po_release",
+    dict(_PPO, adaptive="m2po_capped", m2po_budget=0.04, eps_low=0.3, eps_high=0.5),
+    "grpo",
+    "M2PO as released: PPO clip to [min(e^-tau, 0.7), max(e^tau, 1.5)], tau capping the "
+    "harmful tokens' E[min((log rho)^2, tau^2)] at 0.04; GRPO's advantage (Infini-AI-Lab/M2PO).",
+  ),
+  (
     "bapo",
     dict(_PPO, adaptive="bapo", eps_low=0.4, eps_high=0.2),
     "group_mean",

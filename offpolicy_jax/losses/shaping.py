@@ -300,7 +300,9 @@ def band(
 
   Fixed band: ``[1 - eps_low, 1 + eps_high]``, for ``A < 0`` with
   ``eps_low_neg`` / ``eps_high_neg`` when set (DISPO). ``adaptive='m2po'``:
-  ``[e^-tau, e^tau]`` with ``tau`` from `adaptive.m2po_tau`;
+  ``[e^-tau, e^tau]`` with ``tau`` from `adaptive.m2po_tau`; ``'m2po_capped'``:
+  ``[min(e^-tau, 1 - eps_low), max(e^tau, 1 + eps_high)]`` with ``tau`` from
+  `adaptive.m2po_capped_tau`;
   ``adaptive='bapo'``: the bounds of `adaptive.bapo_bounds`, starting from
   the fixed band.
 
@@ -327,6 +329,12 @@ def band(
     stats["m2po_tau"] = tau
     full = lambda x: jnp.broadcast_to(x, a.shape)
     return full(jnp.exp(-tau)), full(jnp.exp(tau)), full(-tau), full(tau), stats
+  if spec.adaptive == "m2po_capped":  # the released M2PO: a band never narrower than eps's
+    tau = adaptive.m2po_capped_tau(sg(logr), a, mask, spec.m2po_budget)
+    stats["m2po_tau"] = tau
+    lo = jnp.broadcast_to(jnp.minimum(jnp.exp(-tau), 1.0 - spec.eps_low), a.shape)
+    hi = jnp.broadcast_to(jnp.maximum(jnp.exp(tau), 1.0 + spec.eps_high), a.shape)
+    return lo, hi, jnp.log(lo), jnp.log(hi), stats
   if spec.adaptive == "bapo":
     c_lo, c_hi = adaptive.bapo_bounds(
       sg(rho),

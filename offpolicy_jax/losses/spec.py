@@ -36,7 +36,7 @@ off-policy algorithm", arXiv 2509.24203). A spec picks one value on each axis:
 6. regularisers: ``reg`` (``k2`` / ``forward_kl`` towards mu, ``hazard``:
    MHPO's cumulative-hazard penalty on the token log-ratio), KL to a
    reference (``kl_coef``, ``kl_kind``), entropy bonus (``entropy_coef``);
-   batch-level shapers ``adaptive`` (``m2po``, ``bapo``) and ``cov``
+   batch-level shapers ``adaptive`` (``m2po``, ``m2po_capped``, ``bapo``) and ``cov``
    (``clip`` / ``kl``: Clip-Cov / KL-Cov).
 7. ``agg``: ``token_mean``, ``seq_mean_token_mean``, ``seq_mean_token_sum``,
    ``seq_mean_token_sum_norm``.
@@ -69,7 +69,7 @@ _CHOICES = {
   "reject": ("none", "token", "seq_any", "seq_geo"),
   "trm": ("none", "k1", "k3"),
   "trm_stat": ("max", "mean"),
-  "adaptive": ("none", "m2po", "bapo"),
+  "adaptive": ("none", "m2po", "m2po_capped", "bapo"),
   "cov": ("none", "clip", "kl"),
   "seq_filter": ("none", "opsm"),
   "reg": ("none", "k2", "forward_kl", "hazard"),
