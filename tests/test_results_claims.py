@@ -2385,6 +2385,60 @@ claim(
 # Tests.
 
 
+# --- docs/results/m2po.md: M2PO at constant staleness 256 -----------------------------------
+
+M2D = "docs/results/m2po.md"
+CONST = "lag_study_const256/study.csv"
+_c256 = lambda: S("lag_study_const256")
+section(M2D, "## Constant staleness 256")
+claim(
+  M2D,
+  "warm start ({} [{}, {}] here)",
+  CONST,
+  lambda: ivs(_c256().iv("grpo", "const256", "start_accuracy")),
+)
+for _m, _label in (
+  ("m2po", "`m2po` (paper's description)"),
+  ("m2po_release", "`m2po_release` (released code)"),
+  ("rec_oneside_nois", "REC-OneSide-NoIS"),
+  ("decoupled_ppo", "decoupled PPO"),
+):
+  claim(
+    M2D,
+    f"| {_label} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] | {{m}} | {{}}/12 | {{}} |",
+    CONST,
+    lambda m=_m: (
+      *ivs(_c256().iv(m, "const256")),
+      *ivs(_c256().diff(m, "const256")),
+      _c256().mark(m, "const256"),
+      _c256().collapsed(m, "const256"),
+      _c256().mean(m, "const256", "staleness_kl_k3"),
+    ),
+  )
+claim(
+  M2D,
+  "| GRPO | {} [{}, {}] | | (baseline) | {}/12 | {} |",
+  CONST,
+  lambda: (
+    *ivs(_c256().iv("grpo", "const256")),
+    _c256().collapsed("grpo", "const256"),
+    _c256().mean("grpo", "const256", "staleness_kl_k3"),
+  ),
+)
+claim(
+  M2D,
+  'It is not "matching on-policy": on-policy GRPO ends at {} in the',
+  "lag_study_deep/study.csv",
+  lambda: (S("lag_study_deep").mean("grpo", "onpolicy"),),
+)
+claim(
+  M2D,
+  "The A/A pair (GRPO twice) called its accuracy AUC different (p {}), {}\nof {} pair",
+  CONST,
+  lambda: (_c256().aa("accuracy_auc")["const256"][0].p, *_c256().aa_rate("accuracy_auc")[:2]),
+)
+
+
 @pytest.mark.parametrize("c", CLAIMS, ids=[_id(c) for c in CLAIMS])
 def test_each_quoted_number_is_the_committed_data(c):
   errors = mismatches(read(c.doc), c)
