@@ -45,21 +45,11 @@ def m2po_tau(log_ratio: ArrayLike, mask: ArrayLike, budget: float = 0.04) -> jax
     return jnp.sum(jnp.where(m & (v <= threshold), v - budget, 0.0)) <= 0.0
 
   v_max = jnp.max(v)
-  to_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
-  to_float = lambda b: jax.lax.bitcast_convert_type(b, jnp.float32)
 
   def search(_):
-    # Invariant: within_budget(lo) and not within_budget(hi). Every token with
-    # v <= budget can be kept, so the search starts at the budget itself.
-    def body(bounds):
-      lo, hi = bounds
-      mid = lo + (hi - lo) // 2
-      ok = within_budget(to_float(mid))
-      return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    start = (to_bits(jnp.float32(budget)), to_bits(v_max))
-    lo, _ = jax.lax.while_loop(lambda b: b[1] - b[0] > 1, body, start)
-    tau_sq = jnp.max(jnp.where(m & (v <= to_float(lo)), v, 0.0))
+    # Every token with v <= budget can be kept, so the search starts at the budget itself.
+    lo = _largest(within_budget, jnp.float32(budget), v_max)
+    tau_sq = jnp.max(jnp.where(m & (v <= lo), v, 0.0))
     # One ulp up so that |log rho| <= tau holds for every kept token despite rounding.
     return jnp.nextafter(jnp.sqrt(tau_sq), jnp.float32(jnp.inf))
 
@@ -95,22 +85,26 @@ def m2po_capped_tau(
   v = jnp.where(harm, jnp.square(lr), 0.0)
   target = budget * jnp.sum(harm)
   capped = lambda t: jnp.sum(jnp.where(harm, jnp.minimum(v, t), 0.0))
-  to_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)
+  # capped(0) = 0 <= target < capped(max v): the threshold lies between them.
+  search = lambda _: jnp.sqrt(_largest(lambda t: capped(t) <= target, 0.0, jnp.max(v)))
+  return jax.lax.cond(jnp.sum(v) <= target, lambda _: jnp.float32(jnp.inf), search, None)
+
+
+def _largest(ok, lo, hi) -> jax.Array:
+  """The largest float32 ``t`` in ``[lo, hi)`` with ``ok(t)``, given ``ok(lo)``, not
+  ``ok(hi)`` and ``ok`` monotone: a bisection over the bit patterns of non-negative
+  float32 values (at most ~30 evaluations of ``ok``, no sort)."""
+  to_bits = lambda x: jax.lax.bitcast_convert_type(jnp.float32(x), jnp.int32)
   to_float = lambda b: jax.lax.bitcast_convert_type(b, jnp.float32)
 
-  def search(_):
-    # Invariant: capped(lo) <= target < capped(hi); lo = 0 holds it, hi = max v.
-    def body(bounds):
-      lo, hi = bounds
-      mid = lo + (hi - lo) // 2
-      ok = capped(to_float(mid)) <= target
-      return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+  def body(bounds):
+    b_lo, b_hi = bounds
+    mid = b_lo + (b_hi - b_lo) // 2
+    good = ok(to_float(mid))
+    return jnp.where(good, mid, b_lo), jnp.where(good, b_hi, mid)
 
-    start = (to_bits(jnp.float32(0.0)), to_bits(jnp.max(v)))
-    lo, _ = jax.lax.while_loop(lambda b: b[1] - b[0] > 1, body, start)
-    return jnp.sqrt(to_float(lo))
-
-  return jax.lax.cond(jnp.sum(v) <= target, lambda _: jnp.float32(jnp.inf), search, None)
+  b_lo, _ = jax.lax.while_loop(lambda b: b[1] - b[0] > 1, body, (to_bits(lo), to_bits(hi)))
+  return to_float(b_lo)
 
 
 def bapo_bounds(
