@@ -2427,6 +2427,16 @@ claim(
 )
 claim(
   M2D,
+  "different from GRPO at that lag (`~`: {} [{}, {}]; nor is it\n  shown equivalent within 0.03, "
+  "TOST p {})",
+  CONST,
+  lambda: (
+    *ivs(_c256().diff("m2po_release", "const256")),
+    _c256().compare("m2po_release", "const256", ("grpo", "const256")).p_equivalent,
+  ),
+)
+claim(
+  M2D,
   'It is not "matching on-policy": on-policy GRPO ends at {} in the',
   "lag_study_deep/study.csv",
   lambda: (S("lag_study_deep").mean("grpo", "onpolicy"),),
