@@ -122,7 +122,7 @@ class _Run:
   def __init__(self, fns: StepFns, replay: ReplayOptions, seeds: Seeds, sync: tuple[int, int]):
     self.fns, self.replay, self.seeds, self.sync = fns, replay, seeds, sync
     self.mesh = fns.model.mesh
-    self.seed = seeds.scalars(self.mesh, 0)[1]
+    self.seed = seeds.seed_arg(self.mesh)
     self.schedule = LagSchedule(*(sharding.replicated_int(self.mesh, x) for x in sync))
 
   def programs(self, fns: StepFns, state):

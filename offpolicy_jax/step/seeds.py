@@ -53,11 +53,16 @@ class Seeds(NamedTuple):
       return tree
     return jax.tree.map(lambda *x: jnp.stack([jnp.asarray(y) for y in x]), *trees)
 
-  def scalars(self, mesh: jax.sharding.Mesh, step) -> tuple[jax.Array, jax.Array]:
-    """The programs' `(step, seed)` arguments: replicated scalars, or the seeds' [S] vector."""
+  def seed_arg(self, mesh: jax.sharding.Mesh) -> jax.Array:
+    """The programs' `seed` argument: a replicated scalar, or the seeds' [S] vector."""
     if self.stacked:
-      return jnp.int32(step), jnp.asarray(self.ids, jnp.int32)
-    return sharding.replicated_int(mesh, int(step)), sharding.replicated_int(mesh, self.ids[0])
+      return jnp.asarray(self.ids, jnp.int32)
+    return sharding.replicated_int(mesh, self.ids[0])
+
+  def scalars(self, mesh: jax.sharding.Mesh, step) -> tuple[jax.Array, jax.Array]:
+    """The programs' `(step, seed)` arguments (the step replicated for one run)."""
+    step_a = jnp.int32(step) if self.stacked else sharding.replicated_int(mesh, int(step))
+    return step_a, self.seed_arg(mesh)
 
   def prompts(self, mesh: jax.sharding.Mesh, local: dict[str, Any], *, steps: bool = False):
     """A step's prompts (`steps`: n steps' batches stacked on axis 0) as the programs take
