@@ -9,10 +9,17 @@ sampler mesh (with adapters only the adapters; the frozen base is placed
 once). The step's prompts move to the sampler mesh, the wrapped rollout runs
 there, and its finished rows move back to the trainer mesh, rows over the
 trainer's batch axes, where the step scores, packs and learns.
+
+The placement is chosen once, where the run's rollout is built
+(`run.components_rollout.placed`): a sync run's step and the async
+producer's sampler thread advance the same placed rollout, so the copy is
+resharded on the thread that samples, only for versions it samples with.
+Episodes continuing under newer parameters (`latest`) reshard the same copy.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -33,14 +40,26 @@ class OnSamplerMesh(Rollout):
     mesh: the sampler's mesh (`StepFns.sampler_mesh`).
     trainer_mesh: the trainer's mesh (`StepFns.model.mesh`).
     split: whole model state -> `(frozen base or None, trainable)` (`StepFns.model.split`).
+    free_previous: free the previous copy before a reshard (one copy on the sampler's
+      devices). False when several sampler threads advance at once (`lag.sampler_threads`):
+      another thread may still decode with it, so it is dropped, not freed.
   """
 
   traced = False  # host code around the wrapped rollout's programs (placement and transfers)
 
-  def __init__(self, rollout: Rollout, mesh: Mesh, trainer_mesh: Mesh, split: Callable):
+  def __init__(
+    self,
+    rollout: Rollout,
+    mesh: Mesh,
+    trainer_mesh: Mesh,
+    split: Callable,
+    free_previous: bool = True,
+  ):
     self.inner, self.mesh, self.trainer_mesh, self._split = rollout, mesh, trainer_mesh, split
+    self.free_previous = free_previous
     self.copy = SamplerParams(mesh)
     self.base: Any = None  # a LoRA run's frozen base on the sampler mesh, placed once
+    self._lock = threading.Lock()  # sampler threads share the copy
 
   @property
   def prefetch(self) -> bool:
@@ -66,26 +85,37 @@ class OnSamplerMesh(Rollout):
     return self.inner.signature()
 
   def with_sampler(self, sampler) -> Rollout:
+    """The same placement, parameter copy and base around the inner kind's switched sampler."""
     inner = self.inner.with_sampler(sampler)
-    return OnSamplerMesh(inner, self.mesh, self.trainer_mesh, self._split)
+    placed = OnSamplerMesh(inner, self.mesh, self.trainer_mesh, self._split, self.free_previous)
+    placed.copy, placed.base, placed._lock = self.copy, self.base, self._lock
+    return placed
+
+  def _on_mesh(self, params, version) -> tuple[Any, dict[str, Any]]:
+    """The whole model at `version` on the sampler mesh (resharded when the copy is another
+    version's), and `reshard_time_s` / `reshard_bytes` (0 without a reshard)."""
+    base, trainable = self._split(params)
+    info: dict[str, Any] = {"reshard_time_s": 0.0, "reshard_bytes": 0}
+    with self._lock:
+      if base is not None and self.base is None:
+        self.base = jax.block_until_ready(SamplerParams(self.mesh).place(base))
+      if version != self.copy.version:
+        info = self.copy.sync(trainable, version, free=self.free_previous)
+      return models.lora.join(self.base, self.copy.params), info
 
   def advance(self, rstate, params, version, prompts, step, key, latest=None):
     """The wrapped `advance` on the sampler mesh; reshards the copy when `version` changed.
 
     Returns the wrapped rollout's `(rstate, finished, info)` with `finished` on
     the trainer mesh, and in `info` `reshard_time_s` and `reshard_bytes` (0
-    without a reshard).
+    without a reshard; with `latest`, the sum over the episode's reshards).
     """
-    base, trainable = self._split(params)
-    if base is not None and self.base is None:
-      self.base = jax.block_until_ready(SamplerParams(self.mesh).place(base))
-    info: dict[str, Any] = {"reshard_time_s": 0.0, "reshard_bytes": 0}
-    if version != self.copy.version:
-      info = self.copy.sync(trainable, version)
+    whole, info = self._on_mesh(params, version)
+    if latest is not None:  # newer parameters reach the episode through the same copy
+      latest = self._latest(latest, info)
     device = prompt_rows.device_prompts(prompts)
     placed = {**prompts, **transfer(device, row_shardings(device, self.mesh))}
     with jax.set_mesh(self.mesh):
-      whole = models.lora.join(self.base, self.copy.params)
       rstate, fin, inner = self.inner.advance(rstate, whole, version, placed, step, key, latest)
     back = lambda tree: transfer(tree, row_shardings(tree, self.trainer_mesh))
     fin = Finished(
@@ -98,3 +128,15 @@ class OnSamplerMesh(Rollout):
     )
     # Device values stay on device: fetching them here would wait for the whole decode.
     return rstate, fin, {**info, **inner}
+
+  def _latest(self, latest: Callable, info: dict[str, Any]) -> Callable:
+    """`latest` giving the newest parameters on the sampler mesh; adds its reshards to `info`."""
+
+    def on_mesh():
+      params, version = latest()
+      whole, more = self._on_mesh(params, version)
+      info["reshard_time_s"] += more["reshard_time_s"]
+      info["reshard_bytes"] += more["reshard_bytes"]
+      return whole, version
+
+    return on_mesh

@@ -17,6 +17,7 @@ from offpolicy_jax.rewards import environments
 from offpolicy_jax.rewards import scoring as rewards
 from offpolicy_jax.rollout import episode_pool, episodes, whole
 from offpolicy_jax.rollout import partial as partial_rollout
+from offpolicy_jax.rollout import sampler_mesh as on_sampler_mesh
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.sampling import multiturn
 from offpolicy_jax.sampling import partial as partial_rollouts
@@ -141,6 +142,16 @@ def rollout_kind(config, task, sampler, partial, eps, score_old, mesh, sizes) ->
   if partial is not None:
     return partial_rollout.Partial(partial, fields, mesh, score_old)
   return whole.Whole(sampler, score_old)
+
+
+def placed(config, rollout: Rollout, sampler_mesh, model) -> Rollout:
+  """The run's rollout where it samples: on the disaggregated sampler mesh
+  (`sampler_mesh.OnSamplerMesh`) when there is one, chosen once for the sync
+  step and the async producer alike; else `rollout` itself."""
+  if sampler_mesh is None:
+    return rollout
+  one_thread = config.lag.sampler_threads == 1
+  return on_sampler_mesh.OnSamplerMesh(rollout, sampler_mesh, model.mesh, model.split, one_thread)
 
 
 def check_routing_replay(c, model_config) -> None:

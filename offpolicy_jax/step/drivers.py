@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag
-from offpolicy_jax.rollout import prompt_rows, sampler_mesh
+from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.step import host_step, producer, scoring
@@ -52,7 +52,7 @@ class Driver(Protocol):
   """How a run advances (module docstring)."""
 
   fns: StepFns
-  rollout: Rollout  # the rollout whose carried state the checkpoints hold (placed or not)
+  rollout: Rollout  # the rollout whose carried state the checkpoints hold (`StepFns.rollout`)
   max_chunk: int  # loop steps one call of `steps` may take
 
   @property
@@ -105,14 +105,9 @@ def make(
     raise ValueError("seeds side by side run in lag.mode='sync' on the trainer's mesh only")
   if lag_mode == "async":
     return Async(run, data, max_staleness, sampler_threads)
-  if fns.sampler_mesh is not None:  # a sync run samples on its own mesh
-    placed = sampler_mesh.OnSamplerMesh(
-      fns.rollout, fns.sampler_mesh, fns.model.mesh, fns.model.split
-    )
-    return Split(run, placed, read, may_prefetch, placed=placed)
   if one_program(fns):
     return Scanned(run, read)
-  return Split(run, fns.rollout, read, may_prefetch)
+  return Split(run, read, may_prefetch)
 
 
 class _Run:
@@ -172,19 +167,10 @@ class Split:
 
   max_chunk = 1
 
-  def __init__(
-    self,
-    run: _Run,
-    rollout: Rollout,
-    read: Read,
-    may_prefetch: Callable[[int], bool],
-    placed: sampler_mesh.OnSamplerMesh | None = None,
-  ):
-    """`rollout` is the one the step advances: `placed` (the run's rollout on a sampler mesh,
-    whose copy of the parameters a switched sampler keeps) or the run's own."""
-    self.fns, self.rollout, self._run, self._placed = run.fns, rollout, run, placed
+  def __init__(self, run: _Run, read: Read, may_prefetch: Callable[[int], bool]):
+    self.fns, self.rollout, self._run = run.fns, run.fns.rollout, run
     self._read, self._may_prefetch = read, may_prefetch
-    self._host = host_step.Stepper(run.fns, rollout, run.seeds, run.schedule)
+    self._host = host_step.Stepper(run.fns, self.rollout, run.seeds, run.schedule)
 
   @property
   def prefetched(self) -> bool:
@@ -215,11 +201,8 @@ class Split:
     return state, [row]
 
   def switch(self, fns: StepFns) -> None:
-    self.fns = fns
-    if self._placed is not None:  # the same placement and parameter copy
-      self._placed.inner = fns.rollout
-    else:
-      self.rollout = fns.rollout
+    # A placed rollout's switch keeps its placement and parameter copy (`Rollout.with_sampler`).
+    self.fns, self.rollout = fns, fns.rollout
     self._host.fns, self._host.rollout = fns, self.rollout
 
   def close(self) -> None:
@@ -264,7 +247,7 @@ class Async:
     fn = run.programs(self.fns, state).learn
     step_a = sharding.replicated_int(run.mesh, step)
     state, row = fn(state, batch, step_a, run.seed, run.schedule, keep)
-    published = self._prod.publish(state.train.params, step)
+    self._prod.publish(state.train.params, step)
     big = jnp.iinfo(jnp.int32).max
     rows = (batch.mask > 0) & (batch.weights > 0)[:, None]  # the groups that finished
     oldest_a = jnp.min(jnp.where(rows, batch.versions, big))
@@ -272,7 +255,6 @@ class Async:
     oldest = int(oldest_a)
     row["behavior_version"] = oldest if oldest != big else self.fns.learner.version(step - 1)
     row.update(info)
-    row.update(published)
     row["time/sample_s"] = row.pop("sample_time_s")
     row["time/wait_s"] = t1 - t0
     row["time/train_s"] = time.perf_counter() - t1

@@ -1,10 +1,13 @@
 """`lag.mode="async"`: a sampler thread runs the rollout half ahead of the trainer.
 
 The thread samples with the latest published parameters (`SamplerThread`),
-scores and packs the batch; the trainer's `learning.learn` consumes it. In a
-disaggregated run (`disagg`) the thread samples on the sampler's own mesh,
-each publish reshards the parameters onto it, and each batch moves to the
-trainer mesh on the thread, so sampling overlaps training. Batches
+scores and packs the batch; the trainer's `learning.learn` consumes it. The
+thread advances the run's own rollout (`StepFns.rollout`), placed where the
+components put it: in a disaggregated run it samples on the sampler's own
+mesh (`rollout.sampler_mesh.OnSamplerMesh`), resharding the published
+parameters onto it on this thread when their version is new, and its
+finished rows move back to the trainer mesh, so sampling overlaps training
+(reshards included). Batches
 more than `lag.max_staleness` loop steps old are dropped (and counted).
 Multi-turn episodes (`rollout.episodes.WholeEpisodes`) look for newer parameters before
 every turn: an episode in flight continues under them, and each policy token
@@ -38,7 +41,6 @@ from offpolicy_jax import lag, models
 from offpolicy_jax.rewards import verifiers
 from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.scale import disagg, sharding
 from offpolicy_jax.step import host_step, run_state
 
 
@@ -72,8 +74,8 @@ class AsyncProducer:
     data_iter: the shared prompt iterator.
     seed: the run's seed.
     max_staleness: in loop steps; 0 for no bound.
-    base: the frozen base of adapter `params` (`RunState.base`), placed on the
-      sampler's mesh once; only adapters are published afterwards.
+    base: the frozen base of adapter `params` (`RunState.base`); only adapters are
+      published.
     rstate: the rollout's carried state to start from (`RunState.rollout`; copied).
     threads: sampler threads (`lag.sampler_threads`), each with a batch in flight and
       its own lane of verifier workers (`rewards.verifiers.lane`); a kind with
@@ -104,22 +106,13 @@ class AsyncProducer:
       rollout.restore(rollout.init(), *carried(rollout, rstate)) if rollout.item else None
     )
     self._counted = (0.0, 0.0)  # the sampler's busy seconds and dropped tokens already reported
-    self._produced = step
-    self._mesh = fns.sampler_mesh or fns.model.mesh
-    self._copy, place = None, None
-    self._base = base
-    if fns.sampler_mesh is not None:
-      self._copy = copy = disagg.SamplerParams(fns.sampler_mesh)
-      place = lambda p: jax.block_until_ready(copy.place(p))
-      if base is not None:
-        self._base = jax.block_until_ready(disagg.SamplerParams(fns.sampler_mesh).place(base))
+    self._produced, self._base = step, base
     bound = fns.learner.version(max_staleness) or 2**30
     self.sampler = SamplerThread(
       self._sample,
       params,
       fns.learner.version(step),
       max_staleness=bound,
-      place=place,
       threads=threads,
       thread_context=verifiers.lane,
     )
@@ -130,20 +123,16 @@ class AsyncProducer:
       self._produced += 1
       step, local = self._produced, next(self._data)
     start = time.perf_counter()
-    prompts = prompt_rows.assemble_global(self._mesh, local)
-    own_mesh = jax.set_mesh(self._mesh) if self._copy else contextlib.nullcontext()
+    prompts = prompt_rows.assemble_global(fns.model.mesh, local)
     # An episode continues under parameters published while it runs.
     latest = lambda: self._joined(*self.sampler.latest())
-    with own_mesh:
-      full = models.lora.join(self._base, params)
-      rollout, rstate = fns.rollout, self._rstate
-      args = (full, version, prompts, step, self._seed, latest)
-      rstate, batch, keep, info = host_step.collect(fns, rollout, rstate, *args)
+    full = models.lora.join(self._base, params)
+    rollout, rstate = fns.rollout, self._rstate
+    args = (full, version, prompts, step, self._seed, latest)
+    rstate, batch, keep, info = host_step.collect(fns, rollout, rstate, *args)
     self._rstate = rstate
     info["keep"] = keep
     info["carried"] = carried(rollout, rstate) if rollout.item else None
-    if self._copy is not None:  # to the trainer mesh, on this thread
-      batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.model.mesh))
     info["prompts_truncated"] = int((local["truncated"] & local["valid"]).sum())
     info["sample_time_s"] = time.perf_counter() - start
     return batch, info
@@ -167,24 +156,9 @@ class AsyncProducer:
     self._counted = (stats["busy_s"], stats["dropped_tokens"])
     return batch, info
 
-  def publish(self, params, step: int) -> dict[str, Any]:
-    """Hands the trainer's parameters after `step` to the sampler (copied: the state is donated).
-
-    Returns:
-      In a disaggregated run, `reshard_time_s` (from the trainer's step being
-      done to the copy being on the sampler's devices) and `reshard_bytes`;
-      else nothing.
-    """
-    if self._copy is None:
-      self.sampler.publish(params, self._fns.learner.version(step))
-      return {}
-    jax.block_until_ready(params)  # the trainer's step is done: time only the copy
-    begin = time.perf_counter()
+  def publish(self, params, step: int) -> None:
+    """Hands the trainer's parameters after `step` to the sampler (copied: the state is donated)."""
     self.sampler.publish(params, self._fns.learner.version(step))
-    return {
-      "reshard_time_s": time.perf_counter() - begin,
-      "reshard_bytes": disagg.tree_bytes(params),
-    }
 
   def close(self) -> None:
     self.sampler.close()
@@ -199,6 +173,10 @@ def carried(rollout: Rollout, rstate) -> tuple[Any, dict[str, Any]]:
   """
   arrays = jax.tree.map(_copy, rollout.arrays(rstate))
   return arrays, copy.deepcopy(rollout.meta(rstate))
+
+
+def _copied(params):
+  return jax.tree.map(jnp.copy, params)
 
 
 def _copy(x):
@@ -216,9 +194,8 @@ class SamplerThread:
   batches whose oldest token is too stale are discarded; with
   ``mode="weight"`` stale rows keep their place but their
   ``TrainBatch.weights`` are multiplied by ``stale_weight``. Both are counted
-  in :attr:`stats`. ``place`` makes the sampler's copy of published
-  parameters (default: a device copy; a disaggregated run reshards them onto
-  the sampler's mesh, `disagg.SamplerParams.place`). With ``threads`` > 1,
+  in :attr:`stats`. Published parameters are copied on their devices (the
+  trainer donates its state). With ``threads`` > 1,
   that many threads call ``sample_fn`` at once (it must allow that), each
   inside ``thread_context(i)`` when given, so several batches are in flight;
   ``stats["busy_s"]`` counts the seconds in which at least one was sampling.
@@ -243,7 +220,6 @@ class SamplerThread:
     mode: str = "drop",
     stale_weight: float = 0.0,
     queue_size: int = 2,
-    place: Callable[[Any], Any] | None = None,
     threads: int = 1,
     thread_context: Callable[[int], Any] | None = None,
   ):
@@ -256,8 +232,7 @@ class SamplerThread:
     if threads < 1:
       raise ValueError(f"threads must be >= 1, got {threads}")
     self._sample_fn = sample_fn
-    self._place = place or (lambda p: jax.tree.map(jnp.copy, p))
-    self._latest = (self._place(params), int(version))
+    self._latest = (_copied(params), int(version))
     self._lock = threading.Lock()
     self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
     self._stop = threading.Event()
@@ -289,9 +264,9 @@ class SamplerThread:
   def publish(self, params: Any, version: int) -> None:
     """Makes ``params`` (at ``version``) the sampler's parameters from now on.
 
-    A device copy is taken (by `place`), so the trainer may donate its state afterwards.
+    A device copy is taken, so the trainer may donate its state afterwards.
     """
-    params = self._place(params)
+    params = _copied(params)
     with self._lock:
       self._latest = (params, int(version))
 
