@@ -83,7 +83,7 @@ def main(argv):
 
   # Library progress goes to stdout; keep JAX's and orbax's INFO chatter out of the way.
   logging.set_verbosity(logging.WARNING)
-  validation.validate_config(_CONFIG.value)  # a refused config: one line, nothing written
+  spec = validation.validate_config(_CONFIG.value)  # a refused config: one line, nothing written
   print(
     f"JAX {jax.__version__}, process {jax.process_index()} of {jax.process_count()}, "
     f"devices: {jax.devices()}",
@@ -91,7 +91,7 @@ def main(argv):
   )
   begin = time.perf_counter()
   loop.train_and_evaluate(
-    _CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value
+    _CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value, spec=spec
   )
   if jax.process_index() == 0:
     wall = time.perf_counter() - begin

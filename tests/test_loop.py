@@ -92,9 +92,13 @@ def reference_version(t, m, n):
   return m * ((t - n - 1) // m)
 
 
-def test_short_run_writes_required_keys(tmp_path, capsys):
+def test_short_run_writes_required_keys(tmp_path, capsys, monkeypatch):
   workdir = str(tmp_path)
+  checked = []  # the config is validated once, at the run's edge
+  validate = validation.validate_config
+  monkeypatch.setattr(validation, "validate_config", lambda c: checked.append(1) or validate(c))
   loop.train_and_evaluate(small_config(total_steps=3), workdir)
+  assert len(checked) == 1
   # A 3-step warm start leaves the policy scoring 0 on every group: the run says what to change.
   out = capsys.readouterr().out
   assert "warning: in steps 1-3, 100% of the groups had equal rewards" in out

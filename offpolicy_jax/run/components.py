@@ -414,17 +414,22 @@ def _with_warm_start(run: RunSpec) -> RunSpec:
   return dataclasses.replace(run, sft=dataclasses.replace(run.sft, enabled=False))
 
 
-def build_components(config, *, data_cache_dir: str | None = None) -> Components:
+def build_components(
+  config, *, data_cache_dir: str | None = None, spec: RunSpec | None = None
+) -> Components:
   """Validates `config` and its data, and builds the run's `Components`.
 
   Args:
     config: an experiment ConfigDict (configs/default.py lists every field).
     data_cache_dir: where the data scan caches its result (e.g. the workdir).
+    spec: `config`'s spec from `validation.validate_config` when the caller has
+      validated it already (the config is then not checked again); None: it is
+      checked here.
 
   Raises:
     ValueError: naming the config field (or data file and row) that is wrong.
   """
-  validation.validate_config(config)
+  spec = validation.validate_config(config) if spec is None else spec
   key = compile_key(config)
   if key not in _FNS_CACHE:
     if len(_FNS_CACHE) >= _FNS_CACHE_SIZE:
@@ -436,10 +441,10 @@ def build_components(config, *, data_cache_dir: str | None = None) -> Components
   fns = _FNS_CACHE[key]
   # Every prompt checked once (cached under `data_cache_dir`), before anything compiles.
   with errors.as_user_error():
-    data_checks.validate_data(config, fns.task, fns.model.tokenizer, cache_dir=data_cache_dir)
+    data_checks.validate_data(spec, fns.task, fns.model.tokenizer, cache_dir=data_cache_dir)
   return Components(
     fns=fns,
-    run=_with_warm_start(RunSpec.from_config(config)),
+    run=_with_warm_start(spec),
     replay=replay_options(config),
     replay_capacity_batches=replay_capacity(config),
   )

@@ -40,6 +40,7 @@ from typing import Any
 import jax
 
 from offpolicy_jax import errors
+from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import buffer_ope
 from offpolicy_jax.run import evaluation, observability, stopping, validation
 from offpolicy_jax.run import start as start_lib
@@ -57,6 +58,7 @@ def train_and_evaluate(
   *,
   on_step: Callable[[int, dict[str, Any]], None] | None = None,
   allow_config_change: bool = False,
+  spec: RunSpec | None = None,
 ) -> list[dict[str, Any]]:
   """Trains with off-policy RL per `config`, writing metrics and checkpoints to `workdir`.
 
@@ -71,6 +73,8 @@ def train_and_evaluate(
       step's row is written, before any evaluation or checkpoint of that step.
     allow_config_change: resume even if fields that change the run's meaning
       differ from the record (the change goes to `config_history.jsonl`).
+    spec: `config`'s spec from `validation.validate_config` when the caller has
+      validated it already (`experiments.train`); None: it is checked here.
 
   Returns:
     The metric rows written by this call (train and eval rows).
@@ -80,14 +84,15 @@ def train_and_evaluate(
     workdir.ConfigChanged: a resume with a changed config, not allowed.
   """
   began = time.perf_counter()  # this command's part of the run's wall time
-  validation.validate_config(config)  # a refused config leaves no trace in the workdir
+  # A refused config leaves no trace in the workdir.
+  spec = validation.validate_config(config) if spec is None else spec
   primary = jax.process_index() == 0
   created = workdir_lib.create(workdir)
   started = False
   try:
     held = workdir_lib.lock(workdir) if primary else contextlib.nullcontext()
     with held, stopping.Stop() as stop:
-      comps, ckpt, writer, data_iter, begin = _start(config, workdir, allow_config_change)
+      comps, ckpt, writer, data_iter, begin = _start(config, spec, workdir, allow_config_change)
       started = True
       clock = _RunClock(began, begin.wall_s)
       return _run(comps, ckpt, writer, data_iter, begin, clock, workdir, on_step, stop)
@@ -97,10 +102,10 @@ def train_and_evaluate(
     raise
 
 
-def _start(config, workdir: str, allow_config_change: bool):
+def _start(config, spec: RunSpec, workdir: str, allow_config_change: bool):
   """Builds the run and restores its state (or a fresh one): everything before the first step."""
   primary = jax.process_index() == 0
-  comps = build_components(config, data_cache_dir=workdir)
+  comps = build_components(config, data_cache_dir=workdir, spec=spec)
   if primary and config.sft.enabled and not comps.run.sft.enabled:
     print(
       f"config.model {comps.run.model} is loaded with weights: RL starts from it as it is, "

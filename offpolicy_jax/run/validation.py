@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from offpolicy_jax import advantages, config_fields, config_schema, errors, losses, models
+from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import replay
 from offpolicy_jax.models import hub
 from offpolicy_jax.rewards import tasks
@@ -130,11 +131,14 @@ def _validate_finite(c, prefix: str = "") -> None:
 # ----------------------------------------------------------------- the config
 
 
-def validate_config(config) -> None:
-  """Checks a config before anything is built.
+def validate_config(config) -> RunSpec:
+  """Checks a config before anything is built; returns its `RunSpec`.
 
   `validate_settings`, then what depends on this machine: the processes, the
-  mesh's devices, the model, tokenizer and data files.
+  mesh's devices, the model, tokenizer and data files. Runs once per run, at
+  its edge (`experiments.train`, `loop.train_and_evaluate` or
+  `components.build_components`, whichever the caller enters by): each hands
+  the spec it returns to the next (`spec=`), which then does not check again.
 
   Raises:
     ValueError: `config.<field>: ...` naming the offending field (a non-finite
@@ -148,6 +152,7 @@ def validate_config(config) -> None:
     _validate_processes(c)
     _validate_mesh(c)
     _validate_files(c)
+  return RunSpec.from_config(c)
 
 
 def validate_settings(config) -> None:

@@ -85,7 +85,7 @@ def run_configs(config, sweep: list[dict]) -> dict[str, Any]:
   return configs
 
 
-def check_runs(configs: Mapping[str, Any], check: Callable[[Any], None]) -> None:
+def check_runs(configs: Mapping[str, Any], check: Callable[[Any], object]) -> None:
   """Runs `check` on every run's config (`run_configs`), naming the run whose config fails.
 
   Args:
