@@ -348,19 +348,14 @@ def _build_fns(config) -> run_state.StepFns:
       model,
     ),
     sampler=sampler,
-    eval_sampler=functools.partial(_eval_sampler, graphdef, sample_kw, c.temperature),
+    eval_sampler=functools.partial(
+      components_rollout.eval_sampler, graphdef, sample_kw, c.temperature
+    ),
     eval_rows=eval_rows,
     sampler_mesh=sampler_mesh,
     continuous=continuous_sampler,
     continuous_auto_steps=c.rollout.continuous_auto_steps,
   )
-
-
-def _eval_sampler(graphdef, sample_kw: dict, temperature: float, k: int) -> Callable:
-  """Evaluation's sampler: greedy for k = 1, else k samples per prompt at `temperature`."""
-  if k == 1:
-    return sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw)
-  return sampling.make_sampler(graphdef, group_size=k, temperature=temperature, **sample_kw)
 
 
 def replay_options(config) -> run_state.ReplayOptions:

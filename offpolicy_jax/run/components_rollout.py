@@ -1,4 +1,4 @@
-"""The rollout half of `components`: reward, partial sampler, episodes, the rollout kind.
+"""The rollout half of `components`: reward, samplers, episodes, the rollout kind and placement.
 
 Part of the config's one reader (`components.build_components` calls these):
 each function reads the fields it is named after and returns a frozen part of
@@ -21,6 +21,7 @@ from offpolicy_jax.rollout import sampler_mesh as on_sampler_mesh
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.sampling import multiturn
 from offpolicy_jax.sampling import partial as partial_rollouts
+from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.step import run_state
 
 
@@ -142,6 +143,13 @@ def rollout_kind(config, task, sampler, partial, eps, score_old, mesh, sizes) ->
   if partial is not None:
     return partial_rollout.Partial(partial, fields, mesh, score_old)
   return whole.Whole(sampler, score_old)
+
+
+def eval_sampler(graphdef, sample_kw: dict, temperature: float, k: int) -> sampling.Sampler:
+  """Evaluation's sampler: greedy for k = 1, else k samples per prompt at `temperature`."""
+  if k == 1:
+    return sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw)
+  return sampling.make_sampler(graphdef, group_size=k, temperature=temperature, **sample_kw)
 
 
 def placed(config, rollout: Rollout, sampler_mesh, model) -> Rollout:
