@@ -255,6 +255,10 @@ RUN_FIELDS: tuple[Field, ...] = (
      Float(0, lo_open=True)),
   _F("critic.whiten", True, PROGRAM,
      "gae: whiten the token advantages over the batch's valid tokens.", Bool()),
+  _F("critic.kl_coef", 0.0, PROGRAM,
+     "Per-token KL penalty in the critic's rewards: every policy token pays -kl_coef (log mu - "
+     "log pi_ref) against the run's starting parameters (learn.critic; PPO for language "
+     "models' token-level KL; 0 = none). Keeps the reference parameters.", Float(0)),
   _F("critic.lr_scale", 10.0, PROGRAM,
      "The value head's own AdamW learning rate, as a multiple of optimizer.learning_rate (the "
      "same schedule); the shared trunk follows the policy's optimizer.", Float(0, lo_open=True)),

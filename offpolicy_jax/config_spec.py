@@ -186,6 +186,11 @@ class CriticSpec:
   #: gae: whiten the token advantages over the batch's valid tokens.
   whiten: bool
 
+  #: Per-token KL penalty in the critic's rewards: every policy token pays -kl_coef (log mu -
+  #: log pi_ref) against the run's starting parameters (learn.critic; PPO for language models'
+  #: token-level KL; 0 = none). Keeps the reference parameters.
+  kl_coef: float
+
   #: The value head's own AdamW learning rate, as a multiple of optimizer.learning_rate (the
   #: same schedule); the shared trunk follows the policy's optimizer.
   lr_scale: float

@@ -1199,6 +1199,13 @@ GROUPS: dict[str, Group] = {
         "Share of valid tokens whose clipped value error is the larger (the clip binds); 0 "
         "without clipping and under vtrace.",
       ),
+      M(
+        "critic/ref_kl",
+        "critic.kl_coef > 0",
+        "nats",
+        "Mean over valid tokens of log mu - log pi_ref: the behaviour's k1 estimate of its KL to "
+        "the reference policy, which the critic's rewards pay times critic.kl_coef.",
+      ),
     ),
   ),
 }

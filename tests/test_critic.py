@@ -158,6 +158,48 @@ def test_vtrace_on_policy_is_gae_with_lambda_one(setup):
   assert not np.allclose(sv2.params["value_head"]["w"][...], sv.params["value_head"]["w"][...])
 
 
+@pytest.mark.parametrize("estimator", ["gae", "vtrace"])
+def test_the_kl_penalty_is_paid_in_the_critics_rewards_against_the_reference(setup, estimator):
+  """Every policy token pays -kl_coef (log mu - log pi_ref): nothing when the reference is the
+  behaviour policy; against another reference, the update moves and `critic/ref_kl` is the
+  behaviour's mean log-ratio to it."""
+  b = jax.tree.map(jnp.asarray, setup["batch"])
+  ref = b.behavior_logp - 0.3 * jnp.sin(jnp.arange(N, dtype=jnp.float32))[None] * b.mask
+  spec = critic.CriticSpec("gae", whiten=False, kl_coef=0.1)
+  v = jnp.zeros((B, N))
+  penalised = returns.kl_penalized_rewards(
+    returns.token_rewards(b.rewards, b.mask), b.behavior_logp, ref, b.mask, 0.1
+  )
+  want = returns.gae(penalised, v, b.mask, gamma=1.0, lam=0.95)
+  got = critic.with_gae(spec, b, lambda _: v, lambda _: ref)
+  np.testing.assert_allclose(got.returns, want.returns, atol=1e-6)
+  assert not np.allclose(
+    got.returns, critic.with_gae(critic.CriticSpec("gae"), b, lambda _: v).returns
+  )
+
+  plain, with_kl = critic.CriticSpec(estimator), critic.CriticSpec(estimator, kl_coef=0.5)
+  step0, state = _step(setup, plain)
+  step1, _ = _step(setup, with_kl)
+  with pytest.raises(ValueError, match="ref_params"):
+    step1(state, setup["batch"], jax.random.key(0))
+  s0, _ = step0(state, setup["batch"], jax.random.key(0))
+  same, m_same = step1(state, setup["batch"], jax.random.key(0), ref_params=setup["params"])
+  for a, c in zip(jax.tree.leaves(s0.params), jax.tree.leaves(same.params), strict=True):
+    np.testing.assert_allclose(a, c, atol=1e-6)  # the reference is mu: no penalty
+  np.testing.assert_allclose(m_same["critic/ref_kl"], 0.0, atol=1e-5)
+  other = _fresh_model(setup)
+  other.norm.weight[...] = other.norm.weight[...] * 1.5  # sharper logits: another policy
+  other_params = nnx.split(other)[1]
+  moved, m = step1(state, setup["batch"], jax.random.key(0), ref_params=other_params)
+  ref_logp = models.sequence_logprobs(other, b.prompt_tokens, b.prompt_mask, b.tokens, b.mask)[0]
+  mask = np.asarray(b.mask)
+  kl = float(((np.asarray(b.behavior_logp) - np.asarray(ref_logp)) * mask).sum() / mask.sum())
+  np.testing.assert_allclose(m["critic/ref_kl"], kl, rtol=1e-4)
+  assert abs(kl) > 1e-3
+  head = lambda s: np.asarray(s.params["value_head"]["w"][...])
+  assert not np.allclose(head(moved), head(s0))
+
+
 @pytest.mark.parametrize(
   "field,value,match",
   [
@@ -167,6 +209,7 @@ def test_vtrace_on_policy_is_gae_with_lambda_one(setup):
     ("value_coef", 0.0, "critic.value_coef"),
     ("value_clip", -1.0, "critic.value_clip"),
     ("c_bar", 2.0, "rho_bar"),
+    ("kl_coef", -0.1, "critic.kl_coef"),
   ],
 )
 def test_bad_critic_settings_name_the_field(field, value, match):

@@ -63,7 +63,8 @@ def test_the_critic_presets_learn_the_default_task(tmp_path, loss):
 
 
 def test_a_critic_run_resumes_exactly(tmp_path):
-  kw = {"loss.name": "vtrace", "lag.sync_interval": 3}
+  # With the rewards' KL penalty: the reference parameters are kept and checkpointed too.
+  kw = {"loss.name": "vtrace", "lag.sync_interval": 3, "critic.kl_coef": 0.1}
   full = loop.train_and_evaluate(small_config(total_steps=7, **kw), str(tmp_path / "full"))
   part = str(tmp_path / "part")
   loop.train_and_evaluate(small_config(total_steps=4, **kw), part)
@@ -72,6 +73,9 @@ def test_a_critic_run_resumes_exactly(tmp_path):
   want, _ = metrics_files.split_rows(full)
   assert strip_timing(got) == strip_timing(want)
   assert "critic/explained_variance" in want[-1]
+  # Steps 1-3 sample with the starting parameters, the reference: no KL; steps 4-7 with v3.
+  kl = [r["critic/ref_kl"] for r in want]
+  assert max(abs(x) for x in kl[:3]) < 1e-5 < min(abs(x) for x in kl[3:])
   # The critic is part of the compiled program: a resume that turns it off is refused.
   with pytest.raises(ValueError, match="critic.estimator"):
     off = small_config(total_steps=9, **kw, **{"critic.estimator": "none"})

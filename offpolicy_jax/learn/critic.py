@@ -5,8 +5,12 @@ its trunk (`models.value`) and the one forward pass of each micro-batch gives
 the policy's log-probs and the critic's values V(s_t) at every response token
 (`models.logprobs.Scored`). Each row's reward is paid at its last policy token
 (`returns.token_rewards`; a multi-turn row's environment tokens have mask 0
-and take no part), and the policy loss reads token advantages [B, N] from the
-critic instead of the group's:
+and take no part); with `kl_coef` > 0 every policy token also pays
+-kl_coef (log mu - log pi_ref), the behaviour's k1 estimate of its KL to the
+reference policy (the run's starting parameters), as in PPO for language
+models (`returns.kl_penalized_rewards`: Ziegler et al., arXiv:1909.08593;
+"Secrets of RLHF"'s token-level KL). The policy loss reads token advantages
+[B, N] from the critic instead of the group's:
 
 - ``gae`` (PPO with a learned critic: "Secrets of RLHF in Large Language Models
   Part I: PPO", Zheng et al., arXiv:2307.04964): before the call's first
@@ -62,6 +66,8 @@ class CriticSpec:
     value_clip: c of the clipped value loss (``gae``; 0 = no clipping).
     rho_bar, c_bar: V-trace's truncations (rho_bar >= c_bar > 0).
     whiten: whiten the GAE advantages over the batch's valid tokens.
+    kl_coef: the per-token KL penalty's coefficient in the rewards (module docstring;
+      0 = none).
   """
 
   estimator: str
@@ -72,6 +78,7 @@ class CriticSpec:
   rho_bar: float = 1.0
   c_bar: float = 1.0
   whiten: bool = True
+  kl_coef: float = 0.0
 
   def __post_init__(self):
     if self.estimator not in ESTIMATORS:
@@ -81,6 +88,8 @@ class CriticSpec:
         raise ValueError(f"critic.{name} must be in [0, 1], got {getattr(self, name)}")
     if not self.value_coef > 0:
       raise ValueError(f"critic.value_coef must be > 0, got {self.value_coef}")
+    if not self.kl_coef >= 0:
+      raise ValueError(f"critic.kl_coef must be >= 0 (0 = off), got {self.kl_coef}")
     if self.value_clip < 0:
       raise ValueError(f"critic.value_clip must be >= 0 (0 = off), got {self.value_clip}")
     if self.estimator == "vtrace" and (not self.c_bar > 0 or self.rho_bar < self.c_bar):
@@ -94,7 +103,28 @@ def _weighted_mask(mb: TrainBatch) -> jax.Array:
   return (mb.mask > 0) * mb.weights[:, None].astype(jnp.float32)
 
 
-def with_gae(spec: CriticSpec, batch: TrainBatch, values_of: Callable[[TrainBatch], Any]):
+def rewards(spec: CriticSpec, mb: TrainBatch, ref_logp=None) -> jax.Array:
+  """Per-token rewards [b, N] of a (micro-)batch: the row's reward at its last policy
+  token, less the KL penalty at every token when `spec.kl_coef` > 0 (module docstring)."""
+  r = returns.token_rewards(mb.rewards, mb.mask)
+  if spec.kl_coef == 0:
+    return r
+  assert ref_logp is not None, "critic.kl_coef > 0 reads the reference log-probs"
+  return returns.kl_penalized_rewards(r, mb.behavior_logp, ref_logp, mb.mask, spec.kl_coef)
+
+
+def ref_kl(mb: TrainBatch, ref_logp) -> Any:
+  """`critic/ref_kl`: the mean over valid tokens of log mu - log pi_ref (the penalty's KL)."""
+  m = (mb.mask > 0).astype(jnp.float32)
+  return red.Mean(((mb.behavior_logp - ref_logp) * m).sum(), m.sum())
+
+
+def with_gae(
+  spec: CriticSpec,
+  batch: TrainBatch,
+  values_of: Callable[[TrainBatch], Any],
+  ref_logp_of: Callable[[TrainBatch], Any] | None = None,
+):
   """`batch` with GAE advantages [B, N], the old values and the returns (``gae``; traceable).
 
   Args:
@@ -102,10 +132,15 @@ def with_gae(spec: CriticSpec, batch: TrainBatch, values_of: Callable[[TrainBatc
     batch: the call's whole batch.
     values_of: ``batch -> values [B, N]`` at the call's starting parameters
       (the caller runs it micro-batch by micro-batch).
+    ref_logp_of: ``batch -> log pi_ref [B, N]``, when `spec.kl_coef` > 0.
   """
   values = jax.lax.stop_gradient(values_of(batch))
-  rewards = returns.token_rewards(batch.rewards, batch.mask)
-  out = returns.gae(rewards, values, batch.mask, gamma=spec.gamma, lam=spec.lam)
+  ref = None
+  if spec.kl_coef > 0:
+    assert ref_logp_of is not None, "critic.kl_coef > 0 reads the reference log-probs"
+    ref = jax.lax.stop_gradient(ref_logp_of(batch))
+  r = rewards(spec, batch, ref)
+  out = returns.gae(r, values, batch.mask, gamma=spec.gamma, lam=spec.lam)
   adv = out.advantages
   if spec.whiten:
     w = _weighted_mask(batch)
@@ -116,19 +151,21 @@ def with_gae(spec: CriticSpec, batch: TrainBatch, values_of: Callable[[TrainBatc
   return batch._replace(advantages=adv, values=values, returns=out.returns)
 
 
-def advantages(spec: CriticSpec, logp, values, mb: TrainBatch) -> tuple[jax.Array, jax.Array]:
+def advantages(
+  spec: CriticSpec, logp, values, mb: TrainBatch, ref_logp=None
+) -> tuple[jax.Array, jax.Array]:
   """`(advantages [b, N], value targets [b, N])` of a micro-batch for the policy and value losses.
 
   ``gae``: the batch's (`with_gae`). ``vtrace``: from the current `logp` and
-  `values`, both stop-gradient, against the behaviour's log-probs.
+  `values`, both stop-gradient, against the behaviour's log-probs (and, with
+  `spec.kl_coef` > 0, the rewards' penalty against `ref_logp`).
   """
   if spec.estimator == "gae":
     assert mb.returns is not None, "with_gae runs before the micro-batches"
     return mb.advantages, mb.returns
   sg = jax.lax.stop_gradient
-  rewards = returns.token_rewards(mb.rewards, mb.mask)
   out = returns.vtrace(
-    rewards,
+    rewards(spec, mb, ref_logp),
     sg(values),
     mb.mask,
     jnp.where(mb.mask > 0, sg(logp) - mb.behavior_logp, 0.0),

@@ -78,8 +78,9 @@ def micro_batch_loss(
   )
   logp, ent, router, values = score(params, key, full=True)
   extra = {}
+  ref_logp = sg(score(ref_params)[0]) if o.needs_ref else None
   if spec.needs_ref:
-    extra["ref_logp"] = sg(score(ref_params)[0])
+    extra["ref_logp"] = ref_logp
   if spec.needs_proximal:
     extra["proximal_logp"] = sg(logp) if anchor is None else sg(score(anchor)[0])
   if spec.needs_old:
@@ -92,7 +93,7 @@ def micro_batch_loss(
   if o.critic is not None:  # token advantages and value targets from the critic
     if values is None:
       raise ValueError("critic: the model has no value head (ModelConfig.value_head)")
-    adv, targets = critic.advantages(o.critic, logp, values, mb)
+    adv, targets = critic.advantages(o.critic, logp, values, mb, ref_logp)
   out = losses.policy_loss(
     spec,
     logp=logp,
@@ -114,6 +115,8 @@ def micro_batch_loss(
     value_term, value_metrics = critic.value_loss(o.critic, values, targets, mb, out.loss_count)
     loss_sum = loss_sum + value_term
     metrics.update(value_metrics)
+    if o.critic.kl_coef > 0:
+      metrics["critic/ref_kl"] = critic.ref_kl(mb, ref_logp)
   if router is not None:  # a model with experts (`models.moe.RouterStats`)
     aux = router.loss()
     if o.router_aux_coef > 0:

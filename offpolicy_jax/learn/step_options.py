@@ -60,6 +60,12 @@ class StepOptions(NamedTuple):
   critic: CriticSpec | None = None
 
   @property
+  def needs_ref(self) -> bool:
+    """Whether the step reads the reference policy's log-probs: a KL-to-reference loss
+    (`LossSpec.needs_ref`) or a critic whose rewards carry a KL penalty (`CriticSpec.kl_coef`)."""
+    return self.spec.needs_ref or (self.critic is not None and self.critic.kl_coef > 0)
+
+  @property
   def updates(self) -> int:
     """Optimizer steps per batch, U."""
     return self.num_minibatches * self.num_epochs

@@ -116,8 +116,9 @@ def train_step(
   step_keys = lora_ops.fold_range(dkey, options.updates)  # one per optimizer step, or None
   m = batch_splits.micro_batches(options, rows)
   if options.critic is not None and options.critic.estimator == "gae":
-    values_of = lambda b: _values(graphdef, options, state.params, base, b, m)
-    batch = critic.with_gae(options.critic, batch, values_of)
+    values_of = lambda b: _scored(graphdef, options, state.params, base, b, m, "values")
+    ref_of = lambda b: _scored(graphdef, options, ref_params, base, b, m, "logp")
+    batch = critic.with_gae(options.critic, batch, values_of, ref_of)
   args = (graphdef, optimizer, options, ref_params, anchor, base)
 
   def one_step(st, mb, k):  # the one call of an optimizer step, on minibatch `mb`
@@ -147,8 +148,11 @@ def train_step(
   return state._replace(step=state.step + 1), out
 
 
-def _values(graphdef, options: StepOptions, params, base, batch: TrainBatch, m: int) -> jax.Array:
-  """The value head's values [B, N] of `batch` at `params`, micro-batch by micro-batch.
+def _scored(
+  graphdef, options: StepOptions, params, base, batch: TrainBatch, m: int, field: str
+) -> jax.Array:
+  """The value head's values or the log-probs ([B, N], `field` of `Scored`) of `batch` at
+  `params`, micro-batch by micro-batch.
 
   The batch is cut like the call's micro-batches (``num_minibatches * m`` of
   them, whole groups with a shared prefix), so no forward holds more rows than
@@ -158,13 +162,13 @@ def _values(graphdef, options: StepOptions, params, base, batch: TrainBatch, m: 
   full = models.lora.join(base, params)
 
   def one(mb):
-    values = step_logprobs(graphdef, options, full, mb, full=True).values
-    if values is None:
+    out = getattr(step_logprobs(graphdef, options, full, mb, full=True), field)
+    if out is None:
       raise ValueError("critic: the model has no value head (ModelConfig.value_head)")
-    return values
+    return out
 
-  values = jax.lax.map(one, batch_splits.split_micro(batch, n, unit))
-  return batch_splits.join_micro(values, unit)
+  scored = jax.lax.map(one, batch_splits.split_micro(batch, n, unit))
+  return batch_splits.join_micro(scored, unit)
 
 
 def _dropout_key(graphdef, params, base, key) -> jax.Array | None:
@@ -176,10 +180,10 @@ def _dropout_key(graphdef, params, base, key) -> jax.Array | None:
   return None if lc is None or lc.dropout == 0 else jax.random.fold_in(key, DROPOUT_FOLD)
 
 
-def _checked(fn: Callable, spec: losses.LossSpec) -> Callable:
+def _checked(fn: Callable, options: StepOptions) -> Callable:
   def checked_step(state, batch, key, ref_params=None, proximal_params=None, base=None):
-    if spec.needs_ref and ref_params is None:
-      raise ValueError("ref_params: the loss has kl_coef > 0 and needs reference params")
+    if options.needs_ref and ref_params is None:
+      raise ValueError("ref_params: the loss's or the critic's kl_coef > 0 needs reference params")
     return fn(state, batch, key, ref_params, proximal_params, base)
 
   return checked_step
@@ -254,7 +258,7 @@ def make_train_step(
     )
 
   if not jit:
-    return _checked(step, spec)
+    return _checked(step, options)
   cache: dict[tuple[bool, bool], tuple[Callable, Any]] = {}
 
   def jitted(state, batch, key, ref_params=None, proximal_params=None, base=None):
@@ -272,7 +276,7 @@ def make_train_step(
     with jax.set_mesh(mesh):  # activation constraints (sharding.constrain) see the mesh
       return fn(state, *placed)
 
-  return _checked(jitted, spec)
+  return _checked(jitted, options)
 
 
 def _jit_for(step, state, batch, ref_params, proximal_params, base, mesh, donate):

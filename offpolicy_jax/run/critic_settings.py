@@ -35,6 +35,7 @@ def critic_spec(config) -> CriticSpec | None:
     rho_bar=float(c.rho_bar),
     c_bar=float(c.c_bar),
     whiten=bool(c.whiten),
+    kl_coef=float(c.kl_coef),
   )
 
 

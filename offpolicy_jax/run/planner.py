@@ -268,7 +268,7 @@ def _compiled_activations(config, mc, graphdef, params, opt_state, optimizer, si
   batch = jax.tree.map(lambda x: sds(x, sharding.batch_sharding(mesh, x.ndim)), batch)
   options = components.step_options(config)
   fn = functools.partial(train_step.train_step, graphdef, optimizer, options)
-  ref = state.params if options.spec.needs_ref else None
+  ref = state.params if options.needs_ref else None
   base = None if base is None else on_mesh(base)
   key = jax.random.key(0)
   with jax.set_mesh(mesh):
@@ -370,7 +370,7 @@ def plan(
   else:
     act, source = _analytic_activations(config, mc, mesh, p_bytes), "analytic"
   options = components.step_options(config)
-  needs_ref = options.spec.needs_ref
+  needs_ref = options.needs_ref
   run = RunSpec.from_config(config)
   slots = components.snapshot_slots(run.lag.mode, run.lag.sync_interval, run.lag.sync_offset)
   whole = models.lora.join(base, params)

@@ -246,7 +246,7 @@ def init_state(
     train=train_state.init_train_state(params, fns.learner.optimizer, mesh=fns.model.mesh),
     replay=buffer,
     snapshots=lag.snapshot_init(params, snapshots, 0) if snapshots else None,
-    ref_params=jax.tree.map(jnp.copy, params) if fns.learner.options.spec.needs_ref else None,
+    ref_params=jax.tree.map(jnp.copy, params) if fns.learner.options.needs_ref else None,
     rollout=fns.rollout.init(),
     base=base,
   )
