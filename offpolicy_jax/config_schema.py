@@ -80,7 +80,8 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("model_scan_layers", None, PROGRAM,
      "Stack the decoder blocks' parameters over layers and run them as one lax.scan in the "
      "training and scoring forward (compile time flat in depth; the same numbers; HF and PEFT "
-     "files are per layer either way; a run's checkpoints keep the layout they began with). "
+     "files are per layer either way; a run's checkpoints are read in either layout, a resume "
+     "with this field changed converting them). "
      "None: stacked for models of 0.4B parameters and more (models.ModelConfig.scan_layers).",
      Bool(none_ok=True), bool),
   _F("model_scan_decode", False, PROGRAM,

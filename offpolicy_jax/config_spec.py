@@ -405,8 +405,9 @@ class RunSpec:
 
   #: Stack the decoder blocks' parameters over layers and run them as one lax.scan in the
   #: training and scoring forward (compile time flat in depth; the same numbers; HF and PEFT
-  #: files are per layer either way; a run's checkpoints keep the layout they began with). None:
-  #: stacked for models of 0.4B parameters and more (models.ModelConfig.scan_layers).
+  #: files are per layer either way; a run's checkpoints are read in either layout, a resume
+  #: with this field changed converting them). None: stacked for models of 0.4B parameters and
+  #: more (models.ModelConfig.scan_layers).
   model_scan_layers: bool | None
 
   #: With stacked blocks, the samplers' prefill and decode steps run as one lax.scan too (their

@@ -148,30 +148,42 @@ def test_tree_conversion_round_trips_optimizer_states_and_names_bad_stacks():
     layout.stack({"layers": {0: {"w": jnp.ones(1)}, 2: {"w": jnp.ones(1)}}})
 
 
-def test_a_stacked_run_trains_as_a_per_layer_one_and_keeps_its_layout_on_resume(tmp_path):
-  from offpolicy_jax.run import loop
+def test_a_stacked_run_trains_as_a_per_layer_one_and_resumes_in_either_layout(tmp_path):
+  from offpolicy_jax.run import loop, start
   from offpolicy_jax.store import workdir
   from tests.test_loop import small_config, strip_timing
 
-  kw = {"total_steps": 2, "checkpoint_every": 2, "sft.steps": 2}
-  plain = loop.train_and_evaluate(small_config(**kw), str(tmp_path / "plain"))
-  run = str(tmp_path / "stacked")
-  stacked = loop.train_and_evaluate(small_config(model_scan_layers=True, **kw), run)
-  for a, b in zip(strip_timing(stacked), strip_timing(plain), strict=True):
-    assert a.keys() == b.keys()
-    for k in ("loss", "reward_mean", "grad_norm", "eval/accuracy"):
-      if k in a:
-        assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
-  assert sum("loss" in r for r in stacked) == 2
-  # The checkpoint holds stacked blocks: a resume with per-layer ones is refused by name.
-  again = small_config(model_scan_layers=False, **{**kw, "total_steps": 4})
-  with pytest.raises(
-    workdir.ConfigChanged,
-    match="model_scan_layers.*stores the decoder blocks stacked, this run.s model per layer",
-  ):
-    loop.train_and_evaluate(again, run, allow_config_change=True)
-  # Refused before anything is recorded: the run's own config still reads its checkpoints.
-  assert not os.path.exists(os.path.join(run, workdir.HISTORY_FILE))
+  kw = {"checkpoint_every": 2, "sft.steps": 2}
+
+  def close(got, want):
+    for a, b in zip(strip_timing(got), strip_timing(want), strict=True):
+      assert a.keys() == b.keys()
+      for k in ("loss", "reward_mean", "grad_norm", "eval/accuracy"):
+        if k in a:
+          assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), (k, a["step"])
+
+  plain = loop.train_and_evaluate(small_config(total_steps=4, **kw), str(tmp_path / "plain"))
+  first = [r for r in plain if r["step"] <= 2 and "eval/accuracy" not in r]
+  later = [r for r in plain if r["step"] > 2]
+  for scan, other in ((True, False), (False, True)):
+    run = str(tmp_path / f"from_{'stacked' if scan else 'per_layer'}")
+    two = loop.train_and_evaluate(small_config(model_scan_layers=scan, total_steps=2, **kw), run)
+    close([r for r in two if "eval/accuracy" not in r], first)
+    # Resumed in the other layout: the checkpoint's parameters, optimizer moments and lag
+    # snapshots (stacked over slots first) are read and converted; the run goes on as the
+    # uninterrupted per-layer one.
+    again = small_config(model_scan_layers=other, total_steps=4, **kw)
+    with pytest.raises(workdir.ConfigChanged, match="model_scan_layers"):
+      loop.train_and_evaluate(again, run)  # a changed program field: allowed explicitly only
+    resumed = loop.train_and_evaluate(again, run, allow_config_change=True)
+    close(resumed, later)
+    assert sum("loss" in r for r in resumed) == 2
+    assert os.path.exists(os.path.join(run, workdir.HISTORY_FILE))
+  # Evaluating a checkpoint reads it in the evaluating model's layout: the last run's step 4
+  # (per-layer -> stacked) evaluated per layer gives its own final evaluation.
+  got = start.evaluate_checkpoint(small_config(model_scan_layers=False, total_steps=4, **kw), run)
+  assert got["step"] == 4
+  assert got["eval/accuracy"] == pytest.approx(resumed[-1]["eval/accuracy"], abs=1e-6)
 
 
 def test_weight_decay_and_the_planner_read_stacked_blocks_as_per_layer_ones():

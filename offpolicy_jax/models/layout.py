@@ -15,8 +15,10 @@ same key: the blocks are drawn one by one as before and then stacked
 The tree functions (`stack`, `unstack`) convert any nested mapping in which a
 ``"layers"`` entry holds blocks by integer index (pure dicts of parameters,
 an optimizer state's moments): HF import/export and the PEFT adapters read
-and write per layer through them. A run's checkpoints are not converted: a
-resume in the other layout is refused by name (`run.start.check_layout`).
+and write per layer through them, and a run resumed in the other layout
+converts its checkpoint's items (`run.relayout`; `axis` 1 for the snapshots'
+parameters, stacked over slots first). A `jax.ShapeDtypeStruct` leaf keeps its
+`NamedSharding`, the layer axis unsharded, so an abstract template converts too.
 
   stacked = layout.stack(per_layer_tree)     # {"layers": {0: t0, 1: t1}} -> {"layers": t[L]}
   per_layer = layout.unstack(stacked, 2)     # and back
@@ -189,22 +191,32 @@ def is_per_layer(node: Any) -> bool:
   return isinstance(node, Mapping) and bool(node) and all(isinstance(k, int) for k in node)
 
 
-def stack(tree: Any) -> Any:
-  """`tree` with every per-layer ``"layers"`` entry stacked (arrays or ShapeDtypeStructs).
+def stack(tree: Any, axis: int = 0) -> Any:
+  """`tree` with every per-layer ``"layers"`` entry stacked (arrays or ShapeDtypeStructs)
+  on a new axis `axis` (0: leading).
 
   Recurses through mappings, lists and tuples (NamedTuples keep their type);
   other leaves and already stacked entries pass through.
   """
-  return _convert(tree, _stack_blocks)
+  return _convert(tree, lambda node: _stack_blocks(node, axis))
 
 
-def unstack(tree: Any, num_layers: int) -> Any:
-  """`tree` with every stacked ``"layers"`` entry split into `num_layers` blocks by index.
+def unstack(tree: Any, num_layers: int, axis: int = 0) -> Any:
+  """`tree` with every stacked ``"layers"`` entry split into `num_layers` blocks by index
+  along axis `axis`.
 
   Raises:
-    ValueError: a stacked leaf's leading axis is not `num_layers` long.
+    ValueError: a stacked leaf's axis `axis` is not `num_layers` long.
   """
-  return _convert(tree, lambda node: _unstack_blocks(node, num_layers))
+  return _convert(tree, lambda node: _unstack_blocks(node, num_layers, axis))
+
+
+def num_layers(tree: Any) -> int:
+  """The decoder blocks a parameter tree holds, in either layout (its first ``"layers"``)."""
+  node = tree[LAYERS_KEY]
+  if is_per_layer(node):
+    return len(node)
+  return int(jax.tree.leaves(node)[0].shape[0])
 
 
 def _convert(tree: Any, blocks_fn) -> Any:
@@ -222,40 +234,52 @@ def _convert(tree: Any, blocks_fn) -> Any:
   return tree
 
 
-def _stack_blocks(node: Mapping) -> Any:
+def _stack_blocks(node: Mapping, axis: int = 0) -> Any:
   if not is_per_layer(node):
     return node
   blocks = [node[i] for i in sorted(node)]
   if sorted(node) != list(range(len(blocks))):
     raise ValueError(f"layers {sorted(node)} are not 0..{len(blocks) - 1}: cannot stack them")
-  return jax.tree.map(_stack_leaves, *blocks)
+  return jax.tree.map(lambda *xs: _stack_leaves(*xs, axis=axis), *blocks)
 
 
-def _stack_leaves(*xs):
-  if isinstance(xs[0], jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
-  return jnp.stack(xs)
+def _stack_leaves(*xs, axis: int = 0):
+  x = xs[0]
+  if isinstance(x, jax.ShapeDtypeStruct):
+    shape = (*x.shape[:axis], len(xs), *x.shape[axis:])
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=_spec_at(x.sharding, axis, insert=True))
+  return jnp.stack(xs, axis=axis)
 
 
-def _unstack_blocks(node: Mapping, num_layers: int) -> Any:
+def _spec_at(sh, axis: int, insert: bool):
+  """`sh` (a NamedSharding, or None) with the layer axis `axis` inserted (unsharded) or removed."""
+  if not isinstance(sh, jax.sharding.NamedSharding):
+    return sh
+  spec = list(sh.spec) + [None] * max(0, axis + 1 - len(sh.spec))
+  spec = [*spec[:axis], None, *spec[axis:]] if insert else spec[:axis] + spec[axis + 1 :]
+  return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def _unstack_blocks(node: Mapping, num_layers: int, axis: int = 0) -> Any:
   if is_per_layer(node) or not node:
     return node
 
   def check(path, x):
-    if not x.shape or x.shape[0] != num_layers:
+    if len(x.shape) <= axis or x.shape[axis] != num_layers:
       name = jax.tree_util.keystr(path)
       raise ValueError(
         f"layers{name} has shape {tuple(x.shape)}: not stacked over {num_layers} layers"
       )
 
   jax.tree_util.tree_map_with_path(check, node)
-  return {i: jax.tree.map(lambda x, i=i: _index(x, i), node) for i in range(num_layers)}
+  return {i: jax.tree.map(lambda x, i=i: _index(x, i, axis), node) for i in range(num_layers)}
 
 
-def _index(x, i: int):
+def _index(x, i: int, axis: int = 0):
   if isinstance(x, jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct(tuple(x.shape[1:]), x.dtype)
-  return x[i]
+    shape = x.shape[:axis] + x.shape[axis + 1 :]
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=_spec_at(x.sharding, axis, insert=False))
+  return jnp.take(x, i, axis=axis) if axis else x[i]
 
 
 class LayerViews:

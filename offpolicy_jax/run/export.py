@@ -38,7 +38,7 @@ from flax import nnx
 from offpolicy_jax import errors, models
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.models import hf, hub
-from offpolicy_jax.run import components, start
+from offpolicy_jax.run import components, relayout, start
 from offpolicy_jax.store import checkpointing
 from offpolicy_jax.store import workdir as workdir_lib
 
@@ -61,8 +61,10 @@ def _restore(workdir: str, comps, step: int | None):
   try:
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), create=False)
     try:
-      start.check_layout(ckpt, step, comps.fns.model.stacked, workdir)
-      items, meta = ckpt.restore({"params": params}, step)
+      stacked = comps.fns.model.stacked
+      items, meta, _ = relayout.restore(
+        ckpt, {"params": params}, step=step, stacked=stacked, workdir=workdir
+      )
     finally:
       ckpt.close()
   except checkpointing.CheckpointError as e:

@@ -121,7 +121,6 @@ def _start(config, spec: RunSpec, workdir: str, allow_config_change: bool):
     latest = ckpt.latest_step()
     if latest:  # before the config check records an allowed change
       start_lib.check_rollout(ckpt, comps.fns.rollout)
-      start_lib.check_layout(ckpt, None, comps.fns.model.stacked, workdir)
     if latest and primary:
       workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
     data_iter = producer.LockedIterator(comps.fns.prompts(comps.run.seed))

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from offpolicy_jax import errors, models
 from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.run import evaluation, sft
+from offpolicy_jax.run import evaluation, relayout, sft
 from offpolicy_jax.run.components import Components, build_components, snapshot_slots
 from offpolicy_jax.step import costs as costs_lib
 from offpolicy_jax.step.run_state import (
@@ -70,42 +70,8 @@ def save(ckpt, state: RunState, rollout: Rollout, step: int, meta: dict[str, Any
   signature goes into the meta, so that a resume it no longer fits is refused
   (`check_rollout`).
   """
-  layers = {"layers": _layout(state.train.params)}
+  layers = {"layers": relayout.layout_of(state.train.params)}
   ckpt.save(step, state_items(state, rollout), meta | state_meta(state, rollout) | layers)
-
-
-def _layout(params) -> str:
-  """How a state's decoder blocks are stored: "stacked" or "per layer" (`models.layout`)."""
-  stacked = models.layout.LAYERS_KEY in params and not models.layout.is_per_layer(
-    params[models.layout.LAYERS_KEY]
-  )
-  return "stacked" if stacked else "per layer"
-
-
-def _check_layout(meta: dict[str, Any], stacked: bool, workdir: str) -> None:
-  """Refuses, naming `model_scan_layers`, a checkpoint whose blocks another layout stores."""
-  had = meta.get("layers", "per layer")  # written before stacking existed: per layer
-  has = "stacked" if stacked else "per layer"
-  if had != has:
-    raise workdir_lib.ConfigChanged(
-      f"config.model_scan_layers: {workdir}'s checkpoint of step {meta.get('step')} stores the "
-      f"decoder blocks {had}, this run's model {has}; refusing to read it (pass "
-      f"--config.model_scan_layers={had == 'stacked'}, with --allow_config_change where the "
-      "run recorded another value, or export the weights and warm start a new workdir)"
-    )
-
-
-def check_layout(ckpt, step: int | None, stacked: bool, workdir: str) -> None:
-  """`_check_layout` against checkpoint `step`'s meta (None: the latest), before anything is
-  restored or recorded (`stacked`: `ModelParts.stacked` of the run's model).
-
-  A corrupt step is left to the restore, which reports it.
-  """
-  try:
-    meta = ckpt.restore_meta(step)
-  except checkpointing.CheckpointError:
-    return
-  _check_layout(meta, stacked, workdir)
 
 
 def base_record(base, model: str) -> dict[str, str] | None:
@@ -180,9 +146,12 @@ def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str
     base, params = initial_weights(comps, warm_start=fns.model.lora is not None)
     record = base_record(base, model)
     template = fresh_state(comps, params, base)
-    check_layout(ckpt, None, fns.model.stacked, workdir)  # for callers other than the loop
-    # The newest intact step: corrupt ones are reported and moved aside.
-    items, meta, start = ckpt.restore_latest(state_items(template, fns.rollout))
+    # The newest intact step (corrupt ones are reported and moved aside), in either layout.
+    templates = state_items(template, fns.rollout)
+    stacked = fns.model.stacked
+    items, meta, start = relayout.restore(
+      ckpt, templates, step=None, stacked=stacked, workdir=workdir, latest=True
+    )
     if meta.get("base") != record:
       raise ValueError(
         f"{workdir}: the checkpoint of step {start} holds adapters of the base "
@@ -256,8 +225,10 @@ def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = N
   if workdir is not None:
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), create=False)
     try:
-      check_layout(ckpt, step, fns.model.stacked, workdir)
-      items, meta = ckpt.restore({"params": params}, step)
+      stacked = fns.model.stacked
+      items, meta, _ = relayout.restore(
+        ckpt, {"params": params}, step=step, stacked=stacked, workdir=workdir
+      )
     finally:
       ckpt.close()
     params, step_done = items["params"], meta["step"]

@@ -43,9 +43,12 @@ HISTORY_FILE = metrics.CONFIG_HISTORY_FILE
 PARAMETER_SHAPE_FIELDS = ("model", "lora.rank", "lora.targets")
 ABSENT = "<absent>"
 # Fields whose None picks a value from the model (`model_scan_layers`: stacked from 0.4B
-# parameters): None against a value is no change here; what the checkpoints hold is
-# checked when they are read (`run.start.check_layout`).
+# parameters): None against a value is no change here; the checkpoints are read in either
+# layout (`run.relayout`).
 UNSET_PICKS = ("model_scan_layers",)
+# Fields that say only how a checkpoint's numbers are stored: an evaluation may choose them
+# freely (the checkpoint is read in either layout, `run.relayout`).
+LAYOUT_FIELDS = ("model_scan_layers",)
 
 
 class WorkdirLocked(errors.UserError, RuntimeError):
@@ -333,7 +336,8 @@ def eval_config(config: Any, workdir: str) -> Any:
   """The config to evaluate a run's checkpoint with: the run's own, or `config` if it agrees.
 
   `config` may change how evaluation runs (eval prompts, samples, mesh: the
-  run-control fields), not what the run is: a different task, model, loss or
+  run-control fields; the layout of the decoder blocks, `LAYOUT_FIELDS`), not what
+  the run is: a different task, model, loss or
   any other field a resume must keep is refused by name, since scoring a
   checkpoint on another task's prompts gives a number that means nothing.
 
@@ -345,6 +349,7 @@ def eval_config(config: Any, workdir: str) -> Any:
   if config is None:
     return recorded
   changes = config_changes(recorded.to_dict(), config.to_dict())
+  changes = {k: v for k, v in changes.items() if k not in LAYOUT_FIELDS}
   if changes:
     # What a run is about first: a task, model or loss change explains the rest.
     names = sorted(changes, key=lambda k: (k.split(".")[0] not in _IDENTITY, k))
