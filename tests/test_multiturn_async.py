@@ -32,6 +32,18 @@ def _perturbed(params, seed):
   )
 
 
+def _turns_of_versions(batch, first: int, then: int):
+  """Checks that turn 0's policy tokens have version `first` and later turns' `then`:
+  `(mask, turn ids, later turns' tokens)`."""
+  mask = np.asarray(batch.mask) > 0
+  turn = np.asarray(types.turn_ids(batch.mask))
+  versions = np.asarray(batch.versions)
+  assert (versions[mask & (turn == 0)] == first).all()
+  later = mask & (turn > 0)
+  assert later.any() and (versions[later] == then).all()
+  return mask, turn, later
+
+
 def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
   components.clear_cache()
   cfg = _config(**{"rollout.score_old": True, "sft.enabled": False})
@@ -47,12 +59,7 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
 
   _, batch, _, stats = host_step.collect(fns, fns.rollout, None, p0, 5, prompts, 3, 0, latest)
   assert asked and stats["episode/parameter_updates"] == 1
-  mask = np.asarray(batch.mask) > 0
-  turn = np.asarray(types.turn_ids(batch.mask))
-  versions = np.asarray(batch.versions)
-  assert (versions[mask & (turn == 0)] == 5).all()
-  later = mask & (turn > 0)
-  assert later.any() and (versions[later] == 7).all()
+  mask, turn, later = _turns_of_versions(batch, first=5, then=7)
   # pi_old of each token is the learner's score at its own version's parameters.
   tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
   out = episodes.play(
@@ -92,12 +99,7 @@ def test_episodes_on_a_sampler_mesh_reshard_its_copy_for_newer_parameters():
   one_copy = disagg.tree_bytes(p0)
   assert stats["reshard_bytes"] == 2 * one_copy and stats["reshard_time_s"] > 0  # v5, then v7
   assert batch.tokens.sharding.mesh == fns.model.mesh  # the rows are back on the trainer's mesh
-  mask = np.asarray(batch.mask) > 0
-  turn = np.asarray(types.turn_ids(batch.mask))
-  versions = np.asarray(batch.versions)
-  assert (versions[mask & (turn == 0)] == 5).all()
-  later = mask & (turn > 0)
-  assert later.any() and (versions[later] == 7).all()
+  _turns_of_versions(batch, first=5, then=7)
   # The copy holds version 7 now: an episode of version 7 reshards nothing.
   _, _, _, again = host_step.collect(fns, fns.rollout, None, p1, 7, prompts, 4, 0, latest)
   assert again["reshard_bytes"] == 0 and again["episode/parameter_updates"] == 0
