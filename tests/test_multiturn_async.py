@@ -13,7 +13,7 @@ from offpolicy_jax import types  # noqa: E402
 from offpolicy_jax.rollout import episodes  # noqa: E402
 from offpolicy_jax.run import components, loop  # noqa: E402
 from offpolicy_jax.scale import disagg  # noqa: E402
-from offpolicy_jax.step import host_step, run_state  # noqa: E402
+from offpolicy_jax.step import drivers, host_step, run_state  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from tests.test_multiturn_run import _config  # noqa: E402
 
@@ -84,24 +84,26 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
 
 def test_episodes_on_a_sampler_mesh_reshard_its_copy_for_newer_parameters():
   """The placed rollout (`OnSamplerMesh`) plays episodes on the sampler's 2 devices; newer
-  parameters published mid-episode reach it through the same copy, resharded once."""
+  parameters published mid-episode reach it through the same copy, resharded once, and each
+  token's pi_old is scored after the episode under its own version's parameters."""
   components.clear_cache()
   placement = {"mesh.sampler_devices": 2, "mesh.data": 2, "mesh.tensor": 3}
-  cfg = _config(**{"sft.enabled": False, **placement})
+  cfg = _config(**{"sft.enabled": False, "rollout.score_old": True, **placement})
   fns = components.build_components(cfg).fns
-  assert fns.sampler_mesh is not None and fns.rollout.mesh is fns.sampler_mesh
+  placed = drivers.placed(fns)
+  assert placed is not None and placed.mesh is fns.sampler_mesh
   prompts = next(fns.prompts(seed=0))
   p0 = fns.model.init_params(0)
   p1 = _perturbed(p0, 1)
   latest = lambda: (p1, 7)  # version 7 is published while turn 0 decodes
-  _, batch, _, stats = host_step.collect(fns, fns.rollout, None, p0, 5, prompts, 3, 0, latest)
+  _, batch, _, stats = host_step.collect(fns, placed, None, p0, 5, prompts, 3, 0, latest)
   assert stats["episode/parameter_updates"] == 1
   one_copy = disagg.tree_bytes(p0)
   assert stats["reshard_bytes"] == 2 * one_copy and stats["reshard_time_s"] > 0  # v5, then v7
   assert batch.tokens.sharding.mesh == fns.model.mesh  # the rows are back on the trainer's mesh
   _turns_of_versions(batch, first=5, then=7)
   # The copy holds version 7 now: an episode of version 7 reshards nothing.
-  _, _, _, again = host_step.collect(fns, fns.rollout, None, p1, 7, prompts, 4, 0, latest)
+  _, _, _, again = host_step.collect(fns, placed, None, p1, 7, prompts, 4, 0, latest)
   assert again["reshard_bytes"] == 0 and again["episode/parameter_updates"] == 0
 
 

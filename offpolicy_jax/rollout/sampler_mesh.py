@@ -10,11 +10,12 @@ once). The step's prompts move to the sampler mesh, the wrapped rollout runs
 there, and its finished rows move back to the trainer mesh, rows over the
 trainer's batch axes, where the step scores, packs and learns.
 
-The placement is chosen once, where the run's rollout is built
-(`run.components_rollout.placed`): a sync run's step and the async
-producer's sampler thread advance the same placed rollout, so the copy is
-resharded on the thread that samples, only for versions it samples with.
-Episodes continuing under newer parameters (`latest`) reshard the same copy.
+The placement is chosen once per run, by the run's driver (`step.drivers.placed`;
+not with the cached components, since it holds the run's parameter copy): a
+sync run's step and the async producer's sampler thread advance the same
+placed rollout, so the copy is resharded on the thread that samples, only for
+versions it samples with. Episodes continuing under newer parameters
+(`latest`) reshard the same copy.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class OnSamplerMesh(Rollout):
     self.inner, self.mesh, self.trainer_mesh, self._split = rollout, mesh, trainer_mesh, split
     self.free_previous = free_previous
     self.copy = SamplerParams(mesh)
-    self.base: Any = None  # a LoRA run's frozen base on the sampler mesh, placed once
+    # A LoRA run's frozen base on the sampler mesh, placed once (a list: shared by `around`).
+    self._placed_base: list[Any] = []
     self._lock = threading.Lock()  # sampler threads share the copy
 
   @property
@@ -85,23 +87,28 @@ class OnSamplerMesh(Rollout):
     return self.inner.signature()
 
   def with_sampler(self, sampler) -> Rollout:
-    """The same placement, parameter copy and base around the inner kind's switched sampler."""
-    inner = self.inner.with_sampler(sampler)
-    placed = OnSamplerMesh(inner, self.mesh, self.trainer_mesh, self._split, self.free_previous)
-    placed.copy, placed.base, placed._lock = self.copy, self.base, self._lock
+    """The same placement and parameter copy around the inner kind's switched sampler."""
+    return self.around(self.inner.with_sampler(sampler))
+
+  def around(self, rollout: Rollout) -> OnSamplerMesh:
+    """`rollout` in this placement, sharing its parameter copy (and base) with this one."""
+    placed = OnSamplerMesh(rollout, self.mesh, self.trainer_mesh, self._split, self.free_previous)
+    placed.copy, placed._placed_base, placed._lock = self.copy, self._placed_base, self._lock
     return placed
 
-  def _on_mesh(self, params, version) -> tuple[Any, dict[str, Any]]:
+  def _on_mesh(self, params, version, free: bool) -> tuple[Any, dict[str, Any]]:
     """The whole model at `version` on the sampler mesh (resharded when the copy is another
-    version's), and `reshard_time_s` / `reshard_bytes` (0 without a reshard)."""
+    version's; the previous copy freed with `free`), and `reshard_time_s` / `reshard_bytes`
+    (0 without a reshard)."""
     base, trainable = self._split(params)
     info: dict[str, Any] = {"reshard_time_s": 0.0, "reshard_bytes": 0}
     with self._lock:
-      if base is not None and self.base is None:
-        self.base = jax.block_until_ready(SamplerParams(self.mesh).place(base))
+      if base is not None and not self._placed_base:
+        self._placed_base.append(jax.block_until_ready(SamplerParams(self.mesh).place(base)))
       if version != self.copy.version:
-        info = self.copy.sync(trainable, version, free=self.free_previous)
-      return models.lora.join(self.base, self.copy.params), info
+        info = self.copy.sync(trainable, version, free=free)
+      placed_base = self._placed_base[0] if self._placed_base else None
+      return models.lora.join(placed_base, self.copy.params), info
 
   def advance(self, rstate, params, version, prompts, step, key, latest=None):
     """The wrapped `advance` on the sampler mesh; reshards the copy when `version` changed.
@@ -110,7 +117,7 @@ class OnSamplerMesh(Rollout):
     the trainer mesh, and in `info` `reshard_time_s` and `reshard_bytes` (0
     without a reshard; with `latest`, the sum over the episode's reshards).
     """
-    whole, info = self._on_mesh(params, version)
+    whole, info = self._on_mesh(params, version, self.free_previous)
     if latest is not None:  # newer parameters reach the episode through the same copy
       latest = self._latest(latest, info)
     device = prompt_rows.device_prompts(prompts)
@@ -130,11 +137,15 @@ class OnSamplerMesh(Rollout):
     return rstate, fin, {**info, **inner}
 
   def _latest(self, latest: Callable, info: dict[str, Any]) -> Callable:
-    """`latest` giving the newest parameters on the sampler mesh; adds its reshards to `info`."""
+    """`latest` giving the newest parameters on the sampler mesh; adds its reshards to `info`.
+
+    The copy an episode started with is dropped, not freed: the episode's tokens of
+    earlier versions are scored under it (pi_old) after its last turn.
+    """
 
     def on_mesh():
       params, version = latest()
-      whole, more = self._on_mesh(params, version)
+      whole, more = self._on_mesh(params, version, False)
       info["reshard_time_s"] += more["reshard_time_s"]
       info["reshard_bytes"] += more["reshard_bytes"]
       return whole, version

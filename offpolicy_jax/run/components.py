@@ -339,13 +339,8 @@ def _build_fns(config) -> run_state.StepFns:
     packing=run_state.Packing(c.group_size, validation.advantage_name(c), gamma),
     reward=components_rollout.reward(c, task),
     truncate_prompts=c.data.truncate_prompts,
-    rollout=components_rollout.placed(
-      c,
-      components_rollout.rollout_kind(
-        c, task, sampler, partial, eps, score_old, mesh, sizes(c, abstract.config)
-      ),
-      sampler_mesh,
-      model,
+    rollout=components_rollout.rollout_kind(
+      c, task, sampler, partial, eps, score_old, mesh, sizes(c, abstract.config)
     ),
     sampler=sampler,
     eval_sampler=functools.partial(

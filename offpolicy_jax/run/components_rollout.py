@@ -1,4 +1,4 @@
-"""The rollout half of `components`: reward, samplers, episodes, the rollout kind and placement.
+"""The rollout half of `components`: reward, samplers, episodes, the rollout kind.
 
 Part of the config's one reader (`components.build_components` calls these):
 each function reads the fields it is named after and returns a frozen part of
@@ -17,7 +17,6 @@ from offpolicy_jax.rewards import environments
 from offpolicy_jax.rewards import scoring as rewards
 from offpolicy_jax.rollout import episode_pool, episodes, whole
 from offpolicy_jax.rollout import partial as partial_rollout
-from offpolicy_jax.rollout import sampler_mesh as on_sampler_mesh
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.sampling import multiturn
 from offpolicy_jax.sampling import partial as partial_rollouts
@@ -150,16 +149,6 @@ def eval_sampler(graphdef, sample_kw: dict, temperature: float, k: int) -> sampl
   if k == 1:
     return sampling.make_sampler(graphdef, group_size=1, temperature=0.0, **sample_kw)
   return sampling.make_sampler(graphdef, group_size=k, temperature=temperature, **sample_kw)
-
-
-def placed(config, rollout: Rollout, sampler_mesh, model) -> Rollout:
-  """The run's rollout where it samples: on the disaggregated sampler mesh
-  (`sampler_mesh.OnSamplerMesh`) when there is one, chosen once for the sync
-  step and the async producer alike; else `rollout` itself."""
-  if sampler_mesh is None:
-    return rollout
-  one_thread = config.lag.sampler_threads == 1
-  return on_sampler_mesh.OnSamplerMesh(rollout, sampler_mesh, model.mesh, model.split, one_thread)
 
 
 def check_routing_replay(c, model_config) -> None:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offpolicy_jax import lag
-from offpolicy_jax.rollout import prompt_rows
+from offpolicy_jax.rollout import prompt_rows, sampler_mesh
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.step import host_step, producer, scoring
@@ -103,11 +103,25 @@ def make(
   run = _Run(fns, replay, seeds, sync)
   if seeds.stacked and (lag_mode == "async" or fns.sampler_mesh is not None):
     raise ValueError("seeds side by side run in lag.mode='sync' on the trainer's mesh only")
+  placement = placed(fns, sampler_threads)
   if lag_mode == "async":
-    return Async(run, data, max_staleness, sampler_threads)
-  if one_program(fns):
+    return Async(run, placement or fns.rollout, data, max_staleness, sampler_threads)
+  if placement is None and one_program(fns):
     return Scanned(run, read)
-  return Split(run, read, may_prefetch)
+  return Split(run, placement, read, may_prefetch)
+
+
+def placed(fns: StepFns, sampler_threads: int = 1) -> sampler_mesh.OnSamplerMesh | None:
+  """Where the run samples, chosen once per run for the sync step and the async producer
+  alike: the run's rollout on the disaggregated sampler mesh (`OnSamplerMesh`, holding this
+  run's parameter copy, so built per run: the components' `StepFns` outlive a run), or None:
+  `fns.rollout` itself. Several sampler threads drop the previous copy instead of freeing
+  it (another thread may still decode with it)."""
+  if fns.sampler_mesh is None:
+    return None
+  free = sampler_threads == 1
+  mesh, trainer = fns.sampler_mesh, fns.model.mesh
+  return sampler_mesh.OnSamplerMesh(fns.rollout, mesh, trainer, fns.model.split, free)
 
 
 class _Run:
@@ -167,8 +181,16 @@ class Split:
 
   max_chunk = 1
 
-  def __init__(self, run: _Run, read: Read, may_prefetch: Callable[[int], bool]):
-    self.fns, self.rollout, self._run = run.fns, run.fns.rollout, run
+  def __init__(
+    self,
+    run: _Run,
+    placement: sampler_mesh.OnSamplerMesh | None,
+    read: Read,
+    may_prefetch: Callable[[int], bool],
+  ):
+    """`placement`: the run's rollout on its sampler mesh (`placed`), or None."""
+    self.fns, self._run, self._placement = run.fns, run, placement
+    self.rollout: Rollout = placement or run.fns.rollout
     self._read, self._may_prefetch = read, may_prefetch
     self._host = host_step.Stepper(run.fns, self.rollout, run.seeds, run.schedule)
 
@@ -201,8 +223,11 @@ class Split:
     return state, [row]
 
   def switch(self, fns: StepFns) -> None:
-    # A placed rollout's switch keeps its placement and parameter copy (`Rollout.with_sampler`).
-    self.fns, self.rollout = fns, fns.rollout
+    # A placed rollout keeps its placement and parameter copy around the switched kind.
+    self.fns = fns
+    if self._placement is not None:
+      self._placement = self._placement.around(fns.rollout)
+    self.rollout = self._placement or fns.rollout
     self._host.fns, self._host.rollout = fns, self.rollout
 
   def close(self) -> None:
@@ -214,8 +239,8 @@ class Async:
 
   max_chunk = 1
 
-  def __init__(self, run: _Run, data, max_staleness: int, threads: int = 1):
-    self.fns, self.rollout, self._run = run.fns, run.fns.rollout, run
+  def __init__(self, run: _Run, rollout: Rollout, data, max_staleness: int, threads: int = 1):
+    self.fns, self.rollout, self._run = run.fns, rollout, run
     self._data, self._max_staleness, self._threads = data, max_staleness, threads
     self._prod: producer.AsyncProducer | None = None
 
@@ -228,6 +253,7 @@ class Async:
     if self._prod is None:  # the producer starts from the first step's state
       self._prod = producer.AsyncProducer(
         self.fns,
+        self.rollout,
         state.train.params,
         step,
         self._data,

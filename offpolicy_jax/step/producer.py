@@ -2,8 +2,8 @@
 
 The thread samples with the latest published parameters (`SamplerThread`),
 scores and packs the batch; the trainer's `learning.learn` consumes it. The
-thread advances the run's own rollout (`StepFns.rollout`), placed where the
-components put it: in a disaggregated run it samples on the sampler's own
+thread advances the run's own rollout, placed as the sync step's is
+(`drivers.placed`): in a disaggregated run it samples on the sampler's own
 mesh (`rollout.sampler_mesh.OnSamplerMesh`), resharding the published
 parameters onto it on this thread when their version is new, and its
 finished rows move back to the trainer mesh, so sampling overlaps training
@@ -69,6 +69,7 @@ class AsyncProducer:
 
   Args:
     fns: the run's step functions.
+    rollout: the rollout the thread advances: the run's, placed (`drivers.placed`).
     params: the parameters to start sampling with (copied).
     step: the loop step the run is at (versions are in optimizer steps: step * U).
     data_iter: the shared prompt iterator.
@@ -85,6 +86,7 @@ class AsyncProducer:
   def __init__(
     self,
     fns: run_state.StepFns,
+    rollout: Rollout,
     params,
     step: int,
     data_iter,
@@ -94,8 +96,7 @@ class AsyncProducer:
     rstate=None,
     threads: int = 1,
   ):
-    self._fns, self._data, self._seed = fns, data_iter, seed
-    rollout = fns.rollout
+    self._fns, self._rollout, self._data, self._seed = fns, rollout, data_iter, seed
     if rollout.item and threads > 1:
       raise ValueError(
         f"lag.sampler_threads: {threads} threads, but a rollout with carried state "
@@ -127,7 +128,7 @@ class AsyncProducer:
     # An episode continues under parameters published while it runs.
     latest = lambda: self._joined(*self.sampler.latest())
     full = models.lora.join(self._base, params)
-    rollout, rstate = fns.rollout, self._rstate
+    rollout, rstate = self._rollout, self._rstate
     args = (full, version, prompts, step, self._seed, latest)
     rstate, batch, keep, info = host_step.collect(fns, rollout, rstate, *args)
     self._rstate = rstate
