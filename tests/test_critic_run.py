@@ -133,6 +133,7 @@ def test_the_presets_pair_with_their_critic_and_a_field_overrides_it():
     ({"loss.name": "ppo_critic", "advantage.name": "grpo"}, "advantage.name"),
     ({**_GUESS, "loss.name": "vtrace", "multiturn.credit": "turn"}, "multiturn.credit"),
     ({"eval_ope": "is,dr"}, "eval_ope"),
+    ({"critic.kl_coef": 0.1}, "critic.kl_coef"),  # no critic to pay it
   ],
 )
 def test_a_critic_that_does_not_fit_the_config_is_refused_by_name(overrides, field):

@@ -179,11 +179,25 @@ def test_a_stacked_run_trains_as_a_per_layer_one_and_resumes_in_either_layout(tm
     close(resumed, later)
     assert sum("loss" in r for r in resumed) == 2
     assert os.path.exists(os.path.join(run, workdir.HISTORY_FILE))
+  # The last workdir holds step 2 per layer and step 4 stacked: with step 4 corrupt, a resume
+  # falls back to step 2 and reads it in its own layout.
+  params_dir = os.path.join(run, "checkpoints", "4")
+  target = max(
+    (os.path.join(d, f) for d, _, fs in os.walk(params_dir) for f in fs if "/params/" in d),
+    key=os.path.getsize,
+  )
+  size = os.path.getsize(target)
+  with open(target, "r+b") as f:  # same-size garbage
+    f.seek(size // 2)
+    f.write(b"\xff" * 16)
+  redone = loop.train_and_evaluate(again, run)
+  close(redone, later)
+  assert [r["step"] for r in redone if "loss" in r] == [3, 4]
   # Evaluating a checkpoint reads it in the evaluating model's layout: the last run's step 4
   # (per-layer -> stacked) evaluated per layer gives its own final evaluation.
   got = start.evaluate_checkpoint(small_config(model_scan_layers=False, total_steps=4, **kw), run)
   assert got["step"] == 4
-  assert got["eval/accuracy"] == pytest.approx(resumed[-1]["eval/accuracy"], abs=1e-6)
+  assert got["eval/accuracy"] == pytest.approx(redone[-1]["eval/accuracy"], abs=1e-6)
 
 
 def test_weight_decay_and_the_planner_read_stacked_blocks_as_per_layer_ones():
@@ -235,3 +249,18 @@ def test_an_unset_layout_is_no_config_change_and_views_spell_out_ellipses():
   for index in ((...,), (slice(1, 3), ...), (..., 1), (2, ..., slice(0, 2)), (0, 1, ...)):
     np.testing.assert_array_equal(views[index], full[index])
   np.testing.assert_array_equal(np.asarray(views), full)
+
+
+def test_a_base_fingerprint_is_recognised_in_either_layout():
+  """A checkpoint records its LoRA base's fingerprint in its own layout; the same weights
+  stored the other way match it (`run.relayout.fingerprint_matches`), other weights do not."""
+  from offpolicy_jax.run import relayout
+
+  plain, stacked = _pair(models.get_config("tiny"))
+  per_layer, both = nnx.state(plain, nnx.Param), nnx.state(stacked, nnx.Param)
+  recorded = models.lora.fingerprint(per_layer)
+  assert models.lora.fingerprint(both) != recorded  # the digits depend on the layout
+  assert relayout.fingerprint_matches(recorded, both, stacked=True)
+  assert relayout.fingerprint_matches(models.lora.fingerprint(both), per_layer, stacked=False)
+  other = jax.tree.map(lambda x: x * 1.001, both)
+  assert not relayout.fingerprint_matches(recorded, other, stacked=True)

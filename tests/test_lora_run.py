@@ -64,6 +64,11 @@ def test_resume_on_another_base_is_refused(tmp_path):
   other = small_config(total_steps=6, **{"sft.steps": 4, **common})  # another warm-started base
   with pytest.raises(ValueError, match="refusing to resume on another base"):
     loop.train_and_evaluate(other, work, allow_config_change=True)
+  # A warm start rebuilt with its blocks stacked differs from the per-layer one in the last
+  # bits (scanned arithmetic): another base, refused naming the layout as the reason.
+  stacked = small_config(total_steps=4, model_scan_layers=True, **common)
+  with pytest.raises(ValueError, match="stores its blocks per layer.*model_scan_layers changed"):
+    loop.train_and_evaluate(stacked, work, allow_config_change=True)
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -126,8 +127,11 @@ def init_adapter(config: ModelConfig, key: jax.Array) -> nnx.State:
   return build()
 
 
-def fingerprint(tree: Any) -> str:
+def fingerprint(tree: Any, view: Callable[[Any], Any] | None = None) -> str:
   """16 hex digits identifying the values of a pytree of arrays (e.g. a frozen base).
+
+  With `view`, the digits of `view(tree)`, computed inside the same program (e.g. the
+  base in its other layout of the decoder blocks, `models.layout`, without a copy of it).
 
   Two wrap-around uint32 sums of each leaf's bits times position-dependent odd
   multipliers, computed on device: integer sums do not depend on reduction
@@ -137,7 +141,8 @@ def fingerprint(tree: Any) -> str:
   """
 
   @jax.jit
-  def digits(leaves):
+  def digits(tree):
+    leaves = jax.tree.leaves(tree if view is None else view(tree))
     h1 = h2 = jnp.uint32(len(leaves))
     for x in leaves:
       x = x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.int32)
@@ -149,7 +154,7 @@ def fingerprint(tree: Any) -> str:
       h2 = h2 * jnp.uint32(37) + jnp.sum((bits ^ (bits >> 15)) * m2, dtype=jnp.uint32)
     return jnp.stack([h1, h2])
 
-  h = np.asarray(jax.device_get(digits(jax.tree.leaves(tree))))
+  h = np.asarray(jax.device_get(digits(tree)))
   return f"{int(h[0]):08x}{int(h[1]):08x}"
 
 

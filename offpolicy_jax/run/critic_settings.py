@@ -53,6 +53,13 @@ def validate(c) -> None:
     f"the doubly robust estimators {doubly_robust} need a critic's values: set "
     "critic.estimator (or a loss preset with a critic), or drop them",
   )
+  errors.need(
+    bool(name) or not c.critic.kl_coef,
+    "critic.kl_coef",
+    f"the KL penalty ({c.critic.kl_coef}) is paid in a critic's rewards: set "
+    "critic.estimator (or a loss preset with a critic), or 0 (a KL-to-reference loss: "
+    "loss.kl_coef)",
+  )
   if not name:
     return
   errors.need(

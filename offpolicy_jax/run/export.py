@@ -72,7 +72,8 @@ def _restore(workdir: str, comps, step: int | None):
   if base is not None:
     want = meta.get("base") or {}
     got = models.lora.fingerprint(base)
-    if want.get("fingerprint") != got:
+    stacked = comps.fns.model.stacked
+    if not relayout.fingerprint_matches(want.get("fingerprint"), base, stacked):
       raise ValueError(
         f"{workdir}: the checkpoint's adapters belong to the base {want}, but the rebuilt "
         f"base has fingerprint {got} (config.model or its files changed, or a warm start"

@@ -14,7 +14,9 @@ the same; only where they are stored changes:
 The items that hold parameters and the axis of their layers are `LAYER_AXIS`
 (the lag snapshots stack their parameters over slots first); the others
 (replay buffer, counters, the rollout's carried state) hold none and are read
-as they are.
+as they are. The layout is read per step: a resume that falls back past a
+corrupt step reads an older one in the layout that step recorded (a workdir
+resumed in the other layout holds both).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import jax
 
+from offpolicy_jax import models
 from offpolicy_jax.models import layout
 from offpolicy_jax.store import checkpointing
 from offpolicy_jax.store import workdir as workdir_lib
@@ -66,33 +69,54 @@ def restore(
     workdir.ConfigChanged: naming `model_scan_layers`, a checkpoint whose blocks
       cannot be converted to this run's (another number of layers).
   """
-  had, has = recorded(ckpt, step), STACKED if stacked else PER_LAYER
-  convert = had is not None and had != has
-  read = templates
-  if convert:
-    layers = layout.num_layers(templates["params"])
-    there = lambda t, ax: layout.unstack(t, layers, ax) if stacked else layout.stack(t, ax)
-    read = {
+  has = STACKED if stacked else PER_LAYER
+  layers = layout.num_layers(templates["params"])
+  there = lambda t, ax: layout.unstack(t, layers, ax) if stacked else layout.stack(t, ax)
+  other = []  # the layouts of steps read in the other one
+
+  def read_for(at: int | None) -> Mapping[str, Any]:
+    """The templates in the layout step `at` records (the latest: None)."""
+    had = recorded(ckpt, at)
+    if had is None or had == has:
+      return templates
+    other.append(had)
+    return {
       k: _converted(there, _abstract(v), k) if k in LAYER_AXIS else v for k, v in templates.items()
     }
+
   try:
     if latest:
-      items, meta, step = ckpt.restore_latest(read)
+      items, meta, step = ckpt.restore_latest(templates, templates_for=read_for)
     else:
-      items, meta = ckpt.restore(read, step)
+      items, meta = ckpt.restore(read_for(step), step)
       step = meta.get("step", step)
   except (ValueError, checkpointing.CheckpointError) as e:
-    if not convert:
+    if not other:
       raise
     raise workdir_lib.ConfigChanged(
-      f"config.model_scan_layers: {workdir}'s checkpoint stores the decoder blocks {had} and "
-      f"cannot be read as this run's {has} ones ({e})"
+      f"config.model_scan_layers: {workdir}'s checkpoint stores the decoder blocks "
+      f"{other[0]} and cannot be read as this run's {has} ones ({e})"
     ) from None
-  if convert:
+  had = meta.get("layers", PER_LAYER)
+  if had != has:
     back = lambda t, ax: layout.stack(t, ax) if stacked else layout.unstack(t, layers, ax)
-    items = {k: _placed_like(templates[k], _converted(back, v, k)) for k, v in items.items()}
-    print(f"read the checkpoint of step {step}'s decoder blocks {had} as {has}", flush=True)
+    # Item by item, each read copy dropped once converted: one item's worth of extra memory.
+    for k in [k for k in items if k in LAYER_AXIS]:
+      items[k] = _placed_like(templates[k], _converted(back, items.pop(k), k))
+    if jax.process_index() == 0:
+      print(f"read the checkpoint of step {step}'s decoder blocks {had} as {has}", flush=True)
   return items, meta, step
+
+
+def fingerprint_matches(recorded: str | None, base, stacked: bool) -> bool:
+  """Whether `recorded` (a checkpoint's record of a LoRA run's frozen base) is `base`'s
+  fingerprint in either layout: a checkpoint written in the other layout recorded the
+  digits of its own (`models.lora.fingerprint`, the other view computed without a copy)."""
+  if recorded == models.lora.fingerprint(base):
+    return True
+  layers = layout.num_layers(base)
+  other = (lambda t: layout.unstack(t, layers)) if stacked else layout.stack
+  return recorded == models.lora.fingerprint(base, view=other)
 
 
 def _converted(fn, item, name: str):

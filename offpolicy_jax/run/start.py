@@ -79,6 +79,14 @@ def base_record(base, model: str) -> dict[str, str] | None:
   return None if base is None else {"model": model, "fingerprint": models.lora.fingerprint(base)}
 
 
+def _same_base(want, record, base, stacked: bool) -> bool:
+  """Whether a checkpoint's base record `want` names this run's base (`record`) in either
+  layout of the decoder blocks."""
+  if want is None or record is None or want.get("model") != record["model"]:
+    return False
+  return relayout.fingerprint_matches(want.get("fingerprint"), base, stacked)
+
+
 def _signature(meta: dict[str, Any]) -> dict[str, Any] | None:
   """The signature of the rollout state a checkpoint holds (`Rollout.signature`)."""
   if "rollout" in meta:
@@ -152,11 +160,20 @@ def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str
     items, meta, start = relayout.restore(
       ckpt, templates, step=None, stacked=stacked, workdir=workdir, latest=True
     )
-    if meta.get("base") != record:
+    want = meta.get("base")
+    if want != record and not _same_base(want, record, base, stacked):
+      layers = meta.get("layers", relayout.PER_LAYER)
+      why = "config.model, the warm start or the checkpoint's files changed"
+      if layers != relayout.layout_of(params):  # a warm start in the other layout
+        why = (
+          f"the checkpoint's base stores its blocks {layers}: a warm start rebuilt with "
+          "config.model_scan_layers changed differs in the last bits; resume in the "
+          "checkpoint's layout"
+        )
       raise ValueError(
         f"{workdir}: the checkpoint of step {start} holds adapters of the base "
-        f"{meta.get('base')}, but this run's base is {record} (config.model, the warm start "
-        "or the checkpoint's files changed); refusing to resume on another base"
+        f"{meta.get('base')}, but this run's base is {record} ({why}); refusing to resume on "
+        "another base"
       )
     try:
       costs = costs_lib.from_meta(meta.get("costs"))

@@ -41,7 +41,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -279,7 +279,9 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint step {step} is corrupt ({e})", [(step, str(e))]) from None
 
   def restore_latest(
-    self, templates: Mapping[str, Any]
+    self,
+    templates: Mapping[str, Any],
+    templates_for: Callable[[int], Mapping[str, Any]] | None = None,
   ) -> tuple[dict[str, Any], dict[str, Any], int]:
     """Restores the items named in `templates` from the newest intact step, falling back.
 
@@ -293,6 +295,8 @@ class Checkpointer:
 
     Args:
       templates: as for `restore`.
+      templates_for: `step -> templates` where a step's items are stored otherwise
+        (`run.relayout`: another layout of the decoder blocks); default `templates`.
 
     Returns:
       (items by the names of `templates`, meta dict, the step restored).
@@ -310,7 +314,7 @@ class Checkpointer:
     failures: list[tuple[int, str]] = []
     for i, step in enumerate(steps):
       try:
-        items, meta = self._restore_step(templates, step)
+        items, meta = self._restore_step(templates_for(step) if templates_for else templates, step)
       except _Corrupt as e:
         failures.append((step, str(e)))
         then = f"falling back to step {steps[i + 1]}" if i + 1 < len(steps) else "no older step"
