@@ -78,7 +78,9 @@ def micro_batch_loss(
   )
   logp, ent, router, values = score(params, key, full=True)
   extra = {}
-  ref_logp = sg(score(ref_params)[0]) if o.needs_ref else None
+  # V-trace pays the critic's KL penalty per micro-batch (GAE's prepass pays it, `train_step`).
+  vtrace_kl = o.critic is not None and o.critic.kl_coef > 0 and o.critic.estimator == "vtrace"
+  ref_logp = sg(score(ref_params)[0]) if spec.needs_ref or vtrace_kl else None
   if spec.needs_ref:
     extra["ref_logp"] = ref_logp
   if spec.needs_proximal:
@@ -115,7 +117,7 @@ def micro_batch_loss(
     value_term, value_metrics = critic.value_loss(o.critic, values, targets, mb, out.loss_count)
     loss_sum = loss_sum + value_term
     metrics.update(value_metrics)
-    if o.critic.kl_coef > 0:
+    if vtrace_kl:
       metrics["critic/ref_kl"] = critic.ref_kl(mb, ref_logp)
   if router is not None:  # a model with experts (`models.moe.RouterStats`)
     aux = router.loss()

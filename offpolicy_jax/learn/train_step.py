@@ -115,10 +115,14 @@ def train_step(
   dkey = _dropout_key(graphdef, state.params, base, key)
   step_keys = lora_ops.fold_range(dkey, options.updates)  # one per optimizer step, or None
   m = batch_splits.micro_batches(options, rows)
+  gae: dict[str, Any] = {}
   if options.critic is not None and options.critic.estimator == "gae":
     values_of = lambda b: _scored(graphdef, options, state.params, base, b, m, "values")
-    ref_of = lambda b: _scored(graphdef, options, ref_params, base, b, m, "logp")
-    batch = critic.with_gae(options.critic, batch, values_of, ref_of)
+    ref = None  # the reference's log-probs of the batch, once, for the rewards' KL penalty
+    if options.critic.kl_coef > 0:
+      ref = jax.lax.stop_gradient(_scored(graphdef, options, ref_params, base, batch, m, "logp"))
+      gae["critic/ref_kl"] = red.results({"k": critic.ref_kl(batch, ref)})["k"]
+    batch = critic.with_gae(options.critic, batch, values_of, lambda _: ref)
   args = (graphdef, optimizer, options, ref_params, anchor, base)
 
   def one_step(st, mb, k):  # the one call of an optimizer step, on minibatch `mb`
@@ -141,7 +145,7 @@ def train_step(
 
     state, per_step = jax.lax.scan(scan_step, state, (order, step_keys))
     metrics = red.reduce(per_step)
-  out = {**critic.explained_variance(red.results(metrics)), **stale}
+  out = {**critic.explained_variance(red.results(metrics)), **stale, **gae}
   out |= diagnostics.mismatch_terms(batch)
   out["num_skipped"] = state.num_skipped
   out["version"] = state.version
