@@ -133,7 +133,8 @@ def test_signals_and_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path)
 
 
 def test_sweep_runs_and_writes_summary(tmp_path):
-  base = small_config(total_steps=3, checkpoint_every=0, eval_prompts=4)
+  # No warm start: each worker process would build and run its program for nothing checked here.
+  base = small_config(total_steps=3, checkpoint_every=0, eval_prompts=4, **{"sft.enabled": False})
   runs = [
     {"name": "onpolicy", "lag.sync_interval": 1},
     {"name": "offline", "lag.sync_interval": 1000},

@@ -31,23 +31,24 @@ OVERRIDES = {
   # Partial credit: rewards vary within groups from the first step, so losses
   # and gradients are not zero.
   "task_kwargs.partial_credit": True,
-  "total_steps": 12,
+  # Few steps (each costs about 1 s over gloo): the signal test stops a run before the
+  # step-4 checkpoint and kills one just after it, so its resume starts mid-run.
+  "total_steps": 8,
   "mesh.data": 8,
   "prompts_per_step": 8,
   "group_size": 4,
-  "sft.steps": 20,
+  "sft.steps": 8,
   "sft.batch_size": 16,
   "eval_every": 0,
   "eval_prompts": 8,
   "eval_samples": 2,
-  "checkpoint_every": 6,
+  "checkpoint_every": 4,
   "progress": False,
   "tensorboard": False,
 }
 # Wall-clock metrics differ between runs.
 TIMING = ("tokens_per_s", "step_time_s", "reward_time_s", "compiles")
-# Steps whose metrics must match the one-process run.
-COMPARED_STEPS = 6
+STEPS, EVERY = OVERRIDES["total_steps"], OVERRIDES["checkpoint_every"]
 TIMEOUT_S = 240
 # The processes' config file: the same `_config()` as the reference's.
 CONFIG_FILE = """
@@ -164,16 +165,16 @@ def test_two_processes_match_one_process(two_process_run, tmp_path):
   # Only process 0 writes metrics: one row per train step and the two evaluations.
   rows = _rows(workdir)
   train = _train_rows(rows)
-  assert [r["step"] for r in train] == list(range(1, 13))
-  assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 12]
+  assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+  assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, STEPS]
   assert not [p for p in os.listdir(os.path.dirname(workdir)) if p.startswith("metrics")]
   # Both processes took part in the orbax checkpoints; process 0 wrote the manifests.
-  for step in (6, 12):
+  for step in (EVERY, STEPS):
     assert os.path.exists(os.path.join(workdir, "checkpoints", str(step), MANIFEST))
 
   reference = _train_rows(loop.train_and_evaluate(_config(), str(tmp_path / "ref")))
   assert sum(r["reward_mean"] for r in reference) > 0  # the comparison covers a learning signal
-  for got, want in zip(train[:COMPARED_STEPS], reference[:COMPARED_STEPS], strict=True):
+  for got, want in zip(train, reference, strict=True):  # every step
     assert got.keys() == want.keys()
     for k in want:
       np.testing.assert_allclose(
@@ -216,7 +217,8 @@ def _signal_one_process_once_it_runs(workdir: str, index: int, sig: int) -> int:
 
 def test_signals_then_sigkill_then_resuming_both_continues_exactly(two_process_run, tmp_path):
   """SIGTERM process 1 alone: both processes stop after the same step, saved. Resumed,
-  SIGKILL right after the step-6 checkpoint; both restarted finish like the uninterrupted run.
+  SIGKILL right after the mid-run checkpoint (step EVERY); both restarted finish like the
+  uninterrupted run.
 
   Process 1 is signalled, not process 0: the stop is agreed by a gather over the
   processes, so the coordinator follows a signal it never received; a stop that
@@ -226,10 +228,10 @@ def test_signals_then_sigkill_then_resuming_both_continues_exactly(two_process_r
   """
   workdir = str(tmp_path / "mp" / "run")
   os.makedirs(os.path.dirname(workdir))
-  assert _signal_one_process_once_it_runs(workdir, 1, signal.SIGTERM) < 6
+  assert _signal_one_process_once_it_runs(workdir, 1, signal.SIGTERM) < EVERY
   procs = _launch(workdir)
-  manifest = os.path.join(workdir, "checkpoints", "6", MANIFEST)
-  _wait_for(manifest, procs, workdir, "no step-6 checkpoint before the processes ended")
+  manifest = os.path.join(workdir, "checkpoints", str(EVERY), MANIFEST)
+  _wait_for(manifest, procs, workdir, f"no step-{EVERY} checkpoint before the processes ended")
   for p in procs:  # freeze both, so neither gets far past the checkpoint
     p.send_signal(signal.SIGSTOP)
   procs[1].kill()
@@ -237,14 +239,14 @@ def test_signals_then_sigkill_then_resuming_both_continues_exactly(two_process_r
   for p in procs:
     p.wait()
   saved = [int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit()]
-  assert 6 <= max(saved) < 12
+  assert EVERY <= max(saved) < STEPS
 
   codes = _wait(_launch(workdir), workdir)
   assert codes == [0, 0], _logs(workdir)
   with open(os.path.join(os.path.dirname(workdir), "process0.log")) as f:
     assert f"resumed from step {max(saved)}" in f.read()
   got, want = _train_rows(_rows(workdir)), _train_rows(_rows(two_process_run))
-  assert [r["step"] for r in got] == list(range(1, 13))
+  assert [r["step"] for r in got] == list(range(1, STEPS + 1))
   for a, b in zip(got, want, strict=True):
     assert a.keys() == b.keys()
     for k in b:
