@@ -44,6 +44,11 @@ class OnSamplerMesh(Rollout):
     free_previous: free the previous copy before a reshard (one copy on the sampler's
       devices). False when several sampler threads advance at once (`lag.sampler_threads`):
       another thread may still decode with it, so it is dropped, not freed.
+    rows_back: move the finished rows to the trainer mesh (a sync step scores and packs
+      them there). False for the async producer, whose thread scores and packs them on the
+      sampler mesh and moves the packed batch: its programs then never share the trainer's
+      devices with the trainer's own (concurrent programs with collectives on the same
+      devices can stall each other past XLA's rendezvous timeout).
   """
 
   traced = False  # host code around the wrapped rollout's programs (placement and transfers)
@@ -55,9 +60,10 @@ class OnSamplerMesh(Rollout):
     trainer_mesh: Mesh,
     split: Callable,
     free_previous: bool = True,
+    rows_back: bool = True,
   ):
     self.inner, self.mesh, self.trainer_mesh, self._split = rollout, mesh, trainer_mesh, split
-    self.free_previous = free_previous
+    self.free_previous, self.rows_back = free_previous, rows_back
     self.copy = SamplerParams(mesh)
     # A LoRA run's frozen base on the sampler mesh, placed once (a list: shared by `around`).
     self._placed_base: list[Any] = []
@@ -92,7 +98,9 @@ class OnSamplerMesh(Rollout):
 
   def around(self, rollout: Rollout) -> OnSamplerMesh:
     """`rollout` in this placement, sharing its parameter copy (and base) with this one."""
-    placed = OnSamplerMesh(rollout, self.mesh, self.trainer_mesh, self._split, self.free_previous)
+    placed = OnSamplerMesh(
+      rollout, self.mesh, self.trainer_mesh, self._split, self.free_previous, self.rows_back
+    )
     placed.copy, placed._placed_base, placed._lock = self.copy, self._placed_base, self._lock
     return placed
 
@@ -124,6 +132,8 @@ class OnSamplerMesh(Rollout):
     placed = {**prompts, **transfer(device, row_shardings(device, self.mesh))}
     with jax.set_mesh(self.mesh):
       rstate, fin, inner = self.inner.advance(rstate, whole, version, placed, step, key, latest)
+    if not self.rows_back:
+      return rstate, fin, {**info, **inner}
     back = lambda tree: transfer(tree, row_shardings(tree, self.trainer_mesh))
     fin = Finished(
       {**prompts, **back(prompt_rows.device_prompts(fin.prompts))},

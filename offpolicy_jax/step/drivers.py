@@ -103,25 +103,29 @@ def make(
   run = _Run(fns, replay, seeds, sync)
   if seeds.stacked and (lag_mode == "async" or fns.sampler_mesh is not None):
     raise ValueError("seeds side by side run in lag.mode='sync' on the trainer's mesh only")
-  placement = placed(fns, sampler_threads)
-  if lag_mode == "async":
+  if lag_mode == "async":  # the producer's thread scores and packs on the sampler's mesh
+    placement = placed(fns, sampler_threads, rows_back=False)
     return Async(run, placement or fns.rollout, data, max_staleness, sampler_threads)
+  placement = placed(fns)
   if placement is None and one_program(fns):
     return Scanned(run, read)
   return Split(run, placement, read, may_prefetch)
 
 
-def placed(fns: StepFns, sampler_threads: int = 1) -> sampler_mesh.OnSamplerMesh | None:
+def placed(
+  fns: StepFns, sampler_threads: int = 1, rows_back: bool = True
+) -> sampler_mesh.OnSamplerMesh | None:
   """Where the run samples, chosen once per run for the sync step and the async producer
   alike: the run's rollout on the disaggregated sampler mesh (`OnSamplerMesh`, holding this
   run's parameter copy, so built per run: the components' `StepFns` outlive a run), or None:
   `fns.rollout` itself. Several sampler threads drop the previous copy instead of freeing
-  it (another thread may still decode with it)."""
+  it (another thread may still decode with it); `rows_back` (`OnSamplerMesh`)."""
   if fns.sampler_mesh is None:
     return None
   free = sampler_threads == 1
   mesh, trainer = fns.sampler_mesh, fns.model.mesh
-  return sampler_mesh.OnSamplerMesh(fns.rollout, mesh, trainer, fns.model.split, free)
+  split = fns.model.split
+  return sampler_mesh.OnSamplerMesh(fns.rollout, mesh, trainer, split, free, rows_back)
 
 
 class _Run:

@@ -5,9 +5,10 @@ scores and packs the batch; the trainer's `learning.learn` consumes it. The
 thread advances the run's own rollout, placed as the sync step's is
 (`drivers.placed`): in a disaggregated run it samples on the sampler's own
 mesh (`rollout.sampler_mesh.OnSamplerMesh`), resharding the published
-parameters onto it on this thread when their version is new, and its
-finished rows move back to the trainer mesh, so sampling overlaps training
-(reshards included). Batches
+parameters onto it on this thread when their version is new, scores and
+packs there, and moves the packed batch to the trainer mesh, so sampling
+overlaps training (reshards included) and the thread's programs never share
+the trainer's devices. Batches
 more than `lag.max_staleness` loop steps old are dropped (and counted).
 Multi-turn episodes (`rollout.episodes.WholeEpisodes`) look for newer parameters before
 every turn: an episode in flight continues under them, and each policy token
@@ -41,6 +42,7 @@ from offpolicy_jax import lag, models
 from offpolicy_jax.rewards import verifiers
 from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.rollout.protocol import Rollout
+from offpolicy_jax.scale import disagg, sharding
 from offpolicy_jax.step import host_step, run_state
 
 
@@ -124,13 +126,20 @@ class AsyncProducer:
       self._produced += 1
       step, local = self._produced, next(self._data)
     start = time.perf_counter()
-    prompts = prompt_rows.assemble_global(fns.model.mesh, local)
+    # A disaggregated run's thread scores and packs on the sampler's mesh, then moves the
+    # batch: its programs never share the trainer's devices with the trainer's own.
+    mesh = fns.sampler_mesh or fns.model.mesh
+    prompts = prompt_rows.assemble_global(mesh, local)
     # An episode continues under parameters published while it runs.
     latest = lambda: self._joined(*self.sampler.latest())
     full = models.lora.join(self._base, params)
     rollout, rstate = self._rollout, self._rstate
     args = (full, version, prompts, step, self._seed, latest)
-    rstate, batch, keep, info = host_step.collect(fns, rollout, rstate, *args)
+    own_mesh = jax.set_mesh(mesh) if fns.sampler_mesh is not None else contextlib.nullcontext()
+    with own_mesh:
+      rstate, batch, keep, info = host_step.collect(fns, rollout, rstate, *args)
+    if fns.sampler_mesh is not None:
+      batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.model.mesh))
     self._rstate = rstate
     info["keep"] = keep
     info["carried"] = carried(rollout, rstate) if rollout.item else None
