@@ -597,15 +597,14 @@ GROUPS: dict[str, Group] = {
         "reshard_time_s",
         "disaggregated sampler",
         "seconds",
-        "Time to reshard the parameters onto the sampler's devices, when the batch's behaviour"
-        " version is new to the sampler's copy (0 otherwise; in lag mode async, on the sampler"
-        " thread) ([docs/scaling_out.md](scaling_out.md)).",
+        "Time from the trainer's parameters being ready to the copy being on the sampler's devices"
+        " ([docs/scaling_out.md](scaling_out.md)).",
       ),
       M(
         "reshard_bytes",
         "disaggregated sampler",
         "bytes",
-        "Size of that copy (0 without a reshard).",
+        "Size of that copy.",
       ),
     ),
   ),

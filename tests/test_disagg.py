@@ -305,20 +305,11 @@ def test_async_disaggregated_run_learns_with_exact_staleness(tmp_path):
   )
   rows = _train_rows(loop.train_and_evaluate(config, str(tmp_path / "a")))
   assert [r["step"] for r in rows] == list(range(1, steps + 1))
-  params_bytes = rows[0]["reshard_bytes"]
-  assert params_bytes > 100_000 * 4  # the tiny model, float32
-  for prev, r in zip([None, *rows], rows, strict=False):
+  for r in rows:
     # Every batch records the version that sampled it: staleness is the trainer's lag behind it.
     assert r["staleness_max"] == r["staleness_mean"] == r["step"] - 1 - r["behavior_version"]
     assert 0 <= r["staleness_max"] <= 2
-    # The sampler thread reshards its copy when it samples with a newer version, not
-    # otherwise: a batch of the version before it reshards nothing; one of a newer
-    # version, with no batch dropped in between, reshards once.
-    new = prev is None or r["behavior_version"] != prev["behavior_version"]
-    if prev is None or r["async_dropped_batches"] == prev["async_dropped_batches"]:
-      assert r["reshard_bytes"] == params_bytes * new, r["step"]
-      assert (r["reshard_time_s"] > 0) == new, r["step"]
-  assert sum(r["reshard_bytes"] > 0 for r in rows) > steps // 2  # the copy follows the trainer
+    assert r["reshard_time_s"] > 0 and r["reshard_bytes"] > 0
   # Sampling overlaps training: a step takes less than sampling plus training one batch.
   later = rows[5:]
   step = np.mean([r["step_time_s"] for r in later])

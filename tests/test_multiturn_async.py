@@ -12,8 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from offpolicy_jax import types  # noqa: E402
 from offpolicy_jax.rollout import episodes  # noqa: E402
 from offpolicy_jax.run import components, loop  # noqa: E402
-from offpolicy_jax.scale import disagg  # noqa: E402
-from offpolicy_jax.step import drivers, host_step, run_state  # noqa: E402
+from offpolicy_jax.step import host_step, run_state  # noqa: E402
 from offpolicy_jax.store import metrics_files  # noqa: E402
 from tests.test_multiturn_run import _config  # noqa: E402
 
@@ -32,18 +31,6 @@ def _perturbed(params, seed):
   )
 
 
-def _turns_of_versions(batch, first: int, then: int):
-  """Checks that turn 0's policy tokens have version `first` and later turns' `then`:
-  `(mask, turn ids, later turns' tokens)`."""
-  mask = np.asarray(batch.mask) > 0
-  turn = np.asarray(types.turn_ids(batch.mask))
-  versions = np.asarray(batch.versions)
-  assert (versions[mask & (turn == 0)] == first).all()
-  later = mask & (turn > 0)
-  assert later.any() and (versions[later] == then).all()
-  return mask, turn, later
-
-
 def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
   components.clear_cache()
   cfg = _config(**{"rollout.score_old": True, "sft.enabled": False})
@@ -59,7 +46,12 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
 
   _, batch, _, stats = host_step.collect(fns, fns.rollout, None, p0, 5, prompts, 3, 0, latest)
   assert asked and stats["episode/parameter_updates"] == 1
-  mask, turn, later = _turns_of_versions(batch, first=5, then=7)
+  mask = np.asarray(batch.mask) > 0
+  turn = np.asarray(types.turn_ids(batch.mask))
+  versions = np.asarray(batch.versions)
+  assert (versions[mask & (turn == 0)] == 5).all()
+  later = mask & (turn > 0)
+  assert later.any() and (versions[later] == 7).all()
   # pi_old of each token is the learner's score at its own version's parameters.
   tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
   out = episodes.play(
@@ -80,31 +72,6 @@ def test_an_episode_continues_under_newer_parameters_with_per_token_versions():
   np.testing.assert_allclose(old[later], s1[later], atol=1e-5)
   # The behaviour log-probs of later turns were drawn under p1: they match its score.
   np.testing.assert_allclose(np.asarray(batch.behavior_logp)[later], s1[later], atol=1e-4)
-
-
-def test_episodes_on_a_sampler_mesh_reshard_its_copy_for_newer_parameters():
-  """The placed rollout (`OnSamplerMesh`) plays episodes on the sampler's 2 devices; newer
-  parameters published mid-episode reach it through the same copy, resharded once, and each
-  token's pi_old is scored after the episode under its own version's parameters."""
-  components.clear_cache()
-  placement = {"mesh.sampler_devices": 2, "mesh.data": 2, "mesh.tensor": 3}
-  cfg = _config(**{"sft.enabled": False, "rollout.score_old": True, **placement})
-  fns = components.build_components(cfg).fns
-  placed = drivers.placed(fns)
-  assert placed is not None and placed.mesh is fns.sampler_mesh
-  prompts = next(fns.prompts(seed=0))
-  p0 = fns.model.init_params(0)
-  p1 = _perturbed(p0, 1)
-  latest = lambda: (p1, 7)  # version 7 is published while turn 0 decodes
-  _, batch, _, stats = host_step.collect(fns, placed, None, p0, 5, prompts, 3, 0, latest)
-  assert stats["episode/parameter_updates"] == 1
-  one_copy = disagg.tree_bytes(p0)
-  assert stats["reshard_bytes"] == 2 * one_copy and stats["reshard_time_s"] > 0  # v5, then v7
-  assert batch.tokens.sharding.mesh == fns.model.mesh  # the rows are back on the trainer's mesh
-  _turns_of_versions(batch, first=5, then=7)
-  # The copy holds version 7 now: an episode of version 7 reshards nothing.
-  _, _, _, again = host_step.collect(fns, placed, None, p1, 7, prompts, 4, 0, latest)
-  assert again["reshard_bytes"] == 0 and again["episode/parameter_updates"] == 0
 
 
 def test_async_multi_turn_run_trains(tmp_path):

@@ -204,6 +204,7 @@ def test_flaky_environment_is_counted_and_the_run_goes_on(tmp_path):
       "lag.max_staleness",
     ),
     ({"rollout.continuous_slots": 2}, "rollout.continuous_slots"),
+    ({"mesh.sampler_devices": 2}, "mesh.sampler_devices"),
     ({"multiturn.turn_tokens": 99}, "multiturn.turn_tokens"),
   ],
 )

@@ -9,18 +9,10 @@ sampler mesh (with adapters only the adapters; the frozen base is placed
 once). The step's prompts move to the sampler mesh, the wrapped rollout runs
 there, and its finished rows move back to the trainer mesh, rows over the
 trainer's batch axes, where the step scores, packs and learns.
-
-The placement is chosen once per run, by the run's driver (`step.drivers.placed`;
-not with the cached components, since it holds the run's parameter copy): a
-sync run's step and the async producer's sampler thread advance the same
-placed rollout, so the copy is resharded on the thread that samples, only for
-versions it samples with. Episodes continuing under newer parameters
-(`latest`) reshard the same copy.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -41,33 +33,14 @@ class OnSamplerMesh(Rollout):
     mesh: the sampler's mesh (`StepFns.sampler_mesh`).
     trainer_mesh: the trainer's mesh (`StepFns.model.mesh`).
     split: whole model state -> `(frozen base or None, trainable)` (`StepFns.model.split`).
-    free_previous: free the previous copy before a reshard (one copy on the sampler's
-      devices). False when several sampler threads advance at once (`lag.sampler_threads`):
-      another thread may still decode with it, so it is dropped, not freed.
-    rows_back: move the finished rows to the trainer mesh (a sync step scores and packs
-      them there). False for the async producer, whose thread scores and packs them on the
-      sampler mesh and moves the packed batch: its programs then never share the trainer's
-      devices with the trainer's own (concurrent programs with collectives on the same
-      devices can stall each other past XLA's rendezvous timeout).
   """
 
   traced = False  # host code around the wrapped rollout's programs (placement and transfers)
 
-  def __init__(
-    self,
-    rollout: Rollout,
-    mesh: Mesh,
-    trainer_mesh: Mesh,
-    split: Callable,
-    free_previous: bool = True,
-    rows_back: bool = True,
-  ):
+  def __init__(self, rollout: Rollout, mesh: Mesh, trainer_mesh: Mesh, split: Callable):
     self.inner, self.mesh, self.trainer_mesh, self._split = rollout, mesh, trainer_mesh, split
-    self.free_previous, self.rows_back = free_previous, rows_back
     self.copy = SamplerParams(mesh)
-    # A LoRA run's frozen base on the sampler mesh, placed once (a list: shared by `around`).
-    self._placed_base: list[Any] = []
-    self._lock = threading.Lock()  # sampler threads share the copy
+    self.base: Any = None  # a LoRA run's frozen base on the sampler mesh, placed once
 
   @property
   def prefetch(self) -> bool:
@@ -93,47 +66,27 @@ class OnSamplerMesh(Rollout):
     return self.inner.signature()
 
   def with_sampler(self, sampler) -> Rollout:
-    """The same placement and parameter copy around the inner kind's switched sampler."""
-    return self.around(self.inner.with_sampler(sampler))
-
-  def around(self, rollout: Rollout) -> OnSamplerMesh:
-    """`rollout` in this placement, sharing its parameter copy (and base) with this one."""
-    placed = OnSamplerMesh(
-      rollout, self.mesh, self.trainer_mesh, self._split, self.free_previous, self.rows_back
-    )
-    placed.copy, placed._placed_base, placed._lock = self.copy, self._placed_base, self._lock
-    return placed
-
-  def _on_mesh(self, params, version, free: bool) -> tuple[Any, dict[str, Any]]:
-    """The whole model at `version` on the sampler mesh (resharded when the copy is another
-    version's; the previous copy freed with `free`), and `reshard_time_s` / `reshard_bytes`
-    (0 without a reshard)."""
-    base, trainable = self._split(params)
-    info: dict[str, Any] = {"reshard_time_s": 0.0, "reshard_bytes": 0}
-    with self._lock:
-      if base is not None and not self._placed_base:
-        self._placed_base.append(jax.block_until_ready(SamplerParams(self.mesh).place(base)))
-      if version != self.copy.version:
-        info = self.copy.sync(trainable, version, free=free)
-      placed_base = self._placed_base[0] if self._placed_base else None
-      return models.lora.join(placed_base, self.copy.params), info
+    inner = self.inner.with_sampler(sampler)
+    return OnSamplerMesh(inner, self.mesh, self.trainer_mesh, self._split)
 
   def advance(self, rstate, params, version, prompts, step, key, latest=None):
     """The wrapped `advance` on the sampler mesh; reshards the copy when `version` changed.
 
     Returns the wrapped rollout's `(rstate, finished, info)` with `finished` on
     the trainer mesh, and in `info` `reshard_time_s` and `reshard_bytes` (0
-    without a reshard; with `latest`, the sum over the episode's reshards).
+    without a reshard).
     """
-    whole, info = self._on_mesh(params, version, self.free_previous)
-    if latest is not None:  # newer parameters reach the episode through the same copy
-      latest = self._latest(latest, info)
+    base, trainable = self._split(params)
+    if base is not None and self.base is None:
+      self.base = jax.block_until_ready(SamplerParams(self.mesh).place(base))
+    info: dict[str, Any] = {"reshard_time_s": 0.0, "reshard_bytes": 0}
+    if version != self.copy.version:
+      info = self.copy.sync(trainable, version)
     device = prompt_rows.device_prompts(prompts)
     placed = {**prompts, **transfer(device, row_shardings(device, self.mesh))}
     with jax.set_mesh(self.mesh):
+      whole = models.lora.join(self.base, self.copy.params)
       rstate, fin, inner = self.inner.advance(rstate, whole, version, placed, step, key, latest)
-    if not self.rows_back:
-      return rstate, fin, {**info, **inner}
     back = lambda tree: transfer(tree, row_shardings(tree, self.trainer_mesh))
     fin = Finished(
       {**prompts, **back(prompt_rows.device_prompts(fin.prompts))},
@@ -145,19 +98,3 @@ class OnSamplerMesh(Rollout):
     )
     # Device values stay on device: fetching them here would wait for the whole decode.
     return rstate, fin, {**info, **inner}
-
-  def _latest(self, latest: Callable, info: dict[str, Any]) -> Callable:
-    """`latest` giving the newest parameters on the sampler mesh; adds its reshards to `info`.
-
-    The copy an episode started with is dropped, not freed: the episode's tokens of
-    earlier versions are scored under it (pi_old) after its last turn.
-    """
-
-    def on_mesh():
-      params, version = latest()
-      whole, more = self._on_mesh(params, version, False)
-      info["reshard_time_s"] += more["reshard_time_s"]
-      info["reshard_bytes"] += more["reshard_bytes"]
-      return whole, version
-
-    return on_mesh

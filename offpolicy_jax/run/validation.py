@@ -382,16 +382,14 @@ def _validate_multiturn(c) -> None:
     f"a turn of {mt.turn_tokens} tokens does not fit the trajectory's max_new_tokens = "
     f"{c.max_new_tokens}",
   )
-  # The continuous sampler samples whole single-turn responses without stopping for the
-  # environment (partial rollouts of episodes are `rollout.episode_pool`; under
-  # lag.mode='async' an episode in flight continues under the parameters published while it
-  # runs, `episodes.WholeEpisodes`).
-  field = "rollout.continuous_slots"
-  errors.need(
-    not c.rollout.continuous_slots,
-    field,
-    f"multi-turn episodes (multiturn.max_turns > 0) do not take {field}",
-  )
+  # Each of these samples whole single-turn responses without stopping for the environment
+  # (partial rollouts of episodes are `rollout.episode_pool`; under lag.mode='async' an episode
+  # in flight continues under the parameters published while it runs, `episodes.WholeEpisodes`).
+  for field, on in (
+    ("rollout.continuous_slots", c.rollout.continuous_slots),
+    ("mesh.sampler_devices", c.mesh.sampler_devices),
+  ):
+    errors.need(not on, field, f"multi-turn episodes (multiturn.max_turns > 0) do not take {field}")
 
 
 def _validate_sft(c) -> None:

@@ -240,20 +240,15 @@ class SamplerParams:
       self.shardings = sharding.tree_shardings(params, self.mesh)
     return transfer(params, self.shardings, gather=True, donate=donate)
 
-  def sync(
-    self, params: Any, version: int, *, donate: bool = False, free: bool = True
-  ) -> dict[str, Any]:
+  def sync(self, params: Any, version: int, *, donate: bool = False) -> dict[str, Any]:
     """Reshards `params` onto the sampler mesh as `version`, freeing the previous copy first.
-
-    With `free` false the previous copy is not freed but dropped: a decode still
-    running with it (another sampler thread's) keeps it alive until it ends.
 
     Returns:
       `reshard_time_s` (wall time until the copy is on the sampler's devices)
       and `reshard_bytes` (one copy).
     """
     begin = time.perf_counter()
-    if free and self.params is not None:  # nothing samples with it now: free it first
+    if self.params is not None:  # nothing samples with it now: free it before the new copy lands
       for x in jax.tree.leaves(self.params):
         x.delete()
     self.params = jax.block_until_ready(self.place(params, donate=donate))

@@ -52,7 +52,7 @@ class Driver(Protocol):
   """How a run advances (module docstring)."""
 
   fns: StepFns
-  rollout: Rollout  # the rollout whose carried state the checkpoints hold (`StepFns.rollout`)
+  rollout: Rollout  # the rollout whose carried state the checkpoints hold (placed or not)
   max_chunk: int  # loop steps one call of `steps` may take
 
   @property
@@ -103,29 +103,16 @@ def make(
   run = _Run(fns, replay, seeds, sync)
   if seeds.stacked and (lag_mode == "async" or fns.sampler_mesh is not None):
     raise ValueError("seeds side by side run in lag.mode='sync' on the trainer's mesh only")
-  if lag_mode == "async":  # the producer's thread scores and packs on the sampler's mesh
-    placement = placed(fns, sampler_threads, rows_back=False)
-    return Async(run, placement or fns.rollout, data, max_staleness, sampler_threads)
-  placement = placed(fns)
-  if placement is None and one_program(fns):
+  if lag_mode == "async":
+    return Async(run, data, max_staleness, sampler_threads)
+  if fns.sampler_mesh is not None:  # a sync run samples on its own mesh
+    placed = sampler_mesh.OnSamplerMesh(
+      fns.rollout, fns.sampler_mesh, fns.model.mesh, fns.model.split
+    )
+    return Split(run, placed, read, may_prefetch, placed=placed)
+  if one_program(fns):
     return Scanned(run, read)
-  return Split(run, placement, read, may_prefetch)
-
-
-def placed(
-  fns: StepFns, sampler_threads: int = 1, rows_back: bool = True
-) -> sampler_mesh.OnSamplerMesh | None:
-  """Where the run samples, chosen once per run for the sync step and the async producer
-  alike: the run's rollout on the disaggregated sampler mesh (`OnSamplerMesh`, holding this
-  run's parameter copy, so built per run: the components' `StepFns` outlive a run), or None:
-  `fns.rollout` itself. Several sampler threads drop the previous copy instead of freeing
-  it (another thread may still decode with it); `rows_back` (`OnSamplerMesh`)."""
-  if fns.sampler_mesh is None:
-    return None
-  free = sampler_threads == 1
-  mesh, trainer = fns.sampler_mesh, fns.model.mesh
-  split = fns.model.split
-  return sampler_mesh.OnSamplerMesh(fns.rollout, mesh, trainer, split, free, rows_back)
+  return Split(run, fns.rollout, read, may_prefetch)
 
 
 class _Run:
@@ -188,15 +175,16 @@ class Split:
   def __init__(
     self,
     run: _Run,
-    placement: sampler_mesh.OnSamplerMesh | None,
+    rollout: Rollout,
     read: Read,
     may_prefetch: Callable[[int], bool],
+    placed: sampler_mesh.OnSamplerMesh | None = None,
   ):
-    """`placement`: the run's rollout on its sampler mesh (`placed`), or None."""
-    self.fns, self._run, self._placement = run.fns, run, placement
-    self.rollout: Rollout = placement or run.fns.rollout
+    """`rollout` is the one the step advances: `placed` (the run's rollout on a sampler mesh,
+    whose copy of the parameters a switched sampler keeps) or the run's own."""
+    self.fns, self.rollout, self._run, self._placed = run.fns, rollout, run, placed
     self._read, self._may_prefetch = read, may_prefetch
-    self._host = host_step.Stepper(run.fns, self.rollout, run.seeds, run.schedule)
+    self._host = host_step.Stepper(run.fns, rollout, run.seeds, run.schedule)
 
   @property
   def prefetched(self) -> bool:
@@ -227,11 +215,11 @@ class Split:
     return state, [row]
 
   def switch(self, fns: StepFns) -> None:
-    # A placed rollout keeps its placement and parameter copy around the switched kind.
     self.fns = fns
-    if self._placement is not None:
-      self._placement = self._placement.around(fns.rollout)
-    self.rollout = self._placement or fns.rollout
+    if self._placed is not None:  # the same placement and parameter copy
+      self._placed.inner = fns.rollout
+    else:
+      self.rollout = fns.rollout
     self._host.fns, self._host.rollout = fns, self.rollout
 
   def close(self) -> None:
@@ -243,8 +231,8 @@ class Async:
 
   max_chunk = 1
 
-  def __init__(self, run: _Run, rollout: Rollout, data, max_staleness: int, threads: int = 1):
-    self.fns, self.rollout, self._run = run.fns, rollout, run
+  def __init__(self, run: _Run, data, max_staleness: int, threads: int = 1):
+    self.fns, self.rollout, self._run = run.fns, run.fns.rollout, run
     self._data, self._max_staleness, self._threads = data, max_staleness, threads
     self._prod: producer.AsyncProducer | None = None
 
@@ -257,7 +245,6 @@ class Async:
     if self._prod is None:  # the producer starts from the first step's state
       self._prod = producer.AsyncProducer(
         self.fns,
-        self.rollout,
         state.train.params,
         step,
         self._data,
@@ -277,7 +264,7 @@ class Async:
     fn = run.programs(self.fns, state).learn
     step_a = sharding.replicated_int(run.mesh, step)
     state, row = fn(state, batch, step_a, run.seed, run.schedule, keep)
-    self._prod.publish(state.train.params, step)
+    published = self._prod.publish(state.train.params, step)
     big = jnp.iinfo(jnp.int32).max
     rows = (batch.mask > 0) & (batch.weights > 0)[:, None]  # the groups that finished
     oldest_a = jnp.min(jnp.where(rows, batch.versions, big))
@@ -285,6 +272,7 @@ class Async:
     oldest = int(oldest_a)
     row["behavior_version"] = oldest if oldest != big else self.fns.learner.version(step - 1)
     row.update(info)
+    row.update(published)
     row["time/sample_s"] = row.pop("sample_time_s")
     row["time/wait_s"] = t1 - t0
     row["time/train_s"] = time.perf_counter() - t1

@@ -1,14 +1,10 @@
 """`lag.mode="async"`: a sampler thread runs the rollout half ahead of the trainer.
 
 The thread samples with the latest published parameters (`SamplerThread`),
-scores and packs the batch; the trainer's `learning.learn` consumes it. The
-thread advances the run's own rollout, placed as the sync step's is
-(`drivers.placed`): in a disaggregated run it samples on the sampler's own
-mesh (`rollout.sampler_mesh.OnSamplerMesh`), resharding the published
-parameters onto it on this thread when their version is new, scores and
-packs there, and moves the packed batch to the trainer mesh, so sampling
-overlaps training (reshards included) and the thread's programs never share
-the trainer's devices. Batches
+scores and packs the batch; the trainer's `learning.learn` consumes it. In a
+disaggregated run (`disagg`) the thread samples on the sampler's own mesh,
+each publish reshards the parameters onto it, and each batch moves to the
+trainer mesh on the thread, so sampling overlaps training. Batches
 more than `lag.max_staleness` loop steps old are dropped (and counted).
 Multi-turn episodes (`rollout.episodes.WholeEpisodes`) look for newer parameters before
 every turn: an episode in flight continues under them, and each policy token
@@ -71,14 +67,13 @@ class AsyncProducer:
 
   Args:
     fns: the run's step functions.
-    rollout: the rollout the thread advances: the run's, placed (`drivers.placed`).
     params: the parameters to start sampling with (copied).
     step: the loop step the run is at (versions are in optimizer steps: step * U).
     data_iter: the shared prompt iterator.
     seed: the run's seed.
     max_staleness: in loop steps; 0 for no bound.
-    base: the frozen base of adapter `params` (`RunState.base`); only adapters are
-      published.
+    base: the frozen base of adapter `params` (`RunState.base`), placed on the
+      sampler's mesh once; only adapters are published afterwards.
     rstate: the rollout's carried state to start from (`RunState.rollout`; copied).
     threads: sampler threads (`lag.sampler_threads`), each with a batch in flight and
       its own lane of verifier workers (`rewards.verifiers.lane`); a kind with
@@ -88,7 +83,6 @@ class AsyncProducer:
   def __init__(
     self,
     fns: run_state.StepFns,
-    rollout: Rollout,
     params,
     step: int,
     data_iter,
@@ -98,7 +92,8 @@ class AsyncProducer:
     rstate=None,
     threads: int = 1,
   ):
-    self._fns, self._rollout, self._data, self._seed = fns, rollout, data_iter, seed
+    self._fns, self._data, self._seed = fns, data_iter, seed
+    rollout = fns.rollout
     if rollout.item and threads > 1:
       raise ValueError(
         f"lag.sampler_threads: {threads} threads, but a rollout with carried state "
@@ -109,13 +104,22 @@ class AsyncProducer:
       rollout.restore(rollout.init(), *carried(rollout, rstate)) if rollout.item else None
     )
     self._counted = (0.0, 0.0)  # the sampler's busy seconds and dropped tokens already reported
-    self._produced, self._base = step, base
+    self._produced = step
+    self._mesh = fns.sampler_mesh or fns.model.mesh
+    self._copy, place = None, None
+    self._base = base
+    if fns.sampler_mesh is not None:
+      self._copy = copy = disagg.SamplerParams(fns.sampler_mesh)
+      place = lambda p: jax.block_until_ready(copy.place(p))
+      if base is not None:
+        self._base = jax.block_until_ready(disagg.SamplerParams(fns.sampler_mesh).place(base))
     bound = fns.learner.version(max_staleness) or 2**30
     self.sampler = SamplerThread(
       self._sample,
       params,
       fns.learner.version(step),
       max_staleness=bound,
+      place=place,
       threads=threads,
       thread_context=verifiers.lane,
     )
@@ -126,23 +130,20 @@ class AsyncProducer:
       self._produced += 1
       step, local = self._produced, next(self._data)
     start = time.perf_counter()
-    # A disaggregated run's thread scores and packs on the sampler's mesh, then moves the
-    # batch: its programs never share the trainer's devices with the trainer's own.
-    mesh = fns.sampler_mesh or fns.model.mesh
-    prompts = prompt_rows.assemble_global(mesh, local)
+    prompts = prompt_rows.assemble_global(self._mesh, local)
+    own_mesh = jax.set_mesh(self._mesh) if self._copy else contextlib.nullcontext()
     # An episode continues under parameters published while it runs.
     latest = lambda: self._joined(*self.sampler.latest())
-    full = models.lora.join(self._base, params)
-    rollout, rstate = self._rollout, self._rstate
-    args = (full, version, prompts, step, self._seed, latest)
-    own_mesh = jax.set_mesh(mesh) if fns.sampler_mesh is not None else contextlib.nullcontext()
     with own_mesh:
+      full = models.lora.join(self._base, params)
+      rollout, rstate = fns.rollout, self._rstate
+      args = (full, version, prompts, step, self._seed, latest)
       rstate, batch, keep, info = host_step.collect(fns, rollout, rstate, *args)
-    if fns.sampler_mesh is not None:
-      batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.model.mesh))
     self._rstate = rstate
     info["keep"] = keep
     info["carried"] = carried(rollout, rstate) if rollout.item else None
+    if self._copy is not None:  # to the trainer mesh, on this thread
+      batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.model.mesh))
     info["prompts_truncated"] = int((local["truncated"] & local["valid"]).sum())
     info["sample_time_s"] = time.perf_counter() - start
     return batch, info
@@ -166,9 +167,24 @@ class AsyncProducer:
     self._counted = (stats["busy_s"], stats["dropped_tokens"])
     return batch, info
 
-  def publish(self, params, step: int) -> None:
-    """Hands the trainer's parameters after `step` to the sampler (copied: the state is donated)."""
+  def publish(self, params, step: int) -> dict[str, Any]:
+    """Hands the trainer's parameters after `step` to the sampler (copied: the state is donated).
+
+    Returns:
+      In a disaggregated run, `reshard_time_s` (from the trainer's step being
+      done to the copy being on the sampler's devices) and `reshard_bytes`;
+      else nothing.
+    """
+    if self._copy is None:
+      self.sampler.publish(params, self._fns.learner.version(step))
+      return {}
+    jax.block_until_ready(params)  # the trainer's step is done: time only the copy
+    begin = time.perf_counter()
     self.sampler.publish(params, self._fns.learner.version(step))
+    return {
+      "reshard_time_s": time.perf_counter() - begin,
+      "reshard_bytes": disagg.tree_bytes(params),
+    }
 
   def close(self) -> None:
     self.sampler.close()
@@ -183,10 +199,6 @@ def carried(rollout: Rollout, rstate) -> tuple[Any, dict[str, Any]]:
   """
   arrays = jax.tree.map(_copy, rollout.arrays(rstate))
   return arrays, copy.deepcopy(rollout.meta(rstate))
-
-
-def _copied(params):
-  return jax.tree.map(jnp.copy, params)
 
 
 def _copy(x):
@@ -204,8 +216,9 @@ class SamplerThread:
   batches whose oldest token is too stale are discarded; with
   ``mode="weight"`` stale rows keep their place but their
   ``TrainBatch.weights`` are multiplied by ``stale_weight``. Both are counted
-  in :attr:`stats`. Published parameters are copied on their devices (the
-  trainer donates its state). With ``threads`` > 1,
+  in :attr:`stats`. ``place`` makes the sampler's copy of published
+  parameters (default: a device copy; a disaggregated run reshards them onto
+  the sampler's mesh, `disagg.SamplerParams.place`). With ``threads`` > 1,
   that many threads call ``sample_fn`` at once (it must allow that), each
   inside ``thread_context(i)`` when given, so several batches are in flight;
   ``stats["busy_s"]`` counts the seconds in which at least one was sampling.
@@ -230,6 +243,7 @@ class SamplerThread:
     mode: str = "drop",
     stale_weight: float = 0.0,
     queue_size: int = 2,
+    place: Callable[[Any], Any] | None = None,
     threads: int = 1,
     thread_context: Callable[[int], Any] | None = None,
   ):
@@ -242,7 +256,8 @@ class SamplerThread:
     if threads < 1:
       raise ValueError(f"threads must be >= 1, got {threads}")
     self._sample_fn = sample_fn
-    self._latest = (_copied(params), int(version))
+    self._place = place or (lambda p: jax.tree.map(jnp.copy, p))
+    self._latest = (self._place(params), int(version))
     self._lock = threading.Lock()
     self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
     self._stop = threading.Event()
@@ -274,9 +289,9 @@ class SamplerThread:
   def publish(self, params: Any, version: int) -> None:
     """Makes ``params`` (at ``version``) the sampler's parameters from now on.
 
-    A device copy is taken, so the trainer may donate its state afterwards.
+    A device copy is taken (by `place`), so the trainer may donate its state afterwards.
     """
-    params = _copied(params)
+    params = self._place(params)
     with self._lock:
       self._latest = (params, int(version))
 
