@@ -155,6 +155,7 @@ BAD = [
   ("critic.c_bar", 0.0, "critic.c_bar"),
   ("critic.whiten", "yes", "critic.whiten"),
   ("critic.lr_scale", 0.0, "critic.lr_scale"),
+  ("critic.kl_coef", -0.1, "critic.kl_coef"),
 ]
 
 
