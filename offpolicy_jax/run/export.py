@@ -73,7 +73,7 @@ def _restore(workdir: str, comps, step: int | None):
     want = meta.get("base") or {}
     got = models.lora.fingerprint(base)
     stacked = comps.fns.model.stacked
-    if not relayout.fingerprint_matches(want.get("fingerprint"), base, stacked):
+    if not relayout.fingerprint_matches(want.get("fingerprint"), base, stacked, got):
       raise ValueError(
         f"{workdir}: the checkpoint's adapters belong to the base {want}, but the rebuilt "
         f"base has fingerprint {got} (config.model or its files changed, or a warm start"

@@ -108,11 +108,12 @@ def restore(
   return items, meta, step
 
 
-def fingerprint_matches(recorded: str | None, base, stacked: bool) -> bool:
+def fingerprint_matches(recorded: str | None, base, stacked: bool, own: str | None = None) -> bool:
   """Whether `recorded` (a checkpoint's record of a LoRA run's frozen base) is `base`'s
   fingerprint in either layout: a checkpoint written in the other layout recorded the
-  digits of its own (`models.lora.fingerprint`, the other view computed without a copy)."""
-  if recorded == models.lora.fingerprint(base):
+  digits of its own (`models.lora.fingerprint`, the other view computed without a copy).
+  `own`: `base`'s own digits when the caller has them already."""
+  if recorded == (own or models.lora.fingerprint(base)):
     return True
   layers = layout.num_layers(base)
   other = (lambda t: layout.unstack(t, layers)) if stacked else layout.stack

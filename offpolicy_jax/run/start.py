@@ -84,7 +84,7 @@ def _same_base(want, record, base, stacked: bool) -> bool:
   layout of the decoder blocks."""
   if want is None or record is None or want.get("model") != record["model"]:
     return False
-  return relayout.fingerprint_matches(want.get("fingerprint"), base, stacked)
+  return relayout.fingerprint_matches(want.get("fingerprint"), base, stacked, record["fingerprint"])
 
 
 def _signature(meta: dict[str, Any]) -> dict[str, Any] | None:
@@ -164,7 +164,7 @@ def restore_or_init(comps: Components, ckpt, data_iter, workdir: str, model: str
     if want != record and not _same_base(want, record, base, stacked):
       layers = meta.get("layers", relayout.PER_LAYER)
       why = "config.model, the warm start or the checkpoint's files changed"
-      if layers != relayout.layout_of(params):  # a warm start in the other layout
+      if layers != (relayout.STACKED if stacked else relayout.PER_LAYER):  # a warm start
         why = (
           f"the checkpoint's base stores its blocks {layers}: a warm start rebuilt with "
           "config.model_scan_layers changed differs in the last bits; resume in the "
