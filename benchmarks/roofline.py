@@ -44,10 +44,20 @@ def median_time(fn, *args, repeats: int) -> float:
   return float(np.median(times))
 
 
-def matmul_peak(size: int = 2048, repeats: int = 5) -> float:
-  """Median FLOP/s of a jitted float32 [size, size] @ [size, size]."""
-  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-  return 2 * size**3 / median_time(jax.jit(jnp.dot), a, a, repeats=repeats)
+def matmul_peak(size: int = 2048, repeats: int = 5, dtype=jnp.float32, chain: int = 1) -> float:
+  """Median FLOP/s of `chain` jitted [size, size] @ [size, size] products run as one program.
+
+  On an accelerator one product can take as long as the call's dispatch (4096^3 in bf16 is
+  about 0.2 ms on an H200), so a chain of products in one program is timed there.
+  """
+  a = jax.random.normal(jax.random.key(0), (size, size), dtype)
+  scale = jnp.asarray(size**-0.5, dtype)  # keeps the chained products' entries O(1)
+
+  @jax.jit
+  def products(x):
+    return jax.lax.fori_loop(0, chain, lambda _, y: (y @ a) * scale, x)
+
+  return chain * 2 * size**3 / median_time(products, a, repeats=repeats)
 
 
 def memory_bandwidth(mib: int = 512, repeats: int = 5) -> float:
