@@ -37,6 +37,7 @@ fields (`config.study.*`) are `STUDY_FIELDS`. `python -m offpolicy_jax.config_re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -260,6 +261,17 @@ RUN_FIELDS: tuple[Field, ...] = (
      "Per-token KL penalty in the critic's rewards: every policy token pays -kl_coef (log mu - "
      "log pi_ref) against the run's starting parameters (learn.critic; PPO for language "
      "models' token-level KL; 0 = none). Keeps the reference parameters.", Float(0)),
+  _F("critic.prompt_pool", 1, PROGRAM,
+     "Prompt values (V_0, rollout.prompt_filter): read this many candidate prompts per prompt "
+     "sampled and keep, of each run of them, the one the critic's value at the prompt predicts "
+     "least likely to give a group of equal rewards; 1 = off (every prompt read is sampled). "
+     "Needs a critic.", _POS),
+  _F("critic.prompt_wrong", 0.0, PROGRAM,
+     "The reward of a wrong response, for critic.prompt_pool's predicted success rate.",
+     Float(-math.inf)),
+  _F("critic.prompt_right", 1.0, PROGRAM,
+     "The reward of a right response (> critic.prompt_wrong), for critic.prompt_pool.",
+     Float(-math.inf)),
   _F("critic.lr_scale", 10.0, PROGRAM,
      "The value head's own AdamW learning rate, as a multiple of optimizer.learning_rate (the "
      "same schedule); the shared trunk follows the policy's optimizer.", Float(0, lo_open=True)),

@@ -191,6 +191,18 @@ class CriticSpec:
   #: token-level KL; 0 = none). Keeps the reference parameters.
   kl_coef: float
 
+  #: Prompt values (V_0, rollout.prompt_filter): read this many candidate prompts per prompt
+  #: sampled and keep, of each run of them, the one the critic's value at the prompt predicts
+  #: least likely to give a group of equal rewards; 1 = off (every prompt read is sampled).
+  #: Needs a critic.
+  prompt_pool: int
+
+  #: The reward of a wrong response, for critic.prompt_pool's predicted success rate.
+  prompt_wrong: float
+
+  #: The reward of a right response (> critic.prompt_wrong), for critic.prompt_pool.
+  prompt_right: float
+
   #: The value head's own AdamW learning rate, as a multiple of optimizer.learning_rate (the
   #: same schedule); the shared trunk follows the policy's optimizer.
   lr_scale: float

@@ -1207,6 +1207,37 @@ GROUPS: dict[str, Group] = {
       ),
     ),
   ),
+  "v0": Group(
+    "prompt values",
+    "Rows of a run that chooses its prompts by the critic's values (`critic.prompt_pool` > 1, "
+    "`rollout.prompt_filter`): of each run of `critic.prompt_pool` candidate prompts it samples "
+    "the one whose value at the prompt, V_0, predicts the group least likely to have equal "
+    "rewards; with p the predicted success rate, P(all equal) = p^K + (1 - p)^K.",
+    (
+      M(
+        "v0/predicted_all_equal",
+        "critic.prompt_pool > 1",
+        "fraction",
+        "P(all equal) averaged over the step's sampled prompts: the prediction of the measured "
+        "`groups_all_equal`.",
+        study="csv",
+      ),
+      M(
+        "v0/predicted_all_equal_pool",
+        "critic.prompt_pool > 1",
+        "fraction",
+        "P(all equal) averaged over all the step's candidates: what sampling them unchosen "
+        "would have given, predicted; its gap to `v0/predicted_all_equal` is what the choice "
+        "expects to save.",
+      ),
+      M(
+        "v0/value_mean",
+        "critic.prompt_pool > 1",
+        "reward",
+        "Mean V_0 of the step's sampled prompts, read beside `reward_mean`.",
+      ),
+    ),
+  ),
 }
 
 # TensorBoard groups of the keys not declared one by one (a name ending in "*" is a prefix).

@@ -156,6 +156,9 @@ BAD = [
   ("critic.whiten", "yes", "critic.whiten"),
   ("critic.lr_scale", 0.0, "critic.lr_scale"),
   ("critic.kl_coef", -0.1, "critic.kl_coef"),
+  ("critic.prompt_pool", 0, "critic.prompt_pool"),
+  ("critic.prompt_wrong", float("nan"), "critic.prompt_wrong"),
+  ("critic.prompt_right", float("inf"), "critic.prompt_right"),
 ]
 
 

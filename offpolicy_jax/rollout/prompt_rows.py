@@ -132,11 +132,13 @@ def prompt_iterator(
   split: str = "train",
   batch_size: int | None = None,
   truncate: bool = False,
+  candidates: int = 1,
 ):
   """The grain iterator over tokenized prompts (shuffled by `seed` for training).
 
-  Training batches (no `batch_size`: `sizes.prompts_per_step` prompts) are
-  this process's block of rows of the global batch; an explicit `batch_size`
+  Training batches (no `batch_size`: `candidates * sizes.prompts_per_step`
+  prompts, `candidates` read per prompt a step samples: `rollout.prompt_filter`)
+  are this process's block of rows of the global batch; an explicit `batch_size`
   (evaluation, warm start) reads the whole split on every process.
   `truncate` cuts prompts longer than `sizes.max_prompt_len` (else an error).
   """
@@ -144,7 +146,7 @@ def prompt_iterator(
   it = data.prompt_iterator(
     task,
     tokenizer,
-    batch_size=sizes.prompts_per_step if batch_size is None else batch_size,
+    batch_size=candidates * sizes.prompts_per_step if batch_size is None else batch_size,
     max_prompt_len=sizes.max_prompt_len,
     seed=seed,
     split=split,

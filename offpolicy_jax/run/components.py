@@ -350,6 +350,7 @@ def _build_fns(config) -> run_state.StepFns:
     sampler_mesh=sampler_mesh,
     continuous=continuous_sampler,
     continuous_auto_steps=c.rollout.continuous_auto_steps,
+    prompt_filter=critic_settings.prompt_filter(c),
   )
 
 

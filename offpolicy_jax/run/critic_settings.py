@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from offpolicy_jax import errors, losses
 from offpolicy_jax.learn.critic import CriticSpec
+from offpolicy_jax.rollout.prompt_filter import PromptFilter
 
 
 def estimator(config) -> str:
@@ -60,6 +61,7 @@ def validate(c) -> None:
     "critic.estimator (or a loss preset with a critic), or 0 (a KL-to-reference loss: "
     "loss.kl_coef)",
   )
+  _validate_prompt_pool(c, name)
   if not name:
     return
   errors.need(
@@ -85,4 +87,37 @@ def validate(c) -> None:
     "advantage.name",
     f"a critic (critic.estimator={name!r}) replaces the group advantages: leave "
     "advantage.name empty, or --config.critic.estimator=none",
+  )
+
+
+def prompt_filter(config) -> PromptFilter | None:
+  """The run's choice of prompts by their values (`rollout.prompt_filter`), or None."""
+  c = config.critic
+  if c.prompt_pool <= 1:
+    return None
+  return PromptFilter(
+    int(c.prompt_pool), float(c.prompt_wrong), float(c.prompt_right), int(config.group_size)
+  )
+
+
+def _validate_prompt_pool(c, name: str) -> None:
+  if c.critic.prompt_pool <= 1:
+    return
+  errors.need(
+    bool(name),
+    "critic.prompt_pool",
+    f"choosing prompts by their values ({c.critic.prompt_pool} candidates each) needs a "
+    "critic's value head: set critic.estimator (or a loss preset with a critic), or 1",
+  )
+  errors.need(
+    c.critic.prompt_right > c.critic.prompt_wrong,
+    "critic.prompt_right",
+    f"a right response's reward ({c.critic.prompt_right}) must exceed a wrong one's "
+    f"(critic.prompt_wrong = {c.critic.prompt_wrong})",
+  )
+  errors.need(
+    c.lag.mode == "sync",
+    "critic.prompt_pool",
+    "prompts are chosen by their values in lag.mode='sync' only (the async producer reads "
+    "its prompts on its own thread): set lag.mode='sync' or critic.prompt_pool = 1",
   )

@@ -42,6 +42,7 @@ import jax
 from offpolicy_jax import errors
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import buffer_ope
+from offpolicy_jax.rollout import prompt_filter
 from offpolicy_jax.run import evaluation, observability, stopping, validation
 from offpolicy_jax.run import start as start_lib
 from offpolicy_jax.run.components import Components, build_components
@@ -393,11 +394,25 @@ class _Loop:
       meta["sampler_choice"] = self.choice.state()
     return meta
 
-  def _prompts(self, n: int) -> tuple[list[dict], list[int]]:
-    """The local prompt batches of the next `n` steps and how many of each were truncated."""
-    local = [next(self.data) for _ in range(n)]
-    truncated = [int((p["truncated"] & p["valid"]).sum()) for p in local]
-    return local, truncated
+  def _prompts(self, n: int, state: RunState) -> tuple[list[dict], list[dict[str, Any]]]:
+    """The local prompt batches of the next `n` steps, read under `state`, and their row fields.
+
+    With `critic.prompt_pool` each batch is chosen among its candidates by the
+    critic's values at `state`'s parameters (`rollout.prompt_filter`).
+    """
+    local, rows = [], []
+    for _ in range(n):
+      batch, fields = next(self.data), {}
+      if (filt := self.fns.prompt_filter) is not None:
+        memo = self.fns.memo
+        if "prompt_values" not in memo:
+          memo["prompt_values"] = prompt_filter.values_program(self.fns.model.graphdef)
+        program, mesh = memo["prompt_values"], self.fns.model.mesh
+        batch, fields = prompt_filter.select(filt, program, weights(state), mesh, batch)
+      fields["prompts_truncated"] = int((batch["truncated"] & batch["valid"]).sum())
+      local.append(batch)
+      rows.append(fields)
+    return local, rows
 
   def _may_prefetch(self, step: int) -> bool:
     """Whether the loop allows step `step + 1` to sample before step `step` has trained.

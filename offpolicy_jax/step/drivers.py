@@ -16,8 +16,10 @@ sampler, `switch`), for one run or the study's seeds side by side (`Seeds`):
            for a kind that has one; the trainer learns each batch, takes the
            carried state it came with, and publishes its parameters.
 
-Scanned and Split take the loop's prompts from `read(n)` (the local prompt
-batches of n steps and how many prompts of each were truncated); Async's
+Scanned and Split take the loop's prompts from `read(n, state)` (the local
+prompt batches of n steps, read under the run state the steps start from, and
+each one's row fields: how many of its prompts were truncated, and what the
+choice of prompts by their values reports, `rollout.prompt_filter`); Async's
 producer reads the shared prompt iterator itself. Each returns the run state
 and one metrics row per step. The loop keeps the lifecycle (restore,
 evaluations, checkpoints, signals, rows) and calls `Driver.steps` alone.
@@ -25,6 +27,7 @@ evaluations, checkpoints, signals, rows) and calls `Driver.steps` alone.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -43,9 +46,9 @@ from offpolicy_jax.step.run_state import LagSchedule, ReplayOptions, StepFns
 from offpolicy_jax.step.seeds import Seeds
 from offpolicy_jax.store import metrics
 
-# `read(n)`: the local prompt batches of the next n loop steps, and per batch how many of its
-# prompts were truncated.
-Read = Callable[[int], tuple[list[dict[str, Any]], list[int]]]
+# `read(n, state)`: the local prompt batches of the next n loop steps, read under the run state
+# they start from, and per batch its row fields (`prompts_truncated`, `v0/*`).
+Read = Callable[[int, Any], tuple[list[dict[str, Any]], list[dict[str, Any]]]]
 
 
 class Driver(Protocol):
@@ -143,7 +146,7 @@ class Scanned:
 
   def steps(self, state, step: int, n: int):
     run = self._run
-    local, truncated = self._read(n)
+    local, read_rows = self._read(n, state)
     stacked = run.seeds.stack_steps(local, prompt_rows.DEVICE_FIELDS)
     prompts = run.seeds.prompts(self.fns.model.mesh, stacked, steps=True)
     steps = jax.device_put(
@@ -155,8 +158,8 @@ class Scanned:
     out = jax.device_get(out)
     device = (time.perf_counter() - begin) / n
     rows = run.seeds.step_rows(out, n)
-    for row, t in zip(rows, truncated, strict=True):
-      row.update(scoring.no_reward_stats(), prompts_truncated=t)
+    for row, fields in zip(rows, read_rows, strict=True):
+      row.update(scoring.no_reward_stats(), **fields)
       row["time/device_s"] = device
     return state, rows
 
@@ -201,17 +204,18 @@ class Split:
       return False
     return lag.behavior_version(step + 1, *self._run.sync) < step
 
-  def _read_one(self) -> tuple[dict[str, Any], int]:
-    (local,), (truncated,) = self._read(1)
-    return self._run.seeds.prompts(self.fns.model.mesh, local), truncated
+  def _read_one(self, state) -> tuple[dict[str, Any], dict[str, Any]]:
+    (local,), (fields,) = self._read(1, state)
+    return self._run.seeds.prompts(self.fns.model.mesh, local), fields
 
   def steps(self, state, step: int, n: int):
     assert n == 1, n
     # The programs of this state's structure: the same before and after the step.
     progs = self._run.programs(self.fns, state)
     prefetch = self._prefetch(step + 1)
-    state, row = self._host.take_step(progs, state, step + 1, self._read_one, prefetch)
-    row["prompts_truncated"] = row.pop("read_info")
+    read = functools.partial(self._read_one, state)
+    state, row = self._host.take_step(progs, state, step + 1, read, prefetch)
+    row.update(row.pop("read_info"))
     return state, [row]
 
   def switch(self, fns: StepFns) -> None:

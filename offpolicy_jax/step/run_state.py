@@ -29,6 +29,7 @@ from offpolicy_jax.models import moe
 from offpolicy_jax.models.parts import ModelParts
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rollout import prompt_rows
+from offpolicy_jax.rollout.prompt_filter import PromptFilter
 from offpolicy_jax.rollout.prompt_rows import Sizes
 from offpolicy_jax.rollout.protocol import EvalRows, Finished, Rollout
 from offpolicy_jax.sampling import Sampler
@@ -108,6 +109,8 @@ class StepFns:
     eval_rows: how evaluation plays and scores one batch of eval prompts
       (sampled responses, or episodes): `evaluation.sampled_rows` or
       `evaluation.episode_rows`, called as `eval_rows(fns, params, ...)`.
+    prompt_filter: the choice of each step's prompts among candidates by the
+      critic's values (`rollout.prompt_filter`), or None: every prompt read is sampled.
   """
 
   model: ModelParts
@@ -124,6 +127,7 @@ class StepFns:
   sampler_mesh: jax.sharding.Mesh | None = None
   continuous: Sampler | None = None
   continuous_auto_steps: int = 0
+  prompt_filter: PromptFilter | None = None
   # What is built once per StepFns (its jitted `Programs`, eval batches and samplers),
   # kept on it so that it goes when the StepFns goes. (In a module-level
   # WeakKeyDictionary the values, closures over their key, kept every StepFns and
@@ -145,6 +149,7 @@ class StepFns:
       split,
       batch_size=batch_size,
       truncate=self.truncate_prompts,
+      candidates=self.prompt_filter.pool if self.prompt_filter else 1,
     )
 
 

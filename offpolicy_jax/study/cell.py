@@ -95,16 +95,18 @@ def evaluate(
   return ev["accuracy"], ev.get(f"pass@{k}"), ev["reward_failures"], ev.get("sample_reward")
 
 
-def _read(iters: list, host_fields: bool, n: int) -> tuple[list[dict[str, Any]], list[int]]:
+def _read(iters: list, host_fields: bool, n: int, state) -> tuple[list[dict], list[dict]]:
   """The next n steps' prompts, each [S, ...] (a batch from each seed's iterator), and how
-  many prompts of each step were truncated (`drivers.Read`)."""
+  many prompts of each step were truncated (`drivers.Read`; every prompt read is sampled)."""
+  del state
   fields = prompt_rows.DEVICE_FIELDS + (("index", "valid") if host_fields else ())
-  steps, truncated = [], []
+  steps, rows = [], []
   for _ in range(n):
     batches = [next(it) for it in iters]
     steps.append({k: np.stack([b[k] for b in batches]) for k in fields})
-    truncated.append(sum(int((b["truncated"] & b["valid"]).sum()) for b in batches))
-  return steps, truncated
+    truncated = sum(int((b["truncated"] & b["valid"]).sum()) for b in batches)
+    rows.append({"prompts_truncated": truncated})
+  return steps, rows
 
 
 def _driver(comps, iters: list, streams: tuple[int, ...], schedule_mn) -> drivers.Driver:

@@ -282,6 +282,11 @@ def _check_cell_config(config: ml_collections.ConfigDict) -> None:
       "config.rollout.continuous_auto_steps: a study runs one sampler for every seed and "
       "cell; it must be 0 (choose with rollout.continuous_slots)"
     )
+  if config.critic.prompt_pool > 1:
+    raise ValueError(
+      "config.critic.prompt_pool: a study's seeds read the same prompts side by side; the "
+      "choice of prompts by their values runs in single runs only (1 here)"
+    )
 
 
 def grid_snapshot_slots(grid: Grid) -> int:
