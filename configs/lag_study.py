@@ -129,6 +129,11 @@ TOY_SCALES += ("ope",)
 # sync interval 20 / 64 / offline (200 steps: an interval of 256 would be offline), 12 seeds.
 CRITIC_METHODS = "grpo,rec_oneside_nois,ppo_critic,vtrace,rec_critic,vtrace_rec,remax,remax_rec"
 CRITIC_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,offline=offline"
+# `spell_critic`: the critic grid's second task (reasoning-gym spell_backward, scored in the
+# sandboxed workers, as `spell`): the critic methods that did not collapse on the default task
+# against the group baselines, on-policy / interval 20 / offline (host rewards cost more per
+# step: the spell grid's lags), 12 seeds.
+SPELL_CRITIC_METHODS = "grpo,rec_oneside_nois,ppo_critic,rec_critic,vtrace_rec"
 # `ope`: off-policy evaluation from the replay buffer against the truth by lag (docs/ope.md):
 # the critic methods, so that the doubly robust estimators have values, 12 seeds.
 OPE_ESTIMATES = "is,wis,pdwis,dr,wdr"
@@ -180,7 +185,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.sft.steps = 300
     c.total_steps = 200
     c.eval_prompts = 256  # the whole held-out set of the task
-  elif scale == "spell":  # a reasoning-gym task, scored by its verifier in the sandboxed workers
+  elif scale in ("spell", "spell_critic"):  # a reasoning-gym task, scored by its verifier in the sandboxed workers
     c = default.base_config()
     c.task = "reasoning_gym:spell_backward"
     # The word alone as a raw prompt in the character alphabet (docs/rewards_and_security.md);
@@ -211,8 +216,8 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   else:
     raise ValueError(
       f"configs/lag_study.py: unknown scale {scale!r} "
-      "(toy, toy_full, deep, deep_full, lr, reuse, moe, critic, ope, gsm8k, code, spell or "
-      "calculator)"
+      "(toy, toy_full, deep, deep_full, lr, reuse, moe, critic, ope, gsm8k, code, spell, "
+      "spell_critic or calculator)"
     )
   c.eval_every = 50
   # pass@k of the final parameters, k samples per prompt at the training temperature.
@@ -224,9 +229,11 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   config_schema.config_dict(config_schema.STUDY_FIELDS, into=c)
   c.study.methods = METHODS if scale == "toy" else ALL_METHODS
   c.study.lags = LAGS
-  if scale in ("calculator", "code", "spell"):  # host rewards cost more per step: a small grid
+  if scale in ("calculator", "code", "spell", "spell_critic"):  # host rewards: a small grid
     c.study.methods = "grpo,rec_oneside_nois,reinforce"
     c.study.lags = "onpolicy=1/0,interval20=20/0,offline=offline"
+  if scale == "spell_critic":
+    c.study.methods = SPELL_CRITIC_METHODS
   # 12 seeds: enough for the report's verdicts (sign-flip permutation tests, Holm-corrected
   # over the grid's comparisons at alpha 0.05) to be anything but `~` in the full grid too:
   # the smallest two-sided p-value of n seeds is 2 / 2^n, and Holm's first step needs
@@ -242,10 +249,11 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   # same warm starts; study.md reports how often the tests call the two different.
   c.study.aa_lags = "all"
   # One seed per vmapped program and 64 held-out prompts per sampler call for large models.
-  c.study.vmap_seeds = 0 if scale in (*TOY_SCALES, "code", "spell") else 1
-  c.study.eval_batch = 0 if scale in (*TOY_SCALES, "code", "spell") else 64
+  small = (*TOY_SCALES, "code", "spell", "spell_critic")
+  c.study.vmap_seeds = 0 if scale in small else 1
+  c.study.eval_batch = 0 if scale in small else 64
   # 9 cells x 5 seeds in under an hour on a 2-core CPU (docs/results/lag_study.md).
-  if scale == "spell":
+  if scale in ("spell", "spell_critic"):
     c.study.aa_lags = ""  # the A/A calibration at 12 seeds is the default grid's
   if scale == "code":
     c.study.seeds = 5

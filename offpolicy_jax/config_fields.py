@@ -84,12 +84,14 @@ class Float(NamedTuple):
   none_ok: bool = False
 
   def _number(self) -> str:
-    if self.hi == math.inf:
-      want = f"{'>' if self.lo_open else '>='} {self.lo}"
+    if self.hi == math.inf and self.lo == -math.inf:
+      want = ""
+    elif self.hi == math.inf:
+      want = f" {'>' if self.lo_open else '>='} {self.lo}"
     else:
-      want = f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+      want = f" in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
     unit = f" of {self.unit}" if self.unit else ""
-    return f"a finite number{unit} {want}{self.note}"
+    return f"a finite number{unit}{want}{self.note}"
 
   def describe(self) -> str:
     """What it accepts, in the words of its complaint (and None with `none_ok`)."""
