@@ -185,7 +185,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.sft.steps = 300
     c.total_steps = 200
     c.eval_prompts = 256  # the whole held-out set of the task
-  elif scale in ("spell", "spell_critic"):  # a reasoning-gym task, scored by its verifier in the sandboxed workers
+  elif scale in ("spell", "spell_critic"):  # reasoning-gym, scored in the sandboxed workers
     c = default.base_config()
     c.task = "reasoning_gym:spell_backward"
     # The word alone as a raw prompt in the character alphabet (docs/rewards_and_security.md);

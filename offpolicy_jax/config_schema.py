@@ -365,7 +365,8 @@ RUN_FIELDS: tuple[Field, ...] = (
   _F("multiturn.credit", "trajectory", PROGRAM,
      "Credit of multi-turn trajectories: 'trajectory' (the summed reward, group-relative over "
      "the K trajectories of a prompt) or 'turn' (each turn's tokens get the discounted sum of "
-     "the group-relative rewards paid after it and later turns; advantages.per_turn).",
+     "the group-relative rewards paid after it and later turns; advantages.per_turn; with a "
+     "critic, each turn's reward is paid on its last token and the critic credits it).",
      Choice(("trajectory", "turn"))),
   _F("multiturn.gamma", 1.0, PROGRAM,
      "Per-turn discount of multiturn.credit = 'turn'.", Float(0, 1)),

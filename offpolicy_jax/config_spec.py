@@ -345,7 +345,8 @@ class MultiturnSpec:
 
   #: Credit of multi-turn trajectories: 'trajectory' (the summed reward, group-relative over the
   #: K trajectories of a prompt) or 'turn' (each turn's tokens get the discounted sum of the
-  #: group-relative rewards paid after it and later turns; advantages.per_turn).
+  #: group-relative rewards paid after it and later turns; advantages.per_turn; with a critic,
+  #: each turn's reward is paid on its last token and the critic credits it).
   credit: str
 
   #: Per-turn discount of multiturn.credit = 'turn'.

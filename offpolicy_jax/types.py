@@ -44,6 +44,10 @@ class TrainBatch(NamedTuple):
       starting parameters, or None: set inside the train step only
       (`learn.critic.with_gae`), never stored.
     returns: float32 [B, N] the critic's value targets, or None (as `values`).
+    token_rewards: float32 [B, N] each turn's reward at that turn's last policy
+      token (`returns.token_rewards`: per-turn rewards of multi-turn episodes,
+      `multiturn.credit = "turn"`, kept for a critic's returns), or None: the
+      critic pays `rewards` at the row's last policy token.
   """
 
   prompt_tokens: jax.Array
@@ -61,6 +65,7 @@ class TrainBatch(NamedTuple):
   experts: jax.Array | None = None
   values: jax.Array | None = None
   returns: jax.Array | None = None
+  token_rewards: jax.Array | None = None
 
 
 def turn_ids(mask_bn: ArrayLike) -> jax.Array:

@@ -135,6 +135,32 @@ def test_micro_batches_give_the_same_update(setup):
   np.testing.assert_allclose(m1["critic/value_loss"], m2["critic/value_loss"], rtol=1e-6)
 
 
+@pytest.mark.parametrize("estimator", ["gae", "vtrace"])
+def test_per_turn_rewards_are_the_critics_rewards_in_every_micro_batch(setup, estimator):
+  """A batch that keeps each turn's reward on its last token (`TrainBatch.token_rewards`):
+  the critic's returns read them, through micro-batches, instead of the row's reward."""
+  b = setup["batch"]
+  turns = np.zeros((B, N), np.float32)
+  turns[6, [0, 5]] = [0.25, 1.0]  # row 6: two turns around an environment's tokens
+  turns[0, [2, 5]] = [-0.5, 0.5]
+  per_turn = b._replace(token_rewards=turns, rewards=turns.sum(1))
+  rows = np.asarray(critic.rewards(critic.CriticSpec(estimator), per_turn))
+  np.testing.assert_array_equal(rows, turns)
+  np.testing.assert_array_equal(  # without them: the row's reward at its last token
+    np.asarray(critic.rewards(critic.CriticSpec(estimator), b)),
+    np.asarray(returns.token_rewards(b.rewards, b.mask)),
+  )
+  spec = critic.CriticSpec(estimator, lam=1.0, value_clip=0.0, whiten=False)
+  step1, state = _step(setup, spec)
+  step2, _ = _step(setup, spec, num_micro_batches=2)
+  s1, m1 = step1(state, per_turn, jax.random.key(0))
+  s2, m2 = step2(state, per_turn, jax.random.key(0))
+  np.testing.assert_allclose(m1["critic/value_loss"], m2["critic/value_loss"], rtol=1e-5)
+  # Row 6's second turn is not paid the first turn's reward: its returns are 1.0, not 1.25.
+  s3, m3 = step1(state, per_turn._replace(token_rewards=None), jax.random.key(0))
+  assert not np.isclose(float(m1["critic/return_mean"]), float(m3["critic/return_mean"]))
+
+
 def test_vtrace_on_policy_is_gae_with_lambda_one(setup):
   """On-policy (rho = 1), V-trace's targets are the Monte Carlo returns and its advantages GAE's."""
   model = _fresh_model(setup)

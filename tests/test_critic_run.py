@@ -89,8 +89,10 @@ def test_a_critic_run_resumes_exactly(tmp_path):
     {**_GUESS, "sft.steps": 3, "lag.mode": "async", "lag.max_staleness": 2},
     # Disaggregated: the sampler on 2 devices, the trainer (and the head) over data x tensor.
     {"mesh.sampler_devices": 2, "mesh.data": 2, "mesh.tensor": 3, "lag.sync_interval": 2},
+    # Episodes whose turns are each paid their own reward: the critic's rewards per turn.
+    {**_GUESS, "sft.steps": 3, "multiturn.credit": "turn", "multiturn.gamma": 0.9},
   ],
-  ids=["partial", "async_episodes", "sampler_mesh"],
+  ids=["partial", "async_episodes", "sampler_mesh", "turn_rewards"],
 )
 def test_every_rollout_kind_trains_a_critic(tmp_path, overrides):
   config = small_config(**{"total_steps": 3, "loss.name": "ppo_critic", **overrides})
@@ -121,7 +123,6 @@ def test_the_presets_pair_with_their_critic_and_a_field_overrides_it():
     ({"critic.estimator": "vtrace", "critic.rho_bar": 0.5}, "critic.rho_bar"),
     ({"loss.name": "ppo_critic", "lora.rank": 4}, "lora.rank"),
     ({"loss.name": "ppo_critic", "advantage.name": "grpo"}, "advantage.name"),
-    ({**_GUESS, "loss.name": "vtrace", "multiturn.credit": "turn"}, "multiturn.credit"),
     ({"eval_ope": "is,dr"}, "eval_ope"),
     ({"critic.kl_coef": 0.1}, "critic.kl_coef"),  # no critic to pay it
   ],

@@ -100,6 +100,16 @@ def test_pack_gives_each_turns_tokens_its_reward_to_go():
   np.testing.assert_allclose(np.asarray(batch.advantages), want, atol=1e-6)
   np.testing.assert_allclose(np.asarray(batch.rewards), np.nansum(r_bt, 1))
   assert np.asarray(batch.advantages)[0, 2] == 0.0  # an observation token: no advantage
+  assert batch.token_rewards is None  # kept for a critic only
+  # For a critic each turn's reward sits on its last policy token; a turn not taken pays 0.
+  r_bt[1, 2] = np.nan
+  critic_spec = spec._replace(token_rewards=True)
+  batch = packing.pack(critic_spec, prompts, out, r_bt, 0, jax.random.key(0))
+  want = np.zeros_like(mask)
+  want[0, [1, 3, 7]] = [0.0, 1.0, 0.2]
+  want[1, [0, 4]] = [0.5, 0.0]
+  np.testing.assert_array_equal(np.asarray(batch.token_rewards), want)
+  np.testing.assert_allclose(np.asarray(batch.rewards), np.nansum(r_bt, 1))
 
 
 @pytest.mark.parametrize("per_turn", [False, True])

@@ -5,7 +5,9 @@ its trunk (`models.value`) and the one forward pass of each micro-batch gives
 the policy's log-probs and the critic's values V(s_t) at every response token
 (`models.logprobs.Scored`). Each row's reward is paid at its last policy token
 (`returns.token_rewards`; a multi-turn row's environment tokens have mask 0
-and take no part); with `kl_coef` > 0 every policy token also pays
+and take no part), or, under `multiturn.credit = "turn"`, each turn's reward at
+that turn's last policy token (`TrainBatch.token_rewards`); with `kl_coef` > 0
+every policy token also pays
 -kl_coef (log mu - log pi_ref), the behaviour's k1 estimate of its KL to the
 reference policy (the run's starting parameters), as in PPO for language
 models (`returns.kl_penalized_rewards`: Ziegler et al., arXiv:1909.08593;
@@ -104,9 +106,12 @@ def _weighted_mask(mb: TrainBatch) -> jax.Array:
 
 
 def rewards(spec: CriticSpec, mb: TrainBatch, ref_logp=None) -> jax.Array:
-  """Per-token rewards [b, N] of a (micro-)batch: the row's reward at its last policy
-  token, less the KL penalty at every token when `spec.kl_coef` > 0 (module docstring)."""
-  r = returns.token_rewards(mb.rewards, mb.mask)
+  """Per-token rewards [b, N] of a (micro-)batch: each turn's reward at its last policy token
+  (`TrainBatch.token_rewards`), else the row's at its last, less the KL penalty at every token
+  when `spec.kl_coef` > 0 (module docstring)."""
+  r = mb.token_rewards
+  if r is None:
+    r = returns.token_rewards(mb.rewards, mb.mask)
   if spec.kl_coef == 0:
     return r
   assert ref_logp is not None, "critic.kl_coef > 0 reads the reference log-probs"

@@ -35,9 +35,10 @@ class Sizes(NamedTuple):
   """Static batch shape: G prompts of K responses, P prompt and N response tokens.
 
   `token_advantages`: advantages are per token, [B, N] (turn-level credit of
-  multi-turn trajectories), not per row. `routing`: (L blocks, k experts per
-  token, E experts) when batches carry the sampler's routing (routing replay,
-  `models.moe`), else None.
+  multi-turn trajectories), not per row; `token_rewards`: batches keep each
+  turn's reward on its last token for a critic (`TrainBatch.token_rewards`).
+  `routing`: (L blocks, k experts per token, E experts) when batches carry the
+  sampler's routing (routing replay, `models.moe`), else None.
   """
 
   prompts_per_step: int
@@ -45,6 +46,7 @@ class Sizes(NamedTuple):
   max_prompt_len: int
   max_new_tokens: int
   token_advantages: bool = False
+  token_rewards: bool = False
   routing: tuple[int, int, int] | None = None
 
 

@@ -251,6 +251,7 @@ def sizes(config, model_config=None) -> run_state.Sizes:
     config.max_prompt_len,
     config.max_new_tokens,
     token_advantages=bool(config.multiturn.max_turns) and config.multiturn.credit == "turn",
+    token_rewards=critic_settings.turn_rewards(config),
     routing=routing,
   )
 
@@ -336,7 +337,9 @@ def _build_fns(config) -> run_state.StepFns:
     learner=LearnerParts(options, optimizer(c)),
     task=task,
     sizes=sizes(c, abstract.config),
-    packing=run_state.Packing(c.group_size, validation.advantage_name(c), gamma),
+    packing=run_state.Packing(
+      c.group_size, validation.advantage_name(c), gamma, critic_settings.turn_rewards(c)
+    ),
     reward=components_rollout.reward(c, task),
     truncate_prompts=c.data.truncate_prompts,
     rollout=components_rollout.rollout_kind(

@@ -77,17 +77,18 @@ def validate(c) -> None:
     "would freeze: use full fine-tuning (lora.rank = 0) or --config.critic.estimator=none",
   )
   errors.need(
-    c.multiturn.credit != "turn",
-    "multiturn.credit",
-    f"a critic (critic.estimator={name!r}) makes its own per-token credit from the "
-    "trajectory's reward: use multiturn.credit = 'trajectory'",
-  )
-  errors.need(
     not c.advantage.name,
     "advantage.name",
     f"a critic (critic.estimator={name!r}) replaces the group advantages: leave "
     "advantage.name empty, or --config.critic.estimator=none",
   )
+
+
+def turn_rewards(config) -> bool:
+  """Whether batches keep each turn's reward on its last token for the critic's returns
+  (a critic under `multiturn.credit = "turn"`: `TrainBatch.token_rewards`)."""
+  turns = bool(config.multiturn.max_turns) and config.multiturn.credit == "turn"
+  return turns and bool(estimator(config))
 
 
 def prompt_filter(config) -> PromptFilter | None:

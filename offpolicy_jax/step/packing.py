@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from offpolicy_jax import advantages, types
+from offpolicy_jax import advantages, returns, types
 from offpolicy_jax.rollout.prompt_rows import DEVICE_FIELDS
 from offpolicy_jax.step.run_state import Packing
 from offpolicy_jax.types import TrainBatch
@@ -59,6 +59,7 @@ def pack(
     valid = None if valid is None else jnp.asarray(valid)[order]
     prompt_experts = None if prompt_experts is None else prompt_experts[order]
   rows_valid = None if valid is None else jnp.repeat(jnp.asarray(valid, bool), k)
+  token_rewards = None
   if rewards_b.ndim == 2:
     if rows_valid is not None:  # NaN: turns not taken (`advantages.per_turn`)
       rewards_b = jnp.where(rows_valid[:, None], rewards_b, jnp.nan)
@@ -67,6 +68,8 @@ def pack(
     ).reshape(g * k, -1)
     turn = jnp.minimum(types.turn_ids(rollout.mask), adv_bt.shape[1] - 1)
     adv = jnp.take_along_axis(adv_bt, turn, axis=1) * (rollout.mask > 0)
+    if packing.token_rewards:  # NaN (a turn not taken, a group not finished) pays 0
+      token_rewards = returns.token_rewards(rewards_b, rollout.mask)
     rewards_b = jnp.nansum(rewards_b, axis=1)
   else:
     valid_gk = None if rows_valid is None else rows_valid.reshape(g, k)
@@ -87,6 +90,8 @@ def pack(
     prompt_experts,
     getattr(rollout, "experts", None),
   )
+  if token_rewards is not None:
+    batch = batch._replace(token_rewards=token_rewards)
   if packing.advantage in advantages.GREEDY_FIRST:  # the greedy baseline is not trained on
     batch = batch._replace(weights=batch.weights * (jnp.arange(g * k) % k != 0))
   return batch

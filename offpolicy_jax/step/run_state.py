@@ -42,12 +42,15 @@ SAMPLE, ADV, REPLAY, TRAIN, EVAL, INIT = range(6)
 class Packing(NamedTuple):
   """What `pack` needs of a run: group size K, the advantage estimator, the turn discount.
 
-  `gamma` discounts turn rewards under `multiturn.credit = "turn"` (`advantages.per_turn`).
+  `gamma` discounts turn rewards under `multiturn.credit = "turn"` (`advantages.per_turn`);
+  `token_rewards`: the batch keeps those rewards on their turns' last tokens for a critic
+  (`TrainBatch.token_rewards`).
   """
 
   group_size: int
   advantage: str
   gamma: float = 1.0
+  token_rewards: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -234,6 +237,7 @@ def empty_batch(sizes: Sizes) -> TrainBatch:
     i(b, n),
     f(b, n),
     *experts,
+    token_rewards=f(b, n) if sizes.token_rewards else None,
   )
 
 
