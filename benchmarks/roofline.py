@@ -18,7 +18,8 @@ in expectation under uniform routing. Its time is at least max(FLOPs / peak, byt
 bandwidth) (Williams et al., "Roofline", CACM 2009); the fraction of that
 bound a measured step reaches is bound / measured time.
 
-The peak is the median rate of a jitted float32 matmul; the bandwidth the
+The peak is the median rate of jitted matmuls (float32 unless asked; `chain` products in
+one program where one call would be as short as its dispatch); the bandwidth the
 median rate of a jitted reduction over a large float32 array (bytes read /
 time), both timed in the calling process, so they share its machine state.
 """

@@ -90,7 +90,7 @@ def test_a_critic_run_resumes_exactly(tmp_path):
     # Disaggregated: the sampler on 2 devices, the trainer (and the head) over data x tensor.
     {"mesh.sampler_devices": 2, "mesh.data": 2, "mesh.tensor": 3, "lag.sync_interval": 2},
     # Episodes whose turns are each paid their own reward: the critic's rewards per turn.
-    {**_GUESS, "sft.steps": 3, "multiturn.credit": "turn", "multiturn.gamma": 0.9},
+    {**_GUESS, "sft.steps": 3, "multiturn.credit": "turn"},
   ],
   ids=["partial", "async_episodes", "sampler_mesh", "turn_rewards"],
 )
@@ -125,6 +125,10 @@ def test_the_presets_pair_with_their_critic_and_a_field_overrides_it():
     ({"loss.name": "ppo_critic", "advantage.name": "grpo"}, "advantage.name"),
     ({"eval_ope": "is,dr"}, "eval_ope"),
     ({"critic.kl_coef": 0.1}, "critic.kl_coef"),  # no critic to pay it
+    (
+      {**_GUESS, "loss.name": "vtrace", "multiturn.credit": "turn", "multiturn.gamma": 0.9},
+      "multiturn.gamma",
+    ),
   ],
 )
 def test_a_critic_that_does_not_fit_the_config_is_refused_by_name(overrides, field):

@@ -70,6 +70,11 @@ def test_a_run_choosing_its_prompts_reports_them_and_resumes_exactly(tmp_path):
   got, _ = metrics_files.split_rows(metrics_files.read_metrics(part))
   want, _ = metrics_files.split_rows(full)
   assert strip_timing(got) == strip_timing(want)
+  # Each step's prompts are chosen with the parameters it starts from, whatever the chunks of
+  # steps the loop would otherwise run at once (its checkpoints set them here).
+  once = small_config(total_steps=7, checkpoint_every=0, **kw)
+  alone, _ = metrics_files.split_rows(loop.train_and_evaluate(once, str(tmp_path / "once")))
+  assert strip_timing(alone) == strip_timing(want)
   for row in want:
     assert 0.0 <= row["v0/predicted_all_equal"] <= row["v0/predicted_all_equal_pool"] <= 1.0
   # The value head starts at 0 and learns: the later steps' values are not the first's.
@@ -120,6 +125,7 @@ def test_select_keeps_the_chosen_candidates_with_every_field_and_reports_them():
       "critic.prompt_pool",
     ),
     ({"critic.prompt_pool": 0}, "critic.prompt_pool"),
+    ({"loss.name": "vtrace", "critic.prompt_pool": 2, "critic.gamma": 0.99}, "critic.gamma"),
   ],
 )
 def test_a_prompt_pool_that_cannot_work_is_refused_by_name(overrides, field):

@@ -7,7 +7,10 @@ V_0(x), the predicted reward of a response to x (the first response token's
 V(s_0), which the value loss trains). With `critic.prompt_pool` m > 1 each
 step reads m x G candidate prompts and keeps G of them: from every run of m
 consecutive candidates, the one whose predicted group is most likely to be
-informative. With rewards in [r_wrong, r_right] (`critic.prompt_rewards`),
+informative. With rewards in [r_wrong, r_right] (`critic.prompt_wrong`,
+`critic.prompt_right`; the critic must predict the reward undiscounted,
+`critic.gamma` = 1; a KL penalty in its rewards, `critic.kl_coef`, shifts V_0
+by the expected penalty),
 p = clip((V_0 - r_wrong) / (r_right - r_wrong), 0, 1) is the predicted
 success rate and
 
@@ -20,9 +23,10 @@ every kept prompt against sampling all candidates and dropping all-equal
 groups afterwards (DAPO's dynamic sampling), and the cost is one prompt-only
 forward of the m x G candidates.
 
-The values are computed with the trainer's parameters of the state the
-prompts are read under: the start of a scanned chunk's steps (its prompts are
-read at once), or the step before for a rollout sampled ahead.
+The values are computed with the trainer's parameters at the start of the
+step the prompts are for: the loop then runs one step per chunk and samples
+no step ahead (`run.loop`), so the choice does not depend on how often a run
+logs, evaluates or checkpoints.
 
 Candidates are chosen within runs of m consecutive rows, so under several
 processes (each holding a block of whole runs) the kept prompts, and every
@@ -68,8 +72,8 @@ class PromptFilter:
       raise ValueError(f"critic.prompt_pool must be >= 2 to choose, got {self.pool}")
     if not self.right > self.wrong:
       raise ValueError(
-        f"critic.prompt_rewards: a right response's reward must exceed a wrong one's, got "
-        f"({self.wrong}, {self.right})"
+        f"critic.prompt_right: a right response's reward must exceed a wrong one's "
+        f"(critic.prompt_wrong), got ({self.wrong}, {self.right})"
       )
 
   def all_equal(self, values: np.ndarray) -> np.ndarray:
@@ -120,7 +124,8 @@ def select(filt: PromptFilter, program, params, mesh, batch: dict[str, Any]):
   """
   fields = ("prompt_tokens", "prompt_lengths", "valid")
   device = prompt_rows.assemble_global(mesh, {k: batch[k] for k in fields})
-  values = program(params, device["prompt_tokens"], device["prompt_lengths"])
+  with jax.set_mesh(mesh):  # the model's activation constraints, as in the step's programs
+    values = program(params, device["prompt_tokens"], device["prompt_lengths"])
   if jax.process_count() > 1:
     values = multihost_utils.process_allgather(values, tiled=True)
   values = np.asarray(values, np.float64)

@@ -77,6 +77,12 @@ def validate(c) -> None:
     "would freeze: use full fine-tuning (lora.rank = 0) or --config.critic.estimator=none",
   )
   errors.need(
+    not (c.multiturn.credit == "turn" and c.multiturn.gamma != 1.0),
+    "multiturn.gamma",
+    f"a critic (critic.estimator={name!r}) discounts its per-turn rewards per token by "
+    f"critic.gamma; the turn discount {c.multiturn.gamma} would not be used: set it to 1",
+  )
+  errors.need(
     not c.advantage.name,
     "advantage.name",
     f"a critic (critic.estimator={name!r}) replaces the group advantages: leave "
@@ -115,6 +121,13 @@ def _validate_prompt_pool(c, name: str) -> None:
     "critic.prompt_right",
     f"a right response's reward ({c.critic.prompt_right}) must exceed a wrong one's "
     f"(critic.prompt_wrong = {c.critic.prompt_wrong})",
+  )
+  errors.need(
+    c.critic.gamma == 1.0,
+    "critic.gamma",
+    f"choosing prompts by their values reads V_0 as the expected reward, which a critic "
+    f"discounting by {c.critic.gamma} does not predict: critic.gamma = 1, or "
+    "critic.prompt_pool = 1",
   )
   errors.need(
     c.lag.mode == "sync",

@@ -267,10 +267,12 @@ class _Loop:
     One length for the whole run, `gcd(log_every, eval_every, checkpoint_every)`,
     so that evaluations and checkpoints fall on chunk ends and one scan
     program serves every chunk (only a shorter last chunk compiles another);
-    at most the driver's `max_chunk`.
+    at most the driver's `max_chunk`. One step when prompts are chosen by their
+    values, so that each step's are chosen with the parameters it starts from.
     """
     run = self.run_cfg
     length = math.gcd(run.log_every, run.eval_every, run.checkpoint_every)
+    length = 1 if self.fns.prompt_filter is not None else length
     return self.choice.chunk(step, min(driver.max_chunk, length, run.total_steps - step))
 
   def run(self, state: RunState, start: int) -> None:
@@ -418,11 +420,12 @@ class _Loop:
     """Whether the loop allows step `step + 1` to sample before step `step` has trained.
 
     Not after a signal, not when `step` ends in a checkpoint (the checkpoint's
-    data state must not include a prefetched batch), and not into the step
-    where the sampler choice may switch.
+    data state must not include a prefetched batch), not into the step
+    where the sampler choice may switch, and not when prompts are chosen by
+    the values of the parameters the step starts from.
     """
     run = self.run_cfg
-    if self.stopping is not None:
+    if self.stopping is not None or self.fns.prompt_filter is not None:
       return False
     if step >= run.total_steps or (run.checkpoint_every and step % run.checkpoint_every == 0):
       return False
