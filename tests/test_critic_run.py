@@ -10,7 +10,7 @@ from offpolicy_jax.learn import critic
 from offpolicy_jax.run import components, critic_settings, loop, start, validation
 from offpolicy_jax.store import metrics_files
 from offpolicy_jax.study import report, report_tables, warm_starts
-from tests.test_loop import small_config, strip_timing
+from tests.test_loop import full_and_resumed, small_config
 from tests.test_multiturn_run import _GUESS
 
 # The main job's batch from scratch on partial credit: a visible gain within 60 steps (as
@@ -65,13 +65,8 @@ def test_the_critic_presets_learn_the_default_task(tmp_path, loss):
 def test_a_critic_run_resumes_exactly(tmp_path):
   # With the rewards' KL penalty: the reference parameters are kept and checkpointed too.
   kw = {"loss.name": "vtrace", "lag.sync_interval": 3, "critic.kl_coef": 0.1}
-  full = loop.train_and_evaluate(small_config(total_steps=7, **kw), str(tmp_path / "full"))
-  part = str(tmp_path / "part")
-  loop.train_and_evaluate(small_config(total_steps=4, **kw), part)
-  loop.train_and_evaluate(small_config(total_steps=7, **kw), part)
-  got, _ = metrics_files.split_rows(metrics_files.read_metrics(part))
-  want, _ = metrics_files.split_rows(full)
-  assert strip_timing(got) == strip_timing(want)
+  want, got = full_and_resumed(tmp_path, **kw)
+  assert got == want
   assert "critic/explained_variance" in want[-1]
   # Steps 1-3 sample with the starting parameters, the reference: no KL; steps 4-7 with v3.
   kl = [r["critic/ref_kl"] for r in want]
@@ -79,7 +74,7 @@ def test_a_critic_run_resumes_exactly(tmp_path):
   # The critic is part of the compiled program: a resume that turns it off is refused.
   with pytest.raises(ValueError, match="critic.estimator"):
     off = small_config(total_steps=9, **kw, **{"critic.estimator": "none"})
-    loop.train_and_evaluate(off, part)
+    loop.train_and_evaluate(off, str(tmp_path / "part"))
 
 
 @pytest.mark.parametrize(

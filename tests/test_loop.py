@@ -85,6 +85,18 @@ def strip_timing(rows):
   ]
 
 
+def full_and_resumed(tmp_path, **overrides):
+  """The rows of a 7-step run and of the same run stopped after step 4 and resumed, timing
+  left out: `(uninterrupted, resumed)`."""
+  full = loop.train_and_evaluate(small_config(total_steps=7, **overrides), str(tmp_path / "full"))
+  part = str(tmp_path / "part")
+  loop.train_and_evaluate(small_config(total_steps=4, **overrides), part)
+  loop.train_and_evaluate(small_config(total_steps=7, **overrides), part)
+  got, _ = metrics_files.split_rows(metrics_files.read_metrics(part))
+  want, _ = metrics_files.split_rows(full)
+  return strip_timing(want), strip_timing(got)
+
+
 def reference_version(t, m, n):
   """v(t) of arXiv:2509.24203, written out independently of lag.behavior_version."""
   if t <= n:

@@ -12,7 +12,7 @@ from offpolicy_jax.rollout.prompt_filter import PromptFilter
 from offpolicy_jax.run import components, loop, validation
 from offpolicy_jax.store import metrics_files
 from offpolicy_jax.study import grid as grid_lib
-from tests.test_loop import small_config, strip_timing
+from tests.test_loop import full_and_resumed, small_config, strip_timing
 
 
 def test_of_each_run_the_candidate_least_likely_to_give_equal_rewards_is_kept():
@@ -63,18 +63,13 @@ def test_prompt_values_are_the_values_the_critic_trains_at_the_first_response_to
 def test_a_run_choosing_its_prompts_reports_them_and_resumes_exactly(tmp_path):
   kw = {"loss.name": "vtrace", "lag.sync_interval": 3, "critic.prompt_pool": 3}
   kw |= {"task_kwargs.partial_credit": True}  # rewards that are not all 0: values that move
-  full = loop.train_and_evaluate(small_config(total_steps=7, **kw), str(tmp_path / "full"))
-  part = str(tmp_path / "part")
-  loop.train_and_evaluate(small_config(total_steps=4, **kw), part)
-  loop.train_and_evaluate(small_config(total_steps=7, **kw), part)
-  got, _ = metrics_files.split_rows(metrics_files.read_metrics(part))
-  want, _ = metrics_files.split_rows(full)
-  assert strip_timing(got) == strip_timing(want)
+  want, got = full_and_resumed(tmp_path, **kw)
+  assert got == want
   # Each step's prompts are chosen with the parameters it starts from, whatever the chunks of
   # steps the loop would otherwise run at once (its checkpoints set them here).
   once = small_config(total_steps=7, checkpoint_every=0, **kw)
   alone, _ = metrics_files.split_rows(loop.train_and_evaluate(once, str(tmp_path / "once")))
-  assert strip_timing(alone) == strip_timing(want)
+  assert strip_timing(alone) == want
   for row in want:
     assert 0.0 <= row["v0/predicted_all_equal"] <= row["v0/predicted_all_equal_pool"] <= 1.0
   # The value head starts at 0 and learns: the later steps' values are not the first's.

@@ -21,8 +21,7 @@ from offpolicy_jax import models, types  # noqa: E402
 from offpolicy_jax.learn import scorer  # noqa: E402
 from offpolicy_jax.run import components_rollout, loop  # noqa: E402
 from offpolicy_jax.sampling import sampler as sampling  # noqa: E402
-from offpolicy_jax.store import metrics_files  # noqa: E402
-from tests.test_loop import small_config, strip_timing  # noqa: E402
+from tests.test_loop import full_and_resumed, small_config  # noqa: E402
 
 N, K = 8, 3
 PROMPTS = np.array([[0, 0, 0, 5, 6, 7], [11, 12, 13, 14, 15, 16]], np.int32)
@@ -113,13 +112,8 @@ def test_replay_is_refused_where_nothing_records_routing():
 
 def test_a_replaying_run_resumes_exactly_and_reports_agreement(tmp_path):
   kw = {"model": "tiny-moe", "rollout.routing_replay": "replay", "lag.sync_interval": 3}
-  full = loop.train_and_evaluate(small_config(total_steps=7, **kw), str(tmp_path / "full"))
-  part = str(tmp_path / "part")
-  loop.train_and_evaluate(small_config(total_steps=4, **kw), part)
-  loop.train_and_evaluate(small_config(total_steps=7, **kw), part)
-  got, _ = metrics_files.split_rows(metrics_files.read_metrics(part))
-  want, _ = metrics_files.split_rows(full)
-  assert strip_timing(got) == strip_timing(want)
+  want, got = full_and_resumed(tmp_path, **kw)
+  assert got == want
   assert want[0]["moe/router_agreement"] == 1.0  # on-policy: the learner's routing is mu's
   assert all(0.0 <= r["moe/router_agreement"] <= 1.0 for r in want)
   assert all(r["moe/aux_loss"] > 0 for r in want)
