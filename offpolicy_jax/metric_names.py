@@ -1218,8 +1218,11 @@ GROUPS: dict[str, Group] = {
         "v0/predicted_all_equal",
         "critic.prompt_pool > 1",
         "fraction",
-        "P(all equal) averaged over the step's sampled prompts: the prediction of the measured "
-        "`groups_all_equal`.",
+        "P(all equal) averaged over the step's sampled prompts: what the critic's values "
+        "predict of the measured `groups_all_equal`, were each prompt's K draws independent "
+        "at its own p. A critic that cannot yet tell prompts apart gives every prompt p near "
+        "the mean reward, and predicts far fewer equal groups than are measured: the gap reads "
+        "how well V_0 separates easy, hard and in-between prompts, not a bug.",
         study="csv",
       ),
       M(

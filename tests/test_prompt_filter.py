@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from configs import lag_study
 from offpolicy_jax import models
 from offpolicy_jax.models.logprobs import sequence_logprobs
 from offpolicy_jax.rollout import prompt_filter
@@ -12,6 +13,7 @@ from offpolicy_jax.rollout.prompt_filter import PromptFilter
 from offpolicy_jax.run import components, loop, validation
 from offpolicy_jax.store import metrics_files
 from offpolicy_jax.study import grid as grid_lib
+from offpolicy_jax.study import reports
 from tests.test_loop import full_and_resumed, small_config, strip_timing
 
 
@@ -70,6 +72,8 @@ def test_a_run_choosing_its_prompts_reports_them_and_resumes_exactly(tmp_path):
   once = small_config(total_steps=7, checkpoint_every=0, **kw)
   alone, _ = metrics_files.split_rows(loop.train_and_evaluate(once, str(tmp_path / "once")))
   assert strip_timing(alone) == want
+  summary = reports.format_run_summary(str(tmp_path / "full"))
+  assert "prompt values" in summary and "groups all equal" in summary
   for row in want:
     assert 0.0 <= row["v0/predicted_all_equal"] <= row["v0/predicted_all_equal_pool"] <= 1.0
   # The value head starts at 0 and learns: the later steps' values are not the first's.
@@ -131,4 +135,8 @@ def test_a_prompt_pool_that_cannot_work_is_refused_by_name(overrides, field):
 def test_a_study_refuses_a_prompt_pool():
   config = small_config(**{"loss.name": "vtrace", "critic.prompt_pool": 2})
   with pytest.raises(ValueError, match="^config.critic.prompt_pool: "):
-    grid_lib._check_cell_config(config)
+    grid_lib._check_cell_config(config)  # a method's overrides
+  study = lag_study.get_config("critic")  # the base: its own reason, not "needs a critic"
+  study.critic.prompt_pool = 2
+  with pytest.raises(ValueError, match="^config.critic.prompt_pool: a study's seeds"):
+    grid_lib.grid_from_config(study)

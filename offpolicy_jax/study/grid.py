@@ -204,6 +204,7 @@ def grid_from_config(config: ml_collections.ConfigDict) -> tuple[ml_collections.
     )
   if run.lag.mode != "sync":
     raise ValueError("config.lag.mode: a study simulates lag exactly; it must be 'sync'")
+  _check_prompt_pool(base)
   if run.mesh.sampler_devices:
     raise ValueError(
       "config.mesh.sampler_devices: a study runs every seed's step as one program on one "
@@ -282,6 +283,10 @@ def _check_cell_config(config: ml_collections.ConfigDict) -> None:
       "config.rollout.continuous_auto_steps: a study runs one sampler for every seed and "
       "cell; it must be 0 (choose with rollout.continuous_slots)"
     )
+  _check_prompt_pool(config)
+
+
+def _check_prompt_pool(config: ml_collections.ConfigDict) -> None:
   if config.critic.prompt_pool > 1:
     raise ValueError(
       "config.critic.prompt_pool: a study's seeds read the same prompts side by side; the "

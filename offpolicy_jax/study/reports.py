@@ -187,6 +187,11 @@ def summarize_run(path: str) -> dict[str, Any]:
     if "critic/error_var" in train[-1]:  # pooled over each fifth (`critic.pooled_...`)
       out["critic_ev_first_fifth"] = critic.pooled_explained_variance(train[:fifth])
       out["critic_ev_last_fifth"] = critic.pooled_explained_variance(train[-fifth:])
+    if "v0/predicted_all_equal" in train[-1]:  # prompts chosen by their values, last fifth
+      for key in ("groups_all_equal", "v0/predicted_all_equal", "v0/predicted_all_equal_pool"):
+        out[f"{key.removeprefix('v0/')}_last_fifth"] = float(
+          np.mean([r[key] for r in train[-fifth:]])
+        )
     if isinstance(train[-1].get(RUN_WALL_KEY), (int, float)):
       out["run_wall_s"] = float(train[-1][RUN_WALL_KEY])
     for name, key in COST_KEYS.items():
@@ -197,6 +202,14 @@ def summarize_run(path: str) -> dict[str, Any]:
   if evals:
     out.update({k: v for k, v in evals[-1].items() if k.startswith("eval/")})
   return out
+
+
+def _prompt_values_text(s: dict[str, Any]) -> str:
+  return (
+    f"groups all equal {s['groups_all_equal_last_fifth']:.3f} (last fifth); predicted "
+    f"{s['predicted_all_equal_last_fifth']:.3f} for the prompts chosen, "
+    f"{s['predicted_all_equal_pool_last_fifth']:.3f} for all candidates"
+  )
 
 
 def format_run_summary(path: str, *, wall_s: float | None = None, lora: bool = False) -> str:
@@ -219,6 +232,8 @@ def format_run_summary(path: str, *, wall_s: float | None = None, lora: bool = F
   if "critic_ev_last_fifth" in s:
     first, last = s["critic_ev_first_fifth"], s["critic_ev_last_fifth"]
     rows.append(("critic", f"explained variance {first:.3f} (first fifth) -> {last:.3f} (last)"))
+  if "predicted_all_equal_last_fifth" in s:
+    rows.append(("prompt values", _prompt_values_text(s)))
   if "sampled_tokens" in s:
     rows.append(("tokens", f"{s['sampled_tokens']:.0f} sampled, {s['trained_tokens']:.0f} trained"))
   if "sampler_idle_s" in s:
