@@ -2157,6 +2157,51 @@ def _main(loss: str, key: str) -> list[float]:
   return [r[key] for r in _main_runs() if r["loss"] == loss]
 
 
+SPELL_CRITIC = "lag_study_spell_critic/study.csv"
+SPELL_CRITIC_LAGS = ("onpolicy", "interval20", "offline")
+_scr = lambda: S("lag_study_spell_critic")
+
+
+def _spell_critic_ev(method: str, lag: str) -> study_stats.Interval:
+  s = _scr()
+  ratio = s.x(method, lag, "critic/error_var") / s.x(method, lag, "critic/return_var")
+  return study_stats.interval(1.0 - ratio)
+
+
+section(CR, "## The second task: spell_backward")
+for _m in ("grpo", "rec_oneside_nois", "ppo_critic", "rec_critic", "vtrace_rec"):
+  claim(
+    CR,
+    f"| {CRITIC_NAMES[_m]} | " + " | ".join(["{} [{}, {}] `{m}`"] * 3) + " |",
+    SPELL_CRITIC,
+    lambda m=_m: [x for g in SPELL_CRITIC_LAGS for x in (*ivs(_scr().iv(m, g)), _scr().mark(m, g))],
+  )
+fact(
+  CR,
+  "No run collapsed.",
+  SPELL_CRITIC,
+  lambda: sum(_scr().collapsed(m, g) for m in _scr().main for g in SPELL_CRITIC_LAGS) == 0,
+)
+claim(
+  CR,
+  "is below zero in every critic cell: from {} [{}, {}]\n(`ppo_critic` on-policy) to {} [{}, {}] "
+  "(`vtrace_rec` offline).",
+  SPELL_CRITIC,
+  lambda: [
+    *ivs(_spell_critic_ev("ppo_critic", "onpolicy")),
+    *ivs(_spell_critic_ev("vtrace_rec", "offline")),
+  ],
+)
+fact(
+  CR,
+  "is below zero in every critic cell",
+  SPELL_CRITIC,
+  lambda: all(
+    _spell_critic_ev(m, g).high < 0
+    for m in ("ppo_critic", "rec_critic", "vtrace_rec")
+    for g in SPELL_CRITIC_LAGS
+  ),
+)
 section(CR, "## What it says")
 claim(
   CR,
