@@ -2202,6 +2202,75 @@ fact(
     for g in SPELL_CRITIC_LAGS
   ),
 )
+POOL_RUNS = os.path.join(REPO, "docs", "results", "critic", "prompt_pool_runs.csv")
+POOL_SOURCE = "../../docs/results/critic/prompt_pool_runs.csv"
+
+
+@functools.cache
+def _pool_runs() -> dict[tuple[int, int], dict[str, str]]:
+  """The prompt-values runs (docs/results/critic/prompt_pool_runs.csv) by (pool, seed)."""
+  with open(POOL_RUNS, newline="") as f:
+    return {(int(r["prompt_pool"]), int(r["seed"])): r for r in csv.DictReader(f)}
+
+
+def _pool(pool: int, key: str) -> list[float]:
+  return [float(r[key]) for (p, _), r in sorted(_pool_runs().items()) if p == pool]
+
+
+def _pool_diff(pool: int, key: str) -> study_stats.Interval:
+  return study_stats.t_interval(np.subtract(_pool(pool, key), _pool(1, key)))
+
+
+section(CR, "## Prompt values (V_0)")
+for _key, _name in (
+  ("all_equal_mean", "groups all equal, run"),
+  ("all_equal_last_fifth", "groups all equal, last fifth"),
+  ("reward_last_fifth", "training reward, last fifth"),
+  ("final_accuracy", "final greedy accuracy"),
+):
+  claim(
+    CR,
+    f"| {_name} | " + " | ".join(["{} [{}, {}]"] * 3) + " |",
+    POOL_SOURCE,
+    lambda k=_key: [x for p in (1, 2, 4) for x in ivs(study_stats.t_interval(_pool(p, k)))],
+  )
+for _key, _name in (
+  ("predicted_all_equal_last_fifth", "predicted, chosen, last fifth"),
+  ("predicted_all_equal_pool_last_fifth", "predicted, all candidates, last fifth"),
+):
+  claim(
+    CR,
+    f"| {_name} | - | " + " | ".join(["{} [{}, {}]"] * 2) + " |",
+    POOL_SOURCE,
+    lambda k=_key: [x for p in (2, 4) for x in ivs(study_stats.t_interval(_pool(p, k)))],
+  )
+claim(
+  CR,
+  "rewards over the run falls by {} [{}, {}] with 2 candidates and\n  by {} [{}, {}] with 4",
+  POOL_SOURCE,
+  lambda: [
+    x
+    for p in (2, 4)
+    for x in (lambda i: (-i.mean, -i.high, -i.low))(_pool_diff(p, "all_equal_mean"))
+  ],
+)
+claim(
+  CR,
+  "({} [{}, {}]\n  and {} [{}, {}]), nor is one in final accuracy ({}\n  [{}, {}] and {} [{}, {}])",
+  POOL_SOURCE,
+  lambda: [
+    *ivs(_pool_diff(2, "all_equal_last_fifth")),
+    *ivs(_pool_diff(4, "all_equal_last_fifth")),
+    *ivs(_pool_diff(2, "final_accuracy")),
+    *ivs(_pool_diff(4, "final_accuracy")),
+  ],
+)
+fact(
+  CR,
+  "The chosen prompts are harder: the training reward is lower with the pool.",
+  POOL_SOURCE,
+  lambda: all(_pool_diff(p, "reward_last_fifth").mean < 0 for p in (2, 4)),
+)
 section(CR, "## What it says")
 claim(
   CR,
