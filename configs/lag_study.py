@@ -132,7 +132,7 @@ CRITIC_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,offline=offline"
 # `spell_critic`: the critic grid's second task (reasoning-gym spell_backward, scored in the
 # sandboxed workers, as `spell`): the critic methods that did not collapse on the default task
 # against the group baselines, on-policy / interval 20 / offline (host rewards cost more per
-# step: the spell grid's lags), 12 seeds.
+# step: the spell grid's lags), 12 seeds, with GRPO's A/A twin at every lag.
 SPELL_CRITIC_METHODS = "grpo,rec_oneside_nois,ppo_critic,rec_critic,vtrace_rec"
 # `ope`: off-policy evaluation from the replay buffer against the truth by lag (docs/ope.md):
 # the critic methods, so that the doubly robust estimators have values, 12 seeds.
@@ -253,7 +253,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   c.study.vmap_seeds = 0 if scale in small else 1
   c.study.eval_batch = 0 if scale in small else 64
   # 9 cells x 5 seeds in under an hour on a 2-core CPU (docs/results/lag_study.md).
-  if scale in ("spell", "spell_critic"):
+  if scale == "spell":
     c.study.aa_lags = ""  # the A/A calibration at 12 seeds is the default grid's
   if scale == "code":
     c.study.seeds = 5

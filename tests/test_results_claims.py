@@ -2169,6 +2169,16 @@ def _spell_critic_ev(method: str, lag: str) -> study_stats.Interval:
 
 
 section(CR, "## The second task: spell_backward")
+claim(
+  CR,
+  "final\naccuracy {}/{} false verdicts, accuracy AUC {}/{}, steps to the threshold {}/{}.",
+  SPELL_CRITIC,
+  lambda: (
+    *_scr().aa_rate("final_accuracy")[:2],
+    *_scr().aa_rate("accuracy_auc")[:2],
+    *_scr().aa_rate("steps_to_threshold")[:2],
+  ),
+)
 for _m in ("grpo", "rec_oneside_nois", "ppo_critic", "rec_critic", "vtrace_rec"):
   claim(
     CR,
