@@ -281,6 +281,13 @@ def test_a_study_takes_more_methods_but_not_a_changed_or_dropped_one(tmp_path):
       study._check_config(path, mini_config(methods=methods))
   study._check_config(path, mini_config(methods="grpo,wide=rec_oneside_nois_wide,twin=grpo"))
   assert study.stored_config(path).study.methods == "grpo,wide=rec_oneside_nois_wide,twin=grpo"
+  # Lags likewise: one more is taken, a changed or dropped one is not.
+  base = {"methods": "grpo,wide=rec_oneside_nois_wide,twin=grpo"}
+  for lags in ("onpolicy=1/0,offline=2/0", "onpolicy=1/0", "onpolicy=2/0,offline=offline"):
+    with pytest.raises(workdir.ConfigChanged, match="study.lags"):
+      study._check_config(path, mini_config(**base, lags=lags))
+  study._check_config(path, mini_config(**base, lags="onpolicy=1/0,interval2=2/0,offline=offline"))
+  assert study.stored_config(path).study.lags == "onpolicy=1/0,interval2=2/0,offline=offline"
 
 
 def test_a_study_resumes_after_changes_no_cell_depends_on(tmp_path):

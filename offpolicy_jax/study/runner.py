@@ -47,7 +47,13 @@ from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweep_runs, sweeps
 from offpolicy_jax.study.cell import run_cell
-from offpolicy_jax.study.grid import AA_STREAM_OFFSET, Grid, grid_from_config, parse_methods
+from offpolicy_jax.study.grid import (
+  AA_STREAM_OFFSET,
+  Grid,
+  grid_from_config,
+  parse_lags,
+  parse_methods,
+)
 from offpolicy_jax.study.warm_starts import Starts
 
 CELLS_DIR = "cells"
@@ -127,6 +133,9 @@ def _check_config(path: str, config: ml_collections.ConfigDict) -> None:
   changes = workdir.config_changes(stored, cfg, matters=lambda role: role.cell)
   if "study.methods" in changes and _only_added(*changes["study.methods"]):
     del changes["study.methods"]  # the finished cells' methods are as they ran
+  lags = changes.get("study.lags")
+  if lags is not None and _only_added_lags(*lags, total_steps=config.total_steps):
+    del changes["study.lags"]  # likewise their lags
   if changes:
     listed = workdir.describe_changes(changes)
     raise workdir.ConfigChanged(
@@ -146,6 +155,17 @@ def _only_added(old: str, new: str) -> bool:
   """
   before, after = parse_methods(old), parse_methods(new)
   return all(after.get(name) == spec for name, spec in before.items())
+
+
+def _only_added_lags(old: str, new: str, *, total_steps: int) -> bool:
+  """Whether the lags `new` keep every lag of `old` with its schedule (and may add others).
+
+  The cells of an added lag run from the stored warm starts; the finished
+  cells stand as they ran (a larger snapshot ring for a longer lag changes
+  no version a cell reads).
+  """
+  before, after = parse_lags(old, total_steps), parse_lags(new, total_steps)
+  return all(after.get(name) == schedule for name, schedule in before.items())
 
 
 def require_study(path: str) -> None:
