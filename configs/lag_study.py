@@ -131,8 +131,8 @@ CRITIC_METHODS = "grpo,rec_oneside_nois,ppo_critic,vtrace,rec_critic,vtrace_rec,
 CRITIC_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,offline=offline"
 # `spell_critic`: the critic grid's second task (reasoning-gym spell_backward, scored in the
 # sandboxed workers, as `spell`): the critic methods that did not collapse on the default task
-# against the group baselines, on-policy / interval 20 / offline (host rewards cost more per
-# step: the spell grid's lags), 12 seeds, with GRPO's A/A twin at every lag.
+# against the group baselines, on-policy / interval 20 / 64 / offline (the critic grid's lags;
+# interval 64 added after the others had run), 12 seeds, with GRPO's A/A twin at every lag.
 SPELL_CRITIC_METHODS = "grpo,rec_oneside_nois,ppo_critic,rec_critic,vtrace_rec"
 # `ope`: off-policy evaluation from the replay buffer against the truth by lag (docs/ope.md):
 # the critic methods, so that the doubly robust estimators have values, 12 seeds.
@@ -234,6 +234,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.study.lags = "onpolicy=1/0,interval20=20/0,offline=offline"
   if scale == "spell_critic":
     c.study.methods = SPELL_CRITIC_METHODS
+    c.study.lags = CRITIC_LAGS
   # 12 seeds: enough for the report's verdicts (sign-flip permutation tests, Holm-corrected
   # over the grid's comparisons at alpha 0.05) to be anything but `~` in the full grid too:
   # the smallest two-sided p-value of n seeds is 2 / 2^n, and Holm's first step needs

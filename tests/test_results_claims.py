@@ -2158,7 +2158,7 @@ def _main(loss: str, key: str) -> list[float]:
 
 
 SPELL_CRITIC = "lag_study_spell_critic/study.csv"
-SPELL_CRITIC_LAGS = ("onpolicy", "interval20", "offline")
+SPELL_CRITIC_LAGS = ("onpolicy", "interval20", "interval64", "offline")
 _scr = lambda: S("lag_study_spell_critic")
 
 
@@ -2182,10 +2182,16 @@ claim(
 for _m in ("grpo", "rec_oneside_nois", "ppo_critic", "rec_critic", "vtrace_rec"):
   claim(
     CR,
-    f"| {CRITIC_NAMES[_m]} | " + " | ".join(["{} [{}, {}] `{m}`"] * 3) + " |",
+    f"| {CRITIC_NAMES[_m]} | " + " | ".join(["{} [{}, {}] `{m}`"] * 4) + " |",
     SPELL_CRITIC,
     lambda m=_m: [x for g in SPELL_CRITIC_LAGS for x in (*ivs(_scr().iv(m, g)), _scr().mark(m, g))],
   )
+fact(
+  CR,
+  "From interval 64 on every method loses to on-policy GRPO, the critic's\nincluded",
+  SPELL_CRITIC,
+  lambda: all(_scr().mark(m, g) == "worse" for m in _scr().main for g in ("interval64", "offline")),
+)
 fact(
   CR,
   "No run collapsed.",
