@@ -157,6 +157,11 @@ def prompt_iterator(
   return ProcessRows(it, jax.process_index(), jax.process_count()) if rows else it
 
 
+def truncated(batch: dict[str, Any]) -> int:
+  """How many valid prompts of a batch were cut to `max_prompt_len` (`prompts_truncated`)."""
+  return int((batch["truncated"] & batch["valid"]).sum())
+
+
 def local_rows(x: jax.Array) -> tuple[np.ndarray, int]:
   """(this process's block of rows of `x`, its first row).
 

@@ -42,7 +42,7 @@ import jax
 from offpolicy_jax import errors
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import buffer_ope
-from offpolicy_jax.rollout import prompt_filter
+from offpolicy_jax.rollout import prompt_filter, prompt_rows
 from offpolicy_jax.run import evaluation, observability, stopping, validation
 from offpolicy_jax.run import start as start_lib
 from offpolicy_jax.run.components import Components, build_components
@@ -411,7 +411,7 @@ class _Loop:
           memo["prompt_values"] = prompt_filter.values_program(self.fns.model.graphdef)
         program, mesh = memo["prompt_values"], self.fns.model.mesh
         batch, fields = prompt_filter.select(filt, program, weights(state), mesh, batch)
-      fields["prompts_truncated"] = int((batch["truncated"] & batch["valid"]).sum())
+      fields["prompts_truncated"] = prompt_rows.truncated(batch)
       local.append(batch)
       rows.append(fields)
     return local, rows

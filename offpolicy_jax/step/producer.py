@@ -144,7 +144,7 @@ class AsyncProducer:
     info["carried"] = carried(rollout, rstate) if rollout.item else None
     if self._copy is not None:  # to the trainer mesh, on this thread
       batch = disagg.transfer(batch, sharding.batch_shardings(batch, fns.model.mesh))
-    info["prompts_truncated"] = int((local["truncated"] & local["valid"]).sum())
+    info["prompts_truncated"] = prompt_rows.truncated(local)
     info["sample_time_s"] = time.perf_counter() - start
     return batch, info
 

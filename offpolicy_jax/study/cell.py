@@ -104,8 +104,7 @@ def _read(iters: list, host_fields: bool, n: int, state) -> tuple[list[dict], li
   for _ in range(n):
     batches = [next(it) for it in iters]
     steps.append({k: np.stack([b[k] for b in batches]) for k in fields})
-    truncated = sum(int((b["truncated"] & b["valid"]).sum()) for b in batches)
-    rows.append({"prompts_truncated": truncated})
+    rows.append({"prompts_truncated": sum(prompt_rows.truncated(b) for b in batches)})
   return steps, rows
 
 
