@@ -2077,8 +2077,9 @@ _cr = lambda: S("lag_study_critic")
 _CRITICS = ("ppo_critic", "vtrace", "vtrace_rec", "rec_critic")
 
 
-def _critic_ev(method: str, lag: str) -> study_stats.Interval:
-  s = _cr()
+def _critic_ev(method: str, lag: str, study: str = "lag_study_critic") -> study_stats.Interval:
+  """A critic cell's explained variance per run, 1 - Var(R - V) / Var(R), over seeds."""
+  s = S(study)
   ratio = s.x(method, lag, "critic/error_var") / s.x(method, lag, "critic/return_var")
   return study_stats.interval(1.0 - ratio)
 
@@ -2163,9 +2164,7 @@ _scr = lambda: S("lag_study_spell_critic")
 
 
 def _spell_critic_ev(method: str, lag: str) -> study_stats.Interval:
-  s = _scr()
-  ratio = s.x(method, lag, "critic/error_var") / s.x(method, lag, "critic/return_var")
-  return study_stats.interval(1.0 - ratio)
+  return _critic_ev(method, lag, "lag_study_spell_critic")
 
 
 section(CR, "## The second task: spell_backward")
