@@ -67,10 +67,15 @@ def _run_until(cmd, env, workdir, step, sig):
   """Starts `cmd`, sends `sig` once metrics reach `step`; returns (exit code, stderr)."""
   proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   deadline = time.time() + 240
-  while _last_step(workdir) < step:
-    assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-    assert time.time() < deadline, "training subprocess made no progress"
-    time.sleep(0.02)
+  try:
+    while _last_step(workdir) < step:
+      assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+      assert time.time() < deadline, "training subprocess made no progress"
+      time.sleep(0.02)
+  except BaseException:
+    proc.kill()  # a failed wait leaves no run training beside the rest of the suite
+    proc.wait()
+    raise
   proc.send_signal(sig)
   _, err = proc.communicate(timeout=240)
   return proc.returncode, err.decode()

@@ -42,6 +42,17 @@ def test_rows_are_flushed_per_write(tmp_path):
   w.close()
 
 
+def test_a_workdir_created_while_read_is_read_as_a_workdir(tmp_path, monkeypatch):
+  """A reader polling a starting run: the workdir appears between the directory check and
+  the open (CI saw IsADirectoryError there)."""
+  writer = metrics.MetricsWriter(str(tmp_path), tensorboard=False, progress=False)
+  writer.write(3, {"loss": 1.0})
+  writer.close()
+  assert metrics_files.read_metrics(str(tmp_path / "absent")) == []
+  monkeypatch.setattr(metrics_files.os.path, "isdir", lambda _: False)  # checked too early
+  assert [r["step"] for r in metrics_files.read_metrics(str(tmp_path))] == [3]
+
+
 def test_non_primary_process_writes_nothing(tmp_path):
   workdir = str(tmp_path / "run")
   w = metrics.MetricsWriter(workdir, tensorboard=True, progress=True, total_steps=3, primary=False)

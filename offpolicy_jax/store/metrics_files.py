@@ -45,9 +45,11 @@ def _parse_row(raw: bytes) -> dict[str, Any] | None:
 def _scan(path: str) -> _Scan:
   """Reads every line of `path` (missing file: empty), sorting valid rows from bad lines."""
   scan = _Scan([], [])
-  if not os.path.exists(path):
+  try:
+    f = open(path, "rb")
+  except FileNotFoundError:
     return scan
-  with open(path, "rb") as f:
+  with f:
     for lineno, line in enumerate(f, start=1):
       raw = line.rstrip(b"\r\n")
       if not raw.strip():
@@ -82,7 +84,12 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
   """
   if os.path.isdir(path):
     path = os.path.join(path, METRICS_FILE)
-  scan = _scan(path)
+  try:
+    scan = _scan(path)
+  except IsADirectoryError:
+    # A workdir the run created after the check above (a reader polling a starting run).
+    path = os.path.join(path, METRICS_FILE)
+    scan = _scan(path)
   if scan.bad:
     warnings.warn(f"{path}: skipped {_describe_lines(scan.bad)}", stacklevel=2)
   return scan.rows
