@@ -274,7 +274,16 @@ RUN_FIELDS: tuple[Field, ...] = (
      Float(-math.inf)),
   _F("critic.lr_scale", 10.0, PROGRAM,
      "The value head's own AdamW learning rate, as a multiple of optimizer.learning_rate (the "
-     "same schedule); the shared trunk follows the policy's optimizer.", Float(0, lo_open=True)),
+     "same schedule); the shared trunk follows the policy's optimizer. A separate critic "
+     "(critic.model) trains wholly at this rate.", Float(0, lo_open=True)),
+  _F("critic.model", "", PROGRAM,
+     'The critic\'s own model (models.value): "" a value head on the policy\'s trunk; '
+     '"policy" a separate critic of the policy\'s architecture starting as a copy of the '
+     "policy's starting (warm-started) weights, its head at zero (the critic of \"Secrets of "
+     'RLHF\"); or a preset name or Hugging Face directory / repo id of the policy\'s '
+     "vocabulary, fresh from the seed or loaded (its value head from value_head.safetensors, "
+     "else zero). A separate critic has its own forward, gradient clipping and checkpointed "
+     "state; not with adapters (lora.rank).", Str()),
   _F("lag.mode", "sync", NUMBERS,
      '"sync": the exact schedule v(t) (offpolicy_jax.lag); "async": a sampler thread runs ahead.',
      Choice(("sync", "async"))),

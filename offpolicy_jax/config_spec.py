@@ -204,8 +204,17 @@ class CriticSpec:
   prompt_right: float
 
   #: The value head's own AdamW learning rate, as a multiple of optimizer.learning_rate (the
-  #: same schedule); the shared trunk follows the policy's optimizer.
+  #: same schedule); the shared trunk follows the policy's optimizer. A separate critic
+  #: (critic.model) trains wholly at this rate.
   lr_scale: float
+
+  #: The critic's own model (models.value): "" a value head on the policy's trunk; "policy" a
+  #: separate critic of the policy's architecture starting as a copy of the policy's starting
+  #: (warm-started) weights, its head at zero (the critic of "Secrets of RLHF"); or a preset
+  #: name or Hugging Face directory / repo id of the policy's vocabulary, fresh from the seed or
+  #: loaded (its value head from value_head.safetensors, else zero). A separate critic has its
+  #: own forward, gradient clipping and checkpointed state; not with adapters (lora.rank).
+  model: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -159,6 +159,7 @@ BAD = [
   ("critic.prompt_pool", 0, "critic.prompt_pool"),
   ("critic.prompt_wrong", float("nan"), "critic.prompt_wrong"),
   ("critic.prompt_right", float("inf"), "critic.prompt_right"),
+  ("critic.model", "policy", "critic.model"),  # needs a critic
 ]
 
 

@@ -48,6 +48,7 @@ def make_optimizer(
   eps: float = 1e-8,
   moment_dtype: str = "float32",
   head_learning_rate: float | None = None,
+  separate_critic: bool = False,
 ) -> optax.GradientTransformation:
   """Global-norm clipping followed by AdamW on a warmup + constant/cosine schedule.
 
@@ -65,6 +66,10 @@ def make_optimizer(
     moment_dtype: ``float32`` or ``bfloat16``: the dtype both Adam moments are
       kept in between steps (`stored_as`; bfloat16 halves the optimizer's
       memory; the update itself is computed in float32).
+    head_learning_rate: the critic's rate (its value head's, and a separate
+      critic's whole); None: the policy's.
+    separate_critic: the parameters hold a separate critic (`models.value`),
+      whose gradient is clipped by its own global norm (the policy's by its).
 
   Returns:
     An ``optax.GradientTransformation``.
@@ -108,13 +113,25 @@ def make_optimizer(
     raise ValueError(f"moment_dtype must be 'float32' or 'bfloat16', got {moment_dtype!r}")
   if moment_dtype != "float32":
     adam = stored_as(jnp.dtype(moment_dtype), adam)
+  if max_grad_norm and separate_critic:  # each model's gradient clipped on its own
+    clip = optax.clip_by_global_norm(max_grad_norm)
+    labels = lambda params: jax.tree_util.tree_map_with_path(
+      lambda path, _: "critic" if _in_critic(path) else "policy", params
+    )
+    return optax.chain(optax.multi_transform({"policy": clip, "critic": clip}, labels), adam)
   if max_grad_norm:
     return optax.chain(optax.clip_by_global_norm(max_grad_norm), adam)
   return adam
 
 
+def _in_critic(path) -> bool:
+  """Whether a parameter's path is the critic's: a value head's or a separate critic's."""
+  return any(getattr(entry, "key", None) in ("value_head", "critic") for entry in path)
+
+
 def _scale_head(k: float) -> optax.GradientTransformation:
-  """Multiplies the value head's updates (`models.value`) by `k`, the others' by 1.
+  """Multiplies the critic's updates (`models.value`: its value head, or a separate critic
+  whole) by `k`, the others' by 1.
 
   After AdamW this is AdamW at `k` times the rate for the head, its decoupled
   weight decay included: Adam's step does not depend on the gradient's scale,
@@ -123,12 +140,9 @@ def _scale_head(k: float) -> optax.GradientTransformation:
   masked optimizer state that checkpoints would have to store.
   """
 
-  def head(path) -> bool:
-    return any(getattr(entry, "key", None) == "value_head" for entry in path)
-
   def update(updates, state, params=None):
     del params
-    scaled = jax.tree_util.tree_map_with_path(lambda p, u: u * k if head(p) else u, updates)
+    scaled = jax.tree_util.tree_map_with_path(lambda p, u: u * k if _in_critic(p) else u, updates)
     return scaled, state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)

@@ -108,6 +108,10 @@ class ModelConfig:
       softmax probabilities of the chosen experts.
     value_head: if True the decoder carries a value head on its trunk
       (`models.value`: V(s_t) = w . h_t + b), the critic of `learn.critic`.
+    critic: a separate critic model (`models.value`): a decoder of its own
+      trunk, with a value head (`value_head` True) and this vocabulary,
+      carried as the `critic` submodule; None: no separate critic. Exclusive
+      with `value_head` (a head on the policy's own trunk) and with `lora`.
   """
 
   vocab_size: int
@@ -137,6 +141,7 @@ class ModelConfig:
   moe_intermediate_size: int = 0
   norm_topk_prob: bool = True
   value_head: bool = False
+  critic: "ModelConfig | None" = None
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):
@@ -164,8 +169,28 @@ class ModelConfig:
         f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
       )
     self._check_experts()
+    self._check_critic()
     if self.scan_layers is None:
-      object.__setattr__(self, "scan_layers", self.num_params() >= STACK_FROM_PARAMS)
+      own = self.num_params() - (0 if self.critic is None else self.critic.num_params())
+      object.__setattr__(self, "scan_layers", own >= STACK_FROM_PARAMS)
+
+  def _check_critic(self):
+    c = self.critic
+    if c is None:
+      return
+    problems = [
+      (not c.value_head, "the critic needs its value head (value_head=True)"),
+      (c.critic is not None, "a critic has no critic of its own"),
+      (self.value_head, "the policy has a value head of its own (value_head=True)"),
+      (self.lora is not None or c.lora is not None, "not with adapters (lora)"),
+      (
+        c.vocab_size != self.vocab_size,
+        f"vocabulary {c.vocab_size} is not the policy's {self.vocab_size}",
+      ),
+    ]
+    for bad, why in problems:
+      if bad:
+        raise ValueError(f"critic (a run's critic.model): {why}")
 
   def _check_experts(self):
     e, k = self.num_experts, self.num_experts_per_tok
@@ -207,7 +232,8 @@ class ModelConfig:
       attn += 2 * h
     layer = attn + self._feed_forward_params() + 2 * d
     embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
-    return self.num_layers * layer + embed + d + (d + 1 if self.value_head else 0)
+    critic = 0 if self.critic is None else self.critic.num_params()
+    return self.num_layers * layer + embed + d + (d + 1 if self.value_head else 0) + critic
 
   def _feed_forward_params(self, active: bool = False) -> int:
     d, e, k = self.hidden_size, self.num_experts, self.num_experts_per_tok

@@ -111,6 +111,8 @@ class Decoder(nnx.Module):
           layer.mlp.add_adapters(mlp, adapter_rngs)
     # Drawn one by one in both layouts, so a seed's weights do not depend on the layout.
     self.layers = layout.stack_modules(layers) if c.scan_layers else nnx.List(layers)
+    if c.critic is not None:  # a separate critic (`models.value`), drawn after the policy
+      self.critic = Decoder(c.critic, rngs=rngs)
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
     """Zero KV cache of `max_len` slots for `batch` rows (compute dtype by default)."""

@@ -391,11 +391,15 @@ def save_pretrained(
     dtype: storage dtype (default: the parameter dtype), e.g. jnp.bfloat16.
     tokenizer: the model's tokenizer, written beside it by `save_tokenizer`
       (then `AutoTokenizer` loads it and `generate()` stops at its EOS).
+
+  A separate critic (`models.value`) goes into `path`/critic, a checkpoint of
+  its own that `critic.model` loads.
   """
   config = model.config
   np_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
   os.makedirs(path, exist_ok=True)
-  values = layout.unstack(nnx.to_pure_dict(nnx.state(model, nnx.Param)), config.num_layers)
+  own = {k: v for k, v in nnx.to_pure_dict(nnx.state(model, nnx.Param)).items() if k != "critic"}
+  values = layout.unstack(own, config.num_layers)
   tensors = {}
   for ours, name, _, to_hf in _tensor_map(config):
     x: Any = values
@@ -413,6 +417,8 @@ def save_pretrained(
   value.save(model, path)
   if tokenizer is not None:
     save_tokenizer(tokenizer, path)
+  if value.has_separate_critic(model):  # an HF checkpoint of its own, with its value head
+    save_pretrained(model.critic, os.path.join(path, value.CRITIC_DIR), dtype, tokenizer=tokenizer)
 
 
 def save_tokenizer(tokenizer: Tokenizer, path: str) -> None:

@@ -65,12 +65,14 @@ class Scored(NamedTuple):
   values: jax.Array | None = None
 
 
-def _scored(model, h, tokens, mask, temperature, chunk, kept, top_k, stats, full: bool):
+def _scored(model, h, tokens, mask, temperature, chunk, kept, top_k, stats, full: bool, hidden):
+  """`hidden(decoder) -> [B, N, D]`: a decoder's states at the response's scoring positions
+  (the separate critic's forward, `models.value`); `h` is the policy's."""
   logp, entropy = _token_logp_entropy(model, h, tokens, temperature, chunk, kept, top_k)
   m = (jnp.asarray(mask) > 0).astype(jnp.float32)
   if not full:
     return logp * m, entropy * m
-  v = value.values_of(model, h)
+  v = value.values_of(model, h, hidden)
   return Scored(logp * m, entropy * m, stats, None if v is None else v * m)
 
 
@@ -230,8 +232,9 @@ def sequence_logprobs(
   args = (full_tokens, None, full_mask, None, None, dropout_key, router_mask, rec, replay)
   h, _, routed = model.routed(*args)
   stats = None if routed is None else routed.stats
+  hidden = lambda m: m.hidden_states(full_tokens, None, full_mask)[0][:, p - 1 : p - 1 + n]
   h = h[:, p - 1 : p - 1 + n]
-  return _scored(model, h, tokens, mask, temperature, chunk_size, kept, top_k, stats, full)
+  return _scored(model, h, tokens, mask, temperature, chunk_size, kept, top_k, stats, full, hidden)
 
 
 def shared_prefix_logprobs(
@@ -281,18 +284,15 @@ def shared_prefix_logprobs(
     a `Scored`.
   """
   tokens = jnp.asarray(tokens, jnp.int32)
-  h_p, h_s, stats = model.shared_prefix_routed(
-    jnp.asarray(prompt_tokens, jnp.int32),
-    prompt_mask,
-    tokens,
-    group_size,
-    dropout_key,
-    mask,
-    recorded,
-    replay,
-  )
-  # Position t scores token t: the first from the prompt's last state, the rest
-  # from the response's own states.
-  first = jnp.repeat(h_p[:, -1:], group_size, axis=0)
-  h = jnp.concatenate([first, h_s[:, :-1]], axis=1)
-  return _scored(model, h, tokens, mask, temperature, chunk_size, kept, top_k, stats, full)
+  prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
+
+  def hidden(m, routed=False, *args):
+    h_p, h_s, stats = m.shared_prefix_routed(prompt_tokens, prompt_mask, tokens, group_size, *args)
+    # Position t scores token t: the first from the prompt's last state, the rest
+    # from the response's own states.
+    first = jnp.repeat(h_p[:, -1:], group_size, axis=0)
+    h = jnp.concatenate([first, h_s[:, :-1]], axis=1)
+    return (h, stats) if routed else h
+
+  h, stats = hidden(model, True, dropout_key, mask, recorded, replay)
+  return _scored(model, h, tokens, mask, temperature, chunk_size, kept, top_k, stats, full, hidden)

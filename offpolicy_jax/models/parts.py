@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 
 from offpolicy_jax.models import lora as lora_lib
-from offpolicy_jax.models import tokenizers
+from offpolicy_jax.models import tokenizers, value
 from offpolicy_jax.models.config import LoraConfig
 from offpolicy_jax.scale import sharding
 
@@ -35,6 +35,9 @@ class ModelParts:
       adapters; None: the whole model is trained.
     stacked: the blocks are stored stacked over layers (`ModelConfig.scan_layers`,
       `models.layout`), which a run's checkpoints record.
+    critic: the model carries a separate critic (`ModelConfig.critic`): "policy"
+      when it starts as a copy of the policy's starting weights, "own" when it
+      keeps its own initial weights; "" without one.
   """
 
   mesh: jax.sharding.Mesh
@@ -44,6 +47,7 @@ class ModelParts:
   key: str
   lora: LoraConfig | None = None
   stacked: bool = False
+  critic: str = ""
 
   def init_params(self, seed: int) -> nnx.State:
     """Freshly initialised (from `seed`) or loaded parameters, placed on the mesh.
@@ -58,3 +62,13 @@ class ModelParts:
     if self.lora is None:
       return None, params
     return lora_lib.split(params)
+
+  def with_critic(self, params: nnx.State, seed: int) -> nnx.State:
+    """`params` a run starts from (the policy's, warm-started) with the separate critic seed
+    `seed` starts with (`value.with_critic`): its own initial weights, drawn or loaded
+    again (a warm start never trains it), or a copy of the policy's."""
+    if not self.critic:
+      return params
+    if self.critic == "policy":
+      return value.with_critic(params, jax.eval_shape(lambda: self.init_params(seed)), True)
+    return value.with_critic(params, self.init_params(seed), False)

@@ -86,8 +86,8 @@ def prompt_values(model, prompt_tokens: jax.Array, prompt_lengths: jax.Array) ->
   """float32 [B] V_0: the value head at the last token of left-padded prompts [B, P]."""
   p = prompt_tokens.shape[1]
   mask = jnp.arange(p)[None, :] >= p - prompt_lengths[:, None]
-  h, _ = model.hidden_states(prompt_tokens, attention_mask=mask)
-  values = value.values_of(model, h[:, -1])
+  last = lambda m: m.hidden_states(prompt_tokens, attention_mask=mask)[0][:, -1]
+  values = value.values_of(model, None if value.has_separate_critic(model) else last(model), last)
   if values is None:
     raise ValueError("prompt values need a model with a value head (a critic)")
   return values

@@ -29,15 +29,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from offpolicy_jax import advantages, config_schema, errors, lag, losses, models
+from offpolicy_jax import advantages, config_schema, errors, lag, losses
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import scorer, train_state
 from offpolicy_jax.learn.step_options import LearnerParts, StepOptions
-from offpolicy_jax.models import hub, tokenizers
+from offpolicy_jax.models import hub
 from offpolicy_jax.models.parts import ModelParts
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.run import (
@@ -45,6 +44,7 @@ from offpolicy_jax.run import (
   critic_settings,
   data_checks,
   evaluation,
+  model_build,
   validation,
 )
 from offpolicy_jax.sampling import continuous
@@ -52,7 +52,6 @@ from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.sampling import sampler as sampling
 from offpolicy_jax.scale import disagg, sharding
 from offpolicy_jax.step import run_state
-from offpolicy_jax.step.run_state import INIT, step_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,70 +114,6 @@ def sampler_and_trainer_meshes(config) -> tuple[jax.sharding.Mesh, jax.sharding.
     raise ValueError(f"config.{e}") from e
 
 
-def _tokenizer(config):
-  if config.tokenizer:
-    return tokenizers.HFTokenizer.from_pretrained(config.tokenizer)
-  path = hub.model_dir(config.model)
-  if path is not None:
-    return tokenizers.HFTokenizer.from_pretrained(path)
-  return tokenizers.CharTokenizer()
-
-
-def lora_config(config) -> models.LoraConfig | None:
-  """The adapters of `config.lora` (None when `lora.rank` is 0: full fine-tuning)."""
-  c = config.lora
-  if not c.rank:
-    return None
-  targets = tuple(t.strip() for t in c.targets.split(","))
-  return models.LoraConfig(
-    rank=c.rank, alpha=float(c.alpha), targets=targets, dropout=float(c.dropout)
-  )
-
-
-def _model_constructor(config, mesh, tokenizer, dtype: str = ""):
-  """`seed -> model`: an HF checkpoint loaded onto the mesh, or a fresh preset.
-
-  `dtype` overrides the compute dtype (`model_dtype`); parameters stay float32.
-  With `lora.rank > 0` the model carries fresh adapters (B = 0) drawn from the seed.
-  """
-  dtype = dtype or config.model_dtype
-  lc = lora_config(config)
-  value_head = bool(critic_settings.estimator(config))
-  path = hub.model_dir(config.model)
-  if path is not None:
-    compute = jnp.dtype(dtype)
-    scan, remat, attention = config.model_scan_layers, config.model_remat, config.model_attention
-
-    def load(seed):
-      model = models.from_pretrained(
-        path,
-        jnp.float32,
-        compute_dtype=compute,
-        mesh=mesh,
-        rules=sharding.LOGICAL_AXIS_RULES,
-        scan_layers=scan,
-        scan_decode=config.model_scan_decode,
-        remat=remat,
-        attention=attention,
-        value_head=value_head,
-      )
-      return model if lc is None else models.lora.with_adapters(model, lc, step_key(seed, 0, INIT))
-
-    return load
-  mcfg = models.get_config(
-    config.model,
-    vocab_size=tokenizer.vocab_size,
-    dtype=dtype,
-    scan_layers=config.model_scan_layers,
-    scan_decode=config.model_scan_decode,
-    remat=config.model_remat,
-    attention=config.model_attention,
-    lora=lc,
-    value_head=value_head,
-  )
-  return lambda seed: models.Decoder(mcfg, rngs=nnx.Rngs(params=step_key(seed, 0, INIT)))
-
-
 def optimizer(config):
   """The optax optimizer of `config.optimizer`."""
   opt = config.optimizer
@@ -191,6 +126,7 @@ def optimizer(config):
     b2=opt.b2,
     moment_dtype=opt.moment_dtype,
     head_learning_rate=_head_learning_rate(config),
+    separate_critic=bool(critic_settings.separate_critic(config)),
   )
 
 
@@ -282,15 +218,15 @@ def _build_fns(config) -> run_state.StepFns:
   if c.mesh.sampler_devices:
     sampler_mesh, mesh = sampler_and_trainer_meshes(c)
   task = tasks.get_task(c.task, **c.task_kwargs.to_dict())
-  tokenizer = _tokenizer(c)
-  model_fn = _model_constructor(c, mesh, tokenizer)
+  tokenizer = model_build.tokenizer(c)
+  model_fn = model_build.model_constructor(c, mesh, tokenizer)
   abstract = nnx.eval_shape(lambda: model_fn(0))
   graphdef, _ = nnx.split(abstract)
   components_rollout.check_routing_replay(c, abstract.config)
   sampler_graphdef = graphdef
   if c.rollout.sampler_dtype and c.rollout.sampler_dtype != c.model_dtype:
     # The same float32 parameters, run by the sampler in another compute dtype.
-    sampler_fn = _model_constructor(c, mesh, tokenizer, c.rollout.sampler_dtype)
+    sampler_fn = model_build.model_constructor(c, mesh, tokenizer, c.rollout.sampler_dtype)
     sampler_graphdef, _ = nnx.split(nnx.eval_shape(lambda: sampler_fn(0)))
   options = step_options(c)
   # Before the reward pool starts.
@@ -325,8 +261,9 @@ def _build_fns(config) -> run_state.StepFns:
     model_fn,
     tokenizer,
     warm_start_key(c),
-    lora_config(c),
+    model_build.lora_config(c),
     stacked=bool(abstract.config.scan_layers),
+    critic=model_build.critic_start(c),
   )
   gamma = 1.0 if eps is None else eps.gamma
   eval_rows = (
@@ -382,7 +319,9 @@ def warm_start_key(config) -> str:
   differ by the head).
   """
   head = bool(critic_settings.estimator(config))
-  return _key(config, _warm_start, value_head=head, scan_layers=config.model_scan_layers)
+  # A separate critic is part of the graph the warm start trains (keys of earlier runs kept).
+  extra = {"critic": True} if critic_settings.separate_critic(config) else {}
+  return _key(config, _warm_start, value_head=head, scan_layers=config.model_scan_layers, **extra)
 
 
 def _key(config, keeps: Callable[[str], bool], **extra) -> str:

@@ -3,8 +3,9 @@
 A run has a critic when `critic.estimator` is "gae" or "vtrace", or empty and
 the loss preset pairs with one (`losses.default_critic`: `ppo_critic`,
 `rec_critic`, `vtrace`). The model then carries a value head
-(`ModelConfig.value_head`), the train step trains it and reads its token
-advantages (`learn.critic`), and the optimizer gives the head its own
+(`ModelConfig.value_head`), or with `critic.model` a separate critic model
+(`ModelConfig.critic`); the train step trains it and reads its token
+advantages (`learn.critic`), and the optimizer gives the critic its own
 learning rate (`critic.lr_scale` times the policy's).
 """
 
@@ -13,6 +14,14 @@ from __future__ import annotations
 from offpolicy_jax import errors, losses
 from offpolicy_jax.learn.critic import CriticSpec
 from offpolicy_jax.rollout.prompt_filter import PromptFilter
+
+FROM_POLICY = "policy"  # critic.model: a separate critic starting as the policy's copy
+
+
+def separate_critic(config) -> str:
+  """`critic.model` when the run has a critic: "" (a head on the policy's trunk),
+  `FROM_POLICY`, or the critic's own preset or checkpoint."""
+  return config.critic.model if estimator(config) else ""
 
 
 def estimator(config) -> str:
@@ -60,6 +69,12 @@ def validate(c) -> None:
     f"the KL penalty ({c.critic.kl_coef}) is paid in a critic's rewards: set "
     "critic.estimator (or a loss preset with a critic), or 0 (a KL-to-reference loss: "
     "loss.kl_coef)",
+  )
+  errors.need(
+    bool(name) or not c.critic.model,
+    "critic.model",
+    f"a separate critic ({c.critic.model!r}) needs a critic: set critic.estimator (or a "
+    "loss preset with a critic), or leave it empty",
   )
   _validate_prompt_pool(c, name)
   if not name:

@@ -77,7 +77,7 @@ from offpolicy_jax import config_schema, models
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import batch_splits, replay, train_state, train_step
 from offpolicy_jax.models.tokenizers import CharTokenizer
-from offpolicy_jax.run import components, validation
+from offpolicy_jax.run import components, model_build, validation
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.scale import disagg, sharding
 from offpolicy_jax.step import run_state
@@ -169,7 +169,7 @@ def model_config(config) -> tuple[models.ModelConfig, str]:
     scan_layers=spec.model_scan_layers,
     scan_decode=spec.model_scan_decode,
     remat=spec.model_remat,
-    lora=components.lora_config(config),
+    lora=model_build.lora_config(config),
   )
   path = os.path.join(m, "config.json") if os.path.isdir(m) else m
   if path.endswith(".json") and os.path.isfile(path):

@@ -60,7 +60,7 @@ def initial_weights(comps: Components, *, warm_start: bool = True, log_fn=print)
       params = sft.warm_start(fns, params, **kw)
     else:
       base = sft.warm_start(fns, base, frozen=params, **kw)
-  return base, params
+  return base, fns.model.with_critic(params, run.seed)
 
 
 def save(ckpt, state: RunState, rollout: Rollout, step: int, meta: dict[str, Any]) -> None:

@@ -314,13 +314,20 @@ def _is_preset(model: str) -> bool:
   return not (os.path.isdir(model) or os.path.sep in model or hub.is_repo_id(model))
 
 
+def _models(c) -> list[tuple[str, str]]:
+  """(field, name) of each model a run builds: the policy, and a separate critic's own."""
+  critic = c.critic.model
+  own = critic and critic != critic_settings.FROM_POLICY
+  return [("model", c.model)] + ([("critic.model", critic)] if own else [])
+
+
 def _validate_names(c) -> None:
-  """The task and the model preset are known (a model directory or repo is `_validate_files`')."""
-  if _is_preset(c.model):
+  """The task and the model presets are known (a model directory or repo is `_validate_files`')."""
+  for field, name in _models(c):
     errors.need(
-      c.model in models.preset_names(),
-      "model",
-      f"unknown preset {c.model!r} (and not a local directory); presets: "
+      not _is_preset(name) or name in models.preset_names(),
+      field,
+      f"unknown preset {name!r} (and not a local directory); presets: "
       f"{', '.join(models.preset_names())}",
     )
   known = tasks.task_names()
@@ -332,20 +339,21 @@ def _validate_names(c) -> None:
 
 
 def _validate_files(c) -> None:
-  """The model directory or Hugging Face repo, the tokenizer and the data files exist."""
-  if os.path.isdir(c.model) or (os.path.sep in c.model and not hub.is_repo_id(c.model)):
-    errors.need(
-      os.path.isfile(os.path.join(c.model, "config.json")),
-      "model",
-      f"{c.model!r} is not a Hugging Face directory with config.json",
-    )
-  elif hub.is_repo_id(c.model):
-    local = hub.model_dir(c.model)  # downloads, or finds it in the cache
-    errors.need(
-      local is not None and os.path.isfile(os.path.join(local, "config.json")),
-      "model",
-      f"the Hugging Face repo {c.model!r} has no config.json",
-    )
+  """The model directories or Hugging Face repos, the tokenizer and the data files exist."""
+  for field, name in _models(c):
+    if os.path.isdir(name) or (os.path.sep in name and not hub.is_repo_id(name)):
+      errors.need(
+        os.path.isfile(os.path.join(name, "config.json")),
+        field,
+        f"{name!r} is not a Hugging Face directory with config.json",
+      )
+    elif hub.is_repo_id(name):
+      local = hub.model_dir(name)  # downloads, or finds it in the cache
+      errors.need(
+        local is not None and os.path.isfile(os.path.join(local, "config.json")),
+        field,
+        f"the Hugging Face repo {name!r} has no config.json",
+      )
   if c.tokenizer:
     errors.need(
       os.path.isfile(os.path.join(c.tokenizer, "tokenizer.json")),

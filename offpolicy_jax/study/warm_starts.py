@@ -12,7 +12,9 @@ always the one the config asks for.
 
 A critic's value head (`models.value`) is not part of a warm start: it is
 kept without one, and a cell whose model has a head gets a zero head added,
-so cells with and without a critic start each seed from the same trunk.
+so cells with and without a critic start each seed from the same trunk. A
+separate critic is not kept either: a cell with one starts it from the seed
+(or as a copy of the warm-started policy, `critic.model = "policy"`).
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class Starts:
     """`start` with the zero value head of `comps`' model, when it has one."""
     if comps.fns.learner.options.critic is None:  # no head: nothing to trace
       return start
+    if comps.fns.model.critic:  # a separate critic, from the seed or the start's policy
+      return start[0], comps.fns.model.with_critic(start[1], seed)
     abstract = jax.eval_shape(lambda: comps.fns.model.init_params(seed))
     return start[0], value.with_zero_head(start[1], abstract)
 
