@@ -82,8 +82,15 @@ def test_a_critic_run_resumes_exactly(tmp_path):
   [
     {"rollout.partial_budget": 2, "lag.sync_interval": 2, "rollout.score_old": True},
     {**_GUESS, "sft.steps": 3, "lag.mode": "async", "lag.max_staleness": 2},
-    # Disaggregated: the sampler on 2 devices, the trainer (and the head) over data x tensor.
-    {"mesh.sampler_devices": 2, "mesh.data": 2, "mesh.tensor": 3, "lag.sync_interval": 2},
+    # Disaggregated: the sampler on 2 devices, the trainer over data x tensor, with a
+    # separate critic model (`critic.model`) sharded like the policy.
+    {
+      "mesh.sampler_devices": 2,
+      "mesh.data": 2,
+      "mesh.tensor": 3,
+      "lag.sync_interval": 2,
+      "critic.model": "policy",
+    },
     # Episodes whose turns are each paid their own reward: the critic's rewards per turn.
     {**_GUESS, "sft.steps": 3, "multiturn.credit": "turn"},
   ],
@@ -93,6 +100,10 @@ def test_every_rollout_kind_trains_a_critic(tmp_path, overrides):
   config = small_config(**{"total_steps": 3, "loss.name": "ppo_critic", **overrides})
   rows, _ = metrics_files.split_rows(loop.train_and_evaluate(config, str(tmp_path)))
   assert len(rows) == 3
+  if "critic.model" in overrides:  # the critic's own model, its weights over the tensor axis
+    _, params = start.initial_weights(components.build_components(config), warm_start=False)
+    w = params["critic"]["layers"][0]["mlp"]["up_proj"][...]
+    assert "tensor" in str(w.sharding.spec)
   for r in rows:
     assert np.isfinite(r["critic/value_loss"]) and np.isfinite(r["loss"])
     assert -1e6 < r["critic/explained_variance"] <= 1.0
