@@ -118,7 +118,7 @@ LR_METHODS = ",".join(
 
 
 TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "const256", "lr", "reuse", "moe", "critic")
-TOY_SCALES += ("ope",)
+TOY_SCALES += ("ope", "critic_const256")
 # `critic`: does a learned critic help under lag (docs/results/critic.md)? PPO with a critic
 # and GAE (`ppo_critic`), IMPALA's V-trace (`vtrace`) and REC-OneSide-NoIS on the critic's
 # advantages (`rec_critic`), and V-trace under REC's mask (`vtrace_rec`, added after the first
@@ -134,6 +134,11 @@ CRITIC_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,offline=offline"
 # against the group baselines, on-policy / interval 20 / 64 / offline (the critic grid's lags;
 # interval 64 added after the others had run), 12 seeds, with GRPO's A/A twin at every lag.
 SPELL_CRITIC_METHODS = "grpo,rec_oneside_nois,ppo_critic,rec_critic,vtrace_rec"
+# `critic_const256`: the critic grid at 256 stale updates in M2PO's sense (the constant lag
+# 1/256 of `const256`, 600 steps): the critic methods that did not collapse at interval 64
+# against the group baselines, GRPO's A/A twin there too, 12 seeds; compared with GRPO at
+# the same lag (the critic grid's 200 steps would be all fill at this lag).
+CRITIC_CONST_METHODS = "grpo,rec_oneside_nois,ppo_critic,rec_critic,vtrace_rec"
 # `ope`: off-policy evaluation from the replay buffer against the truth by lag (docs/ope.md):
 # the critic methods, so that the doubly robust estimators have values, 12 seeds.
 OPE_ESTIMATES = "is,wis,pdwis,dr,wdr"
@@ -216,7 +221,8 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   else:
     raise ValueError(
       f"configs/lag_study.py: unknown scale {scale!r} "
-      "(toy, toy_full, deep, deep_full, lr, reuse, moe, critic, ope, gsm8k, code, spell, "
+      "(toy, toy_full, deep, deep_full, const256, lr, reuse, moe, critic, critic_const256, ope, "
+      "gsm8k, code, spell, "
       "spell_critic or calculator)"
     )
   c.eval_every = 50
@@ -260,7 +266,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.study.seeds = 5
     c.study.aa_lags = ""
     c.eval_samples = 1  # greedy only: every sampled program is one more sandboxed process
-  if scale in ("deep", "deep_full", "const256"):
+  if scale in ("deep", "deep_full", "const256", "critic_const256"):
     c.total_steps = 600
     c.eval_every = 20  # learning-speed claims need the curve, not five points
     c.rollout.score_old = True  # the *_old corrections weigh by pi_old / mu
@@ -268,10 +274,12 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.study.lags = DEEP_LAGS if scale == "deep" else DEEP_FULL_LAGS
     # The A/A calibration at 12 seeds is the default grid's (docs/results/lag_study.md).
     c.study.aa_lags = ""
-  if scale == "const256":
+  if scale in ("const256", "critic_const256"):
     c.study.methods, c.study.lags = CONST_METHODS, CONST_LAGS
     c.study.baseline = "grpo@const256"
     c.study.aa_lags = "all"
+  if scale == "critic_const256":
+    c.study.methods = CRITIC_CONST_METHODS
   if scale == "moe":
     c.model = "tiny-moe"
     c.study.methods = MOE_METHODS
