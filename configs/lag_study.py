@@ -296,6 +296,11 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   if scale in ("critic", "ope"):
     c.study.methods = CRITIC_METHODS if scale == "critic" else "ppo_critic,vtrace"
     c.study.lags = CRITIC_LAGS
+  if scale in ("critic", "ope", "spell_critic", "critic_const256"):
+    # The committed grids ran before `ppo_critic` took PPO-max's KL penalty and reward
+    # normalisation (run.critic_settings.RECIPES): their critics pay no KL and see raw rewards.
+    c.critic.kl_coef = 0.0
+    c.critic.reward_norm = False
   if scale == "ope":
     c.study.ope = OPE_ESTIMATES
     c.study.baseline = "ppo_critic@onpolicy"

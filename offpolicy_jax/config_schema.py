@@ -257,10 +257,22 @@ RUN_FIELDS: tuple[Field, ...] = (
      Float(0, lo_open=True)),
   _F("critic.whiten", True, PROGRAM,
      "gae: whiten the token advantages over the batch's valid tokens.", Bool()),
-  _F("critic.kl_coef", 0.0, PROGRAM,
+  _F("critic.kl_coef", None, PROGRAM,
      "Per-token KL penalty in the critic's rewards: every policy token pays -kl_coef (log mu - "
      "log pi_ref) against the run's starting parameters (learn.critic; PPO for language "
-     "models' token-level KL; 0 = none). Keeps the reference parameters.", Float(0)),
+     "models' token-level KL; 0 = none). Keeps the reference parameters. None: the loss "
+     "preset's recipe (run.critic_settings.RECIPES: 0.05 for ppo_critic), else 0.",
+     Float(0, none_ok=True), float),
+  _F("critic.reward_norm", None, PROGRAM,
+     "Normalise and clip the rows' rewards by their running mean and standard deviation over "
+     "the run before the critic's returns (\"Secrets of RLHF\" eq. 18; learn.critic, kept in "
+     "the checkpoints). None: the loss preset's recipe (on for ppo_critic), else off. It "
+     "cannot go with per-turn rewards, prompt values or the doubly robust OPE estimators "
+     "(they read the values as rewards): there the recipe's stays off and True is refused.",
+     Bool(none_ok=True), bool),
+  _F("critic.reward_clip", 5.0, PROGRAM,
+     "delta of critic.reward_norm's clipping: normalised rewards are kept in [-delta, delta].",
+     Float(0, lo_open=True)),
   _F("critic.prompt_pool", 1, PROGRAM,
      "Prompt values (V_0, rollout.prompt_filter): read this many candidate prompts per prompt "
      "sampled and keep, of each run of them, the one the critic's value at the prompt predicts "

@@ -1205,6 +1205,21 @@ GROUPS: dict[str, Group] = {
         "Mean over valid tokens of log mu - log pi_ref: the behaviour's k1 estimate of its KL to "
         "the reference policy, which the critic's rewards pay times critic.kl_coef.",
       ),
+      M(
+        "critic/reward_norm_mean",
+        "critic.reward_norm",
+        "reward",
+        "The running mean of the rows' rewards over the run, this step's included, that the "
+        "critic's rewards are normalised by.",
+      ),
+      M(
+        "critic/reward_norm_std",
+        "critic.reward_norm",
+        "reward",
+        "The running standard deviation of the rows' rewards over the run, this step's "
+        "included, that the critic's rewards are divided by (while it is <= 1e-6 every "
+        "normalised reward is 0).",
+      ),
     ),
   ),
   "v0": Group(

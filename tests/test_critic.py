@@ -61,7 +61,8 @@ def _step(setup, spec, optimizer=None, **kw):
   step = train_step.make_train_step(
     setup["graphdef"], opt, "reinforce", critic=spec, donate=False, **kw
   )
-  return step, train_state.init_train_state(setup["params"], opt)
+  stats = spec is not None and spec.reward_norm
+  return step, train_state.init_train_state(setup["params"], opt, reward_stats=stats)
 
 
 def test_the_value_head_starts_at_zero_and_is_exported_and_imported(setup, tmp_path):
@@ -120,6 +121,36 @@ def test_gae_in_the_step_is_the_reference_and_the_critic_fits_the_returns(setup)
   assert float(m["critic/value_loss"]) < 0.2 * float(first["critic/value_loss"])
   assert float(m["critic/explained_variance"]) > 0.8 > float(first["critic/explained_variance"])
   assert not any(k.startswith("critic/_") for k in m)
+
+
+def test_rewards_are_normalised_by_their_running_statistics_over_the_run(setup):
+  spec = critic.CriticSpec("gae", reward_norm=True, reward_clip=1.5)
+  rng = np.random.default_rng(1)
+  batch = jax.tree.map(jnp.asarray, setup["batch"])
+  stats, seen = jnp.zeros(critic.REWARD_STATS), []
+  for i in range(3):  # three batches, each with one dropped row (weight 0)
+    r = rng.normal(2.0, 3.0, B).astype(np.float32)
+    w = np.ones(B, np.float32)
+    w[i] = 0
+    mb = batch._replace(rewards=jnp.asarray(r), weights=jnp.asarray(w))
+    stats, out, m = critic.normalized_rewards(spec, stats, mb)
+    seen.extend(r[w > 0])
+    mean, std = np.mean(seen), np.std(seen)
+    np.testing.assert_allclose(out.rewards, np.clip((r - mean) / std, -1.5, 1.5), atol=1e-5)
+    np.testing.assert_allclose(m["critic/reward_norm_std"], std, rtol=1e-5)
+    np.testing.assert_allclose(m["critic/reward_norm_mean"], mean, rtol=1e-5)
+  assert np.abs(np.asarray(out.rewards)).max() == 1.5  # the clip binds on these draws
+  # In the step the statistics advance call by call, and the critic's returns read the
+  # normalised rewards: equal rewards in a first batch train as zero rewards would.
+  step, state = _step(setup, spec)
+  state, m = step(state, batch._replace(rewards=jnp.full((B,), 0.7)), jax.random.key(0))
+  np.testing.assert_allclose(state.reward_stats, [B, 0.7, 0.0], atol=1e-6)
+  plain, plain_state = _step(setup, dataclasses.replace(spec, reward_norm=False))
+  _, want = plain(plain_state, batch._replace(rewards=jnp.zeros(B)), jax.random.key(0))
+  assert float(m["critic/return_mean"]) == float(want["critic/return_mean"])
+  assert float(m["loss"]) == float(want["loss"])
+  state, m = step(state, batch, jax.random.key(1))
+  assert float(state.reward_stats[0]) == 2 * B and float(m["critic/reward_norm_std"]) > 0
 
 
 def test_micro_batches_give_the_same_update(setup):
@@ -236,6 +267,7 @@ def test_the_kl_penalty_is_paid_in_the_critics_rewards_against_the_reference(set
     ("value_clip", -1.0, "critic.value_clip"),
     ("c_bar", 2.0, "rho_bar"),
     ("kl_coef", -0.1, "critic.kl_coef"),
+    ("reward_clip", 0.0, "critic.reward_clip"),
   ],
 )
 def test_bad_critic_settings_name_the_field(field, value, match):

@@ -64,10 +64,16 @@ def test_the_critic_presets_learn_the_default_task(tmp_path, loss):
 
 def test_a_critic_run_resumes_exactly(tmp_path):
   # With the rewards' KL penalty: the reference parameters are kept and checkpointed too.
-  kw = {"loss.name": "vtrace", "lag.sync_interval": 3, "critic.kl_coef": 0.1}
+  # And normalised rewards: their running statistics are checkpointed.
+  kw = {
+    "loss.name": "vtrace",
+    "lag.sync_interval": 3,
+    "critic.kl_coef": 0.1,
+    "critic.reward_norm": True,
+  }
   want, got = full_and_resumed(tmp_path, **kw)
   assert got == want
-  assert "critic/explained_variance" in want[-1]
+  assert "critic/explained_variance" in want[-1] and "critic/reward_norm_std" in want[-1]
   # Steps 1-3 sample with the starting parameters, the reference: no KL; steps 4-7 with v3.
   kl = [r["critic/ref_kl"] for r in want]
   assert max(abs(x) for x in kl[:3]) < 1e-5 < min(abs(x) for x in kl[3:])
@@ -121,6 +127,19 @@ def test_the_presets_pair_with_their_critic_and_a_field_overrides_it():
   assert spec is not None and spec.estimator == "vtrace"
   off = small_config(**{"loss.name": "ppo_critic", "critic.estimator": "none"})
   assert critic_settings.critic_spec(off) is None
+  # ppo_critic is PPO-max's recipe: a token-level KL and normalised rewards; fields override.
+  recipe = critic_settings.critic_spec(small_config(**{"loss.name": "ppo_critic"}))
+  assert recipe is not None and (recipe.kl_coef, recipe.reward_norm) == (0.05, True)
+  plain = {"loss.name": "ppo_critic", "critic.kl_coef": 0.0, "critic.reward_norm": False}
+  spec = critic_settings.critic_spec(small_config(**plain))
+  assert spec is not None and (spec.kl_coef, spec.reward_norm) == (0.0, False)
+  spec = critic_settings.critic_spec(small_config(**{"loss.name": "rec_critic"}))
+  assert spec is not None and (spec.kl_coef, spec.reward_norm) == (0.0, False)
+  # Where it cannot apply (here prompt values read V_0 as a reward) the recipe's is off.
+  pool = small_config(**{"loss.name": "ppo_critic", "critic.prompt_pool": 2})
+  spec = critic_settings.critic_spec(pool)
+  assert spec is not None and (spec.kl_coef, spec.reward_norm) == (0.05, False)
+  validation.validate_settings(pool)
 
 
 @pytest.mark.parametrize(
@@ -131,6 +150,18 @@ def test_the_presets_pair_with_their_critic_and_a_field_overrides_it():
     ({"loss.name": "ppo_critic", "advantage.name": "grpo"}, "advantage.name"),
     ({"eval_ope": "is,dr"}, "eval_ope"),
     ({"critic.kl_coef": 0.1}, "critic.kl_coef"),  # no critic to pay it
+    (
+      {"loss.name": "vtrace", "critic.reward_norm": True, "critic.prompt_pool": 2},
+      "critic.reward_norm",
+    ),
+    (
+      {"loss.name": "vtrace", "critic.reward_norm": True, "eval_ope": "is,dr"},
+      "critic.reward_norm",
+    ),
+    (
+      {**_GUESS, "loss.name": "vtrace", "critic.reward_norm": True, "multiturn.credit": "turn"},
+      "critic.reward_norm",
+    ),
     (
       {**_GUESS, "loss.name": "vtrace", "multiturn.credit": "turn", "multiturn.gamma": 0.9},
       "multiturn.gamma",

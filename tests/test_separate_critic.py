@@ -53,9 +53,10 @@ def test_a_separate_critics_values_are_its_own_forwards_in_both_scoring_paths():
   # The policy's own log-probs do not change with a critic beside it.
   plain = models.sequence_logprobs(policy, rep, rep > 0, tokens, mask)[0]
   np.testing.assert_allclose(seq.logp, plain, atol=1e-6)
-  with pytest.raises(ValueError, match="critic.model.*vocabulary 41"):
-    other = models.Decoder(_with_head(dataclasses.replace(own, vocab_size=41)), rngs=nnx.Rngs(3))
-    value.attach(models.Decoder(c, rngs=nnx.Rngs(params=0)), other)
+  for bad, match in (({"vocab_size": 41}, "vocabulary 41"), ({"max_position_embeddings": 8}, "8")):
+    with pytest.raises(ValueError, match=f"critic.model.*{match}"):
+      other = models.Decoder(_with_head(dataclasses.replace(own, **bad)), rngs=nnx.Rngs(3))
+      value.attach(models.Decoder(c, rngs=nnx.Rngs(params=0)), other)
 
 
 def test_each_models_gradient_is_clipped_on_its_own():

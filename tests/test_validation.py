@@ -160,6 +160,8 @@ BAD = [
   ("critic.prompt_wrong", float("nan"), "critic.prompt_wrong"),
   ("critic.prompt_right", float("inf"), "critic.prompt_right"),
   ("critic.model", "policy", "critic.model"),  # needs a critic
+  ("critic.reward_norm", True, "critic.reward_norm"),  # needs a critic
+  ("critic.reward_clip", 0.0, "critic.reward_clip"),
 ]
 
 

@@ -11,8 +11,10 @@ every policy token also pays
 -kl_coef (log mu - log pi_ref), the behaviour's k1 estimate of its KL to the
 reference policy (the run's starting parameters), as in PPO for language
 models (`returns.kl_penalized_rewards`: Ziegler et al., arXiv:1909.08593;
-"Secrets of RLHF"'s token-level KL). The policy loss reads token advantages
-[B, N] from the critic instead of the group's:
+"Secrets of RLHF"'s token-level KL). With `reward_norm` the rows' rewards are
+first normalised and clipped by their running statistics over the run
+(`normalized_rewards`, kept in `TrainState.reward_stats`). The policy loss
+reads token advantages [B, N] from the critic instead of the group's:
 
 - ``gae`` (PPO with a learned critic: "Secrets of RLHF in Large Language Models
   Part I: PPO", Zheng et al., arXiv:2307.04964): before the call's first
@@ -70,6 +72,9 @@ class CriticSpec:
     whiten: whiten the GAE advantages over the batch's valid tokens.
     kl_coef: the per-token KL penalty's coefficient in the rewards (module docstring;
       0 = none).
+    reward_norm: normalise and clip the rows' rewards by their running mean and
+      standard deviation over the run before the returns (`normalized_rewards`).
+    reward_clip: delta of that clipping, > 0.
   """
 
   estimator: str
@@ -81,6 +86,8 @@ class CriticSpec:
   c_bar: float = 1.0
   whiten: bool = True
   kl_coef: float = 0.0
+  reward_norm: bool = False
+  reward_clip: float = 5.0
 
   def __post_init__(self):
     if self.estimator not in ESTIMATORS:
@@ -92,6 +99,8 @@ class CriticSpec:
       raise ValueError(f"critic.value_coef must be > 0, got {self.value_coef}")
     if not self.kl_coef >= 0:
       raise ValueError(f"critic.kl_coef must be >= 0 (0 = off), got {self.kl_coef}")
+    if not self.reward_clip > 0:
+      raise ValueError(f"critic.reward_clip must be > 0, got {self.reward_clip}")
     if self.value_clip < 0:
       raise ValueError(f"critic.value_clip must be >= 0 (0 = off), got {self.value_clip}")
     if self.estimator == "vtrace" and (not self.c_bar > 0 or self.rho_bar < self.c_bar):
@@ -99,6 +108,40 @@ class CriticSpec:
         f"critic.rho_bar / critic.c_bar: V-trace needs rho_bar >= c_bar > 0, got "
         f"rho_bar={self.rho_bar}, c_bar={self.c_bar}"
       )
+
+
+REWARD_STATS = 3  # (count, mean, sum of squared deviations) of the rewards seen
+
+
+def normalized_rewards(
+  spec: CriticSpec, stats: jax.Array, batch: TrainBatch
+) -> tuple[jax.Array, TrainBatch, dict[str, Any]]:
+  """`(stats, batch, metrics)`: the running reward statistics with the batch's rows added,
+  and the batch with its rewards normalised and clipped by them ("Secrets of RLHF", Zheng
+  et al., arXiv:2307.04964, eq. 18):
+
+    r~ = clip((r - mean) / std, -reward_clip, reward_clip)
+
+  over every row trained on so far, this batch's included (rows of weight 0 count for
+  nothing). The running moments merge batch by batch (Chan et al.'s parallel update).
+  While the rewards seen have not varied (standard deviation <= 1e-6) every normalised
+  reward is 0. Only the critic's returns read them (the rows' logged rewards stay raw).
+  """
+  keep = (batch.weights > 0).astype(jnp.float32)
+  r = batch.rewards.astype(jnp.float32)
+  n_b = keep.sum()
+  mean_b = (r * keep).sum() / jnp.maximum(n_b, 1.0)
+  m2_b = (jnp.square(r - mean_b) * keep).sum()
+  n_a, mean_a, m2_a = stats[0], stats[1], stats[2]
+  n = n_a + n_b
+  delta = mean_b - mean_a
+  mean = mean_a + delta * n_b / jnp.maximum(n, 1.0)
+  m2 = m2_a + m2_b + jnp.square(delta) * n_a * n_b / jnp.maximum(n, 1.0)
+  std = jnp.sqrt(m2 / jnp.maximum(n, 1.0))
+  z = jnp.where(std > 1e-6, (r - mean) / jnp.maximum(std, 1e-6), 0.0)
+  norm = jnp.clip(z, -spec.reward_clip, spec.reward_clip)
+  metrics = {"critic/reward_norm_mean": mean, "critic/reward_norm_std": std}
+  return jnp.stack([n, mean, m2]), batch._replace(rewards=norm), metrics
 
 
 def _weighted_mask(mb: TrainBatch) -> jax.Array:

@@ -113,10 +113,9 @@ def optimizer_step(
     new,
     (state.params, state.opt_state, jnp.int32(1), (~finite).astype(jnp.int32)),
   )
-  state = TrainState(
+  state = state._replace(
     params=params,
     opt_state=opt_state,
-    step=state.step,
     version=state.version + 1,
     num_skipped=state.num_skipped + skipped,
   )

@@ -96,6 +96,11 @@ class LearnerParts:
   options: StepOptions
   optimizer: optax.GradientTransformation
 
+  @property
+  def reward_stats(self) -> bool:
+    """Whether the train state keeps running reward statistics (`critic.reward_norm`)."""
+    return self.options.critic is not None and self.options.critic.reward_norm
+
   def version(self, loop_step):
     """The parameter version (optimizer steps) after loop step `loop_step`: `loop_step * U`."""
     return loop_step * self.options.updates

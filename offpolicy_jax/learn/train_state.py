@@ -26,6 +26,8 @@ class TrainState(NamedTuple):
     version: int32 [] optimizer steps taken, skipped ones included; version
       ``k`` = "after ``k`` optimizer steps" (the lag schedule's unit).
     num_skipped: int32 [] optimizer steps skipped (non-finite or empty).
+    reward_stats: float32 [3] the running statistics of the critic's reward
+      normalisation (`critic.normalized_rewards`), or None without it.
   """
 
   params: Any
@@ -33,6 +35,7 @@ class TrainState(NamedTuple):
   step: jax.Array
   version: jax.Array
   num_skipped: jax.Array
+  reward_stats: Any = None
 
 
 def make_optimizer(
@@ -179,6 +182,7 @@ def init_train_state(
   *,
   mesh: Mesh | None = None,
   version: int = 0,
+  reward_stats: bool = False,
 ) -> TrainState:
   """Creates a ``TrainState``, sharded over ``mesh`` by logical names when given.
 
@@ -188,6 +192,7 @@ def init_train_state(
     mesh: optional mesh; parameters and optimizer state are placed by
       :func:`offpolicy_jax.sharding.tree_shardings`.
     version: initial version.
+    reward_stats: keep running reward statistics (zero at the start).
 
   Returns:
     The initial :class:`TrainState` (holding a copy of ``params``).
@@ -200,10 +205,12 @@ def init_train_state(
     opt_state = jax.jit(optimizer.init, out_shardings=opt_sh)(params)
     rep = sharding.replicated(mesh)
     zero = lambda v: sharding.put(jnp.asarray(v, jnp.int32), rep)
+    stats = sharding.put(jnp.zeros((3,), jnp.float32), rep) if reward_stats else None
   else:
     opt_state = optimizer.init(params)
     zero = lambda v: jnp.asarray(v, jnp.int32)
-  return TrainState(params, opt_state, zero(0), zero(version), zero(0))
+    stats = jnp.zeros((3,), jnp.float32) if reward_stats else None
+  return TrainState(params, opt_state, zero(0), zero(version), zero(0), stats)
 
 
 def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
@@ -215,6 +222,7 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
     step=rep,
     version=rep,
     num_skipped=rep,
+    reward_stats=None if state.reward_stats is None else rep,
   )
 
 

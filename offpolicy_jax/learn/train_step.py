@@ -116,6 +116,9 @@ def train_step(
   step_keys = lora_ops.fold_range(dkey, options.updates)  # one per optimizer step, or None
   m = batch_splits.micro_batches(options, rows)
   gae: dict[str, Any] = {}
+  if options.critic is not None and options.critic.reward_norm:
+    stats, batch, gae = critic.normalized_rewards(options.critic, state.reward_stats, batch)
+    state = state._replace(reward_stats=stats)
   if options.critic is not None and options.critic.estimator == "gae":
     values_of = lambda b: _scored(graphdef, options, state.params, base, b, m, "values")
     ref = None  # the reference's log-probs of the batch, once, for the rewards' KL penalty

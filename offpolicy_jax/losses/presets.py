@@ -371,7 +371,8 @@ _CRITIC_PRESETS: tuple[tuple[str, dict, str, str], ...] = (
     _PPO,
     "gae",
     "PPO clip (0.2, 0.2) with a learned critic: GAE(gamma, lambda) token advantages, whitened, "
-    "and a clipped value loss (Zheng et al., 'Secrets of RLHF', arXiv 2307.04964).",
+    "a clipped value loss, and PPO-max's token-level KL and normalised rewards (Zheng et al., "
+    "'Secrets of RLHF', arXiv 2307.04964; critic.kl_coef, critic.reward_norm).",
   ),
   (
     "vtrace",

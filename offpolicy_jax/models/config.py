@@ -187,6 +187,11 @@ class ModelConfig:
         c.vocab_size != self.vocab_size,
         f"vocabulary {c.vocab_size} is not the policy's {self.vocab_size}",
       ),
+      (
+        c.max_position_embeddings < self.max_position_embeddings,
+        f"max_position_embeddings {c.max_position_embeddings} is shorter than the policy's "
+        f"{self.max_position_embeddings}",
+      ),
     ]
     for bad, why in problems:
       if bad:

@@ -70,5 +70,7 @@ class ModelParts:
     if not self.critic:
       return params
     if self.critic == "policy":
-      return value.with_critic(params, jax.eval_shape(lambda: self.init_params(seed)), True)
-    return value.with_critic(params, self.init_params(seed), False)
+      params = value.with_critic(params, jax.eval_shape(lambda: self.init_params(seed)), True)
+    else:
+      params = value.with_critic(params, self.init_params(seed), False)
+    return sharding.shard_params(params, self.mesh)  # the fresh zero head on the mesh too

@@ -11,11 +11,33 @@ learning rate (`critic.lr_scale` times the policy's).
 
 from __future__ import annotations
 
+from typing import Any
+
 from offpolicy_jax import errors, losses
 from offpolicy_jax.learn.critic import CriticSpec
 from offpolicy_jax.rollout.prompt_filter import PromptFilter
 
 FROM_POLICY = "policy"  # critic.model: a separate critic starting as the policy's copy
+
+# A loss preset's critic recipe: the value a `critic.*` field left None takes. `ppo_critic`
+# is PPO-max's ("Secrets of RLHF", Zheng et al., arXiv:2307.04964, s5.3-5.4): a token-level
+# KL penalty to the starting policy (their coefficient 0.05) and normalised, clipped rewards
+# (eq. 18), beside the value clipping and GAE every critic here has.
+RECIPES: dict[str, dict[str, Any]] = {"ppo_critic": {"kl_coef": 0.05, "reward_norm": True}}
+_UNSET = {"kl_coef": 0.0, "reward_norm": False}
+
+
+def setting(config, name: str) -> Any:
+  """`critic.<name>`, or where it is None the loss preset's recipe value, else the field's
+  plain default (`RECIPES`). The recipe's reward normalisation stays off where it cannot
+  apply (`_reward_norm_conflicts`); set explicitly there, it is refused."""
+  value = config.critic[name]
+  if value is not None:
+    return value
+  value = RECIPES.get(config.loss.name, {}).get(name, _UNSET[name])
+  if name == "reward_norm" and value and any(on for on, _ in _reward_norm_conflicts(config)):
+    return False
+  return value
 
 
 def separate_critic(config) -> str:
@@ -45,7 +67,9 @@ def critic_spec(config) -> CriticSpec | None:
     rho_bar=float(c.rho_bar),
     c_bar=float(c.c_bar),
     whiten=bool(c.whiten),
-    kl_coef=float(c.kl_coef),
+    kl_coef=float(setting(config, "kl_coef")),
+    reward_norm=bool(setting(config, "reward_norm")),
+    reward_clip=float(c.reward_clip),
   )
 
 
@@ -70,6 +94,13 @@ def validate(c) -> None:
     "critic.estimator (or a loss preset with a critic), or 0 (a KL-to-reference loss: "
     "loss.kl_coef)",
   )
+  errors.need(
+    bool(name) or not c.critic.reward_norm,
+    "critic.reward_norm",
+    "reward normalisation feeds a critic's returns: set critic.estimator (or a loss preset "
+    "with a critic), or leave it off",
+  )
+  _validate_reward_norm(c, name)
   errors.need(
     bool(name) or not c.critic.model,
     "critic.model",
@@ -150,3 +181,31 @@ def _validate_prompt_pool(c, name: str) -> None:
     "prompts are chosen by their values in lag.mode='sync' only (the async producer reads "
     "its prompts on its own thread): set lag.mode='sync' or critic.prompt_pool = 1",
   )
+
+
+def _reward_norm_conflicts(c) -> list[tuple[bool, str]]:
+  """What reward normalisation cannot go with: (applies, why) pairs. Normalised rewards
+  make the critic's values predict them, not the rewards."""
+  why = "the critic's values then predict normalised rewards"
+  doubly_robust = sorted({"dr", "wdr"} & {n.strip() for n in c.eval_ope.split(",")})
+  return [
+    (
+      bool(c.multiturn.max_turns) and c.multiturn.credit == "turn",
+      "normalises each row's reward, not per-turn rewards (multiturn.credit='turn')",
+    ),
+    (
+      c.critic.prompt_pool > 1,
+      f"prompt values (critic.prompt_pool) read V_0 as the expected reward; {why}",
+    ),
+    (
+      bool(doubly_robust),
+      f"the doubly robust estimators {doubly_robust} read the values as rewards; {why}",
+    ),
+  ]
+
+
+def _validate_reward_norm(c, name: str) -> None:
+  if not name or not c.critic.reward_norm:  # the recipe's stays off where it cannot apply
+    return
+  for applies, why in _reward_norm_conflicts(c):
+    errors.need(not applies, "critic.reward_norm", f"{why}: --config.critic.reward_norm=False")

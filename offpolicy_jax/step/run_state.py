@@ -252,7 +252,9 @@ def init_state(
   capacity = fns.sizes.prompts_per_step * capacity_batches
   buffer = replay.shard(replay.init(capacity, example, fns.sizes.group_size), fns.model.mesh)
   return RunState(
-    train=train_state.init_train_state(params, fns.learner.optimizer, mesh=fns.model.mesh),
+    train=train_state.init_train_state(
+      params, fns.learner.optimizer, mesh=fns.model.mesh, reward_stats=fns.learner.reward_stats
+    ),
     replay=buffer,
     snapshots=lag.snapshot_init(params, snapshots, 0) if snapshots else None,
     ref_params=jax.tree.map(jnp.copy, params) if fns.learner.options.needs_ref else None,
@@ -270,7 +272,8 @@ def state_items(state: RunState, rollout: Rollout) -> dict[str, Any]:
   items = {
     "params": t.params,
     "opt_state": t.opt_state,
-    "counters": {"step": t.step, "version": t.version, "num_skipped": t.num_skipped},
+    "counters": {"step": t.step, "version": t.version, "num_skipped": t.num_skipped}
+    | ({} if t.reward_stats is None else {"reward_stats": t.reward_stats}),
     "replay": state.replay,
     "snapshots": state.snapshots,
     "ref_params": state.ref_params,
@@ -292,7 +295,10 @@ def state_from_items(
 ) -> RunState:
   """The `RunState` of restored checkpoint items (`like` says which fields are None)."""
   c = items["counters"]
-  train = TrainState(items["params"], items["opt_state"], c["step"], c["version"], c["num_skipped"])
+  stats = c.get("reward_stats") if like.train.reward_stats is not None else None
+  train = TrainState(
+    items["params"], items["opt_state"], c["step"], c["version"], c["num_skipped"], stats
+  )
   carried = like.rollout
   if rollout.item:
     carried = rollout.restore(like.rollout, items[rollout.item], meta.get(rollout.item) or {})
