@@ -134,6 +134,8 @@ CRITIC_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,offline=offline"
 # against the group baselines, on-policy / interval 20 / 64 / offline (the critic grid's lags;
 # interval 64 added after the others had run), 12 seeds, with GRPO's A/A twin at every lag.
 SPELL_CRITIC_METHODS = "grpo,rec_oneside_nois,ppo_critic,rec_critic,vtrace_rec"
+# `spell_critic_const256`: the same methods at the constant lag 1/256 (`const256`), 600 steps.
+SPELL_CRITIC_SCALES = ("spell_critic", "spell_critic_const256")
 # `critic_const256`: the critic grid at 256 stale updates in M2PO's sense (the constant lag
 # 1/256 of `const256`, 600 steps): the critic methods that did not collapse at interval 64
 # against the group baselines, GRPO's A/A twin there too, 12 seeds; compared with GRPO at
@@ -190,7 +192,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.sft.steps = 300
     c.total_steps = 200
     c.eval_prompts = 256  # the whole held-out set of the task
-  elif scale in ("spell", "spell_critic"):  # reasoning-gym, scored in the sandboxed workers
+  elif scale in ("spell", "spell_critic", "spell_critic_const256"):  # reasoning-gym, sandboxed
     c = default.base_config()
     c.task = "reasoning_gym:spell_backward"
     # The word alone as a raw prompt in the character alphabet (docs/rewards_and_security.md);
@@ -223,7 +225,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
       f"configs/lag_study.py: unknown scale {scale!r} "
       "(toy, toy_full, deep, deep_full, const256, lr, reuse, moe, critic, critic_const256, ope, "
       "gsm8k, code, spell, "
-      "spell_critic or calculator)"
+      "spell_critic, spell_critic_const256 or calculator)"
     )
   c.eval_every = 50
   # pass@k of the final parameters, k samples per prompt at the training temperature.
@@ -235,12 +237,12 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   config_schema.config_dict(config_schema.STUDY_FIELDS, into=c)
   c.study.methods = METHODS if scale == "toy" else ALL_METHODS
   c.study.lags = LAGS
-  if scale in ("calculator", "code", "spell", "spell_critic"):  # host rewards: a small grid
+  if scale in ("calculator", "code", "spell", *SPELL_CRITIC_SCALES):  # host rewards: small
     c.study.methods = "grpo,rec_oneside_nois,reinforce"
     c.study.lags = "onpolicy=1/0,interval20=20/0,offline=offline"
-  if scale == "spell_critic":
+  if scale in SPELL_CRITIC_SCALES:
     c.study.methods = SPELL_CRITIC_METHODS
-    c.study.lags = CRITIC_LAGS
+    c.study.lags = CRITIC_LAGS if scale == "spell_critic" else CONST_LAGS
   # 12 seeds: enough for the report's verdicts (sign-flip permutation tests, Holm-corrected
   # over the grid's comparisons at alpha 0.05) to be anything but `~` in the full grid too:
   # the smallest two-sided p-value of n seeds is 2 / 2^n, and Holm's first step needs
@@ -256,7 +258,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   # same warm starts; study.md reports how often the tests call the two different.
   c.study.aa_lags = "all"
   # One seed per vmapped program and 64 held-out prompts per sampler call for large models.
-  small = (*TOY_SCALES, "code", "spell", "spell_critic")
+  small = (*TOY_SCALES, "code", "spell", *SPELL_CRITIC_SCALES)
   c.study.vmap_seeds = 0 if scale in small else 1
   c.study.eval_batch = 0 if scale in small else 64
   # 9 cells x 5 seeds in under an hour on a 2-core CPU (docs/results/lag_study.md).
@@ -266,7 +268,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.study.seeds = 5
     c.study.aa_lags = ""
     c.eval_samples = 1  # greedy only: every sampled program is one more sandboxed process
-  if scale in ("deep", "deep_full", "const256", "critic_const256"):
+  if scale in ("deep", "deep_full", "const256", "critic_const256", "spell_critic_const256"):
     c.total_steps = 600
     c.eval_every = 20  # learning-speed claims need the curve, not five points
     c.rollout.score_old = True  # the *_old corrections weigh by pi_old / mu
@@ -274,12 +276,15 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.study.lags = DEEP_LAGS if scale == "deep" else DEEP_FULL_LAGS
     # The A/A calibration at 12 seeds is the default grid's (docs/results/lag_study.md).
     c.study.aa_lags = ""
-  if scale in ("const256", "critic_const256"):
+  if scale in ("const256", "critic_const256", "spell_critic_const256"):
     c.study.methods, c.study.lags = CONST_METHODS, CONST_LAGS
     c.study.baseline = "grpo@const256"
     c.study.aa_lags = "all"
   if scale == "critic_const256":
     c.study.methods = CRITIC_CONST_METHODS
+  if scale == "spell_critic_const256":
+    c.study.methods = SPELL_CRITIC_METHODS
+    c.eval_every = 100  # each evaluation grades 640 prompts x 5 samples in the sandbox
   if scale == "moe":
     c.model = "tiny-moe"
     c.study.methods = MOE_METHODS
@@ -296,7 +301,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   if scale in ("critic", "ope"):
     c.study.methods = CRITIC_METHODS if scale == "critic" else "ppo_critic,vtrace"
     c.study.lags = CRITIC_LAGS
-  if scale in ("critic", "ope", "spell_critic", "critic_const256"):
+  if scale in ("critic", "ope", "critic_const256", *SPELL_CRITIC_SCALES):
     # The committed grids ran before `ppo_critic` took PPO-max's KL penalty and reward
     # normalisation (run.critic_settings.RECIPES): their critics pay no KL and see raw rewards.
     c.critic.kl_coef = 0.0
