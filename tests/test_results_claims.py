@@ -2286,6 +2286,43 @@ fact(
   POOL_SOURCE,
   lambda: all(_pool_diff(p, "reward_last_fifth").mean < 0 for p in (2, 4)),
 )
+SEPARATE_RUNS = os.path.join(REPO, "docs", "results", "critic", "separate_critic_runs.csv")
+SEPARATE_SOURCE = "../../docs/results/critic/separate_critic_runs.csv"
+
+
+def _separate(critic: str, key: str) -> list[float]:
+  """The main job's runs with the critic as a head or a separate model, by seed."""
+  with open(SEPARATE_RUNS, newline="") as f:
+    rows = [r for r in csv.DictReader(f) if r["critic"] == critic]
+  return [float(r[key]) for r in sorted(rows, key=lambda r: int(r["seed"]))]
+
+
+section(CR, "## A separate critic model")
+for _key, _name in (
+  ("explained_variance_first_fifth", "explained variance, first fifth"),
+  ("explained_variance_last_fifth", "explained variance, last fifth"),
+  ("reward_last_fifth", "training reward, last fifth"),
+  ("final_accuracy", "final greedy accuracy"),
+):
+  claim(
+    CR,
+    f"| {_name} | " + " | ".join(["{} [{}, {}]"] * 3) + " |",
+    SEPARATE_SOURCE,
+    lambda k=_key: [
+      *ivs(study_stats.t_interval(_separate("head", k))),
+      *ivs(study_stats.t_interval(_separate("policy", k))),
+      *ivs(study_stats.t_interval(np.subtract(_separate("policy", k), _separate("head", k)))),
+    ],
+  )
+fact(
+  CR,
+  "reproducing\nthe prompt-values grid's pool-1 runs of those seeds exactly",
+  SEPARATE_SOURCE,
+  lambda: (
+    _separate("head", "final_accuracy")[3:] == _pool(1, "final_accuracy")[3:]
+    and _separate("head", "reward_last_fifth")[3:] == _pool(1, "reward_last_fifth")[3:]
+  ),
+)
 section(CR, "## What it says")
 claim(
   CR,
