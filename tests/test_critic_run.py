@@ -87,7 +87,14 @@ def test_a_critic_run_resumes_exactly(tmp_path):
   "overrides",
   [
     {"rollout.partial_budget": 2, "lag.sync_interval": 2, "rollout.score_old": True},
-    {**_GUESS, "sft.steps": 3, "lag.mode": "async", "lag.max_staleness": 2},
+    # Async episodes with a separate critic model.
+    {
+      **_GUESS,
+      "sft.steps": 3,
+      "lag.mode": "async",
+      "lag.max_staleness": 2,
+      "critic.model": "policy",
+    },
     # Disaggregated: the sampler on 2 devices, the trainer over data x tensor, with a
     # separate critic model (`critic.model`) sharded like the policy.
     {
@@ -106,7 +113,7 @@ def test_every_rollout_kind_trains_a_critic(tmp_path, overrides):
   config = small_config(**{"total_steps": 3, "loss.name": "ppo_critic", **overrides})
   rows, _ = metrics_files.split_rows(loop.train_and_evaluate(config, str(tmp_path)))
   assert len(rows) == 3
-  if "critic.model" in overrides:  # the critic's own model, its weights over the tensor axis
+  if "mesh.tensor" in overrides:  # the separate critic's weights over the tensor axis
     _, params = start.initial_weights(components.build_components(config), warm_start=False)
     w = params["critic"]["layers"][0]["mlp"]["up_proj"][...]
     assert "tensor" in str(w.sharding.spec)
