@@ -270,6 +270,11 @@ RUN_FIELDS: tuple[Field, ...] = (
      "cannot go with per-turn rewards, prompt values or the doubly robust OPE estimators "
      "(they read the values as rewards): there the recipe's stays off and True is refused.",
      Bool(none_ok=True), bool),
+  _F("critic.warmup_steps", 0, PROGRAM,
+     "A value warm start: the first this many loop steps train the critic alone (its value "
+     "head on a frozen trunk, or a separate critic) while the policy's gradients and updates "
+     "are zero, so it samples and learns nothing until the critic has seen that many batches "
+     '("Secrets of RLHF" pretrains its critic). 0 = none.', Int(0, note=" (0 = none)")),
   _F("critic.reward_clip", 5.0, PROGRAM,
      "delta of critic.reward_norm's clipping: normalised rewards are kept in [-delta, delta].",
      Float(0, lo_open=True)),

@@ -199,6 +199,12 @@ class CriticSpec:
   #: values as rewards): there the recipe's stays off and True is refused.
   reward_norm: bool | None
 
+  #: A value warm start: the first this many loop steps train the critic alone (its value head
+  #: on a frozen trunk, or a separate critic) while the policy's gradients and updates are zero,
+  #: so it samples and learns nothing until the critic has seen that many batches ("Secrets of
+  #: RLHF" pretrains its critic). 0 = none.
+  warmup_steps: int
+
   #: delta of critic.reward_norm's clipping: normalised rewards are kept in [-delta, delta].
   reward_clip: float
 

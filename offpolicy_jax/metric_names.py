@@ -1206,6 +1206,14 @@ GROUPS: dict[str, Group] = {
         "the reference policy, which the critic's rewards pay times critic.kl_coef.",
       ),
       M(
+        "critic/warmup",
+        "critic.warmup_steps > 0",
+        "flag",
+        "1 while the step is in the critic's warm-up (the policy's gradients and updates "
+        "zero), else 0.",
+        reduction=MAX,
+      ),
+      M(
         "critic/reward_norm_mean",
         "critic.reward_norm",
         "reward",

@@ -153,6 +153,31 @@ def test_rewards_are_normalised_by_their_running_statistics_over_the_run(setup):
   assert float(state.reward_stats[0]) == 2 * B and float(m["critic/reward_norm_std"]) > 0
 
 
+def test_a_value_warm_start_trains_the_head_alone_then_everything(setup):
+  spec = critic.CriticSpec("gae", warmup_steps=2)
+  opt = optax.adamw(1e-2, weight_decay=0.1)  # weight decay would move the policy too
+  step, state = _step(setup, spec, opt)
+  batch = setup["batch"]
+  head = lambda p: p["value_head"]["w"][...]
+  trunk = lambda p: value.without_head(p)
+  start = state.params
+  for i in range(2):
+    state, m = step(state, batch, jax.random.key(i))
+    assert float(m["critic/warmup"]) == 1.0
+  for a, b in zip(jax.tree.leaves(trunk(state.params)), jax.tree.leaves(trunk(start)), strict=True):
+    np.testing.assert_array_equal(a, b)  # the policy (the whole trunk) unchanged
+  assert not np.allclose(head(state.params), head(start))  # the head learned
+  state, m = step(state, batch, jax.random.key(2))
+  assert float(m["critic/warmup"]) == 0.0
+  moved = [
+    not np.array_equal(a, b)
+    for a, b in zip(
+      jax.tree.leaves(trunk(state.params)), jax.tree.leaves(trunk(start)), strict=True
+    )
+  ]
+  assert all(moved)  # after the warm-up the policy trains
+
+
 def test_micro_batches_give_the_same_update(setup):
   spec = critic.CriticSpec("gae", value_clip=0.2)
   step1, state = _step(setup, spec)
@@ -268,6 +293,7 @@ def test_the_kl_penalty_is_paid_in_the_critics_rewards_against_the_reference(set
     ("c_bar", 2.0, "rho_bar"),
     ("kl_coef", -0.1, "critic.kl_coef"),
     ("reward_clip", 0.0, "critic.reward_clip"),
+    ("warmup_steps", -1, "critic.warmup_steps"),
   ],
 )
 def test_bad_critic_settings_name_the_field(field, value, match):

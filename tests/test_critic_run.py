@@ -70,9 +70,11 @@ def test_a_critic_run_resumes_exactly(tmp_path):
     "lag.sync_interval": 3,
     "critic.kl_coef": 0.1,
     "critic.reward_norm": True,
+    "critic.warmup_steps": 2,  # and a value warm start: the policy still in steps 1-2
   }
   want, got = full_and_resumed(tmp_path, **kw)
   assert got == want
+  assert [r["critic/warmup"] for r in want] == [1.0, 1.0] + [0.0] * (len(want) - 2)
   assert "critic/explained_variance" in want[-1] and "critic/reward_norm_std" in want[-1]
   # Steps 1-3 sample with the starting parameters, the reference: no KL; steps 4-7 with v3.
   kl = [r["critic/ref_kl"] for r in want]

@@ -162,6 +162,7 @@ BAD = [
   ("critic.model", "policy", "critic.model"),  # needs a critic
   ("critic.reward_norm", True, "critic.reward_norm"),  # needs a critic
   ("critic.reward_clip", 0.0, "critic.reward_clip"),
+  ("critic.warmup_steps", 5, "critic.warmup_steps"),  # needs a critic
 ]
 
 

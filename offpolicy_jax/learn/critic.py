@@ -75,6 +75,8 @@ class CriticSpec:
     reward_norm: normalise and clip the rows' rewards by their running mean and
       standard deviation over the run before the returns (`normalized_rewards`).
     reward_clip: delta of that clipping, > 0.
+    warmup_steps: the first loop steps train the critic alone (its value head, or a
+      separate critic): the policy's gradients and updates are zero (`optimizer_step`).
   """
 
   estimator: str
@@ -88,6 +90,7 @@ class CriticSpec:
   kl_coef: float = 0.0
   reward_norm: bool = False
   reward_clip: float = 5.0
+  warmup_steps: int = 0
 
   def __post_init__(self):
     if self.estimator not in ESTIMATORS:
@@ -99,6 +102,8 @@ class CriticSpec:
       raise ValueError(f"critic.value_coef must be > 0, got {self.value_coef}")
     if not self.kl_coef >= 0:
       raise ValueError(f"critic.kl_coef must be >= 0 (0 = off), got {self.kl_coef}")
+    if self.warmup_steps < 0:
+      raise ValueError(f"critic.warmup_steps must be >= 0 (0 = none), got {self.warmup_steps}")
     if not self.reward_clip > 0:
       raise ValueError(f"critic.reward_clip must be > 0, got {self.reward_clip}")
     if self.value_clip < 0:

@@ -17,7 +17,7 @@ import optax
 from offpolicy_jax import reductions as red
 from offpolicy_jax.learn.batch_splits import Cut
 from offpolicy_jax.learn.micro_batch_loss import micro_batch_loss
-from offpolicy_jax.learn.train_state import TrainState, all_finite, keep_if
+from offpolicy_jax.learn.train_state import TrainState, all_finite, in_critic, keep_if
 from offpolicy_jax.models import lora_ops
 from offpolicy_jax.scale import sharding
 from offpolicy_jax.types import TrainBatch
@@ -100,8 +100,14 @@ def optimizer_step(
   g_sum, metrics = _gradients(state.params, cut, graphdef, options, ref_params, anchor, base, key)
   count = metrics["loss"].weight
   grads = jax.tree.map(lambda g: g / jnp.where(count > 0, count, 1.0), g_sum)
+  warming = _critic_warming_up(options, state)
+  if warming is not None:  # the critic alone trains: the policy's gradient never reaches Adam
+    grads = only_critic(grads, warming)
+    metrics["critic/warmup"] = red.Max(warming.astype(jnp.float32))
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  if warming is not None:  # nor does its weight decay
+    updates = only_critic(updates, warming)
   params = optax.apply_updates(state.params, updates)
   loss_value = red.results({"loss": metrics["loss"]})["loss"]
   finite = jnp.isfinite(loss_value) & jnp.isfinite(grad_norm) & all_finite((params, opt_state))
@@ -124,3 +130,19 @@ def optimizer_step(
   metrics["skipped"] = red.Sum(skipped)
   metrics["nonfinite"] = red.Sum(nonfinite)
   return state, metrics
+
+
+def _critic_warming_up(options, state: TrainState) -> jax.Array | None:
+  """Whether this loop step is in the critic's warm-up (`CriticSpec.warmup_steps`), traced;
+  None without one."""
+  spec = options.critic
+  if spec is None or not spec.warmup_steps:
+    return None
+  return state.step < spec.warmup_steps
+
+
+def only_critic(tree: Any, warming: jax.Array) -> Any:
+  """`tree` (gradients or updates of the parameters) with the policy's leaves zero while
+  `warming`: the critic's (its value head, or a separate critic) kept."""
+  keep = lambda path, x: x if in_critic(path) else jnp.where(warming, jnp.zeros_like(x), x)
+  return jax.tree_util.tree_map_with_path(keep, tree)

@@ -119,7 +119,7 @@ def make_optimizer(
   if max_grad_norm and separate_critic:  # each model's gradient clipped on its own
     clip = optax.clip_by_global_norm(max_grad_norm)
     labels = lambda params: jax.tree_util.tree_map_with_path(
-      lambda path, _: "critic" if _in_critic(path) else "policy", params
+      lambda path, _: "critic" if in_critic(path) else "policy", params
     )
     return optax.chain(optax.multi_transform({"policy": clip, "critic": clip}, labels), adam)
   if max_grad_norm:
@@ -127,7 +127,7 @@ def make_optimizer(
   return adam
 
 
-def _in_critic(path) -> bool:
+def in_critic(path) -> bool:
   """Whether a parameter's path is the critic's: a value head's or a separate critic's."""
   return any(getattr(entry, "key", None) in ("value_head", "critic") for entry in path)
 
@@ -145,7 +145,7 @@ def _scale_head(k: float) -> optax.GradientTransformation:
 
   def update(updates, state, params=None):
     del params
-    scaled = jax.tree_util.tree_map_with_path(lambda p, u: u * k if _in_critic(p) else u, updates)
+    scaled = jax.tree_util.tree_map_with_path(lambda p, u: u * k if in_critic(p) else u, updates)
     return scaled, state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update)

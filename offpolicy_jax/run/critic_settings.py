@@ -70,6 +70,7 @@ def critic_spec(config) -> CriticSpec | None:
     kl_coef=float(setting(config, "kl_coef")),
     reward_norm=bool(setting(config, "reward_norm")),
     reward_clip=float(c.reward_clip),
+    warmup_steps=int(c.warmup_steps),
   )
 
 
@@ -93,6 +94,12 @@ def validate(c) -> None:
     f"the KL penalty ({c.critic.kl_coef}) is paid in a critic's rewards: set "
     "critic.estimator (or a loss preset with a critic), or 0 (a KL-to-reference loss: "
     "loss.kl_coef)",
+  )
+  errors.need(
+    bool(name) or not c.critic.warmup_steps,
+    "critic.warmup_steps",
+    f"a value warm start ({c.critic.warmup_steps} steps) trains a critic: set "
+    "critic.estimator (or a loss preset with a critic), or 0",
   )
   errors.need(
     bool(name) or not c.critic.reward_norm,
