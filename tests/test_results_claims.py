@@ -2323,6 +2323,104 @@ fact(
     and _separate("head", "reward_last_fifth")[3:] == _pool(1, "reward_last_fifth")[3:]
   ),
 )
+CRITIC_CONST = "lag_study_critic_const256/study.csv"
+_cc256 = lambda: S("lag_study_critic_const256")
+section(CR, "## At 256 stale updates")
+claim(
+  CR,
+  "| GRPO | {} [{}, {}] | (baseline) |",
+  CRITIC_CONST,
+  lambda: ivs(_cc256().iv("grpo", "const256")),
+)
+for _m, _label in (
+  ("rec_oneside_nois", "REC-OneSide-NoIS"),
+  ("ppo_critic", "ppo_critic"),
+  ("rec_critic", "rec_critic"),
+  ("vtrace_rec", "vtrace_rec"),
+):
+  claim(
+    CR,
+    f"| {_label} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] `{{m}}` |",
+    CRITIC_CONST,
+    lambda m=_m: (
+      *ivs(_cc256().iv(m, "const256")),
+      *ivs(_cc256().diff(m, "const256")),
+      _cc256().mark(m, "const256"),
+    ),
+  )
+fact(
+  CR,
+  "GRPO and REC-OneSide-NoIS\nshare the `const256` grid's warm starts and seeds and repeat its "
+  "numbers\nexactly",
+  CRITIC_CONST,
+  lambda: all(
+    _cc256().iv(m, "const256") == _c256().iv(m, "const256") for m in ("grpo", "rec_oneside_nois")
+  ),
+)
+claim(
+  CR,
+  "**A/A calibration**: final accuracy {}/{} false verdicts; the\naccuracy AUC's {}/{} flags",
+  CRITIC_CONST,
+  lambda: (*_cc256().aa_rate("final_accuracy")[:2], *_cc256().aa_rate("accuracy_auc")[:2]),
+)
+claim(
+  CR,
+  "Against on-policy GRPO ({} in the `deep` grid",
+  "lag_study_deep/study.csv",
+  lambda: (S("lag_study_deep").mean("grpo", "onpolicy"),),
+)
+fact(
+  CR,
+  "every cell here is lower.",
+  CRITIC_CONST,
+  lambda: all(
+    _cc256().mean(m, "const256") < S("lag_study_deep").mean("grpo", "onpolicy")
+    for m in ("grpo", "rec_oneside_nois", "ppo_critic", "rec_critic", "vtrace_rec")
+  ),
+)
+
+RECIPE_RUNS = os.path.join(REPO, "docs", "results", "critic", "recipe_runs.csv")
+RECIPE_SOURCE = "../../docs/results/critic/recipe_runs.csv"
+
+
+def _recipe(settings: str, key: str) -> list[float]:
+  """The main job's ppo_critic runs with and without PPO-max's recipe, by seed."""
+  with open(RECIPE_RUNS, newline="") as f:
+    rows = [r for r in csv.DictReader(f) if r["settings"] == settings]
+  return [float(r[key]) for r in sorted(rows, key=lambda r: int(r["seed"]))]
+
+
+section(CR, "## PPO-max's recipe")
+for _key, _name in (
+  ("explained_variance_first_fifth", "explained variance, first fifth"),
+  ("explained_variance_last_fifth", "explained variance, last fifth"),
+  ("reward_last_fifth", "training reward, last fifth"),
+  ("final_accuracy", "final greedy accuracy"),
+):
+  claim(
+    CR,
+    f"| {_name} | " + " | ".join(["{} [{}, {}]"] * 3) + " |",
+    RECIPE_SOURCE,
+    lambda k=_key: [
+      *ivs(study_stats.t_interval(_recipe("plain", k))),
+      *ivs(study_stats.t_interval(_recipe("recipe", k))),
+      *ivs(study_stats.t_interval(np.subtract(_recipe("recipe", k), _recipe("plain", k)))),
+    ],
+  )
+claim(
+  CR,
+  "over the last fifth is {}\n  [{}, {}] nats per token",
+  RECIPE_SOURCE,
+  lambda: ivs(study_stats.t_interval(_recipe("recipe", "ref_kl_last_fifth"))),
+)
+fact(
+  CR,
+  "the head's runs\nof the section above",
+  RECIPE_SOURCE,
+  lambda: all(
+    _recipe("plain", k) == _separate("head", k) for k in ("final_accuracy", "reward_last_fifth")
+  ),
+)
 section(CR, "## What it says")
 claim(
   CR,
