@@ -2286,34 +2286,44 @@ fact(
   POOL_SOURCE,
   lambda: all(_pool_diff(p, "reward_last_fifth").mean < 0 for p in (2, 4)),
 )
-SEPARATE_RUNS = os.path.join(REPO, "docs", "results", "critic", "separate_critic_runs.csv")
 SEPARATE_SOURCE = "../../docs/results/critic/separate_critic_runs.csv"
-
-
-def _separate(critic: str, key: str) -> list[float]:
-  """The main job's runs with the critic as a head or a separate model, by seed."""
-  with open(SEPARATE_RUNS, newline="") as f:
-    rows = [r for r in csv.DictReader(f) if r["critic"] == critic]
-  return [float(r[key]) for r in sorted(rows, key=lambda r: int(r["seed"]))]
-
-
-section(CR, "## A separate critic model")
-for _key, _name in (
+_PAIRED_ROWS = (
   ("explained_variance_first_fifth", "explained variance, first fifth"),
   ("explained_variance_last_fifth", "explained variance, last fifth"),
   ("reward_last_fifth", "training reward, last fifth"),
   ("final_accuracy", "final greedy accuracy"),
-):
-  claim(
-    CR,
-    f"| {_name} | " + " | ".join(["{} [{}, {}]"] * 3) + " |",
-    SEPARATE_SOURCE,
-    lambda k=_key: [
-      *ivs(study_stats.t_interval(_separate("head", k))),
-      *ivs(study_stats.t_interval(_separate("policy", k))),
-      *ivs(study_stats.t_interval(np.subtract(_separate("policy", k), _separate("head", k)))),
-    ],
-  )
+)
+
+
+def _runs(name: str, column: str, value: str, key: str) -> list[float]:
+  """`key` of the runs in docs/results/critic/`name` whose `column` is `value`, by seed."""
+  with open(os.path.join(REPO, "docs", "results", "critic", name), newline="") as f:
+    rows = [r for r in csv.DictReader(f) if r[column] == value]
+  return [float(r[key]) for r in sorted(rows, key=lambda r: int(r["seed"]))]
+
+
+def _paired_table(name: str, column: str, base: str, other: str) -> None:
+  """The claims of a table: each row's base and other runs and their paired difference."""
+  for key, label in _PAIRED_ROWS:
+    claim(
+      CR,
+      f"| {label} | " + " | ".join(["{} [{}, {}]"] * 3) + " |",
+      f"../../docs/results/critic/{name}",
+      lambda k=key: [
+        *ivs(study_stats.t_interval(_runs(name, column, base, k))),
+        *ivs(study_stats.t_interval(_runs(name, column, other, k))),
+        *ivs(
+          study_stats.t_interval(
+            np.subtract(_runs(name, column, other, k), _runs(name, column, base, k))
+          )
+        ),
+      ],
+    )
+
+
+_separate = lambda critic, key: _runs("separate_critic_runs.csv", "critic", critic, key)
+section(CR, "## A separate critic model")
+_paired_table("separate_critic_runs.csv", "critic", "head", "policy")
 fact(
   CR,
   "reproducing\nthe prompt-values grid's pool-1 runs of those seeds exactly",
@@ -2379,34 +2389,10 @@ fact(
   ),
 )
 
-RECIPE_RUNS = os.path.join(REPO, "docs", "results", "critic", "recipe_runs.csv")
 RECIPE_SOURCE = "../../docs/results/critic/recipe_runs.csv"
-
-
-def _recipe(settings: str, key: str) -> list[float]:
-  """The main job's ppo_critic runs with and without PPO-max's recipe, by seed."""
-  with open(RECIPE_RUNS, newline="") as f:
-    rows = [r for r in csv.DictReader(f) if r["settings"] == settings]
-  return [float(r[key]) for r in sorted(rows, key=lambda r: int(r["seed"]))]
-
-
+_recipe = lambda settings, key: _runs("recipe_runs.csv", "settings", settings, key)
 section(CR, "## PPO-max's recipe")
-for _key, _name in (
-  ("explained_variance_first_fifth", "explained variance, first fifth"),
-  ("explained_variance_last_fifth", "explained variance, last fifth"),
-  ("reward_last_fifth", "training reward, last fifth"),
-  ("final_accuracy", "final greedy accuracy"),
-):
-  claim(
-    CR,
-    f"| {_name} | " + " | ".join(["{} [{}, {}]"] * 3) + " |",
-    RECIPE_SOURCE,
-    lambda k=_key: [
-      *ivs(study_stats.t_interval(_recipe("plain", k))),
-      *ivs(study_stats.t_interval(_recipe("recipe", k))),
-      *ivs(study_stats.t_interval(np.subtract(_recipe("recipe", k), _recipe("plain", k)))),
-    ],
-  )
+_paired_table("recipe_runs.csv", "settings", "plain", "recipe")
 claim(
   CR,
   "over the last fifth is {}\n  [{}, {}] nats per token",
