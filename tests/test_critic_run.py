@@ -79,6 +79,10 @@ def test_a_critic_run_resumes_exactly(tmp_path):
   # Steps 1-3 sample with the starting parameters, the reference: no KL; steps 4-7 with v3.
   kl = [r["critic/ref_kl"] for r in want]
   assert max(abs(x) for x in kl[:3]) < 1e-5 < min(abs(x) for x in kl[3:])
+  # Its reward statistics are part of the checkpoint: no resume can turn them off.
+  with pytest.raises(ValueError, match="^config.critic.reward_norm: the checkpoint"):
+    off = small_config(total_steps=9, **{**kw, "critic.reward_norm": False})
+    loop.train_and_evaluate(off, str(tmp_path / "part"), allow_config_change=True)
   # The critic is part of the compiled program: a resume that turns it off is refused.
   with pytest.raises(ValueError, match="critic.estimator"):
     off = small_config(total_steps=9, **kw, **{"critic.estimator": "none"})

@@ -115,6 +115,12 @@ def test_a_separate_critic_run_resumes_exactly_and_exports_a_critic_that_loads(t
   want, got = full_and_resumed(tmp_path, **kw)
   assert got == want
   assert "critic/explained_variance" in want[-1]
+  # The checkpoint holds the critic: no resume can drop it or change its architecture.
+  part = str(tmp_path / "part")
+  for other in ("", "tiny-moe"):
+    changed = small_config(total_steps=9, **{**kw, "critic.model": other})
+    with pytest.raises(ValueError, match="^config.critic.model: the checkpoint of step 7"):
+      loop.train_and_evaluate(changed, part, allow_config_change=True)
   out = str(tmp_path / "export")
   export.export_checkpoint(str(tmp_path / "part"), out, fmt="merged")
   assert os.path.isfile(os.path.join(out, "critic", value.FILE))
@@ -133,6 +139,7 @@ def test_a_separate_critic_run_resumes_exactly_and_exports_a_critic_that_loads(t
     ({**SEPARATE, "critic.model": "no_such_preset"}, "critic.model"),
     ({**SEPARATE, "critic.model": "/no/such/dir"}, "critic.model"),
     ({**SEPARATE, "lora.rank": 4}, "lora.rank"),
+    ({**SEPARATE, "critic.warmup_steps": 6}, "critic.warmup_steps"),  # the whole run
   ],
 )
 def test_a_critic_model_that_cannot_be_built_is_refused_by_name(overrides, field):

@@ -351,7 +351,8 @@ def from_pretrained(
     view = to_ours(stored[0] if isinstance(name, str) else stored)
     if tuple(view.shape) != tuple(var.shape):
       raise ValueError(
-        f"tensor {names[0]!r} has shape {stored[0].shape}; expected the equivalent of {var.shape}"
+        f"checkpoint {path}: tensor {names[0]!r} has shape {stored[0].shape}; expected the "
+        f"equivalent of {var.shape} (its config.json)"
       )
     views[ours] = view
   if config.scan_layers:

@@ -27,8 +27,9 @@ def is_repo_id(name: str) -> bool:
   return bool(_REPO_ID.fullmatch(name)) and not os.path.exists(name) and ".." not in name
 
 
-def model_dir(name: str) -> str | None:
-  """The local Hugging Face directory `name` stands for; None for a preset name.
+def model_dir(name: str, field: str = "model") -> str | None:
+  """The local Hugging Face directory `name` (the config's `field`) stands for; None for a
+  preset name.
 
   Raises:
     errors.ConfigError: a repo id that is neither downloadable nor in the cache.
@@ -37,11 +38,11 @@ def model_dir(name: str) -> str | None:
     return name
   if not is_repo_id(name):
     return None
-  return _snapshot(name)
+  return _snapshot(name, field)
 
 
 @functools.cache
-def _snapshot(repo_id: str) -> str:
+def _snapshot(repo_id: str, field: str = "model") -> str:
   import huggingface_hub
   from huggingface_hub import constants
 
@@ -58,7 +59,7 @@ def _snapshot(repo_id: str) -> str:
       reason = " ".join(str(online).split())
       reason = reason if len(reason) <= 200 else reason[:200].rsplit(" ", 1)[0] + " ..."
       raise errors.ConfigError(
-        f"config.model: {repo_id!r} is not a preset or a local directory, and as a "
+        f"config.{field}: {repo_id!r} is not a preset or a local directory, and as a "
         f"Hugging Face repo id it could not be downloaded ({reason}) nor found in the "
         f"cache {constants.HF_HUB_CACHE}",
         "check the id, log in for a gated model, or give a local directory",

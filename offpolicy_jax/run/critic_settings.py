@@ -102,6 +102,12 @@ def validate(c) -> None:
     "critic.estimator (or a loss preset with a critic), or 0",
   )
   errors.need(
+    c.critic.warmup_steps < c.total_steps,
+    "critic.warmup_steps",
+    f"a value warm start of {c.critic.warmup_steps} steps leaves none of the run's "
+    f"{c.total_steps} (total_steps) to train the policy: make it shorter",
+  )
+  errors.need(
     bool(name) or not c.critic.reward_norm,
     "critic.reward_norm",
     "reward normalisation feeds a critic's returns: set critic.estimator (or a loss preset "
@@ -126,8 +132,9 @@ def validate(c) -> None:
   errors.need(
     not c.lora.rank,
     "lora.rank",
-    f"a critic (critic.estimator={name!r}) trains a value head on the trunk, which adapters "
-    "would freeze: use full fine-tuning (lora.rank = 0) or --config.critic.estimator=none",
+    f"a critic (critic.estimator={name!r}) trains a value head on the trunk or a separate "
+    "critic model (critic.model), which adapters would freeze: use full fine-tuning "
+    "(lora.rank = 0) or --config.critic.estimator=none",
   )
   errors.need(
     not (c.multiturn.credit == "turn" and c.multiturn.gamma != 1.0),

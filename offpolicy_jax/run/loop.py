@@ -122,6 +122,7 @@ def _start(config, spec: RunSpec, workdir: str, allow_config_change: bool):
     latest = ckpt.latest_step()
     if latest:  # before the config check records an allowed change
       start_lib.check_rollout(ckpt, comps.fns.rollout)
+      start_lib.check_carried(ckpt, comps)
     if latest and primary:
       workdir_lib.check_config(workdir, config, step=latest, allow_change=allow_config_change)
     data_iter = producer.LockedIterator(comps.fns.prompts(comps.run.seed))

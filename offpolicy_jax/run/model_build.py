@@ -57,7 +57,7 @@ def _decoder(config, name: str, mesh, tokenizer, dtype: str, value_head: bool, l
   """`seed -> Decoder` of preset or HF checkpoint `name`; a fresh preset's weights are drawn
   from the seed's stream `stream` (0: the policy, 1: a separate critic)."""
   dtype = dtype or config.model_dtype
-  path = hub.model_dir(name)
+  path = hub.model_dir(name, "critic.model" if stream else "model")
   if path is not None:
     compute = jnp.dtype(dtype)
     scan, remat, attention = config.model_scan_layers, config.model_remat, config.model_attention

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any, NamedTuple
 
+import jax
+
 from offpolicy_jax import errors, models
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.run import evaluation, relayout, sft
@@ -71,7 +73,50 @@ def save(ckpt, state: RunState, rollout: Rollout, step: int, meta: dict[str, Any
   (`check_rollout`).
   """
   layers = {"layers": relayout.layout_of(state.train.params)}
-  ckpt.save(step, state_items(state, rollout), meta | state_meta(state, rollout) | layers)
+  carried = {"carried": carried_record(state.train.params, state.train.reward_stats is not None)}
+  meta = meta | state_meta(state, rollout) | layers | carried
+  ckpt.save(step, state_items(state, rollout), meta)
+
+
+# What a checkpoint's train state holds beyond the policy, each with the field that decides
+# it; checkpoints written before the record hold neither.
+_CARRIED_FIELDS = {"critic_params": "critic.model", "reward_stats": "critic.reward_norm"}
+_CARRIED_BEFORE = {"critic_params": 0, "reward_stats": False}
+
+
+def carried_record(params, reward_stats: bool) -> dict[str, Any]:
+  """A train state's separate critic (its parameter count; 0: none) and reward statistics."""
+  critic = params["critic"] if "critic" in params else None
+  count = 0 if critic is None else sum(int(x.size) for x in jax.tree.leaves(critic))
+  return {"critic_params": count, "reward_stats": bool(reward_stats)}
+
+
+def check_carried(ckpt, comps: Components) -> None:
+  """Refuses, naming the field, a latest checkpoint whose train state holds another separate
+  critic or no reward statistics where this run keeps them (or the other way round): its
+  items could not be restored, so not even `--allow_config_change` resumes it.
+
+  Raises:
+    workdir.ConfigChanged: naming `config.critic.model` or `config.critic.reward_norm`.
+  """
+  try:
+    meta = ckpt.restore_meta()
+  except checkpointing.CheckpointError:
+    return  # `restore_latest` reports it and falls back to an older step
+  had = meta.get("carried", _CARRIED_BEFORE)
+  model = comps.fns.model
+  params = {}  # no separate critic: nothing to build
+  if model.critic:
+    params = jax.eval_shape(lambda: model.init_params(comps.run.seed))
+  has = carried_record(params, comps.fns.learner.reward_stats)
+  for key, field in _CARRIED_FIELDS.items():
+    if had.get(key, _CARRIED_BEFORE[key]) != has[key]:
+      raise workdir_lib.ConfigChanged(
+        f"config.{field}: the checkpoint of step {meta.get('step')} holds {key} "
+        f"{had.get(key)!r}, this run's would be {has[key]!r}; its train state cannot be "
+        f"restored into this one, not even with --allow_config_change (restore {field} "
+        "or use a new workdir)"
+      )
 
 
 def base_record(base, model: str) -> dict[str, str] | None:

@@ -343,12 +343,15 @@ def _validate_files(c) -> None:
   for field, name in _models(c):
     if os.path.isdir(name) or (os.path.sep in name and not hub.is_repo_id(name)):
       errors.need(
+        os.path.isdir(name), field, f"{name!r}: no such directory (nor a preset or a repo id)"
+      )
+      errors.need(
         os.path.isfile(os.path.join(name, "config.json")),
         field,
         f"{name!r} is not a Hugging Face directory with config.json",
       )
     elif hub.is_repo_id(name):
-      local = hub.model_dir(name)  # downloads, or finds it in the cache
+      local = hub.model_dir(name, field)  # downloads, or finds it in the cache
       errors.need(
         local is not None and os.path.isfile(os.path.join(local, "config.json")),
         field,

@@ -230,8 +230,9 @@ def format_run_summary(path: str, *, wall_s: float | None = None, lora: bool = F
     rows.append(("reward", f"{first:.3f} (first fifth of steps) -> {last:.3f} (last fifth)"))
     rows.append(("staleness", f"{s['staleness_mean']:.3g} steps behind (mean)"))
   if "critic_ev_last_fifth" in s:
-    first, last = s["critic_ev_first_fifth"], s["critic_ev_last_fifth"]
-    rows.append(("critic", f"explained variance {first:.3f} (first fifth) -> {last:.3f} (last)"))
+    ev = lambda v: "undefined (the returns did not vary)" if np.isnan(v) else f"{v:.3f}"
+    first, last = ev(s["critic_ev_first_fifth"]), ev(s["critic_ev_last_fifth"])
+    rows.append(("critic", f"explained variance {first} (first fifth) -> {last} (last)"))
   if "predicted_all_equal_last_fifth" in s:
     rows.append(("prompt values", _prompt_values_text(s)))
   if "sampled_tokens" in s:
