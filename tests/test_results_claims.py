@@ -2389,6 +2389,73 @@ fact(
   ),
 )
 
+claim(
+  CR,
+  "The critic's\nexplained variance per run is {} [{}, {}] (`ppo_critic`), {}\n[{}, {}] "
+  "(`rec_critic`) and {} [{}, {}] (`vtrace_rec`).",
+  CRITIC_CONST,
+  lambda: [
+    x
+    for m in ("ppo_critic", "rec_critic", "vtrace_rec")
+    for x in ivs(_critic_ev(m, "const256", "lag_study_critic_const256"))
+  ],
+)
+SPELL_CONST = "lag_study_spell_critic_const256/study.csv"
+_scc256 = lambda: S("lag_study_spell_critic_const256")
+section(CR, "## spell_backward at 256 stale updates")
+claim(
+  CR,
+  "| GRPO | {} [{}, {}] | (baseline) |",
+  SPELL_CONST,
+  lambda: ivs(_scc256().iv("grpo", "const256")),
+)
+for _m, _label in (
+  ("rec_oneside_nois", "REC-OneSide-NoIS"),
+  ("ppo_critic", "ppo_critic"),
+  ("rec_critic", "rec_critic"),
+  ("vtrace_rec", "vtrace_rec"),
+):
+  claim(
+    CR,
+    f"| {_label} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] `{{m}}` |",
+    SPELL_CONST,
+    lambda m=_m: (
+      *ivs(_scc256().iv(m, "const256")),
+      *ivs(_scc256().diff(m, "const256")),
+      _scc256().mark(m, "const256"),
+    ),
+  )
+claim(
+  CR,
+  "calibration**: final accuracy {}/{}, accuracy AUC {}/{}, steps to the threshold\n{}/{}. "
+  "No run collapsed.",
+  SPELL_CONST,
+  lambda: (
+    *_scc256().aa_rate("final_accuracy")[:2],
+    *_scc256().aa_rate("accuracy_auc")[:2],
+    *_scc256().aa_rate("steps_to_threshold")[:2],
+  ),
+)
+fact(
+  CR,
+  "No run collapsed.",
+  SPELL_CONST,
+  lambda: all(
+    _scc256().collapsed(m, "const256") == 0
+    for m in ("grpo", "rec_oneside_nois", "ppo_critic", "rec_critic", "vtrace_rec")
+  ),
+)
+claim(
+  CR,
+  "is below zero again: {} [{}, {}] (`ppo_critic`), {}\n[{}, {}] (`rec_critic`), {} [{}, {}] "
+  "(`vtrace_rec`).",
+  SPELL_CONST,
+  lambda: [
+    x
+    for m in ("ppo_critic", "rec_critic", "vtrace_rec")
+    for x in ivs(_critic_ev(m, "const256", "lag_study_spell_critic_const256"))
+  ],
+)
 RECIPE_SOURCE = "../../docs/results/critic/recipe_runs.csv"
 _recipe = lambda settings, key: _runs("recipe_runs.csv", "settings", settings, key)
 section(CR, "## PPO-max's recipe")
