@@ -393,8 +393,7 @@ def save_pretrained(
     tokenizer: the model's tokenizer, written beside it by `save_tokenizer`
       (then `AutoTokenizer` loads it and `generate()` stops at its EOS).
 
-  A separate critic (`models.value`) goes into `path`/critic, a checkpoint of
-  its own that `critic.model` loads.
+  A separate critic (`models.value`) goes into `path`/critic, which `critic.model` loads.
   """
   config = model.config
   np_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
