@@ -2333,31 +2333,44 @@ fact(
     and _separate("head", "reward_last_fifth")[3:] == _pool(1, "reward_last_fifth")[3:]
   ),
 )
-CRITIC_CONST = "lag_study_critic_const256/study.csv"
-_cc256 = lambda: S("lag_study_critic_const256")
-section(CR, "## At 256 stale updates")
-claim(
-  CR,
-  "| GRPO | {} [{}, {}] | (baseline) |",
-  CRITIC_CONST,
-  lambda: ivs(_cc256().iv("grpo", "const256")),
-)
-for _m, _label in (
+_CONST_METHODS = (
   ("rec_oneside_nois", "REC-OneSide-NoIS"),
   ("ppo_critic", "ppo_critic"),
   ("rec_critic", "rec_critic"),
   ("vtrace_rec", "vtrace_rec"),
-):
+)
+_CRITIC_METHODS = ("ppo_critic", "rec_critic", "vtrace_rec")
+
+
+def _const256_table(name: str) -> None:
+  """The claims of a critic grid's table at lag 256: each method against GRPO there."""
+  study = lambda: S(name)
+  source = f"{name}/study.csv"
   claim(
-    CR,
-    f"| {_label} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] `{{m}}` |",
-    CRITIC_CONST,
-    lambda m=_m: (
-      *ivs(_cc256().iv(m, "const256")),
-      *ivs(_cc256().diff(m, "const256")),
-      _cc256().mark(m, "const256"),
-    ),
+    CR, "| GRPO | {} [{}, {}] | (baseline) |", source, lambda: ivs(study().iv("grpo", "const256"))
   )
+  for method, label in _CONST_METHODS:
+    claim(
+      CR,
+      f"| {label} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] `{{m}}` |",
+      source,
+      lambda m=method: (
+        *ivs(study().iv(m, "const256")),
+        *ivs(study().diff(m, "const256")),
+        study().mark(m, "const256"),
+      ),
+    )
+
+
+def _const256_ev(name: str) -> list[float]:
+  """The critic methods' explained variance at lag 256, as quoted (mean, low, high each)."""
+  return [x for m in _CRITIC_METHODS for x in ivs(_critic_ev(m, "const256", name))]
+
+
+CRITIC_CONST = "lag_study_critic_const256/study.csv"
+_cc256 = lambda: S("lag_study_critic_const256")
+section(CR, "## At 256 stale updates")
+_const256_table("lag_study_critic_const256")
 fact(
   CR,
   "GRPO and REC-OneSide-NoIS\nshare the `const256` grid's warm starts and seeds and repeat its "
@@ -2394,37 +2407,12 @@ claim(
   "The critic's\nexplained variance per run is {} [{}, {}] (`ppo_critic`), {}\n[{}, {}] "
   "(`rec_critic`) and {} [{}, {}] (`vtrace_rec`).",
   CRITIC_CONST,
-  lambda: [
-    x
-    for m in ("ppo_critic", "rec_critic", "vtrace_rec")
-    for x in ivs(_critic_ev(m, "const256", "lag_study_critic_const256"))
-  ],
+  lambda: _const256_ev("lag_study_critic_const256"),
 )
 SPELL_CONST = "lag_study_spell_critic_const256/study.csv"
 _scc256 = lambda: S("lag_study_spell_critic_const256")
 section(CR, "## spell_backward at 256 stale updates")
-claim(
-  CR,
-  "| GRPO | {} [{}, {}] | (baseline) |",
-  SPELL_CONST,
-  lambda: ivs(_scc256().iv("grpo", "const256")),
-)
-for _m, _label in (
-  ("rec_oneside_nois", "REC-OneSide-NoIS"),
-  ("ppo_critic", "ppo_critic"),
-  ("rec_critic", "rec_critic"),
-  ("vtrace_rec", "vtrace_rec"),
-):
-  claim(
-    CR,
-    f"| {_label} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] `{{m}}` |",
-    SPELL_CONST,
-    lambda m=_m: (
-      *ivs(_scc256().iv(m, "const256")),
-      *ivs(_scc256().diff(m, "const256")),
-      _scc256().mark(m, "const256"),
-    ),
-  )
+_const256_table("lag_study_spell_critic_const256")
 claim(
   CR,
   "calibration**: final accuracy {}/{}, accuracy AUC {}/{}, steps to the threshold\n{}/{}. "
@@ -2450,11 +2438,7 @@ claim(
   "is below zero again: {} [{}, {}] (`ppo_critic`), {}\n[{}, {}] (`rec_critic`), {} [{}, {}] "
   "(`vtrace_rec`).",
   SPELL_CONST,
-  lambda: [
-    x
-    for m in ("ppo_critic", "rec_critic", "vtrace_rec")
-    for x in ivs(_critic_ev(m, "const256", "lag_study_spell_critic_const256"))
-  ],
+  lambda: _const256_ev("lag_study_spell_critic_const256"),
 )
 RECIPE_SOURCE = "../../docs/results/critic/recipe_runs.csv"
 _recipe = lambda settings, key: _runs("recipe_runs.csv", "settings", settings, key)
