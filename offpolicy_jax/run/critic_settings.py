@@ -81,7 +81,7 @@ def validate(c) -> None:
     ConfigError: `config.<field>: ...` naming the field.
   """
   name = estimator(c)
-  doubly_robust = sorted({"dr", "wdr"} & {n.strip() for n in c.eval_ope.split(",")})
+  doubly_robust = _doubly_robust(c)
   errors.need(
     bool(name) or not doubly_robust,
     "eval_ope",
@@ -201,7 +201,7 @@ def _reward_norm_conflicts(c) -> list[tuple[bool, str]]:
   """What reward normalisation cannot go with: (applies, why) pairs. Normalised rewards
   make the critic's values predict them, not the rewards."""
   why = "the critic's values then predict normalised rewards"
-  doubly_robust = sorted({"dr", "wdr"} & {n.strip() for n in c.eval_ope.split(",")})
+  doubly_robust = _doubly_robust(c)
   return [
     (
       bool(c.multiturn.max_turns) and c.multiturn.credit == "turn",
@@ -223,3 +223,8 @@ def _validate_reward_norm(c, name: str) -> None:
     return
   for applies, why in _reward_norm_conflicts(c):
     errors.need(not applies, "critic.reward_norm", f"{why}: --config.critic.reward_norm=False")
+
+
+def _doubly_robust(c) -> list[str]:
+  """The doubly robust OPE estimators `eval_ope` asks for (they read the critic's values)."""
+  return sorted({"dr", "wdr"} & {n.strip() for n in c.eval_ope.split(",")})
