@@ -1,8 +1,9 @@
 """Held-out evaluation: greedy accuracy, mean reward and length, pass@k.
 
 One evaluator serves the loop (one set of parameters, `evaluate`) and the
-study (parameters stacked over seeds, `evaluate_seeds`, every sampler
-`jax.vmap`ped over the seed axis).
+study (parameters stacked over seeds, every sampler `jax.vmap`ped over the
+seed axis): `evaluate_seeds` reads which from its `step.seeds.Seeds`, as
+the step's halves do.
 
 A response is correct when its reward exceeds 0.5 (exact match for the
 synthetic tasks; a correct answer with or without the format bonus for GSM8K /
@@ -31,6 +32,7 @@ from offpolicy_jax.rollout import episodes
 from offpolicy_jax.rollout.protocol import EvalRows
 from offpolicy_jax.step import scoring
 from offpolicy_jax.step.run_state import RunState, StepFns
+from offpolicy_jax.step.seeds import Seeds
 from offpolicy_jax.store import metrics
 
 
@@ -67,7 +69,7 @@ def eval_prompts(
   return _memo(fns, ("prompts", num_prompts, size, split), build)
 
 
-def _sampler(fns: StepFns, k: int, over_seeds: bool) -> Callable:
+def _sampler(fns: StepFns, k: int, stacked: bool) -> Callable:
   """Greedy (k = 1) or k samples per prompt at the training temperature; vmapped over seeds.
 
   `(base, params, tokens, lengths, key)`: with adapters, vmapped over the
@@ -77,11 +79,11 @@ def _sampler(fns: StepFns, k: int, over_seeds: bool) -> Callable:
   def build():
     fn = fns.eval_sampler(k)
     with_base = lambda base, p, *args: fn(models.lora.join(base, p), *args)
-    if over_seeds:
+    if stacked:
       return jax.jit(jax.vmap(with_base, in_axes=(None, 0, None, None, 0)))
     return with_base
 
-  return _memo(fns, ("sampler", k, over_seeds), build)
+  return _memo(fns, ("sampler", k, stacked), build)
 
 
 def evaluate_seeds(
@@ -91,34 +93,34 @@ def evaluate_seeds(
   num_prompts: int,
   k: int = 0,
   *,
+  seeds: Seeds,
   batch_size: int = 0,
-  over_seeds: bool = True,
   base=None,
   split: str = "eval",
 ) -> dict[str, np.ndarray]:
-  """Evaluation of parameters stacked over S seeds (or of one set, `over_seeds=False`).
+  """Evaluation of parameters stacked over S seeds (or of one run's, `Seeds.one`).
 
   Args:
     fns: the run's `run_state.StepFns` (`Components.fns`).
-    params: parameters with a leading seed axis [S, ...] (or one set).
-    keys: PRNG keys [S] (or one key) of the pass@k samples.
+    params: parameters with a leading seed axis [S, ...] (one run's: none).
+    keys: PRNG keys [S] (one run's: one key) of the pass@k samples.
     num_prompts: the first `num_prompts` prompts of the eval split, fewer if
       the split is smaller.
     k: samples per prompt for pass@k (< 2: skip pass@k).
+    seeds: the runs `params` hold: `Seeds.many` (a seed axis) or `Seeds.one`.
     batch_size: prompts per eval batch (0: `prompts_per_step`).
-    over_seeds: whether `params` and `keys` carry the seed axis.
     base: the frozen base (no seed axis) of adapter `params`, or None.
     split: the prompts: "eval" (held out), or "train" (the first of the
       training split: what the replay buffer's rows are drawn from).
 
   Returns:
-    float64 arrays [S] (or [1]): `accuracy`, `reward_mean`, `response_len`,
+    float64 arrays [S] (one run's: [1]): `accuracy`, `reward_mean`, `response_len`,
     `reward_failures`, with k >= 2 `pass@k`, `sample_accuracy` and
     `sample_reward` (the samples' mean reward), and for
     episodes (rows with turns) `turns` and `tool_calls_per_solved`.
   """
-  keys_s = keys if over_seeds else jnp.asarray(keys)[None]
-  s = keys_s.shape[0]
+  keys_s = keys if seeds.stacked else jnp.asarray(keys)[None]
+  s = len(seeds.ids)
   names: tuple[str, ...] = ("correct", "reward", "length", "fails", "pass", "sample")
   names += ("sample_reward",)
   names += ("turns", "calls", "solved")
@@ -129,7 +131,7 @@ def evaluate_seeds(
     keys_i = keys_s if i == 0 else jax.vmap(lambda key, i=i: jax.random.fold_in(key, i))(keys_s)
     n += valid.sum()
     rows_of = functools.partial(fns.eval_rows, fns, params, base, prompts, keys_i, split=split)
-    for seed, r in enumerate(rows_of(1, over_seeds)):
+    for seed, r in enumerate(rows_of(1, seeds)):
       sums["correct"][seed] += ((r.rewards > 0.5) * valid).sum()
       sums["reward"][seed] += (r.rewards * valid).sum()
       sums["length"][seed] += (r.lengths * valid).sum()
@@ -141,7 +143,7 @@ def evaluate_seeds(
         sums["calls"][seed] += (r.tool_calls * solved).sum()
         sums["solved"][seed] += solved.sum()
     if k >= 2:
-      for seed, r in enumerate(rows_of(k, over_seeds)):
+      for seed, r in enumerate(rows_of(k, seeds)):
         hit_gk = r.rewards.reshape(-1, k) > 0.5
         sums["pass"][seed] += (hit_gk.any(axis=1) * valid).sum()
         sums["sample"][seed] += (hit_gk.mean(axis=1) * valid).sum()
@@ -164,29 +166,29 @@ def evaluate_seeds(
 
 
 def sampled_rows(
-  fns: StepFns, params, base, prompts, keys, k: int, over_seeds: bool, split: str = "eval"
+  fns: StepFns, params, base, prompts, keys, k: int, seeds: Seeds, split: str = "eval"
 ) -> list[EvalRows]:
   """Greedy (k = 1) or k sampled responses per prompt, scored (device or sandboxed host reward).
 
   Args:
     fns: the run's step functions.
-    params: the parameters, stacked over seeds when `over_seeds`.
+    params: the parameters, stacked over seeds when `seeds.stacked`.
     base: their frozen base (adapters), or None.
     prompts: one batch of eval prompts (`eval_prompts`).
-    keys: PRNG keys [S] of the samples (unused by greedy rows).
+    keys: PRNG keys [S] of the samples (unused by greedy rows; [1] for one run).
     k: rows per prompt (1: greedy).
-    over_seeds: whether `params` and `keys` carry the seed axis.
+    seeds: the runs `params` hold (`evaluate_seeds`).
     split: the split the prompts come from (the host reward reads its examples).
 
   Returns:
     one `EvalRows` per seed.
   """
-  fn = _sampler(fns, k, over_seeds)
+  fn = _sampler(fns, k, seeds.stacked)
   tokens, lengths = prompts["prompt_tokens"], prompts["prompt_lengths"]
-  out = fn(base, params, tokens, lengths, keys if over_seeds else keys[0])
+  out = fn(base, params, tokens, lengths, keys if seeds.stacked else keys[0])
   rows = []
-  for seed in range(keys.shape[0]):
-    one = out if not over_seeds else jax.tree.map(lambda x, seed=seed: x[seed], out)
+  for seed in range(len(seeds.ids)):
+    one = seeds.take(out, seed)
     r, stats = scoring.score(fns, prompts, one, split=split, group_size=k)
     rows.append(EvalRows(np.asarray(r), np.asarray(one.lengths), stats["reward_failures"]))
   return rows
@@ -200,7 +202,7 @@ def episode_rows(
   prompts,
   keys,
   k: int,
-  over_seeds: bool,
+  seeds: Seeds,
   split: str = "eval",
 ) -> list[EvalRows]:
   """Greedy (k = 1) or k sampled episodes per prompt, one seed at a time (a host loop).
@@ -208,8 +210,8 @@ def episode_rows(
   `eps` is the run's multi-turn episodes; the rest as in `sampled_rows`.
   """
   rows = []
-  for seed in range(keys.shape[0]):
-    one = params if not over_seeds else jax.tree.map(lambda x, seed=seed: x[seed], params)
+  for seed in range(len(seeds.ids)):
+    one = seeds.take(params, seed)
     played = episodes.play(
       eps,
       models.lora.join(base, one),
@@ -226,23 +228,25 @@ def episode_rows(
   return rows
 
 
-def evaluate(fns: StepFns, params, key: jax.Array, num_prompts: int, k: int) -> dict[str, float]:
-  """The loop's evaluation of one set of parameters: `eval/` metrics (empty if no prompts).
+def evaluate(
+  fns: StepFns, params, key: jax.Array, num_prompts: int, k: int, seed: int = 0
+) -> dict[str, float]:
+  """The loop's evaluation of one run's parameters: `eval/` metrics (empty if no prompts).
 
-  See `evaluate_seeds` for the arguments.
+  See `evaluate_seeds` for the arguments; `seed` is the run's (`Seeds.one`).
   """
   if not num_prompts:
     return {}
-  ev = evaluate_seeds(fns, params, key, num_prompts, k, over_seeds=False)
+  ev = evaluate_seeds(fns, params, key, num_prompts, k, seeds=Seeds.one(seed))
   out = {f"eval/{m}": float(v[0]) for m, v in ev.items()}
   out["eval/reward_failures"] = int(out["eval/reward_failures"])
   return out
 
 
-def ope_program(fns: StepFns, names: tuple[str, ...], over_seeds: bool = False) -> Callable:
+def ope_program(fns: StepFns, names: tuple[str, ...], seeds: Seeds) -> Callable:
   """`(state) -> ope/ metrics` of the run's replay buffer under its current parameters
   (`learn.buffer_ope.estimate`, jitted once per `fns`); over a study's seed axis when
-  `over_seeds` (each metric [S])."""
+  `seeds.stacked` (each metric [S])."""
 
   def build():
     estimate = functools.partial(
@@ -253,7 +257,7 @@ def ope_program(fns: StepFns, names: tuple[str, ...], over_seeds: bool = False) 
       return estimate(params, replay, version, names)
 
     def program(params, base, replay, version):  # arrays only: not the rollout's state
-      if not over_seeds:
+      if not seeds.stacked:
         return one(models.lora.join(base, params), replay, version)
       whole = jax.vmap(lambda p: models.lora.join(base, p))(params)
       return jax.vmap(one)(whole, replay, version)
@@ -261,14 +265,16 @@ def ope_program(fns: StepFns, names: tuple[str, ...], over_seeds: bool = False) 
     jitted = jax.jit(program)
     return lambda state: jitted(state.train.params, state.base, state.replay, state.train.version)
 
-  return _memo(fns, ("ope", names, over_seeds), build)
+  return _memo(fns, ("ope", names, seeds.stacked), build)
 
 
-def ope_from_buffer(fns: StepFns, state: RunState, names: tuple[str, ...]) -> dict[str, Any]:
-  """`learn.buffer_ope`'s `ope/` metrics of the run's replay buffer under its current
+def ope_from_buffer(
+  fns: StepFns, state: RunState, names: tuple[str, ...], seed: int
+) -> dict[str, Any]:
+  """`learn.buffer_ope`'s `ope/` metrics of run `seed`'s replay buffer under its current
   parameters: nothing before the buffer holds a row, or without `names`."""
   if not names or not int(jax.device_get(state.replay.num_added)):
     return {}
   with jax.set_mesh(fns.model.mesh):
-    out = ope_program(fns, names)(state)
+    out = ope_program(fns, names, Seeds.one(seed))(state)
   return {k: metrics.to_python(v) for k, v in jax.device_get(out).items()}

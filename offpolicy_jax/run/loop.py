@@ -252,11 +252,10 @@ class _Loop:
     run = self.run_cfg
     key = step_key(run.seed, step, EVAL)
     # The run as built: evaluation does not use the sampler a switch replaces (no recompile).
-    ev = evaluation.evaluate(
-      self.comps.fns, weights(state), key, run.eval_prompts, run.eval_samples
-    )
+    fns = self.comps.fns
+    ev = evaluation.evaluate(fns, weights(state), key, run.eval_prompts, run.eval_samples, run.seed)
     if ev:  # with the current policy's worth estimated from the buffer's lagged rows
-      ev |= evaluation.ope_from_buffer(self.comps.fns, state, buffer_ope.parse(run.eval_ope))
+      ev |= evaluation.ope_from_buffer(fns, state, buffer_ope.parse(run.eval_ope), run.seed)
       self.rows.append(self.writer.write(step, ev))
       text = ", ".join(f"{k}={v:.3f}" for k, v in ev.items() if k.startswith("eval/"))
       self.writer.log_text(f"eval at step {step}: {text}")

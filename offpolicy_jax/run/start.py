@@ -297,4 +297,4 @@ def evaluate_checkpoint(config, workdir: str | None = None, step: int | None = N
   k = max(run.eval_samples, 1)
   key = step_key(run.seed, step_done, EVAL)
   full = models.lora.join(base, params)
-  return {"step": step_done, **evaluation.evaluate(fns, full, key, run.eval_prompts, k)}
+  return {"step": step_done, **evaluation.evaluate(fns, full, key, run.eval_prompts, k, run.seed)}

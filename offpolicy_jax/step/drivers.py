@@ -129,7 +129,7 @@ class _Run:
     self.schedule = LagSchedule(*(sharding.replicated_int(self.mesh, x) for x in sync))
 
   def programs(self, fns: StepFns, state):
-    return programs(fns, self.replay, state, over_seeds=self.seeds.stacked)
+    return programs(fns, self.replay, state, seeds=self.seeds)
 
 
 class Scanned:

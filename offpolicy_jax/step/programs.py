@@ -4,10 +4,10 @@ The pieces of a step (`rl_step`, `acting`, `learning`) jitted once per state
 structure and shared by every run that shares its `StepFns` (memoised per
 `fns`): `rl_steps` (L traced steps in one scan), the halves of a host step
 (`rollout`, `learn_finished`), `learn` (the async loop's), and `behaviour`.
-Without `over_seeds` they keep the state's shardings and donate it; with it
-every program is `jax.vmap`ped over a leading seed axis of the `SEED_ARGS`
-arguments (the study). The frozen LoRA base and a host rollout's state stay
-outside the programs.
+For one run (`seeds.Seeds.one`) they keep the state's shardings and donate
+it; for a study's stacked seeds (`Seeds.many`) every program is `jax.vmap`ped
+over a leading seed axis of the `SEED_ARGS` arguments. The frozen LoRA base
+and a host rollout's state stay outside the programs.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from offpolicy_jax.step import acting, run_state
 from offpolicy_jax.step.learning import learn, learn_finished
 from offpolicy_jax.step.rl_step import rl_steps
 from offpolicy_jax.step.run_state import ReplayOptions, RunState, StepFns
+from offpolicy_jax.step.seeds import Seeds
 
 
 class Programs(NamedTuple):
@@ -72,16 +73,20 @@ SEED_ARGS = frozenset(
 _DONATES_STATE = ("rl_steps", "learn_finished", "learn")
 
 
-def programs(fns: StepFns, opts: ReplayOptions, state: RunState, *, over_seeds=False) -> Programs:
+def programs(
+  fns: StepFns, opts: ReplayOptions, state: RunState, *, seeds: Seeds | None = None
+) -> Programs:
   """The jitted programs of a run whose state has `state`'s structure (built once, shared).
 
-  The state is donated; without `over_seeds` it keeps its shardings and
-  metrics are replicated. With `over_seeds` every program is `jax.vmap`ped
-  over a leading seed axis of the `SEED_ARGS` arguments (the study).
+  The state is donated; for one run (`seeds` None or `Seeds.one`) it keeps
+  its shardings and metrics are replicated. For stacked seeds (`Seeds.many`)
+  every program is `jax.vmap`ped over a leading seed axis of the `SEED_ARGS`
+  arguments (the study).
   Programs are memoised per `fns`, so runs that share it share them.
   """
   memo = fns.memo.setdefault("programs", {})
-  key = (opts, jax.tree.structure(_traced(fns, state)), over_seeds)
+  stacked = seeds is not None and seeds.stacked
+  key = (opts, jax.tree.structure(_traced(fns, state)), stacked)
   if key not in memo:
     fns_of: dict[str, Callable] = {
       "rl_steps": functools.partial(rl_steps, fns, opts),
@@ -90,7 +95,7 @@ def programs(fns: StepFns, opts: ReplayOptions, state: RunState, *, over_seeds=F
       "learn": functools.partial(learn, fns, opts),
       "behaviour": acting.behaviour_params,
     }
-    build = _vmapped if over_seeds else _sharded
+    build = _vmapped if stacked else _sharded
     memo[key] = Programs(**{name: build(fns, name, fn, state) for name, fn in fns_of.items()})
   return memo[key]
 

@@ -2,7 +2,7 @@
 
 A run's state and its programs' outputs have no seed axis; the study's have a
 leading one (its programs are `jax.vmap`ped, `programs.programs(...,
-over_seeds=True)`). The host parts of a step (a host rollout, the sandboxed
+seeds=Seeds.many(...))`). The host parts of a step (a host rollout, the sandboxed
 scoring, the metrics row) run once per seed either way: `Seeds` is the one
 place that knows whether a tree has a seed axis, so the halves of a step are
 written once (`acting.sample_traced` / `sample_host`, `learning.learn_sampled`).
