@@ -253,3 +253,20 @@ def test_a_mixture_of_experts_counts_its_active_parameters_and_recorded_routing(
   extra = rows * (p + n) * mc.num_layers * mc.num_experts_per_tok  # uint8 expert indices
   buffer = recorded.bytes["replay buffer"] - got.bytes["replay buffer"]
   assert buffer == extra
+
+
+@pytest.mark.parametrize("critic", ["policy", "tiny-moe"])
+def test_a_separate_critic_is_planned_as_the_run_builds_it(critic):
+  c = _config("default").copy_and_resolve_references()
+  c.loss.name, c.critic.model = "ppo_critic", critic
+  c.critic.kl_coef, c.critic.reward_norm = 0.0, False  # no reference forward
+  params = components.build_components(c).fns.model.init_params(0)
+  got = planner.plan(c, devices=8, bytes_per_device=None, activations="analytic")
+  assert got.bytes["params"] == _device_bytes(params)
+  mc, _ = planner.model_config(c)
+  assert mc.critic is not None and mc.critic.num_params() > 0
+  # The policy trains and samples (6N + 2N), the critic only trains (6N, its active params).
+  g, k, p, n = components.sizes(c)[:4]
+  policy = mc.num_params() - mc.critic.num_params()
+  trained = 6.0 * (policy + mc.critic.num_active_params()) * g * k * (p + n)
+  assert got.step_flops == pytest.approx(trained + 2.0 * policy * (g * p + g * k * n))

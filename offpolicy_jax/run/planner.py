@@ -56,13 +56,17 @@ FLOP/s``, with N the parameters (base + adapters) and D tokens:
   sample   2N per sampled token (G P prefill + G K N_new decode)
 
 N counts the parameters a token is computed with: with experts, k of each
-block's E (`ModelConfig.num_active_params`).
+block's E (`ModelConfig.num_active_params`). A separate critic (`critic.model`)
+is in every byte row the runtime holds it in (params, optimizer state, lag
+snapshots, the sampler's copy) and trains at 6N_critic per trained token; it
+samples nothing.
 
 (`train_flops_per_token`; `Plan.flops_rule` says which terms a plan counts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -77,7 +81,7 @@ from offpolicy_jax import config_schema, models
 from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.learn import batch_splits, replay, train_state, train_step
 from offpolicy_jax.models.tokenizers import CharTokenizer
-from offpolicy_jax.run import components, model_build, validation
+from offpolicy_jax.run import components, critic_settings, model_build, validation
 from offpolicy_jax.sampling import partial as partial_rollouts
 from offpolicy_jax.scale import disagg, sharding
 from offpolicy_jax.step import run_state
@@ -160,17 +164,31 @@ def model_config(config) -> tuple[models.ModelConfig, str]:
 
   `config.model` may be a preset name, an HF directory with config.json, a
   path to a config.json, or an absent checkpoint directory whose name starts
-  with a preset name (e.g. "Qwen2.5-1.5B-Instruct" -> "qwen2.5-1.5b").
+  with a preset name (e.g. "Qwen2.5-1.5B-Instruct" -> "qwen2.5-1.5b"). A
+  critic is counted as the run builds it (`run.model_build`): a value head on
+  the policy, or a separate critic (`critic.model`) as `ModelConfig.critic`.
   """
   spec = RunSpec.from_config(config)
-  m = spec.model
-  kw = dict(
+  kw: dict[str, Any] = dict(
     dtype=spec.model_dtype,
     scan_layers=spec.model_scan_layers,
     scan_decode=spec.model_scan_decode,
     remat=spec.model_remat,
-    lora=model_build.lora_config(config),
   )
+  separate = critic_settings.separate_critic(config)
+  head = bool(critic_settings.estimator(config)) and not separate
+  lc = model_build.lora_config(config)
+  mc, note = _architecture(spec, spec.model, "model", lora=lc, value_head=head, **kw)
+  if not separate:
+    return mc, note
+  name = spec.model if separate == critic_settings.FROM_POLICY else separate
+  critic, critic_note = _architecture(spec, name, "critic.model", value_head=True, **kw)
+  notes = "; ".join(n for n in (note, critic_note and f"critic: {critic_note}") if n)
+  return dataclasses.replace(mc, critic=critic), notes
+
+
+def _architecture(spec: RunSpec, m: str, field: str, **kw) -> tuple[models.ModelConfig, str]:
+  """`model_config`'s reading of one model name `m` (config field `field`)."""
   path = os.path.join(m, "config.json") if os.path.isdir(m) else m
   if path.endswith(".json") and os.path.isfile(path):
     with open(path) as f:
@@ -178,7 +196,7 @@ def model_config(config) -> tuple[models.ModelConfig, str]:
   base = os.path.basename(os.path.normpath(m)).lower()
   match = [p for p in models.preset_names() if base.startswith(p)]
   if not match:
-    raise ValueError(f"model: {m!r} is neither a preset, an HF directory nor a config.json")
+    raise ValueError(f"{field}: {m!r} is neither a preset, an HF directory nor a config.json")
   preset = max(match, key=len)
   vocab = models.get_config(preset).vocab_size
   if preset == m and not spec.tokenizer:  # a fresh preset takes the tokenizer's vocabulary
@@ -385,11 +403,15 @@ def plan(
     ROWS[6]: act,
   }
   g, k, p, n = components.sizes(config)[:4]
-  num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(whole))
+  critic = (0, 0) if mc.critic is None else (mc.critic.num_params(), mc.critic.num_active_params())
+  num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(whole)) - critic[0]
   if mc.num_experts:  # a token is computed with k of each block's E experts
     num_params -= mc.num_params() - mc.num_active_params()
   per_token = train_flops_per_token(adapters=base is not None) + 2.0 * needs_ref
-  flops = per_token * num_params * g * k * (p + n) * options.num_epochs
+  # A separate critic trains on the same tokens (computed with its active parameters) and
+  # samples nothing.
+  trained = per_token * num_params + train_flops_per_token(adapters=False) * critic[1]
+  flops = trained * g * k * (p + n) * options.num_epochs
   flops += 2.0 * num_params * (g * p + g * k * n)
   rule = f"{per_token:g}ND train" + (" (incl. 2ND reference forward)" if needs_ref else "")
   peak = DEVICES[device_type].peak_flops if device_type else None
