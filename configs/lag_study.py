@@ -88,14 +88,15 @@ LAGS = "onpolicy=1/0,interval20=20/0,offset10=1/10,stale32=1/32,offline=offline"
 # (the behaviour parameters lag up to 255 updates; they are refreshed at steps 256 and 512)
 # against on-policy. A cell of 12 seeds x 600 steps takes about 6 minutes here, so the grid
 # that fits the 60-minute budget is 4 methods x 2 lags; `deep_full` is the whole axis (sync
-# intervals 20 / 64 / 256 and offline, every batch from the warm start; a constant lag of 256
-# would hold 257 snapshots per seed) with decoupled PPO and the two corrections that held up
-# best in the mismatch study (tis_old, icepop_old: docs/results/off_policyness.md), 35 cells,
-# about 3.5 hours here (docs/results/lag_study.md).
+# intervals 20 / 64, the constant lag 256 of `const256` (every batch 256 updates old after a
+# 256-step fill; 257 snapshots per seed) and offline, every batch from the warm start) with
+# decoupled PPO and the two corrections that held up best in the mismatch study (tis_old,
+# icepop_old: docs/results/off_policyness.md) and GRPO's A/A twin at every lag, 40 cells,
+# about 4 hours here (docs/results/lag_study.md).
 DEEP_METHODS = "grpo,reinforce,rec_oneside_nois,m2po"
 DEEP_LAGS = "onpolicy=1/0,interval256=256/0"
 DEEP_FULL_METHODS = f"{DEEP_METHODS},decoupled_ppo,tis_old,icepop_old"
-DEEP_FULL_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,interval256=256/0,offline=offline"
+DEEP_FULL_LAGS = "onpolicy=1/0,interval20=20/0,interval64=64/0,const256=1/256,offline=offline"
 # `const256`: M2PO's setting (arXiv 2510.01161: every batch 256 updates behind the policy it
 # trains): the constant lag 1/256 (after a 256-step fill, v(t) = t - 257), 600 steps like
 # `deep`, GRPO against M2PO (as its paper describes it, and as released: `m2po_release`),
@@ -115,6 +116,17 @@ LR_METHODS = ",".join(
   )
   for tag, lr in (("1e-4", "1e-4"), ("3e-4", "3e-4"), ("1e-3", "1e-3"))
 )
+
+
+# `bits`: the core grid on a task that is not string reversal (issue: "a task that is not the
+# toy"): reasoning-gym's count_bits (the ones in a 16-bit binary number, its own verifier in
+# the sandboxed workers, a warm start on true answers only), GRPO / REINFORCE /
+# REC-OneSide-NoIS / M2PO x on-policy / interval 20 / constant lag 256 / offline, then
+# decoupled PPO and M2PO as released (`m2po_release`) for the M2PO comparison at the constant
+# lag on a second task (docs/results/m2po.md), 12 seeds of their own (1000..1011), GRPO's A/A
+# twin at every lag.
+BITS_METHODS = "grpo,reinforce,rec_oneside_nois,m2po,decoupled_ppo,m2po_release"
+BITS_LAGS = "onpolicy=1/0,interval20=20/0,const256=1/256,offline=offline"
 
 
 TOY_SCALES = ("toy", "toy_full", "deep", "deep_full", "const256", "lr", "reuse", "moe", "critic")
@@ -215,6 +227,27 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.sft.steps = 300
     c.sft.distractor = 0.4  # as the toy grid: some warm-start answers are the word unreversed
     c.eval_prompts = 640
+  elif scale == "bits":  # reasoning-gym count_bits (arithmetic), sandboxed workers
+    c = default.base_config()
+    c.task = "reasoning_gym:count_bits"
+    # The number in binary as a raw prompt in the character alphabet: "11011001=" -> "5".
+    c.task_kwargs = {
+      "prompt_format": "{metadata[binary]}=",
+      "instruction": "",
+      "chat": False,
+      "eval_size": 640,
+      "min_n": 1,
+      "max_n": 2**16 - 1,
+    }
+    c.max_prompt_len = 18  # BOS + 16 bits + "="
+    c.max_new_tokens = 3  # the count + EOS
+    # A short warm start on true answers only (no distractor): greedy accuracy starts near
+    # 0.5 (0.40-0.69 over 4 pilot seeds); with 300 steps it starts at 0.99 (12-bit numbers:
+    # 0.99, 150 steps 0.92) and there is nothing left to learn.
+    c.sft.steps = 50
+    c.total_steps = 400  # the constant lag 256 trains 143 steps 256 versions behind
+    c.eval_prompts = 640
+    c.seed = 1000  # seeds 1000.. : warm starts of their own, shared with no other grid
   elif scale == "calculator":  # multi-turn tool use (configs/calculator.py, docs/multiturn.md)
     from configs import calculator
 
@@ -225,7 +258,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
       f"configs/lag_study.py: unknown scale {scale!r} "
       "(toy, toy_full, deep, deep_full, const256, lr, reuse, moe, critic, critic_const256, ope, "
       "gsm8k, code, spell, "
-      "spell_critic, spell_critic_const256 or calculator)"
+      "spell_critic, spell_critic_const256, bits or calculator)"
     )
   c.eval_every = 50
   # pass@k of the final parameters, k samples per prompt at the training temperature.
@@ -237,7 +270,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   config_schema.config_dict(config_schema.STUDY_FIELDS, into=c)
   c.study.methods = METHODS if scale == "toy" else ALL_METHODS
   c.study.lags = LAGS
-  if scale in ("calculator", "code", "spell", *SPELL_CRITIC_SCALES):  # host rewards: small
+  if scale in ("calculator", "code", "spell", "bits", *SPELL_CRITIC_SCALES):  # host rewards
     c.study.methods = "grpo,rec_oneside_nois,reinforce"
     c.study.lags = "onpolicy=1/0,interval20=20/0,offline=offline"
   if scale in SPELL_CRITIC_SCALES:
@@ -258,7 +291,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
   # same warm starts; study.md reports how often the tests call the two different.
   c.study.aa_lags = "all"
   # One seed per vmapped program and 64 held-out prompts per sampler call for large models.
-  small = (*TOY_SCALES, "code", "spell", *SPELL_CRITIC_SCALES)
+  small = (*TOY_SCALES, "code", "spell", "bits", *SPELL_CRITIC_SCALES)
   c.study.vmap_seeds = 0 if scale in small else 1
   c.study.eval_batch = 0 if scale in small else 64
   # 9 cells x 5 seeds in under an hour on a 2-core CPU (docs/results/lag_study.md).
@@ -274,8 +307,8 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.rollout.score_old = True  # the *_old corrections weigh by pi_old / mu
     c.study.methods = DEEP_METHODS if scale == "deep" else DEEP_FULL_METHODS
     c.study.lags = DEEP_LAGS if scale == "deep" else DEEP_FULL_LAGS
-    # The A/A calibration at 12 seeds is the default grid's (docs/results/lag_study.md).
-    c.study.aa_lags = ""
+    # `deep`: the A/A calibration at 12 seeds is the default grid's (docs/results/lag_study.md).
+    c.study.aa_lags = "all" if scale == "deep_full" else ""
   if scale in ("const256", "critic_const256", "spell_critic_const256"):
     c.study.methods, c.study.lags = CONST_METHODS, CONST_LAGS
     c.study.baseline = "grpo@const256"
@@ -315,6 +348,9 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     c.study.methods = REUSE_METHODS
     c.study.lags = "onpolicy=1/0"
     c.study.seeds = 8
+  if scale == "bits":
+    c.study.methods, c.study.lags = BITS_METHODS, BITS_LAGS
+    c.eval_every = 40  # ten points on each curve
   c.lock()
   return c
 
