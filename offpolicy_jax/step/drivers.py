@@ -40,11 +40,10 @@ from offpolicy_jax import lag
 from offpolicy_jax.rollout import prompt_rows, sampler_mesh
 from offpolicy_jax.rollout.protocol import Rollout
 from offpolicy_jax.scale import sharding
-from offpolicy_jax.step import host_step, producer, scoring
+from offpolicy_jax.step import host_step, producer, rows, scoring
 from offpolicy_jax.step.programs import one_program, programs
 from offpolicy_jax.step.run_state import LagSchedule, ReplayOptions, StepFns
 from offpolicy_jax.step.seeds import Seeds
-from offpolicy_jax.store import metrics
 
 # `read(n, state)`: the local prompt batches of the next n loop steps, read under the run state
 # they start from, and per batch its row fields (`prompts_truncated`, `v0/*`).
@@ -157,11 +156,15 @@ class Scanned:
     state, out = fn(state, prompts, steps, run.seed, run.schedule)
     out = jax.device_get(out)
     device = (time.perf_counter() - begin) / n
-    rows = run.seeds.step_rows(out, n)
-    for row, fields in zip(rows, read_rows, strict=True):
-      row.update(scoring.no_reward_stats(), **fields)
-      row["time/device_s"] = device
-    return state, rows
+    return state, [
+      rows.step_row(
+        run.seeds,
+        run.seeds.step_of(out, i),
+        fields={**scoring.no_reward_stats(), **fields},
+        times={"device_s": device},
+      )
+      for i, fields in enumerate(read_rows)
+    ]
 
   def switch(self, fns: StepFns) -> None:
     self.fns, self.rollout = fns, fns.rollout
@@ -215,7 +218,6 @@ class Split:
     prefetch = self._prefetch(step + 1)
     read = functools.partial(self._read_one, state)
     state, row = self._host.take_step(progs, state, step + 1, read, prefetch)
-    row.update(row.pop("read_info"))
     return state, [row]
 
   def switch(self, fns: StepFns) -> None:
@@ -270,17 +272,14 @@ class Async:
     state, row = fn(state, batch, step_a, run.seed, run.schedule, keep)
     published = self._prod.publish(state.train.params, step)
     big = jnp.iinfo(jnp.int32).max
-    rows = (batch.mask > 0) & (batch.weights > 0)[:, None]  # the groups that finished
-    oldest_a = jnp.min(jnp.where(rows, batch.versions, big))
-    row = {k: metrics.to_python(x) for k, x in jax.device_get(row).items()}
-    oldest = int(oldest_a)
-    row["behavior_version"] = oldest if oldest != big else self.fns.learner.version(step - 1)
-    row.update(info)
-    row.update(published)
-    row["time/sample_s"] = row.pop("sample_time_s")
-    row["time/wait_s"] = t1 - t0
-    row["time/train_s"] = time.perf_counter() - t1
-    return state, [row]
+    finished = (batch.mask > 0) & (batch.weights > 0)[:, None]  # the groups that finished
+    out, oldest = jax.device_get((row, jnp.min(jnp.where(finished, batch.versions, big))))
+    oldest = int(oldest)
+    version = oldest if oldest != big else self.fns.learner.version(step - 1)
+    times = {"sample_s": info.pop("sample_time_s"), "wait_s": t1 - t0}
+    times["train_s"] = time.perf_counter() - t1
+    fields = {"behavior_version": version, **info, **published}
+    return state, [rows.step_row(run.seeds, out, fields=fields, times=times)]
 
   def switch(self, fns: StepFns) -> None:
     raise ValueError("the sampler choice runs in lag.mode='sync' only")

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from offpolicy_jax.rollout.protocol import Rollout
-from offpolicy_jax.step import learning, programs, scoring
+from offpolicy_jax.step import learning, programs, rows, scoring
 from offpolicy_jax.step.run_state import Sampled, StepFns
 from offpolicy_jax.step.seeds import Seeds
 from offpolicy_jax.store import metrics
@@ -42,8 +42,8 @@ class Stepper:
   Args:
     fns: the run's step functions; `rollout`: the rollout (placed or not).
     seeds: the run's seed (`Seeds.one`), or the study's S seeds (`Seeds.many`: the
-      programs are vmapped, and each metric of a seed is an array [S]; the step's
-      `read_info` and `time/*` stay scalars).
+      programs are vmapped, and each metric of a seed is an array [S]; what reading
+      the prompts logged and `time/*` stay scalars).
     schedule: the `run_state.LagSchedule`.
   """
 
@@ -62,7 +62,7 @@ class Stepper:
     """One host step: `(state, row)`; `read()` gives the next prompts and what to log of them.
 
     `progs` are the run's programs for `state` (`programs.programs`). The row
-    has `read_info` (what `read` returned beside the prompts) and
+    (`rows.step_row`) has what `read` returned beside the prompts and
     `time/sample_s` (until this step's rollout is ready), `time/reward_s`,
     `time/train_s` (the rest, with dispatching step t + 1's rollout when it is
     sampled ahead), and `time/sampled_ahead`: 1 when this step's rollout was
@@ -86,11 +86,10 @@ class Stepper:
     read_info, sampled = rollouts.pop(step)
     self._sampled = rollouts  # the next step's, when sampled ahead
     args = (self.fns, progs, state, sampled, step, self.seeds, self.schedule)
-    state, row = learning.learn_sampled(*args)
-    row["read_info"] = read_info
-    row["time/sampled_ahead"] = int(ahead)
-    row["time/sample_s"] = t1 - t0
-    row["time/train_s"] = time.perf_counter() - t1 - row["time/reward_s"]
+    state, learned = learning.learn_sampled(*args)
+    times = {"reward_s": learned.reward_s, "sampled_ahead": int(ahead), "sample_s": t1 - t0}
+    times["train_s"] = time.perf_counter() - t1 - learned.reward_s
+    row = rows.step_row(self.seeds, learned.device, learned.host, fields=read_info, times=times)
     return state, row
 
   def _sample(self, progs, state, step: int, read) -> tuple[Any, Sampled]:

@@ -17,6 +17,7 @@ each seed's rows scored apart, the vmapped learning).
 from __future__ import annotations
 
 import time
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,6 @@ from offpolicy_jax.step.run_state import (
   StepFns,
 )
 from offpolicy_jax.step.seeds import Seeds
-from offpolicy_jax.store import metrics as metrics_files
 
 
 def learn(
@@ -145,15 +145,27 @@ def learn_finished(
   return state, metrics
 
 
+class Learned(NamedTuple):
+  """What `learn_sampled` gives a step's row (`rows.step_row`).
+
+  Attributes:
+    device: the step's device metrics, fetched (each [S] over a study's seeds).
+    host: each seed's host metrics: its reward statistics, the rollout's host
+      metrics, `snapshot_missing`.
+    reward_s: the seconds the host rewards took.
+  """
+
+  device: dict[str, Any]
+  host: list[dict[str, Any]]
+  reward_s: float
+
+
 def learn_sampled(fns: StepFns, progs, state, sampled: Sampled, step: int, seeds: Seeds, schedule):
   """The learning half of a step from the host: each seed's rewards, then the jitted packing
   and learning (vmapped over the study's seeds).
 
   Returns:
-    `(state, row)`: the run state and the step's metrics as Python values
-    (device metrics, host reward statistics, the rollout's host metrics,
-    `snapshot_missing`), each an array [S] over the study's seeds (`Seeds.row`),
-    and `time/reward_s`.
+    `(state, Learned)`: the run state and the parts of the step's row.
   """
   begin = time.perf_counter()
   scored = [scoring.rewards_of(fns, fin) for fin in sampled.per_seed]
@@ -163,13 +175,8 @@ def learn_sampled(fns: StepFns, progs, state, sampled: Sampled, step: int, seeds
   args = (sampled.rstate, sampled.fin, rewards, sampled.info, sampled.v, step_a, seed_a, schedule)
   state, out = progs.learn_finished(state, *args)
   out, found = jax.device_get((out, sampled.found))
-  rows = []
-  for s, (_, stats) in enumerate(scored):
-    row = {k: metrics_files.to_python(x) for k, x in seeds.take(out, s).items()}
-    row.update(stats)
-    row.update({k: metrics_files.to_python(x) for k, x in sampled.host[s].items()})
-    row["snapshot_missing"] = int(not bool(seeds.take(found, s)))
-    rows.append(row)
-  row = seeds.row(rows)
-  row["time/reward_s"] = reward_s
-  return state, row
+  host = [
+    {**stats, **sampled.host[s], "snapshot_missing": int(not bool(seeds.take(found, s)))}
+    for s, (_, stats) in enumerate(scored)
+  ]
+  return state, Learned(out, host, reward_s)

@@ -19,7 +19,6 @@ import numpy as np
 
 from offpolicy_jax.rollout import prompt_rows
 from offpolicy_jax.scale import sharding
-from offpolicy_jax.store import metrics
 
 
 class Seeds(NamedTuple):
@@ -76,11 +75,11 @@ class Seeds(NamedTuple):
     """n steps' prompt batches stacked on the step axis: [n, ...], or [S, n, ...]."""
     return {k: np.stack([b[k] for b in batches], axis=int(self.stacked)) for k in fields}
 
-  def step_rows(self, out: dict[str, Any], n: int) -> list[dict[str, Any]]:
-    """Each of n steps' metrics row from a scan's metrics ([n], or [S, n]: each metric [S])."""
+  def step_of(self, out: dict[str, Any], i: int) -> dict[str, Any]:
+    """Step `i`'s metrics from a scan's ([n] each, or [S, n]: then each [S])."""
     if self.stacked:
-      return [{k: np.asarray(v)[:, i] for k, v in out.items()} for i in range(n)]
-    return [{k: metrics.to_python(v[i]) for k, v in out.items()} for i in range(n)]
+      return {k: np.asarray(v)[:, i] for k, v in out.items()}
+    return {k: v[i] for k, v in out.items()}
 
   def row(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One metrics row from each seed's (Python values): the row itself, or each metric [S]."""
