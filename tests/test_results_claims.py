@@ -2749,6 +2749,233 @@ claim(
   lambda: (_c256().aa("accuracy_auc")["const256"][0].p, *_c256().aa_rate("accuracy_auc")[:2]),
 )
 
+BITS = "lag_study_bits/study.csv"
+_bits = lambda: S("lag_study_bits")
+_BITS_LAGS = ("onpolicy", "interval20", "const256", "offline")
+_BITS_TABLE = (
+  ("grpo", "GRPO"),
+  ("reinforce", "REINFORCE"),
+  ("rec_oneside_nois", "REC-OneSide-NoIS"),
+  ("m2po", "M2PO"),
+  ("decoupled_ppo", "decoupled PPO"),
+  ("m2po_release", "`m2po_release`"),
+)
+
+
+_BITS_METHODS_M2 = ("m2po", "m2po_release", "rec_oneside_nois", "decoupled_ppo")
+
+
+def _bits_same_lag(method: str, lag: str) -> study_stats.Comparison:
+  return _bits().same_lag("final_accuracy")[method, lag][0]
+
+
+section(M2D, "## A second task: count_bits")
+claim(
+  M2D,
+  "its own warm starts on true answers only, {} [{}, {}]",
+  BITS,
+  lambda: ivs(_bits().iv("grpo", "onpolicy", "start_accuracy")),
+)
+claim(
+  M2D,
+  "| GRPO | {} [{}, {}] | | (baseline) | {}/12 | {} |",
+  BITS,
+  lambda: (
+    *ivs(_bits().iv("grpo", "const256")),
+    _bits().collapsed("grpo", "const256"),
+    _bits().mean("grpo", "const256", "staleness_kl_k3"),
+  ),
+)
+for _m, _label in (
+  ("m2po", "`m2po` (paper's description)"),
+  ("m2po_release", "`m2po_release` (released code)"),
+  ("rec_oneside_nois", "REC-OneSide-NoIS"),
+  ("decoupled_ppo", "decoupled PPO"),
+):
+  claim(
+    M2D,
+    f"| {_label} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] | {{m}} | {{}}/12 | {{}} |",
+    BITS,
+    lambda m=_m: (
+      *ivs(_bits().iv(m, "const256")),
+      *ivs(_bits_same_lag(m, "const256").diff),
+      _bits().same_lag("final_accuracy")[m, "const256"][1],
+      _bits().collapsed(m, "const256"),
+      _bits().mean(m, "const256", "staleness_kl_k3"),
+    ),
+  )
+claim(
+  M2D,
+  "Against GRPO at the same lag (Holm over the grid's {} same-lag comparisons)",
+  BITS,
+  lambda: (len(_bits().same_lag("final_accuracy")),),
+)
+claim(
+  M2D,
+  "The four end above GRPO at this lag ({} to {}), but none is\n  shown different (`m2po` p {}, "
+  "Holm `{m}`) or equivalent.",
+  BITS,
+  lambda: (
+    min(_bits_same_lag(m, "const256").diff.mean for m in _BITS_METHODS_M2),
+    max(_bits_same_lag(m, "const256").diff.mean for m in _BITS_METHODS_M2),
+    _bits_same_lag("m2po", "const256").p,
+    _bits().same_lag("final_accuracy")["m2po", "const256"][1],
+  ),
+)
+fact(
+  M2D,
+  "or equivalent.",
+  BITS,
+  lambda: all(
+    _bits().same_lag("final_accuracy")[m, "const256"][1] == "~" for m in _BITS_METHODS_M2
+  ),
+)
+fact(
+  M2D,
+  "Nothing collapses on this task, M2PO as described included.",
+  BITS,
+  lambda: all(_bits().collapsed(m, g) == 0 for m in _BITS_METHODS_M2 for g in _BITS_LAGS),
+)
+fact(
+  M2D,
+  "times GRPO's, as on the toy, without a collapse here.",
+  BITS,
+  lambda: all(
+    6 <= _bits().mean(m, "const256", "staleness_kl_k3") / _bits().mean(g, "const256", k) < 9
+    for m in ("m2po", "decoupled_ppo")
+    for g, k in (("grpo", "staleness_kl_k3"),)
+  ),
+)
+fact(
+  M2D,
+  "no\n  M2PO cell is shown different from on-policy GRPO.",
+  BITS,
+  lambda: all(
+    _bits().mark(m, g) in ("~", "≈") for m in ("m2po", "m2po_release") for g in _BITS_LAGS
+  ),
+)
+
+section(LAG, "## A task that is not string reversal: count_bits")
+claim(
+  LAG,
+  "Warm start {} [{}, {}]. On-policy GRPO ends at {} [{},\n{}], a gain of **{} [{}, {}]** over "
+  "its warm start.",
+  BITS,
+  lambda: (
+    *ivs(_bits().iv("grpo", "onpolicy", "start_accuracy")),
+    *ivs(_bits().iv("grpo", "onpolicy")),
+    *ivs(_bits().gain("grpo", "onpolicy")),
+  ),
+)
+claim(
+  LAG,
+  "Holm verdict against on-policy GRPO ({}\ncomparisons)",
+  BITS,
+  lambda: (len(_bits().tests),),
+)
+for _m, _label in _BITS_TABLE:
+  claim(
+    LAG,
+    f"| {_label} | " + " | ".join("{} `{m}`" for _ in _BITS_LAGS) + " |"
+    if _m != "grpo"
+    else "| GRPO | {} (baseline) | {} `{m}` | {} `{m}` | {} `{m}` |",
+    BITS,
+    lambda m=_m: [
+      x for g in _BITS_LAGS for x in (_bits().mean(m, g), _bits().mark(m, g)) if x != "(baseline)"
+    ],
+  )
+claim(
+  LAG,
+  "**A/A calibration**: {}/{} false verdicts on final accuracy, accuracy AUC and\nsteps to the "
+  "threshold alike.",
+  BITS,
+  lambda: _bits().aa_rate("final_accuracy")[:2],
+)
+fact(
+  LAG,
+  "steps to the threshold alike.",
+  BITS,
+  lambda: (
+    len({_bits().aa_rate(k)[:2] for k in ("final_accuracy", "accuracy_auc", "steps_to_threshold")})
+    == 1
+  ),
+)
+claim(
+  LAG,
+  "It collapses in {}, {} and {}\n  of 12 runs at interval 20, the constant lag 256 and offline, "
+  "and ends\n  {}, {} and {} below GRPO at the same lag (Holm `{m}`\n  there too)",
+  BITS,
+  lambda: (
+    *(_bits().collapsed("reinforce", g) for g in _BITS_LAGS[1:]),
+    *(_bits_same_lag("reinforce", g).diff.mean for g in _BITS_LAGS[1:]),
+    _bits().same_lag("final_accuracy")["reinforce", "interval20"][1],
+  ),
+)
+fact(
+  LAG,
+  "on-policy it is the same runs as REC-OneSide-NoIS.",
+  BITS,
+  lambda: (
+    _bits().same(("reinforce", "onpolicy"), ("rec_oneside_nois", "onpolicy"))
+    and all(
+      _bits().same_lag("final_accuracy")["reinforce", g][1] == "worse" for g in _BITS_LAGS[1:]
+    )
+  ),
+)
+claim(
+  LAG,
+  "Its differences to on-policy GRPO are {}, {} and {} at\n  interval 20, the constant lag and "
+  "offline, all `~`, and none passes the\n  equivalence test within 0.03 (TOST p {} to {}).",
+  BITS,
+  lambda: (
+    *(_bits().diff("rec_oneside_nois", g).mean for g in _BITS_LAGS[1:]),
+    min(_bits().tests["rec_oneside_nois", g][0].p_equivalent for g in _BITS_LAGS[1:]),
+    max(_bits().tests["rec_oneside_nois", g][0].p_equivalent for g in _BITS_LAGS[1:]),
+  ),
+)
+fact(
+  LAG,
+  "It collapses in no\n  run.",
+  BITS,
+  lambda: (
+    all(_bits().collapsed("rec_oneside_nois", g) == 0 for g in _BITS_LAGS)
+    and all(_bits().mark("rec_oneside_nois", g) == "~" for g in _BITS_LAGS[1:])
+  ),
+)
+claim(
+  LAG,
+  "The constant lag 256 costs GRPO the most: {} [{}, {}] against\n  on-policy (p {}, Holm p {}: "
+  "`{m}`), where REC-OneSide-NoIS ends {}\n  [{}, {}] above GRPO at the same lag (p {}, `{m}`).",
+  BITS,
+  lambda: (
+    *ivs(_bits().diff("grpo", "const256")),
+    _bits().tests["grpo", "const256"][0].p,
+    _bits().tests["grpo", "const256"][1],
+    _bits().mark("grpo", "const256"),
+    *ivs(_bits_same_lag("rec_oneside_nois", "const256").diff),
+    _bits_same_lag("rec_oneside_nois", "const256").p,
+    _bits().same_lag("final_accuracy")["rec_oneside_nois", "const256"][1],
+  ),
+)
+fact(
+  LAG,
+  "costs GRPO the most",
+  BITS,
+  lambda: min(_BITS_LAGS[1:], key=lambda g: _bits().mean("grpo", g)) == "const256",
+)
+claim(
+  LAG,
+  "collapses in none of its {}\n  runs here",
+  BITS,
+  lambda: (12 * len(_BITS_LAGS),),
+)
+fact(
+  LAG,
+  "collapses in none of its",
+  BITS,
+  lambda: all(_bits().collapsed("m2po", g) == 0 for g in _BITS_LAGS),
+)
+
 
 @pytest.mark.parametrize("c", CLAIMS, ids=[_id(c) for c in CLAIMS])
 def test_each_quoted_number_is_the_committed_data(c):
