@@ -2976,6 +2976,41 @@ fact(
   lambda: all(_bits().collapsed("m2po", g) == 0 for g in _BITS_LAGS),
 )
 
+section(LAG, "## The default grid")
+claim(
+  LAG,
+  "it collapses in\n  {} to {} of 12 runs at each lag, Holm `{m}` at each.",
+  BITS,
+  lambda: (
+    min(_bits().collapsed("reinforce", g) for g in _BITS_LAGS[1:]),
+    max(_bits().collapsed("reinforce", g) for g in _BITS_LAGS[1:]),
+    _bits().mark("reinforce", "interval20"),
+  ),
+)
+fact(
+  LAG,
+  "Holm `worse` at each.",
+  BITS,
+  lambda: all(_bits().mark("reinforce", g) == "worse" for g in _BITS_LAGS[1:]),
+)
+fact(
+  LAG,
+  "On count_bits it is `~` on-policy GRPO at every lag, equivalence shown at\n  none.",
+  BITS,
+  lambda: all(_bits().mark("rec_oneside_nois", g) == "~" for g in _BITS_LAGS),
+)
+fact(
+  LAG,
+  "On count_bits neither M2PO collapses in any run, at any lag, and no M2PO\n  cell is shown "
+  "different from on-policy GRPO",
+  BITS,
+  lambda: all(
+    _bits().collapsed(m, g) == 0 and _bits().mark(m, g) in ("~", "≈")
+    for m in ("m2po", "m2po_release")
+    for g in _BITS_LAGS
+  ),
+)
+
 
 @pytest.mark.parametrize("c", CLAIMS, ids=[_id(c) for c in CLAIMS])
 def test_each_quoted_number_is_the_committed_data(c):
