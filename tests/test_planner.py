@@ -270,3 +270,13 @@ def test_a_separate_critic_is_planned_as_the_run_builds_it(critic):
   policy = mc.num_params() - mc.critic.num_params()
   trained = 6.0 * (policy + mc.critic.num_active_params()) * g * k * (p + n)
   assert got.step_flops == pytest.approx(trained + 2.0 * policy * (g * p + g * k * n))
+
+
+def test_a_preset_critic_takes_the_policys_vocabulary():
+  c = _config("default").copy_and_resolve_references()
+  c.model, c.loss.name, c.critic.model = "Qwen2.5-0.5B-Instruct", "ppo_critic", "qwen2.5-0.5b"
+  mc, note = planner.model_config(c)  # a checkpoint name not on disk: its preset's architecture
+  assert mc.critic.vocab_size == mc.vocab_size == models.get_config("qwen2.5-0.5b").vocab_size
+  assert "qwen2.5-0.5b" in note
+  got = planner.plan(c, devices=8, bytes_per_device=None, activations="analytic")
+  assert "critic train" in got.flops_rule

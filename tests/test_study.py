@@ -106,6 +106,27 @@ def test_grid_parsing_names_the_bad_field():
     study_grid.grid_from_config(c)
 
 
+def test_a_lag_the_run_never_reaches_is_refused():
+  for spec in ("late=1/10", "late=1/12", "late=11/0"):
+    with pytest.raises(ValueError, match="config.study.lags: late=.*total_steps=10.*offline"):
+      study_grid.parse_lags(spec, 10)
+  assert study_grid.parse_lags("edge=1/9,whole=10/0", 10) == {"edge": (1, 9), "whole": (10, 0)}
+
+
+def test_a_study_refuses_its_task_and_data_before_it_makes_a_workdir(tmp_path):
+  path = str(tmp_path / "study")
+  c = lag_study.get_config("bits")
+  c.unlock()
+  c.task_kwargs.max_n = 0  # reasoning-gym's own check is an assert
+  task = "config.task_kwargs: task 'reasoning_gym:count_bits'"
+  with pytest.raises(ValueError, match=f"{task}.*min_n must be between 1 and max_n"):
+    study.run_study(c, path)
+  c.task_kwargs.max_n, c.max_prompt_len = 2**16 - 1, 5  # prompts of up to 18 tokens
+  with pytest.raises(ValueError, match="config.max_prompt_len"):
+    study.run_study(c, path)
+  assert not os.path.exists(path)
+
+
 def test_lag_entries_carry_engine_mismatch_settings():
   spec = "onpolicy=1/0,bf16=1/0+bf16,stale_topk=1/8+topk5"
   assert study_grid.parse_lags(spec, 10) == {

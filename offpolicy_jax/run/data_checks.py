@@ -27,6 +27,7 @@ from offpolicy_jax.config_spec import RunSpec
 from offpolicy_jax.models import hub
 from offpolicy_jax.rewards import tasks
 from offpolicy_jax.rollout import data
+from offpolicy_jax.run import model_build
 
 # Splits of up to SCAN_LIMIT examples are scanned in full, larger ones their first SCAN_SAMPLE.
 SCAN_LIMIT = 1_000_000
@@ -36,6 +37,25 @@ CACHE_FILE = "data_checks.json"
 _SCAN_VERSION = 1
 _CACHE_ENTRIES = 32
 _log = logging.getLogger(__name__)
+
+
+def check_task(config) -> None:
+  """`config`'s task built and its data checked (`validate_data`), without a model.
+
+  What a study checks once before its first cell (`study.runner`): a
+  `task_kwargs` the task refuses, or a prompt longer than `max_prompt_len`,
+  is one line there instead of the same error from every cell.
+
+  Raises:
+    ValueError: `config.task_kwargs: ...` for a task that cannot be built with
+      them, else `validate_data`'s errors.
+  """
+  spec = config if isinstance(config, RunSpec) else RunSpec.from_config(config)
+  try:
+    task = tasks.get_task(spec.task, **dict(spec.task_kwargs))
+  except ValueError as e:
+    raise ValueError(f"config.task_kwargs: task {spec.task!r}: {e}") from None
+  validate_data(spec, task, model_build.tokenizer(spec))
 
 
 def get_model_config(config: RunSpec, tokenizer) -> models.ModelConfig:

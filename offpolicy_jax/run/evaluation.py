@@ -121,6 +121,7 @@ def evaluate_seeds(
   """
   keys_s = keys if seeds.stacked else jnp.asarray(keys)[None]
   s = len(seeds.ids)
+  assert keys_s.shape[0] == s, (keys_s.shape, seeds)
   names: tuple[str, ...] = ("correct", "reward", "length", "fails", "pass", "sample")
   names += ("sample_reward",)
   names += ("turns", "calls", "solved")

@@ -59,7 +59,9 @@ N counts the parameters a token is computed with: with experts, k of each
 block's E (`ModelConfig.num_active_params`). A separate critic (`critic.model`)
 is in every byte row the runtime holds it in (params, optimizer state, lag
 snapshots, the sampler's copy) and trains at 6N_critic per trained token; it
-samples nothing.
+samples nothing. The analytic activations count the policy's forward only:
+with a separate critic use the compiled ones (its forward's temporaries are
+the policy's again for `critic.model = "policy"`).
 
 (`train_flops_per_token`; `Plan.flops_rule` says which terms a plan counts).
 """
@@ -182,13 +184,19 @@ def model_config(config) -> tuple[models.ModelConfig, str]:
   if not separate:
     return mc, note
   name = spec.model if separate == critic_settings.FROM_POLICY else separate
-  critic, critic_note = _architecture(spec, name, "critic.model", value_head=True, **kw)
+  # A preset critic takes the run's vocabulary, as `model_build` builds it.
+  critic, critic_note = _architecture(
+    spec, name, "critic.model", vocab=mc.vocab_size, value_head=True, **kw
+  )
   notes = "; ".join(n for n in (note, critic_note and f"critic: {critic_note}") if n)
   return dataclasses.replace(mc, critic=critic), notes
 
 
-def _architecture(spec: RunSpec, m: str, field: str, **kw) -> tuple[models.ModelConfig, str]:
-  """`model_config`'s reading of one model name `m` (config field `field`)."""
+def _architecture(
+  spec: RunSpec, m: str, field: str, vocab: int | None = None, **kw
+) -> tuple[models.ModelConfig, str]:
+  """`model_config`'s reading of one model name `m` (config field `field`); a preset takes
+  `vocab` when given (a separate critic: the policy's)."""
   path = os.path.join(m, "config.json") if os.path.isdir(m) else m
   if path.endswith(".json") and os.path.isfile(path):
     with open(path) as f:
@@ -198,9 +206,10 @@ def _architecture(spec: RunSpec, m: str, field: str, **kw) -> tuple[models.Model
   if not match:
     raise ValueError(f"{field}: {m!r} is neither a preset, an HF directory nor a config.json")
   preset = max(match, key=len)
-  vocab = models.get_config(preset).vocab_size
-  if preset == m and not spec.tokenizer:  # a fresh preset takes the tokenizer's vocabulary
-    vocab = CharTokenizer().vocab_size
+  if vocab is None:
+    vocab = models.get_config(preset).vocab_size
+    if preset == m and not spec.tokenizer:  # a fresh preset takes the tokenizer's vocabulary
+      vocab = CharTokenizer().vocab_size
   note = "" if preset == m else f"architecture of preset {preset!r} ({m!r} is not on disk)"
   return models.get_config(preset, vocab_size=vocab, **kw), note
 
@@ -406,7 +415,8 @@ def plan(
   critic = (0, 0) if mc.critic is None else (mc.critic.num_params(), mc.critic.num_active_params())
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(whole)) - critic[0]
   if mc.num_experts:  # a token is computed with k of each block's E experts
-    num_params -= mc.num_params() - mc.num_active_params()
+    policy = dataclasses.replace(mc, critic=None)
+    num_params -= policy.num_params() - policy.num_active_params()
   per_token = train_flops_per_token(adapters=base is not None) + 2.0 * needs_ref
   # A separate critic trains on the same tokens (computed with its active parameters) and
   # samples nothing.
@@ -414,6 +424,7 @@ def plan(
   flops = trained * g * k * (p + n) * options.num_epochs
   flops += 2.0 * num_params * (g * p + g * k * n)
   rule = f"{per_token:g}ND train" + (" (incl. 2ND reference forward)" if needs_ref else "")
+  rule += " + 6N_critic D critic train" if critic[0] else ""
   peak = DEVICES[device_type].peak_flops if device_type else None
   axes = dict(zip(sharding.MESH_AXES, sizes, strict=True))
   notes = (note,) if note else ()

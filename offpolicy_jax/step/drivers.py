@@ -156,6 +156,7 @@ class Scanned:
     state, out = fn(state, prompts, steps, run.seed, run.schedule)
     out = jax.device_get(out)
     device = (time.perf_counter() - begin) / n
+    assert len(read_rows) == n, (len(read_rows), n)
     return state, [
       rows.step_row(
         run.seeds,

@@ -127,7 +127,7 @@ def collect(
   rewards, stats = scoring.rewards_of(fns, fin)
   batch, keep = learning.pack_finished(fns, fin, rewards, step, seed, jitted=True)
   if keep is not None:
-    rows = jnp.repeat(jnp.asarray(keep, jnp.float32), fns.sizes.group_size)
-    batch = batch._replace(weights=batch.weights * rows)
+    kept = jnp.repeat(jnp.asarray(keep, jnp.float32), fns.sizes.group_size)
+    batch = batch._replace(weights=batch.weights * kept)
   info = {k: metrics.to_python(x) for k, x in jax.device_get(info).items()}
   return rstate, batch, keep, {**stats, **info}  # a rollout's own reward statistics win

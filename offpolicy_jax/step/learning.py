@@ -34,6 +34,7 @@ from offpolicy_jax.step.run_state import (
   StepFns,
 )
 from offpolicy_jax.step.seeds import Seeds
+from offpolicy_jax.store import metrics as store_metrics
 
 
 def learn(
@@ -149,7 +150,7 @@ class Learned(NamedTuple):
   """What `learn_sampled` gives a step's row (`rows.step_row`).
 
   Attributes:
-    device: the step's device metrics, fetched (each [S] over a study's seeds).
+    device: the step's device metrics as Python values (each [S] over a study's seeds).
     host: each seed's host metrics: its reward statistics, the rollout's host
       metrics, `snapshot_missing`.
     reward_s: the seconds the host rewards took.
@@ -175,8 +176,14 @@ def learn_sampled(fns: StepFns, progs, state, sampled: Sampled, step: int, seeds
   args = (sampled.rstate, sampled.fin, rewards, sampled.info, sampled.v, step_a, seed_a, schedule)
   state, out = progs.learn_finished(state, *args)
   out, found = jax.device_get((out, sampled.found))
+  # Each seed's as Python values (a study's stacked as float64 / int64 [S], as before rows
+  # were built in one place, so that a rerun's records repeat to the last digit).
+  python = store_metrics.to_python
+  device = seeds.row(
+    [{k: python(x) for k, x in seeds.take(out, s).items()} for s in range(len(seeds.ids))]
+  )
   host = [
     {**stats, **sampled.host[s], "snapshot_missing": int(not bool(seeds.take(found, s)))}
     for s, (_, stats) in enumerate(scored)
   ]
-  return state, Learned(out, host, reward_s)
+  return state, Learned(device, host, reward_s)

@@ -201,7 +201,7 @@ def _run_seeds(
   acc0, _, eval_fails, _ = evaluate(fns, state.train.params, streams, run.eval_prompts, **ev)
   eval_steps, accs, pass_k = [0], [acc0], None
   step_rows: list[dict[str, Any]] = []  # the driver's metrics rows, each metric [S]
-  ope_fn = evaluation.ope_program(fns, grid.ope, Seeds.many(seeds)) if grid.ope else None
+  ope_fn = evaluation.ope_program(fns, grid.ope, Seeds.many(streams)) if grid.ope else None
   ope_l: list[dict] = []  # each evaluation's estimates [S] and the truth they estimate
   train_s_at = [0.0]  # the program's training seconds at each evaluation
   driver = _driver(comps, iters, streams, schedule_mn)

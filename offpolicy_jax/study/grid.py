@@ -169,6 +169,11 @@ def parse_lags(spec: str, total_steps: int) -> dict[str, tuple[int, int]]:
         f"config.study.lags: {name}={value!r} is not 'm/n' (sync_interval >= 1 / "
         f"sync_offset >= 0) or 'offline' ({e})"
       ) from None
+    if pair[0] > total_steps or pair[1] >= total_steps:  # every batch from the warm start
+      raise ValueError(
+        f"config.study.lags: {name}={value!r} reaches no step past the warm start's data in "
+        f"total_steps={total_steps} (write '{name}=offline', or lengthen the run)"
+      )
     out[name] = pair
   return out
 

@@ -44,6 +44,7 @@ import ml_collections
 
 from offpolicy_jax import config_schema, errors, files
 from offpolicy_jax.config_spec import RunSpec
+from offpolicy_jax.run import data_checks
 from offpolicy_jax.store import workdir
 from offpolicy_jax.study import sweep_runs, sweeps
 from offpolicy_jax.study.cell import run_cell
@@ -380,6 +381,7 @@ def run_study(
   if isolation not in sweeps.ISOLATIONS:
     raise ValueError(f"isolation must be one of {sweeps.ISOLATIONS}, got {isolation!r}")
   base, grid = grid_from_config(config)
+  data_checks.check_task(base)  # the cells' shared task and data, once, before any workdir
   workdir.refuse_file(path, "give a directory")
   os.makedirs(os.path.join(path, CELLS_DIR), exist_ok=True)
   with workdir.lock(path):

@@ -163,7 +163,7 @@ def make_task(
     evals = reasoning_gym.create_dataset(
       dataset_name, seed=seed + 1, size=eval_size, **dataset_kwargs
     )
-  except (KeyError, ValueError, TypeError) as e:
+  except (KeyError, ValueError, TypeError, AssertionError) as e:  # its configs' checks assert
     raise ValueError(f"reasoning_gym dataset {dataset_name!r}: {e}") from e
   examples = [train[i] for i in range(len(train))], [evals[i] for i in range(len(evals))]
   templates = {"prompt_format": prompt_format, "distractor_format": distractor_format}
