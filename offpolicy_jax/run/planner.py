@@ -57,11 +57,8 @@ FLOP/s``, with N the parameters (base + adapters) and D tokens:
 
 N counts the parameters a token is computed with: with experts, k of each
 block's E (`ModelConfig.num_active_params`). A separate critic (`critic.model`)
-is in every byte row the runtime holds it in (params, optimizer state, lag
-snapshots, the sampler's copy) and trains at 6N_critic per trained token; it
-samples nothing. The analytic activations count the policy's forward only:
-with a separate critic use the compiled ones (its forward's temporaries are
-the policy's again for `critic.model = "policy"`).
+is in each byte row the runtime holds it in and trains at 6N_critic per token,
+sampling nothing; analytic activations count the policy's forward only.
 
 (`train_flops_per_token`; `Plan.flops_rule` says which terms a plan counts).
 """
@@ -192,9 +189,7 @@ def model_config(config) -> tuple[models.ModelConfig, str]:
   return dataclasses.replace(mc, critic=critic), notes
 
 
-def _architecture(
-  spec: RunSpec, m: str, field: str, vocab: int | None = None, **kw
-) -> tuple[models.ModelConfig, str]:
+def _architecture(spec: RunSpec, m: str, field: str, vocab=None, **kw) -> tuple[Any, str]:
   """`model_config`'s reading of one model name `m` (config field `field`); a preset takes
   `vocab` when given (a separate critic: the policy's)."""
   path = os.path.join(m, "config.json") if os.path.isdir(m) else m
