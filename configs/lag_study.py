@@ -330,7 +330,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     # (167-249 s each beside other work) put the 27 cells at 80-90 minutes, over the hour.
     c.study.lags = "onpolicy=1/0,offline=offline"
     c.study.baseline = "narrow_lr3e-4@onpolicy"
-    c.study.aa_lags = ""
+    c.study.aa_lags = "all"  # the baseline's A/A twin, on-policy and offline
   if scale in ("critic", "ope"):
     c.study.methods = CRITIC_METHODS if scale == "critic" else "ppo_critic,vtrace"
     c.study.lags = CRITIC_LAGS

@@ -3011,6 +3011,71 @@ fact(
   ),
 )
 
+LR_AA = "lag_study_lr_aa/study.csv"
+_lr_aa = lambda: S("lag_study_lr_aa")
+
+
+def _lr_cells() -> list[tuple[str, str]]:
+  return [(m, g) for m in _lr().main for g in _lr().lags]
+
+
+def _lr_marks_changed() -> list[tuple[str, str]]:
+  return [c for c in _lr_cells() if _lr().mark(*c) != _lr_aa().mark(*c)]
+
+
+section(LAG, "## Learning-rate sensitivity")
+claim(
+  LAG,
+  "The A/A pairs give {}/{} false verdicts on final accuracy, accuracy AUC and\nsteps to the "
+  "threshold alike.",
+  LR_AA,
+  lambda: _lr_aa().aa_rate("final_accuracy")[:2],
+)
+fact(
+  LAG,
+  "steps to the threshold alike. The rerun",
+  LR_AA,
+  lambda: (
+    len({_lr_aa().aa_rate(k)[:2] for k in ("final_accuracy", "accuracy_auc", "steps_to_threshold")})
+    == 1
+  ),
+)
+claim(
+  LAG,
+  "run's machine is not recorded): warm start {} [{}, {}] against\n{}, every cell's final "
+  "accuracy within {} of the first run's, collapse\ncounts within one run, and {} marks against "
+  "the baseline change from `{m}`\nto `{m}`",
+  LR_AA,
+  lambda: (
+    *ivs(_lr_aa().iv("narrow_lr3e-4", "onpolicy", "start_accuracy")),
+    _lr().mean("narrow_lr3e-4", "onpolicy", "start_accuracy"),
+    max(abs(_lr_aa().mean(*c) - _lr().mean(*c)) for c in _lr_cells()),
+    len(_lr_marks_changed()),
+    *{_lr().mark(*c) for c in _lr_marks_changed()},
+    *{_lr_aa().mark(*c) for c in _lr_marks_changed()},
+  ),
+)
+fact(
+  LAG,
+  "(REINFORCE, narrow and wide at 1e-4 on-policy, which are the same\nruns; narrow offline at "
+  "1e-4 and 3e-4)",
+  LR_AA,
+  lambda: (
+    sorted(_lr_marks_changed())
+    == sorted(
+      [
+        ("reinforce_lr1e-4", "onpolicy"),
+        ("narrow_lr1e-4", "onpolicy"),
+        ("wide_lr1e-4", "onpolicy"),
+        ("narrow_lr1e-4", "offline"),
+        ("narrow_lr3e-4", "offline"),
+      ]
+    )
+    and max(abs(_lr_aa().collapsed(*c) - _lr().collapsed(*c)) for c in _lr_cells()) == 1
+    and _lr_aa().same(("narrow_lr1e-4", "onpolicy"), ("wide_lr1e-4", "onpolicy"))
+  ),
+)
+
 
 @pytest.mark.parametrize("c", CLAIMS, ids=[_id(c) for c in CLAIMS])
 def test_each_quoted_number_is_the_committed_data(c):
