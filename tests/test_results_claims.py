@@ -2698,34 +2698,44 @@ claim(
   CONST,
   lambda: ivs(_c256().iv("grpo", "const256", "start_accuracy")),
 )
-for _m, _label in (
+_M2PO_ROWS = (
   ("m2po", "`m2po` (paper's description)"),
   ("m2po_release", "`m2po_release` (released code)"),
   ("rec_oneside_nois", "REC-OneSide-NoIS"),
   ("decoupled_ppo", "decoupled PPO"),
-):
+)
+
+
+def _m2po_table(source: str, study: Callable[[], Study], against: Callable[[str], tuple]) -> None:
+  """m2po.md's table at the constant lag 256: GRPO, and each method against GRPO at that lag
+  (`against(method)`: the comparison and its mark)."""
+  at = "const256"
   claim(
     M2D,
-    f"| {_label} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] | {{m}} | {{}}/12 | {{}} |",
-    CONST,
-    lambda m=_m: (
-      *ivs(_c256().iv(m, "const256")),
-      *ivs(_c256().diff(m, "const256")),
-      _c256().mark(m, "const256"),
-      _c256().collapsed(m, "const256"),
-      _c256().mean(m, "const256", "staleness_kl_k3"),
+    "| GRPO | {} [{}, {}] | | (baseline) | {}/12 | {} |",
+    source,
+    lambda: (
+      *ivs(study().iv("grpo", at)),
+      study().collapsed("grpo", at),
+      study().mean("grpo", at, "staleness_kl_k3"),
     ),
   )
-claim(
-  M2D,
-  "| GRPO | {} [{}, {}] | | (baseline) | {}/12 | {} |",
-  CONST,
-  lambda: (
-    *ivs(_c256().iv("grpo", "const256")),
-    _c256().collapsed("grpo", "const256"),
-    _c256().mean("grpo", "const256", "staleness_kl_k3"),
-  ),
-)
+  for method, label in _M2PO_ROWS:
+    claim(
+      M2D,
+      f"| {label} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] | {{m}} | {{}}/12 | {{}} |",
+      source,
+      lambda m=method: (
+        *ivs(study().iv(m, at)),
+        *ivs(against(m)[0].diff),
+        against(m)[1],
+        study().collapsed(m, at),
+        study().mean(m, at, "staleness_kl_k3"),
+      ),
+    )
+
+
+_m2po_table(CONST, _c256, lambda m: (_c256().tests[m, "const256"][0], _c256().mark(m, "const256")))
 claim(
   M2D,
   "different from GRPO at that lag (`~`: {} [{}, {}]; nor is it\n  shown equivalent within 0.03, "
@@ -2776,34 +2786,7 @@ claim(
   BITS,
   lambda: ivs(_bits().iv("grpo", "onpolicy", "start_accuracy")),
 )
-claim(
-  M2D,
-  "| GRPO | {} [{}, {}] | | (baseline) | {}/12 | {} |",
-  BITS,
-  lambda: (
-    *ivs(_bits().iv("grpo", "const256")),
-    _bits().collapsed("grpo", "const256"),
-    _bits().mean("grpo", "const256", "staleness_kl_k3"),
-  ),
-)
-for _m, _label in (
-  ("m2po", "`m2po` (paper's description)"),
-  ("m2po_release", "`m2po_release` (released code)"),
-  ("rec_oneside_nois", "REC-OneSide-NoIS"),
-  ("decoupled_ppo", "decoupled PPO"),
-):
-  claim(
-    M2D,
-    f"| {_label} | {{}} [{{}}, {{}}] | {{}} [{{}}, {{}}] | {{m}} | {{}}/12 | {{}} |",
-    BITS,
-    lambda m=_m: (
-      *ivs(_bits().iv(m, "const256")),
-      *ivs(_bits_same_lag(m, "const256").diff),
-      _bits().same_lag("final_accuracy")[m, "const256"][1],
-      _bits().collapsed(m, "const256"),
-      _bits().mean(m, "const256", "staleness_kl_k3"),
-    ),
-  )
+_m2po_table(BITS, _bits, lambda m: _bits().same_lag("final_accuracy")[m, "const256"])
 claim(
   M2D,
   "Against GRPO at the same lag (Holm over the grid's {} same-lag comparisons)",
