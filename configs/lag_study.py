@@ -245,7 +245,7 @@ def get_config(scale: str = "toy") -> ml_collections.ConfigDict:
     # 0.5 (0.40-0.69 over 4 pilot seeds); with 300 steps it starts at 0.99 (12-bit numbers:
     # 0.99, 150 steps 0.92) and there is nothing left to learn.
     c.sft.steps = 50
-    c.total_steps = 400  # the constant lag 256 trains 143 steps 256 versions behind
+    c.total_steps = 400  # the constant lag 256 trains 144 steps 256 versions behind
     c.eval_prompts = 640
     c.seed = 1000  # seeds 1000.. : warm starts of their own, shared with no other grid
   elif scale == "calculator":  # multi-turn tool use (configs/calculator.py, docs/multiturn.md)
