@@ -2886,7 +2886,7 @@ fact(
 claim(
   LAG,
   "It collapses in {}, {} and {}\n  of 12 runs at interval 20, the constant lag 256 and offline, "
-  "and ends\n  {}, {} and {} below GRPO at the same lag (Holm `{m}`\n  there too)",
+  "and differs\n  by {}, {} and {} from GRPO at the same lag (Holm `{m}`\n  there too)",
   BITS,
   lambda: (
     *(_bits().collapsed("reinforce", g) for g in _BITS_LAGS[1:]),
