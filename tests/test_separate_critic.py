@@ -11,9 +11,11 @@ import pytest
 from flax import nnx
 
 from offpolicy_jax import models
-from offpolicy_jax.learn import critic, train_state
+from offpolicy_jax.learn import critic, train_state, train_step
 from offpolicy_jax.models import value
 from offpolicy_jax.run import components, export, loop, start, validation
+from offpolicy_jax.scale import sharding
+from offpolicy_jax.step import run_state
 from offpolicy_jax.store import metrics_files
 from offpolicy_jax.study import warm_starts
 from tests.test_critic_run import LEARN, _fifths, _main_job
@@ -57,6 +59,23 @@ def test_a_separate_critics_values_are_its_own_forwards_in_both_scoring_paths():
     with pytest.raises(ValueError, match=f"critic.model.*{match}"):
       other = models.Decoder(_with_head(dataclasses.replace(own, **bad)), rngs=nnx.Rngs(3))
       value.attach(models.Decoder(c, rngs=nnx.Rngs(params=0)), other)
+
+
+def test_gae_values_of_a_separate_critic_cost_no_policy_forward():
+  """The GAE prepass reads only the critic's values: XLA drops the policy's unused forward."""
+  c = small_config(**SEPARATE, **{"critic.kl_coef": 0.0, "critic.reward_norm": False})
+  fns = components.build_components(c).fns
+  params = fns.model.init_params(0)
+  batch = sharding.shard_batch(run_state.empty_batch(fns.sizes), fns.model.mesh)
+  flops = {}
+  for field in ("values", "logp"):  # the critic's forward; the policy's (the same architecture)
+    f = lambda p, b, field=field: train_step._scored(
+      fns.model.graphdef, fns.learner.options, p, None, b, 1, field
+    )
+    with jax.set_mesh(fns.model.mesh):
+      cost = jax.jit(f).lower(params, batch).compile().cost_analysis()
+    flops[field] = (cost[0] if isinstance(cost, list) else cost)["flops"]
+  assert 0.8 < flops["values"] / flops["logp"] < 1.2, flops  # one forward, not two
 
 
 def test_each_models_gradient_is_clipped_on_its_own():
